@@ -1,0 +1,64 @@
+"""EngineConfig: every engine knob in one frozen dataclass, validated once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dsv4.models.config import ConfigError, ModelConfig
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching limits: how many requests and tokens one step may carry."""
+
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block size in tokens (window group) or entries (compressed groups), and pool size."""
+
+    block_size: int = 16
+    num_blocks: int | None = None  # window-group blocks; None = enough for max_num_seqs full-length requests
+
+    def validate(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 2:
+            raise ConfigError(f"num_blocks must be >= 2 (block 0 is the null block), got {self.num_blocks}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The whole engine: the model, where it runs, and the scheduler and cache limits."""
+
+    model_dir: str
+    model: ModelConfig
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0
+
+    def validate(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        self.scheduler.validate()
+        self.cache.validate()
+        if self.scheduler.max_model_len > self.model.max_position_embeddings:
+            raise ConfigError(
+                f"max_model_len {self.scheduler.max_model_len} exceeds the model's max_position_embeddings "
+                f"{self.model.max_position_embeddings}"
+            )
