@@ -1,0 +1,297 @@
+"""DeepSeek-V4 (model.md sections 2-4, 6): mHC streams, shared-KV MQA with sinks, sliding / CSA / HCA
+attention over a paged cache, hash-routed and top-k MoE.
+
+Parameter names are those of transformers' DeepseekV4ForCausalLM, so an HF state dict maps one to one.
+This is the reference (torch) path: the attention loops over the step's requests and over query blocks, so
+memory stays O(tokens * (block + window + entries)) and prefill never builds an O(S^2) mask.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.kv.spec import PAD_SLOT
+from dsv4.models.config import CSA, HASH_MOE, HCA, SLIDING, ModelConfig
+from dsv4.models.layers.mhc import HyperConnection, HyperHead, collapse, expand
+from dsv4.models.layers.moe import MoE
+from dsv4.models.layers.norm import RMSNorm, unweighted_rms_norm
+from dsv4.models.layers.rope import RotaryTable, apply_rope
+from dsv4.ops.topk import stable_topk
+from dsv4.runtime.attn_metadata import AttnMetadata, slots_of
+from dsv4.runtime.kv_cache import LayerKVCache
+
+QUERY_BLOCK = 128  # queries per attention block in the reference path
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """cache[slot] = row for every slot that is not PAD_SLOT."""
+    keep = slots != PAD_SLOT
+    if bool(keep.all()):
+        cache[slots] = rows.to(cache.dtype)
+    else:
+        cache[slots[keep]] = rows[keep].to(cache.dtype)
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """One softmax over keys plus a per-head sink logit that has no value row.
+
+    q [Q, H, D], k [L, D] (K = V, shared by all heads), bias [Q, L] (0 or -inf) -> [Q, H, D].
+    A query whose keys are all masked gets weight only on the sink, i.e. a zero output.
+    """
+    logits = torch.einsum("qhd,ld->hql", q.float(), k.float()) * scale + bias.unsqueeze(0)
+    sink = sinks.float().view(-1, 1, 1).expand(-1, logits.shape[1], 1)
+    logits = torch.cat([logits, sink], dim=-1)
+    probs = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+    return torch.einsum("hql,ld->qhd", probs, k.float()).to(q.dtype)
+
+
+class Compressor(nn.Module):
+    """Gated softmax pooling of every `ratio` tokens into one entry (HCA), or of two overlapping series
+    (Ca of the previous window + Cb of this window, CSA). Also the indexer's key compressor (CSA).
+
+    Open windows live in a per-request ring of raw (kv, gate) rows in the KV cache's state group, so a
+    chunked prefill or a decode pools exactly what a one-shot forward would.
+    """
+
+    def __init__(self, hidden: int, dim: int, ratio: int, overlap: bool, eps: float,
+                 indexer: "Indexer | None" = None) -> None:
+        super().__init__()
+        self.dim, self.ratio, self.overlap = dim, ratio, overlap
+        self.indexer = indexer  # CSA: HF nests the indexer under the compressor
+        coff = 2 if overlap else 1
+        self.kv_proj = nn.Linear(hidden, coff * dim, bias=False)
+        self.gate_proj = nn.Linear(hidden, coff * dim, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(ratio, coff * dim, dtype=torch.float32))
+        self.kv_norm = RMSNorm(dim, eps)
+
+    def forward(self, x: torch.Tensor, md: AttnMetadata, rope: RotaryTable, out_cache: torch.Tensor,
+                ring_kv: torch.Tensor, ring_gate: torch.Tensor, table: torch.Tensor, block_size: int,
+                state_blocks: torch.Tensor) -> None:
+        """Pool every window that closes in this step, write the entries, then roll the ring forward."""
+        m, dim = self.ratio, self.dim
+        kv_all, gate_all = self.kv_proj(x), self.gate_proj(x)
+        cap = ring_kv.shape[1]
+        qsl, ctx = md.query_start_loc_cpu, md.context_lens_cpu
+        for r in range(md.num_reqs):
+            t0, t1 = qsl[r], qsl[r + 1]
+            if t0 == t1:
+                continue
+            p0, p1 = ctx[r], ctx[r] + (t1 - t0)
+            blk = int(state_blocks[r])
+            # rows for positions [p0 - cap, p1): the ring for the past, this chunk for the rest
+            past = torch.arange(p0 - cap, p0, device=x.device)
+            ring_idx = past.remainder(cap)
+            ext_kv = torch.cat([ring_kv[blk, ring_idx].to(kv_all.dtype), kv_all[t0:t1]], dim=0)
+            ext_gate = torch.cat([ring_gate[blk, ring_idx].to(gate_all.dtype), gate_all[t0:t1]], dim=0)
+            neg = past < 0  # before the sequence start: weight 0
+            ext_kv[:cap][neg] = 0
+            ext_gate[:cap][neg] = float("-inf")
+            w = torch.arange(p0 // m, p1 // m, device=x.device)
+            if w.numel() > 0:
+                j = torch.arange(m, device=x.device)
+                cur = (w[:, None] * m + j) - (p0 - cap)  # [nw, m] rows of window w
+                if self.overlap:
+                    prev = cur - m  # Ca rows of window w-1
+                    kv = torch.cat([ext_kv[prev][..., :dim], ext_kv[cur][..., dim:]], dim=1)
+                    gate = torch.cat([ext_gate[prev][..., :dim] + self.position_bias[:, :dim],
+                                      ext_gate[cur][..., dim:] + self.position_bias[:, dim:]], dim=1)
+                else:
+                    kv, gate = ext_kv[cur], ext_gate[cur] + self.position_bias
+                pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+                entry = self.kv_norm(pooled)
+                cos, sin = rope(w * m)
+                entry = apply_rope(entry, cos, sin)
+                write_slots(out_cache, slots_of(table[r], w, block_size), entry)
+            # keep the last `cap` positions for the next step
+            keep = torch.arange(max(p0, p1 - cap), p1, device=x.device)
+            ring_kv[blk, keep.remainder(cap)] = kv_all[t0:t1][keep - p0].to(ring_kv.dtype)
+            ring_gate[blk, keep.remainder(cap)] = gate_all[t0:t1][keep - p0].to(ring_gate.dtype)
+
+
+class Scorer(nn.Module):
+    """Per-head weights of the indexer scores (a module of its own to keep HF's parameter names)."""
+
+    def __init__(self, hidden: int, n_heads: int) -> None:
+        super().__init__()
+        self.weights_proj = nn.Linear(hidden, n_heads, bias=False)
+
+
+class Indexer(Compressor):
+    """Lightning indexer of CSA: a key compressor at index_head_dim (the inherited pooling), and per-query
+    scores over the compressed keys."""
+
+    def __init__(self, cfg: ModelConfig, ratio: int) -> None:
+        super().__init__(cfg.hidden_size, cfg.index_head_dim, ratio, True, cfg.rms_norm_eps)
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.scorer = Scorer(cfg.hidden_size, cfg.index_n_heads)
+
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Indexer queries [T, IH, d] (roped, fp32) and head weights [T, IH] (fp32)."""
+        qi = apply_rope(self.q_b_proj(qr).view(x.shape[0], self.n_heads, self.head_dim), cos, sin)
+        w = self.scorer.weights_proj(x).float() * self.n_heads ** -0.5
+        return qi.float(), w
+
+    def select(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
+        """0/-inf bias [Q, n] over the n entries: the top-k visible entries of each query (ties -> lowest)."""
+        scores = torch.relu(torch.einsum("qhd,nd->qhn", qi, keys.float())) * self.head_dim ** -0.5
+        scores = (scores * w.unsqueeze(-1)).sum(dim=1)
+        n = keys.shape[0]
+        visible = torch.arange(n, device=qi.device)[None, :] < ((qpos + 1) // self.ratio)[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        picks = stable_topk(scores, min(self.topk, n))
+        picked = torch.zeros_like(visible).scatter_(1, picks, True) & visible  # never scatter -inf picks
+        bias = torch.full(scores.shape, float("-inf"), device=qi.device)
+        return bias.masked_fill(picked, 0.0)
+
+
+class Attention(nn.Module):
+    """Shared-KV MQA with sinks, partial interleaved rope, grouped output projection; sliding window plus,
+    for CSA/HCA layers, the compressed entries (top-k for CSA, all visible for HCA) in one softmax."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.kind = cfg.layer_types[layer]
+        self.ratio = cfg.compress_ratios[layer]
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.window, self.eps = cfg.sliding_window, cfg.rms_norm_eps
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.kv_proj = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.o_groups = cfg.o_groups
+        self.o_a_proj = nn.Linear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank,
+                                  bias=False)
+        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.rope = RotaryTable(cfg.rope_for_layer(layer))
+        self.compressor: Compressor | None = None
+        if self.kind != SLIDING:
+            indexer = Indexer(cfg, self.ratio) if self.kind == CSA else None
+            self.compressor = Compressor(cfg.hidden_size, self.head_dim, self.ratio, self.kind == CSA,
+                                         cfg.rms_norm_eps, indexer)
+
+    def forward(self, x: torch.Tensor, md: AttnMetadata, cache: LayerKVCache) -> torch.Tensor:
+        T = x.shape[0]
+        cos, sin = self.rope(md.positions)
+        qr = self.q_a_norm(self.q_a_proj(x))
+        q = unweighted_rms_norm(self.q_b_proj(qr).view(T, self.n_heads, self.head_dim), self.eps)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        write_slots(cache.window, md.window_slot_mapping, kv)
+
+        comp_table = None
+        qi = iw = None
+        if self.compressor is not None:
+            group = md.groups[f"compressed_{self.ratio}"]
+            comp_table, comp_bs = md.block_tables[group.name], group.block_size
+            state = md.block_tables["compressor_state"][:, 0]
+            self.compressor(x, md, self.rope, cache.compressed, cache.ring_kv, cache.ring_gate, comp_table, comp_bs,
+                            state)
+            if self.kind == CSA:
+                indexer = self.compressor.indexer
+                indexer(x, md, self.rope, cache.index_keys, cache.index_ring_kv, cache.index_ring_gate,
+                                   comp_table, comp_bs, state)
+                qi, iw = indexer.queries(x, qr, cos, sin)
+
+        win_group = md.groups["window"]
+        win_table, win_bs = md.block_tables["window"], win_group.block_size
+        out = torch.empty_like(q)
+        qsl, ctx = md.query_start_loc_cpu, md.context_lens_cpu
+        for r in range(md.num_reqs):
+            for b0 in range(qsl[r], qsl[r + 1], QUERY_BLOCK):
+                b1 = min(b0 + QUERY_BLOCK, qsl[r + 1])
+                p0 = ctx[r] + (b0 - qsl[r])
+                p1 = p0 + (b1 - b0)
+                qpos = md.positions[b0:b1]
+                kpos = torch.arange(max(0, p0 - self.window + 1), p1, device=x.device)
+                keys = cache.window[slots_of(win_table[r], kpos, win_bs)]
+                in_window = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - self.window)
+                bias = torch.zeros(in_window.shape, device=x.device).masked_fill(~in_window, float("-inf"))
+                if comp_table is not None:
+                    n = p1 // self.ratio  # entries visible to the block's last query
+                    if n > 0:
+                        ent = torch.arange(n, device=x.device)
+                        ckeys = cache.compressed[slots_of(comp_table[r], ent, comp_bs)]
+                        if self.kind == CSA:
+                            ikeys = cache.index_keys[slots_of(comp_table[r], ent, comp_bs)]
+                            cbias = self.compressor.indexer.select(qi[b0:b1], iw[b0:b1], ikeys, qpos)
+                        else:
+                            vis = ent[None, :] < ((qpos + 1) // self.ratio)[:, None]
+                            cbias = torch.zeros(vis.shape, device=x.device).masked_fill(~vis, float("-inf"))
+                        keys = torch.cat([keys, ckeys], dim=0)
+                        bias = torch.cat([bias, cbias], dim=1)
+                out[b0:b1] = sink_attention(q[b0:b1], keys, bias, self.sinks, self.head_dim ** -0.5)
+
+        out = apply_rope(out, cos, sin, inverse=True)  # V carried rope: undo it at the query position
+        g = self.o_groups
+        grouped = out.reshape(T, g, -1).transpose(0, 1)  # [G, T, H*hd/G]
+        w = self.o_a_proj.weight.view(g, -1, grouped.shape[-1])  # [G, o_lora, H*hd/G]
+        o = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)
+        return self.o_b_proj(o)
+
+
+class DecoderLayer(nn.Module):
+    """attention site then FFN site, each wrapped in its own hyper-connection."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        hc = (cfg.hc_mult, cfg.hidden_size, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MoE(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok,
+                       cfg.vocab_size, cfg.mlp_layer_types[layer] == HASH_MOE, cfg.scoring_func,
+                       cfg.routed_scaling_factor, cfg.swiglu_limit)
+
+    def forward(self, h: torch.Tensor, input_ids: torch.Tensor, md: AttnMetadata, cache: LayerKVCache) -> torch.Tensor:
+        pre, post, comb = self.attn_hc.mixes(h)
+        y = self.self_attn(self.input_layernorm(collapse(h, pre)), md, cache)
+        h = expand(y, h, post, comb)
+        pre, post, comb = self.ffn_hc.mixes(h)
+        z = self.mlp(self.post_attention_layernorm(collapse(h, pre)), input_ids)
+        return expand(z, h, post, comb)
+
+
+class DeepseekV4Model(nn.Module):
+    """Embedding, decoder layers on N streams, hc_head collapse, final norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, md: AttnMetadata, caches: list[LayerKVCache]) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for layer, cache in zip(self.layers, caches):
+            h = layer(h, input_ids, md, cache)
+        return self.norm(self.hc_head(h))
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """The text model and its LM head. `forward` returns final hidden states; `compute_logits` the logits."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = DeepseekV4Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, md: AttnMetadata, caches: list[LayerKVCache]) -> torch.Tensor:
+        return self.model(input_ids, md, caches)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the given final hidden rows."""
+        return F.linear(hidden, self.lm_head.weight).float()

@@ -1,0 +1,70 @@
+"""Manifold-constrained hyper-connections (mHC): N residual streams mixed around every sublayer."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.models.layers.norm import unweighted_rms_norm
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Project [.., N, N] positive matrices towards doubly stochastic: columns first, then rows/columns."""
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
+
+
+class HyperConnection(nn.Module):
+    """One mHC site (the attention or the FFN of a layer): computes (pre, post, comb) from the streams."""
+
+    def __init__(self, hc_mult: int, hidden_size: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float) -> None:
+        super().__init__()
+        n = hc_mult
+        self.n, self.iters, self.hc_eps, self.norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
+        self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * hidden_size, dtype=torch.float32))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def mixes(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [T, N, D] -> pre [T, N], post [T, N], comb [T, N, N] (all fp32)."""
+        n = self.n
+        flat = unweighted_rms_norm(h.flatten(1).float(), self.norm_eps)
+        m = F.linear(flat, self.fn.float())
+        pre_w, post_w, comb_w = m.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
+        s_pre, s_post, s_comb = self.scale.float().unbind(0)
+        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * s_post + post_b)
+        comb = torch.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1) + self.hc_eps
+        return pre, post, sinkhorn(comb, self.iters, self.hc_eps)
+
+
+def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_j pre_j * h_j in fp32, cast to the stream dtype: [T, N, D] -> [T, D]."""
+    return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
+
+
+def expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """h'_k = post_k * y + sum_j comb[j, k] * h_j, in the stream dtype (HF-V4 numerics)."""
+    dt = h.dtype
+    return post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), h)
+
+
+class HyperHead(nn.Module):
+    """V4's learned final collapse of the streams (before the final norm)."""
+
+    def __init__(self, hc_mult: int, hidden_size: int, hc_eps: float, norm_eps: float) -> None:
+        super().__init__()
+        self.hc_eps, self.norm_eps = hc_eps, norm_eps
+        self.hc_fn = nn.Parameter(torch.zeros(hc_mult, hc_mult * hidden_size, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.zeros(hc_mult, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        flat = unweighted_rms_norm(h.flatten(1).float(), self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
+        return collapse(h, pre + self.hc_eps)

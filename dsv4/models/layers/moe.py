@@ -1,0 +1,108 @@
+"""Mixture of experts: routers (top-k with a selection bias, or hash), clamped SwiGLU experts, shared expert."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.ops.topk import stable_topk
+
+
+def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """Router activation: sqrt(softplus(x)) for V4; softmax and sigmoid are accepted too."""
+    if scoring_func == "sqrtsoftplus":
+        return torch.sqrt(F.softplus(logits))
+    if scoring_func == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, L)) * clamp(up, -L, L)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class SharedExpert(nn.Module):
+    """The always-on expert (same clamp as the routed ones)."""
+
+    def __init__(self, hidden: int, inter: int, limit: float) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class Router(nn.Module):
+    """Top-k router (`e_score_correction_bias` steers selection only) or hash router (`tid2eid`)."""
+
+    def __init__(self, hidden: int, n_experts: int, top_k: int, vocab_size: int, is_hash: bool,
+                 scoring_func: str, routed_scaling_factor: float) -> None:
+        super().__init__()
+        self.is_hash, self.top_k = is_hash, top_k
+        self.scoring_func, self.routed_scaling_factor = scoring_func, routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(n_experts, hidden))
+        if is_hash:
+            self.register_buffer("tid2eid", torch.zeros(vocab_size, top_k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(n_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (weights [T, k], expert ids [T, k]). Ties in selection go to the lowest expert id."""
+        scores = score(F.linear(x, self.weight), self.scoring_func)
+        if self.is_hash:
+            idx = self.tid2eid[input_ids].long()
+        else:
+            idx = stable_topk(scores + self.e_score_correction_bias, self.top_k)
+        w = scores.gather(1, idx)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * self.routed_scaling_factor, idx
+
+
+class Experts(nn.Module):
+    """Routed experts packed as gate_up_proj [E, 2I, D] (w1 rows first) and down_proj [E, D, I]."""
+
+    def __init__(self, n_experts: int, hidden: int, inter: int, limit: float) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(n_experts, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(n_experts, hidden, inter))
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Reference path: one grouped matmul per expert that has tokens (the GPU path replaces it)."""
+        out = torch.zeros_like(x)
+        flat_idx = idx.flatten()
+        order = torch.argsort(flat_idx, stable=True)
+        counts = torch.bincount(flat_idx, minlength=self.gate_up_proj.shape[0]).tolist()
+        token_of = order // idx.shape[1]
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            sel = order[start:start + c]
+            tok = token_of[start:start + c]
+            start += c
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e])
+            y = y * weights.flatten()[sel, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """routed(x) + shared(x)."""
+
+    def __init__(self, hidden: int, inter: int, n_experts: int, top_k: int, vocab_size: int, is_hash: bool,
+                 scoring_func: str, routed_scaling_factor: float, limit: float) -> None:
+        super().__init__()
+        self.gate = Router(hidden, n_experts, top_k, vocab_size, is_hash, scoring_func, routed_scaling_factor)
+        self.experts = Experts(n_experts, hidden, inter, limit)
+        self.shared_experts = SharedExpert(hidden, inter, limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, idx = self.gate(x, input_ids)
+        return self.experts(x, weights, idx) + self.shared_experts(x)
