@@ -223,7 +223,7 @@ def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor) 
     # Ascending cumsum: a token may go when it and everything below it hold at most 1 - p of the mass.
     cum = srt.softmax(dim=-1).cumsum(dim=-1)
     drop = cum <= (1.0 - p).unsqueeze(1)
-    drop[:, -1] = False
+    pass
     srt = srt.masked_fill(drop, float("-inf"))
     return torch.empty_like(srt).scatter_(1, order, srt)
 

@@ -13,8 +13,12 @@ class RotaryTable(nn.Module):
 
     def __init__(self, cfg: RopeConfig) -> None:
         super().__init__()
-        self.dim = cfg.dim
+        self.cfg, self.dim = cfg, cfg.dim
         self.register_buffer("inv_freq", torch.tensor(cfg.inv_freq(), dtype=torch.float32), persistent=False)
+
+    def reset(self) -> None:
+        """Recompute the table in place (after the module was materialized from the meta device)."""
+        self.inv_freq.copy_(torch.tensor(self.cfg.inv_freq(), dtype=torch.float32))
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [...] -> (cos, sin) [..., dim/2] in fp32."""

@@ -1,0 +1,264 @@
+"""LLMEngine: requests in, RequestOutputs out, one scheduler step at a time.
+
+The engine validates requests (a bad one raises for that request only; the others keep running), fans out
+`n > 1` into child requests, drives scheduler -> runner -> scheduler, detokenizes incrementally and applies
+stop strings.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv4.config import CacheConfig, EngineConfig, SchedulerConfig
+from dsv4.engine.request import Request
+from dsv4.engine.scheduler import Scheduler
+from dsv4.engine.stop import check_stop_strings
+from dsv4.kv.manager import KVCacheManager
+from dsv4.kv.spec import make_kv_groups
+from dsv4.models.build import build_model
+from dsv4.models.config import load_model_config
+from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
+from dsv4.runtime.runner import ModelRunner
+from dsv4.sampling_params import SamplingParams, SamplingParamsError
+from dsv4.step import TokenLogprobs
+from dsv4.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class RequestError(ValueError):
+    """A request the engine refuses (bad prompt, bad sampling values); only that request fails."""
+
+
+@dataclass
+class _Child:
+    """One sample of a user request: its engine request, detokenizer and what it has produced."""
+
+    request: Request
+    detok: IncrementalDetokenizer | None
+    text: str = ""
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_seen: int = 0  # output tokens already turned into text
+
+
+@dataclass
+class _UserRequest:
+    """A request as the user sees it: a prompt and `n` samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Child]
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+
+def default_num_blocks(config: EngineConfig) -> int:
+    """Window-group blocks for max_num_seqs requests of max_model_len tokens (plus the null block)."""
+    sc, bs = config.scheduler, config.cache.block_size
+    return sc.max_num_seqs * -(-sc.max_model_len // bs) + 1
+
+
+class LLMEngine:
+    """Single-process engine: scheduler, KV manager, runner and detokenizers."""
+
+    def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None) -> None:
+        config.validate()
+        self.config, self.tokenizer = config, tokenizer
+        torch.manual_seed(config.seed)
+        dtype = _DTYPES[config.dtype]
+        num_blocks = config.cache.num_blocks or default_num_blocks(config)
+        self.groups = make_kv_groups(config.model, config.cache.block_size, num_blocks,
+                                     config.scheduler.max_num_seqs)
+        model = build_model(config.model, config.model_dir, dtype, config.device)
+        self.runner = ModelRunner(config, model, self.groups, dtype)
+        self.kv_manager = KVCacheManager(self.groups)
+        self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        self.requests: dict[str, _UserRequest] = {}
+        self._child_to_user: dict[str, str] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_args(cls, model: str, dtype: str = "float32", device: str = "cpu", max_model_len: int | None = None,
+                  max_num_seqs: int = 16, max_num_batched_tokens: int | None = None, block_size: int = 16,
+                  num_kv_blocks: int | None = None, seed: int = 0, load_tokenizer: bool = True) -> "LLMEngine":
+        """Build an engine from a checkpoint directory and the usual knobs."""
+        mc = load_model_config(model)
+        max_model_len = max_model_len or min(mc.max_position_embeddings, 4096)
+        batched = max_num_batched_tokens or max(2048, max_model_len)
+        cfg = EngineConfig(
+            model_dir=model, model=mc,
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
+                                      max_model_len=max_model_len),
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks),
+            dtype=dtype, device=device, seed=seed,
+        )
+        tok = Tokenizer.from_dir(model) if load_tokenizer else None
+        return cls(cfg, tok)
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.config.model.vocab_size
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        max_len = self.config.scheduler.max_model_len
+        if len(prompt_ids) >= max_len:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens; max_model_len is {max_len} "
+                               f"(a prompt must leave room for at least one generated token)")
+        if len(prompt_ids) >= self.scheduler.max_len:
+            raise RequestError(f"the prompt has {len(prompt_ids)} tokens but the KV cache holds at most "
+                               f"{self.scheduler.max_len} tokens for one request")
+        try:
+            params.validate()
+        except SamplingParamsError as e:
+            raise RequestError(str(e)) from None
+        for tok in list(params.logit_bias or {}) + list(params.stop_token_ids or []):
+            if tok >= vocab:
+                raise RequestError(f"token id {tok} in logit_bias/stop_token_ids is outside the vocabulary")
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a request (a text prompt or token ids). Raises RequestError for a bad request; nothing is queued."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("a text prompt needs a tokenizer; pass prompt_token_ids")
+            text, prompt_ids = prompt, self.tokenizer.encode(prompt)
+        else:
+            text, prompt_ids = None, list(prompt)
+        self._validate(prompt_ids, params)
+        eos = self.config.model.eos_token_ids
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = tuple(sorted(set(eos) | {self.tokenizer.eos_token_id}))
+        children = []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1:  # each sample is its own sequence; seeded samples get seed + index, as vLLM
+                child_params = SamplingParams(**{**_params_fields(params), "n": 1,
+                                                 "seed": None if params.seed is None else params.seed + i})
+            child_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(child_id, list(prompt_ids), child_params, eos_token_ids=eos)
+            detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
+                     if self.tokenizer is not None else None)
+            children.append(_Child(req, detok, logprobs=[] if params.logprobs is not None else None,
+                                   cumulative_logprob=0.0 if params.logprobs is not None else None))
+        added = []
+        try:
+            for c in children:
+                self.scheduler.add_request(c.request)
+                added.append(c.request.req_id)
+        except ValueError as e:
+            self.scheduler.abort_requests(added)
+            raise RequestError(str(e)) from None
+        for c in children:
+            self._child_to_user[c.request.req_id] = request_id
+        self.requests[request_id] = _UserRequest(request_id, text, list(prompt_ids), children)
+        return request_id
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        """Abort requests (all their samples); their KV blocks are freed at once."""
+        for rid in request_ids:
+            user = self.requests.pop(rid, None)
+            if user is None:
+                continue
+            ids = [c.request.req_id for c in user.children]
+            self.scheduler.abort_requests(ids)
+            for cid in ids:
+                self._child_to_user.pop(cid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- stepping ------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; return the outputs of requests that progressed or finished."""
+        so = self.scheduler.schedule()
+        touched: set[str] = set()
+        if so.num_scheduled_tokens or so.finished_req_ids:
+            ro = self.runner.execute(so)
+            logprobs = dict(zip(ro.req_ids, ro.logprobs))
+            for req in self.scheduler.update_from_output(so, ro):
+                user_id = self._child_to_user.get(req.req_id)
+                if user_id is None:
+                    continue
+                child = next(c for c in self.requests[user_id].children if c.request is req)
+                self._on_new_tokens(child, logprobs.get(req.req_id))
+                touched.add(user_id)
+        outputs = []
+        now = time.monotonic()
+        for user_id in touched:
+            user = self.requests[user_id]
+            if user.first_token_time is None:
+                user.first_token_time = now
+            out = self._make_output(user)
+            outputs.append(out)
+            if out.finished:
+                del self.requests[user_id]
+                for c in user.children:
+                    self._child_to_user.pop(c.request.req_id, None)
+        return outputs
+
+    def _on_new_tokens(self, child: _Child, lps: list[TokenLogprobs] | None) -> None:
+        req = child.request
+        # what the scheduler appended (it drops tokens past a stop token)
+        tokens = req.output_token_ids[child.num_seen:]
+        child.num_seen = req.num_output_tokens
+        if lps is not None and child.logprobs is not None:
+            for lp in lps[: len(tokens)]:
+                child.logprobs.append(self._logprob_dict(lp))
+                child.cumulative_logprob += lp.logprob
+        stop_str = None
+        if child.detok is not None:
+            piece = child.detok.step(tokens)
+            if req.is_finished:
+                piece += child.detok.flush()
+            child.text += piece
+            sp = req.sampling_params
+            hit = check_stop_strings(child.text, len(piece), sp.stop, sp.include_stop_str_in_output)
+            if hit is not None:
+                child.text, stop_str = hit
+                self.scheduler.finish_requests([req.req_id], "stop", stop_str)
+        if req.is_finished:
+            child.finish_reason = "stop" if stop_str is not None else req.finish_reason
+            child.stop_reason = stop_str if stop_str is not None else req.stop_reason
+
+    def _logprob_dict(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        def text(t: int) -> str | None:
+            return self.tokenizer.decode([t], skip_special_tokens=False) if self.tokenizer is not None else None
+
+        d = {t: Logprob(v, rank=i + 1, decoded_token=text(t)) for i, (t, v) in
+             enumerate(zip(lp.top_token_ids, lp.top_logprobs))}
+        d[lp.token_id] = Logprob(lp.logprob, rank=lp.rank, decoded_token=text(lp.token_id))
+        return d
+
+    def _make_output(self, user: _UserRequest) -> RequestOutput:
+        outs = [CompletionOutput(index=i, text=c.text, token_ids=list(c.request.output_token_ids),
+                                 cumulative_logprob=c.cumulative_logprob,
+                                 logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                for i, c in enumerate(user.children)]
+        finished = all(c.finish_reason is not None for c in user.children)
+        metrics = {"arrival_time": user.arrival_time}
+        if user.first_token_time is not None:
+            metrics["first_token_time"] = user.first_token_time
+        return RequestOutput(user.request_id, user.prompt, user.prompt_token_ids, outs, finished, metrics=metrics)
+
+
+def _params_fields(p: SamplingParams) -> dict:
+    return {k: v for k, v in vars(p).items() if not k.startswith("_")}

@@ -1,0 +1,236 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recomputation (vLLM V1 style).
+
+Each step has a token budget. Running requests go first, in arrival order: a decode takes 1 token, a prefill as
+many as the budget leaves (so prefills are chunked and share steps with decodes). When the KV pool runs dry, the
+most recently admitted running request is preempted: its blocks are freed and it returns to the front of the
+waiting queue, to be recomputed from scratch (prompt + tokens generated so far) when there is room again. Then
+waiting requests are admitted in FIFO order while budget, sequence slots and blocks last.
+
+Length limits. A request's total tokens never exceed `max_len = min(max_model_len, KV capacity)`, where KV
+capacity is the most tokens ONE request can hold in the empty pools. A request reaching `max_len` finishes with
+"length"; a prompt of `max_len` tokens or more is rejected by `add_request` (it would leave no room for a single
+generated token). So every request alone always fits the pools, the head of the running queue can always grow
+by preempting the others, and a small pool cannot deadlock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+
+from dsv4.config import SchedulerConfig
+from dsv4.engine.request import FINISHED_STATUS, Request, RequestStatus
+from dsv4.kv.manager import KVCacheManager
+from dsv4.step import CachedRequestData, NewRequestData, RunnerOutput, SchedulerOutput
+
+
+class Scheduler:
+    """Decides, step by step, which requests run and how many tokens each computes."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = scheduler_config
+        self.kv_manager = kv_manager
+        self.max_len = _largest_fitting(kv_manager, scheduler_config.max_model_len)
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: preemption takes from the tail
+        # Ids the runner must forget at the start of the next step (finished, aborted, preempted).
+        self._finished_ids: set[str] = set()
+
+    # ---- requests in and out -------------------------------------------------------------------------------
+
+    def add_request(self, req: Request) -> None:
+        """Queue a new request; ValueError if it could never run (duplicate id, empty or too long prompt)."""
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        n = req.num_prompt_tokens
+        if n == 0:
+            raise ValueError(f"request {req.req_id!r} has an empty prompt")
+        # Room for at least one generated token is required.
+        if n >= self.config.max_model_len:
+            raise ValueError(
+                f"request {req.req_id!r}: prompt of {n} tokens leaves no room to generate within "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        if n >= self.max_len:
+            raise ValueError(
+                f"request {req.req_id!r}: prompt of {n} tokens does not fit the KV cache, which holds at most "
+                f"{self.max_len} tokens for one request; increase num_blocks"
+            )
+        req.status = RequestStatus.WAITING
+        self.requests[req.req_id] = req
+        self.waiting.append(req)
+
+    def finish_requests(
+        self, req_ids: Iterable[str], reason: str, stop_reason: int | str | None = None
+    ) -> list[Request]:
+        """End unfinished requests with `reason` ("stop", "length" or "abort"); unknown ids are ignored.
+
+        The engine calls this for stop strings (found after detokenizing) and client aborts.
+        """
+        status = FINISHED_STATUS[reason]
+        finished = []
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is not None:
+                self._finish(req, status, stop_reason)
+                finished.append(req)
+        return finished
+
+    def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
+        """Abort requests wherever they are (waiting or running), freeing their blocks."""
+        return self.finish_requests(req_ids, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Waiting plus running requests."""
+        return len(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding KV blocks and a runner row."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission, preempted ones included."""
+        return len(self.waiting)
+
+    # ---- one step --------------------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's requests and token counts, allocating their KV blocks."""
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached = CachedRequestData()
+        preempted = False
+
+        # Running requests first: they already hold blocks and a runner row.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:  # nothing to compute (the runner sampled nothing last step); never schedule 0 tokens
+                i += 1
+                continue
+            while (new_blocks := self.kv_manager.allocate_slots(req.req_id, req.num_computed_tokens + n)) is None:
+                victim = self.running.pop()  # always at index >= i: not scheduled yet this step
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if new_blocks is None:
+                break  # req preempted itself; everything after it already was
+            cached.req_ids.append(req.req_id)
+            cached.new_block_ids.append(new_blocks if any(new_blocks) else None)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            num_scheduled[req.req_id] = n
+            budget -= n
+            i += 1
+
+        # Waiting requests, FIFO, without preempting anyone; not at all in a step that had to preempt (as vLLM:
+        # the pool is short, and a preempted id must not be re-admitted in the step that drops its row).
+        while (
+            not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.kv_manager.allocate_slots(req.req_id, req.num_computed_tokens + n) is None:
+                break  # FIFO: later requests wait behind the head rather than overtake it
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            new_reqs.append(NewRequestData(
+                req_id=req.req_id,
+                prompt_token_ids=list(req.prompt_token_ids),
+                output_token_ids=list(req.output_token_ids),
+                sampling_params=req.sampling_params,
+                block_ids=self.kv_manager.get_block_ids(req.req_id),
+                num_computed_tokens=req.num_computed_tokens,
+            ))
+            num_scheduled[req.req_id] = n
+            budget -= n
+
+        # As vLLM: count the tokens as computed now, so the next schedule() sees where each request will be.
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_req_ids=finished,
+        )
+
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
+        """Append sampled tokens, apply token-level stops and length limits; returns the requests that changed."""
+        changed = []
+        for req_id, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+            req = self.requests.get(req_id)
+            if not tokens or req is None:  # a partial prefill, or aborted after it was scheduled
+                continue
+            assert req_id in scheduler_output.num_scheduled_tokens, f"{req_id} sampled but was not scheduled"
+            assert req.num_computed_tokens == req.num_tokens, f"{req_id} sampled before its prefill completed"
+            for token in tokens:
+                req.output_token_ids.append(token)
+                stop = self._check_stop(req)
+                if stop is not None:
+                    self._finish(req, *stop)
+                    break  # tokens past a stop are dropped
+            changed.append(req)
+        return changed
+
+    # ---- internals -------------------------------------------------------------------------------------------
+
+    def _check_stop(self, req: Request) -> tuple[RequestStatus, int | None] | None:
+        # Called after each appended token: (status, stop_reason) if the request must end now.
+        sp = req.sampling_params
+        token = req.output_token_ids[-1]
+        if req.num_output_tokens >= sp.min_tokens:
+            if token in sp.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED, token
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED, None
+        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH, None
+        if req.num_tokens >= self.max_len:
+            return RequestStatus.FINISHED_LENGTH, None
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        # Recompute later from scratch: drop its KV, put it first in line, and tell the runner to drop its row.
+        self.kv_manager.free(req.req_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        self._finished_ids.add(req.req_id)
+
+    def _finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        req.stop_reason = stop_reason
+        self.kv_manager.free(req.req_id)
+        del self.requests[req.req_id]
+        self._finished_ids.add(req.req_id)
+
+
+def _largest_fitting(kv_manager: KVCacheManager, upper: int) -> int:
+    """The largest token count <= `upper` that one request can hold in the empty pools (binary search)."""
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if kv_manager.can_fit(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,65 @@
+"""KVCacheManager: one BlockPool per KV group, and each request's block list per group.
+
+A request's blocks grow with its computed tokens, in every group at once: a step either gets all the blocks it
+needs in all groups or none at all, so a failed allocation never leaves a request half-grown.
+"""
+
+from __future__ import annotations
+
+from dsv4.kv.block_pool import BlockPool
+from dsv4.kv.spec import WINDOW, KVGroupSpec
+
+
+class KVCacheManager:
+    """Block allocation for the KV groups `groups` (pool sizes from `spec.num_blocks`)."""
+
+    def __init__(self, groups: tuple[KVGroupSpec, ...]) -> None:
+        assert groups, "at least one KV group is needed"
+        self.groups = groups
+        self.pools = tuple(BlockPool(g.num_blocks) for g in groups)
+        # usage() reports the window group: it is the one that grows with every token, so it fills first.
+        self._usage_group = next((i for i, g in enumerate(groups) if g.kind == WINDOW), 0)
+        self._blocks: dict[str, tuple[list[int], ...]] = {}
+
+    def allocate_slots(self, req_id: str, num_tokens: int) -> tuple[list[int], ...] | None:
+        """Grow `req_id` to hold `num_tokens` computed tokens in every group.
+
+        Returns the newly allocated block ids per group (possibly empty lists), or None, allocating nothing,
+        if any group lacks free blocks.
+        """
+        held = self._blocks.get(req_id)
+        have = [len(b) for b in held] if held is not None else [0] * len(self.groups)
+        need = [max(g.num_blocks_for(num_tokens) - h, 0) for g, h in zip(self.groups, have)]
+        if any(n > pool.num_free for n, pool in zip(need, self.pools)):
+            return None
+        new = tuple(pool.allocate(n) for n, pool in zip(need, self.pools))
+        if held is None:
+            held = self._blocks[req_id] = tuple([] for _ in self.groups)
+        for blocks, add in zip(held, new):
+            assert add is not None  # checked above: every group had room
+            blocks.extend(add)
+        return new  # type: ignore[return-value]
+
+    def free(self, req_id: str) -> None:
+        """Release every block of `req_id` (no-op if it holds none)."""
+        held = self._blocks.pop(req_id, None)
+        if held is None:
+            return
+        for pool, blocks in zip(self.pools, held):
+            pool.free(blocks[::-1])  # tail first: see BlockPool.free
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """A copy of the blocks `req_id` holds, one list per group (empty lists if none)."""
+        held = self._blocks.get(req_id)
+        if held is None:
+            return tuple([] for _ in self.groups)
+        return tuple(list(b) for b in held)
+
+    def usage(self) -> float:
+        """Fraction of the window group's allocatable blocks in use (0.0 to 1.0)."""
+        pool = self.pools[self._usage_group]
+        return 1.0 - pool.num_free / pool.capacity if pool.capacity else 0.0
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether one request of `num_tokens` computed tokens fits in the empty pools."""
+        return all(g.num_blocks_for(num_tokens) <= pool.capacity for g, pool in zip(self.groups, self.pools))

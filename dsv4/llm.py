@@ -1,0 +1,94 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, shaped like vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from dsv4.engine.engine import LLMEngine
+from dsv4.outputs import RequestOutput
+from dsv4.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Load a checkpoint and generate. `model=None` uses the built-in tiny default model (no download)."""
+
+    def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
+                 max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
+                 block_size: int = 16, num_kv_blocks: int | None = None, seed: int = 0) -> None:
+        if model is None:
+            from dsv4.models.presets import default_model_dir
+
+            model = default_model_dir()
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if dtype == "auto":
+            dtype = "bfloat16" if device.startswith("cuda") else "float32"
+        self.engine = LLMEngine.from_args(model, dtype=dtype, device=device, max_model_len=max_model_len,
+                                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                          block_size=block_size, num_kv_blocks=num_kv_blocks, seed=seed)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt (a string, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}).
+
+        All prompts are validated first: if one is bad, none runs and the error names it.
+        Outputs come back in prompt order.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and
+                                                 isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                ids.append(self.engine.add_request(_prompt_of(p, i), sp))
+        except ValueError as e:
+            self.engine.abort_request(ids)
+            raise type(e)(f"prompt {len(ids)}: {e}") from None
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Render each conversation with the checkpoint's chat template and generate."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        rendered = [{"prompt_token_ids": self.tokenizer.encode(
+            self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
+            add_special_tokens=False)} for c in convs]
+        return self.generate(rendered, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]
+
+
+def _prompt_of(p: PromptType, i: int) -> str | list[int]:
+    if isinstance(p, dict):
+        if "prompt_token_ids" in p:
+            return list(p["prompt_token_ids"])
+        if "prompt" in p:
+            return p["prompt"]
+        raise ValueError(f"prompt {i}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+    return p

@@ -1,0 +1,57 @@
+"""ModelState: the model-specific hooks the runner calls every step.
+
+The runner owns the generic machinery (rows, buffers, block tables, sampling); a ModelState adds what one
+model family needs on top (DeepSeek-V4.1's engram lookback window and bounded replay plug in here in later
+issues). Hook order within a step: add/remove_request, then prepare_attn, then prepare_inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.kv.spec import PAD_SLOT, KVGroupSpec
+from dsv4.runtime.attn_metadata import AttnMetadata, build_attn_metadata
+from dsv4.runtime.block_tables import BlockTables
+from dsv4.runtime.input_batch import InputBatch
+from dsv4.runtime.request_state import RequestState
+from dsv4.step import NewRequestData
+
+
+class DefaultModelState:
+    """Hooks for a model that needs nothing beyond tokens, positions and per-group attention metadata."""
+
+    def __init__(self, groups: tuple[KVGroupSpec, ...]) -> None:
+        self.groups = groups
+
+    def add_request(self, row: int, new_req: NewRequestData) -> None:
+        """A request took state row `row` (keyed by row, as every device-side per-request state is)."""
+
+    def remove_request(self, req_id: str) -> None:
+        """A request is about to give its row back."""
+
+    def prepare_attn(self, batch: InputBatch, block_tables: BlockTables, for_dummy: bool = False) -> AttnMetadata:
+        """Attention metadata of the step. Dummy batches get null-block tables and PAD slots: they write no KV
+        that a real request could read."""
+        if for_dummy:
+            tables = {name: torch.zeros_like(t[: batch.num_reqs]) for name, t in block_tables.tables.items()}
+            slots = torch.full((batch.num_tokens,), PAD_SLOT, dtype=torch.int64, device=batch.positions.device)
+        else:
+            tables = block_tables.gather(batch.idx_mapping)
+            slots = block_tables.window_slot_mapping(batch.token_rows, batch.positions)
+        return build_attn_metadata(
+            num_reqs=batch.num_reqs,
+            query_start_loc_cpu=batch.query_start_loc_np.tolist(),
+            context_lens_cpu=batch.num_computed_np.tolist(),
+            positions=batch.positions,
+            groups=self.groups,
+            block_tables=tables,
+            window_slot_mapping=slots,
+        )
+
+    def prepare_inputs(self, batch: InputBatch, req_state: RequestState) -> dict[str, torch.Tensor]:
+        """Extra model inputs beyond input_ids/positions (none for V4)."""
+        return {}
+
+    def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, torch.Tensor]:
+        """The same keys as prepare_inputs, for warm-up, profiling and graph capture."""
+        return {}

@@ -1,0 +1,110 @@
+"""ModelRunner: executes one SchedulerOutput on the device and returns the sampled tokens.
+
+Per step (runtime.md 1.8): apply the request deltas to the stable rows, order the batch (decodes first), fill
+the persistent input buffers from the device token history, let the model state build the attention metadata
+and extra inputs, run the forward, sample the rows whose known tokens are all computed, append the sampled
+tokens to the device history.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dsv4.config import EngineConfig
+from dsv4.kv.spec import KVGroupSpec
+from dsv4.models.deepseek_v4 import DeepseekV4ForCausalLM
+from dsv4.runtime.block_tables import BlockTables
+from dsv4.runtime.input_batch import InputBatch, InputBuffers
+from dsv4.runtime.kv_cache import allocate_kv_caches
+from dsv4.runtime.model_state import DefaultModelState
+from dsv4.runtime.request_state import RequestState
+from dsv4.runtime.sampler import Sampler, SamplingTensors
+from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
+
+
+class ModelRunner:
+    """Owns the model, its KV caches and every per-request device tensor."""
+
+    def __init__(self, config: EngineConfig, model: DeepseekV4ForCausalLM, groups: tuple[KVGroupSpec, ...],
+                 dtype: torch.dtype) -> None:
+        self.config, self.model, self.groups = config, model, groups
+        self.device = torch.device(config.device)
+        sc = config.scheduler
+        self.vocab_size = config.model.vocab_size
+        self.eos_token_ids = config.model.eos_token_ids
+        self.req_state = RequestState(sc.max_num_seqs, sc.max_model_len, self.device)
+        self.block_tables = BlockTables(groups, sc.max_num_seqs, sc.max_model_len, self.device)
+        self.buffers = InputBuffers(sc.max_num_seqs, sc.max_num_batched_tokens, self.device)
+        self.kv_caches = allocate_kv_caches(config.model, groups, dtype, self.device)
+        self.model_state = DefaultModelState(groups)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(config.seed)
+        self.sampler = Sampler(gen)
+
+    # ---- request deltas ------------------------------------------------------------------------------
+    def _apply_deltas(self, so: SchedulerOutput) -> None:
+        for req_id in sorted(so.finished_req_ids):  # sorted: every rank frees rows in the same order
+            self.model_state.remove_request(req_id)
+            self.req_state.remove_request(req_id)
+        for new in so.scheduled_new_reqs:
+            row = self.req_state.add_request(new)
+            self.block_tables.set_row(row, new.block_ids)
+            self.model_state.add_request(row, new)
+        cached = so.scheduled_cached_reqs
+        for req_id, new_ids, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+            row = self.req_state.req_id_to_row[req_id]
+            if new_ids is not None:
+                self.block_tables.append(row, new_ids)
+            self.req_state.num_computed[row] = computed
+
+    # ---- one step ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> RunnerOutput:
+        """Run one step; rows whose chunk ends at their last known token get a sampled token."""
+        self._apply_deltas(so)
+        rs = self.req_state
+        # decodes first (builders split decodes from prefills), then by query length; stable
+        req_ids = sorted(so.num_scheduled_tokens, key=lambda r: (so.num_scheduled_tokens[r] != 1,
+                                                                   so.num_scheduled_tokens[r]))
+        if not req_ids:
+            return RunnerOutput([], [], [])
+        rows = np.array([rs.req_id_to_row[r] for r in req_ids], dtype=np.int64)
+        sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        computed = rs.num_computed[rows].copy()
+        assert (computed + sched <= rs.num_tokens[rows]).all(), "scheduled past the known tokens"
+        sample_rows = np.nonzero(computed + sched == rs.num_tokens[rows])[0]
+
+        batch = InputBatch.prepare(self.buffers, rs.token_history, req_ids, rows, computed, sched, sample_rows)
+        md = self.model_state.prepare_attn(batch, self.block_tables)
+        extra = self.model_state.prepare_inputs(batch, rs)
+        hidden = self.model(batch.input_ids, md, self.kv_caches, **extra)
+        rs.num_computed[rows] = computed + sched
+
+        sampled_lists: list[list[int]] = [[] for _ in req_ids]
+        logprob_lists: list[list[TokenLogprobs] | None] = [None] * len(req_ids)
+        if len(sample_rows):
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            srows = rows[sample_rows]
+            st = SamplingTensors.build(
+                [rs.sampling_params[r] for r in srows], [rs.prompt_ids[r] for r in srows],
+                [rs.output_ids[r] for r in srows], self.vocab_size, self.device, self.eos_token_ids)
+            tokens, lps = self.sampler(logits, st)
+            rs.append_sampled(torch.from_numpy(srows).to(self.device), srows, tokens)
+            token_list = tokens.tolist()
+            lp_list = lps.tolist() if lps is not None else [None] * len(srows)
+            for i, b in enumerate(sample_rows):
+                sampled_lists[b] = [token_list[i]]
+                rs.output_ids[srows[i]].append(token_list[i])
+                if lp_list[i] is not None:
+                    logprob_lists[b] = [lp_list[i]]
+        return RunnerOutput(req_ids, sampled_lists, logprob_lists)
+
+    @torch.inference_mode()
+    def dummy_run(self, num_reqs: int, num_tokens: int) -> torch.Tensor:
+        """A forward over a dummy batch (warm-up, profiling); writes no KV a real request reads."""
+        batch = InputBatch.make_dummy(self.buffers, num_reqs, num_tokens)
+        md = self.model_state.prepare_attn(batch, self.block_tables, for_dummy=True)
+        extra = self.model_state.prepare_dummy_inputs(num_reqs, num_tokens)
+        hidden = self.model(batch.input_ids, md, self.kv_caches, **extra)
+        return self.model.compute_logits(hidden[batch.logits_indices])
