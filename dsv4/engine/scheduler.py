@@ -36,6 +36,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: preemption takes from the tail
         # Ids the runner must forget at the start of the next step (finished, aborted, preempted).
         self._finished_ids: set[str] = set()
+        self.num_preemptions = 0  # total since start (a metric; tests check preemption really happened)
 
     # ---- requests in and out -------------------------------------------------------------------------------
 
@@ -209,6 +210,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(req)
         self._finished_ids.add(req.req_id)
 

@@ -164,3 +164,11 @@ def v4_tensor_shapes(cfg: ModelConfig, dtype: str = "float32") -> dict[str, tupl
         return torch.float32 if name.endswith(_FP32_SUFFIXES) else wdtype
 
     return {name: (shape, disk_dtype(name)) for name, shape in shapes.items()}
+
+
+def default_model_dir() -> str:
+    """The cached built-in default model; see dsv4.make_model.default_model_dir (imported lazily: make_model
+    imports this module)."""
+    from dsv4.make_model import default_model_dir as _default_model_dir
+
+    return _default_model_dir()

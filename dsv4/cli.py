@@ -1,0 +1,110 @@
+"""The `dsv4` command: `dsv4 generate` (offline generation) and `dsv4 make-model` (random checkpoints)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from dsv4.models.config import ConfigError
+from dsv4.sampling_params import SamplingParams, SamplingParamsError
+
+DEFAULT_PROMPT = "The quick brown fox"
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean the user asked for something wrong: one line, exit 2, no traceback."""
+    errors: list[type[BaseException]] = [ConfigError, SamplingParamsError, ValueError, FileNotFoundError]
+    try:  # the loader owns CheckpointError; tolerate its absence so `make-model` works on its own
+        from dsv4.models.loader import CheckpointError
+
+        errors.insert(0, CheckpointError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv4", description="A compact inference engine for DeepSeek-V4.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate completions for prompts (offline)")
+    gen.add_argument("--model", help="checkpoint directory (default: the built-in random tiny-v4 model)")
+    gen.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
+    gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    gen.add_argument("--temperature", type=float, help="0 = greedy (default 1.0)")
+    gen.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1.0 = off)")
+    gen.add_argument("--top-k", type=int, help="sample among the k most likely tokens (default off)")
+    gen.add_argument("--seed", type=int, help="engine random seed")
+    gen.add_argument("--dtype", help="float32 | bfloat16 | float16")
+    gen.add_argument("--device", help="cpu | cuda | cuda:N")
+    gen.add_argument("--max-model-len", type=int, help="longest prompt + completion, in tokens")
+    gen.add_argument("--max-num-seqs", type=int, help="requests per batch")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+
+    mk = sub.add_parser("make-model", help="write a random-weight checkpoint of a preset")
+    mk.add_argument("--preset", default="tiny-v4", help="preset name (default tiny-v4)")
+    mk.add_argument("--out", required=True, help="output directory")
+    mk.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    mk.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    return parser
+
+
+def _make_model(args: argparse.Namespace) -> None:
+    from dsv4.make_model import make_model
+
+    out = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype)
+    print(f"wrote {args.preset} (seed {args.seed}, {args.dtype}) to {out}")
+
+
+def _generate(args: argparse.Namespace) -> None:
+    if args.model is not None and not os.path.isdir(args.model):
+        raise FileNotFoundError(f"--model {args.model!r} is not a directory")
+    prompts = args.prompt or [DEFAULT_PROMPT]
+
+    sampling: dict[str, Any] = {"max_tokens": args.max_tokens}
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(args, name) is not None:
+            sampling[name] = getattr(args, name)
+    params = SamplingParams(**sampling)  # validate before the (slower) model build and engine start
+
+    from dsv4 import LLM
+    from dsv4.make_model import default_model_dir
+
+    model = args.model or default_model_dir()
+    engine_args: dict[str, Any] = {"model": model}
+    for name in ("dtype", "device", "max_model_len", "max_num_seqs", "seed"):
+        if getattr(args, name) is not None:
+            engine_args[name] = getattr(args, name)
+    llm = LLM(**engine_args)
+
+    if args.chat:
+        conversations = [[{"role": "user", "content": p}] for p in prompts]
+        outputs = llm.chat(conversations, params, use_tqdm=True)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=True)
+    for prompt, out in zip(prompts, outputs):
+        for completion in out.outputs:
+            print(f"--- prompt: {prompt!r}  (finish: {completion.finish_reason})")
+            print(completion.text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `dsv4` script; returns the exit status (2 for user errors)."""
+    args = _build_parser().parse_args(argv)
+    try:
+        if args.command == "make-model":
+            _make_model(args)
+        else:
+            _generate(args)
+    except _user_errors() as e:
+        print(f"dsv4: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
