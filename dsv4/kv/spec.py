@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from dsv4.models.config import SLIDING, ModelConfig
+from dsv4.models.config import CSA, ModelConfig
 
 WINDOW = "window"
 COMPRESSED = "compressed"
@@ -44,24 +44,46 @@ class KVGroupSpec:
         return math.ceil(rows / self.block_size)
 
 
-def state_ring_rows(ratio: int, is_csa: bool) -> int:
-    """Ring capacity of a compressor's open-window state: CSA pools two windows (overlap), HCA one."""
-    return 2 * ratio if is_csa else ratio
+@dataclass(frozen=True)
+class LayerCacheLayout:
+    """What one layer keeps in the cache besides its window KV."""
+
+    ratio: int = 0  # the layer owns compressed entries, one per `ratio` tokens (0: none)
+    index_keys: bool = False  # ...and indexer keys next to them
+    ring_rows: int = 0  # compressor open-window rows per request (0: no state)
+    ring_width: int = 0  # channels of one ring row (kv and gate each)
+    index_ring_width: int = 0  # V4 CSA: the indexer's own compressor ring (0: none)
+
+
+def layer_cache_layout(model: ModelConfig, layer: int) -> LayerCacheLayout:
+    """V4: every CSA/HCA layer owns its entries (CSA pools two overlapping windows, so its ring holds 2*ratio
+    rows). V4.1: only KV-source layers own entries and keys; ratio 2 keeps one open pair, ratio 1 no state."""
+    r = model.compress_ratios[layer]
+    if r == 0:
+        return LayerCacheLayout()
+    if model.v41 is not None:
+        if layer not in model.v41.kv_source_layer_ids:
+            return LayerCacheLayout()
+        rows = r if r > 1 else 0
+        return LayerCacheLayout(r, layer in model.v41.index_source_layer_ids, rows, model.head_dim if rows else 0)
+    if model.layer_types[layer] == CSA:
+        return LayerCacheLayout(r, True, 2 * r, 2 * model.head_dim, 2 * model.index_head_dim)
+    return LayerCacheLayout(r, False, r, model.head_dim)
 
 
 def make_kv_groups(model: ModelConfig, block_size: int, num_blocks: int, max_num_seqs: int) -> tuple[KVGroupSpec, ...]:
-    """The KV groups of a DeepSeek-V4 model, with pool sizes derived from the window pool's `num_blocks`."""
+    """The KV groups of a model, with pool sizes derived from the window pool's `num_blocks`."""
     n = model.num_hidden_layers
+    layouts = [layer_cache_layout(model, i) for i in range(n)]
     groups = [KVGroupSpec("window", WINDOW, tuple(range(n)), block_size, 1, num_blocks)]
-    for r in model.compressed_ratios:
-        layers = tuple(i for i in range(n) if model.compress_ratios[i] == r)
+    for r in sorted({lay.ratio for lay in layouts if lay.ratio > 0}):
+        layers = tuple(i for i in range(n) if layouts[i].ratio == r)
         # a compressed block covers block_size*r tokens; +1 partially filled block per request of slack
         blocks = math.ceil((num_blocks - 1) / r) + max_num_seqs + 1
         groups.append(KVGroupSpec(f"compressed_{r}", COMPRESSED, layers, block_size, r, blocks))
-    compressed_layers = tuple(i for i in range(n) if model.layer_types[i] != SLIDING)
-    if compressed_layers:
-        ring = max(state_ring_rows(model.compress_ratios[i], model.compress_ratios[i] > 0 and
-                                   model.layer_types[i] == "compressed_sparse_attention") for i in compressed_layers)
-        groups.append(KVGroupSpec("compressor_state", STATE, compressed_layers, ring, 1, max_num_seqs + 1,
+    ring_layers = tuple(i for i in range(n) if layouts[i].ring_rows > 0)
+    if ring_layers:
+        rows = max(layouts[i].ring_rows for i in ring_layers)
+        groups.append(KVGroupSpec("compressor_state", STATE, ring_layers, rows, 1, max_num_seqs + 1,
                                   prefix_cacheable=False))
     return tuple(groups)

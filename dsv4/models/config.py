@@ -109,6 +109,7 @@ class ModelConfig:
     num_nextn_predict_layers: int = 0
     torch_dtype: str | None = None
     quantization_config: Any = field(default=None, compare=False)
+    v41: Any = None  # V41Schedule (config_v41.py) for DeepSeek-V4.1; None for V4
 
     # ---- derived views -------------------------------------------------------------------
     @property
@@ -130,24 +131,27 @@ def _get(raw: dict[str, Any], name: str, default: Any) -> Any:
     return default if value is None and default is not None else value
 
 
-def _rope_from_dict(d: dict[str, Any], theta: float, dim: int, where: str) -> RopeConfig:
+def _rope_from_dict(d: dict[str, Any], theta: float, dim: int, max_positions: int, where: str) -> RopeConfig:
     rope_type = d.get("rope_type", d.get("type", "default")) or "default"
     if rope_type not in ("default", "yarn"):
         raise ConfigError(f"config field `{where}`: rope_type {rope_type!r} is not supported (default or yarn)")
-    theta = float(d.get("rope_theta", theta))
+    theta = float(d.get("rope_theta") or theta)
     if rope_type == "default":
         return RopeConfig(theta=theta, dim=dim)
-    if "factor" not in d or "original_max_position_embeddings" not in d:
-        raise ConfigError(f"config field `{where}`: yarn needs `factor` and `original_max_position_embeddings`")
+    if d.get("factor") is None:
+        raise ConfigError(f"config field `{where}`: yarn needs `factor`")
     return RopeConfig(
         theta=theta,
         dim=dim,
         rope_type="yarn",
         factor=float(d["factor"]),
-        original_max_position_embeddings=int(d["original_max_position_embeddings"]),
+        # As HF: a missing original length defaults to max_position_embeddings.
+        original_max_position_embeddings=int(d.get("original_max_position_embeddings") or max_positions),
         beta_fast=float(d.get("beta_fast") or 32),
         beta_slow=float(d.get("beta_slow") or 1),
-        truncate=bool(d.get("truncate", True)),
+        # HF-V4 reads `truncate` from the top level of its nested rope dict, where it never is, so it always
+        # truncates the correction range (as DeepSeek's reference yarn does); a per-table `truncate` is ignored.
+        truncate=True,
     )
 
 
@@ -212,16 +216,21 @@ def parse_v4_config(raw: dict[str, Any]) -> ModelConfig:
 
     rope_theta = float(_get(raw, "rope_theta", 10000.0))
     compress_theta = float(_get(raw, "compress_rope_theta", 160000.0))
+    max_positions = int(_get(raw, "max_position_embeddings", 1048576))
     rp = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     _require(isinstance(rp, dict), "rope_parameters", "must be a dict")
     if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
-        rope_main = _rope_from_dict(rp["main"], rope_theta, rope_dim, "rope_parameters.main")
-        rope_compress = _rope_from_dict(rp["compress"], compress_theta, rope_dim, "rope_parameters.compress")
+        # As HF's rope standardisation: a nested table without its own rope_theta inherits the top-level
+        # `rope_theta` (not compress_rope_theta). Configs HF writes always carry both thetas explicitly.
+        rope_main = _rope_from_dict(rp["main"], rope_theta, rope_dim, max_positions, "rope_parameters.main")
+        rope_compress = _rope_from_dict(rp["compress"], rope_theta, rope_dim, max_positions,
+                                        "rope_parameters.compress")
     else:
-        # A flat dict (legacy `rope_scaling`) applies to the compress rope only; main stays plain.
+        # A flat dict (legacy `rope_scaling`) applies to the compress rope only, with compress_rope_theta
+        # whatever theta the dict holds; main stays plain.
         flat = {k: v for k, v in rp.items() if k not in ("main", "compress", "rope_theta", "partial_rotary_factor")}
         rope_main = RopeConfig(theta=rope_theta, dim=rope_dim)
-        rope_compress = _rope_from_dict(flat, compress_theta, rope_dim, "rope_scaling")
+        rope_compress = _rope_from_dict(flat, compress_theta, rope_dim, max_positions, "rope_scaling")
 
     eos = raw.get("eos_token_id", 1)
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
@@ -242,7 +251,7 @@ def parse_v4_config(raw: dict[str, Any]) -> ModelConfig:
         scoring_func=str(_get(raw, "scoring_func", "sqrtsoftplus")),
         norm_topk_prob=bool(_get(raw, "norm_topk_prob", True)),
         routed_scaling_factor=float(_get(raw, "routed_scaling_factor", 1.5)),
-        max_position_embeddings=int(_get(raw, "max_position_embeddings", 1048576)),
+        max_position_embeddings=max_positions,
         rope_main=rope_main,
         rope_compress=rope_compress,
         layer_types=tuple(layer_types),
@@ -309,8 +318,13 @@ def load_model_config(model_dir: str) -> ModelConfig:
 
 
 def parse_config_dict(raw: dict[str, Any]) -> ModelConfig:
-    """Dispatch on model_type; later issues add deepseek_v41."""
+    """Dispatch on model_type: deepseek_v4, or deepseek_v41 (composite or flat; also deepseek_v41_text)."""
     model_type = raw.get("model_type")
     if model_type == "deepseek_v4":
         return parse_v4_config(raw)
-    raise ConfigError(f"config field `model_type`: {model_type!r} is not supported (supported: 'deepseek_v4')")
+    if model_type in ("deepseek_v41", "deepseek_v41_text"):
+        from dsv4.models.config_v41 import parse_v41_config
+
+        return parse_v41_config(raw)
+    raise ConfigError(f"config field `model_type`: {model_type!r} is not supported "
+                      "(supported: 'deepseek_v4', 'deepseek_v41')")

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.kv.spec import PAD_SLOT
-from dsv4.models.config import CSA, HASH_MOE, HCA, SLIDING, ModelConfig
+from dsv4.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
+from dsv4.models.layers.compress import closing_windows, roll_ring, window_rows
 from dsv4.models.layers.mhc import HyperConnection, HyperHead, collapse, expand
 from dsv4.models.layers.moe import MoE
 from dsv4.models.layers.norm import RMSNorm, unweighted_rms_norm
@@ -73,42 +74,29 @@ class Compressor(nn.Module):
         """Pool every window that closes in this step, write the entries, then roll the ring forward."""
         m, dim = self.ratio, self.dim
         kv_all, gate_all = self.kv_proj(x), self.gate_proj(x)
-        cap = ring_kv.shape[1]
         qsl, ctx = md.query_start_loc_cpu, md.context_lens_cpu
         for r in range(md.num_reqs):
             t0, t1 = qsl[r], qsl[r + 1]
             if t0 == t1:
                 continue
-            p0, p1 = ctx[r], ctx[r] + (t1 - t0)
-            blk = int(state_blocks[r])
-            # rows for positions [p0 - cap, p1): the ring for the past, this chunk for the rest
-            past = torch.arange(p0 - cap, p0, device=x.device)
-            ring_idx = past.remainder(cap)
-            ext_kv = torch.cat([ring_kv[blk, ring_idx].to(kv_all.dtype), kv_all[t0:t1]], dim=0)
-            ext_gate = torch.cat([ring_gate[blk, ring_idx].to(gate_all.dtype), gate_all[t0:t1]], dim=0)
-            neg = past < 0  # before the sequence start: weight 0
-            ext_kv[:cap][neg] = 0
-            ext_gate[:cap][neg] = float("-inf")
-            w = torch.arange(p0 // m, p1 // m, device=x.device)
+            p0, blk = ctx[r], int(state_blocks[r])
+            kv, gate = kv_all[t0:t1], gate_all[t0:t1]
+            ext_kv, ext_gate, base = window_rows(kv, gate, ring_kv, ring_gate, blk, p0)
+            w = closing_windows(p0, p0 + (t1 - t0), m, x.device)
             if w.numel() > 0:
-                j = torch.arange(m, device=x.device)
-                cur = (w[:, None] * m + j) - (p0 - cap)  # [nw, m] rows of window w
+                cur = w[:, None] * m + torch.arange(m, device=x.device) - base  # [nw, m] rows of window w
                 if self.overlap:
                     prev = cur - m  # Ca rows of window w-1
-                    kv = torch.cat([ext_kv[prev][..., :dim], ext_kv[cur][..., dim:]], dim=1)
-                    gate = torch.cat([ext_gate[prev][..., :dim] + self.position_bias[:, :dim],
-                                      ext_gate[cur][..., dim:] + self.position_bias[:, dim:]], dim=1)
+                    kv_w = torch.cat([ext_kv[prev][..., :dim], ext_kv[cur][..., dim:]], dim=1)
+                    gate_w = torch.cat([ext_gate[prev][..., :dim] + self.position_bias[:, :dim],
+                                        ext_gate[cur][..., dim:] + self.position_bias[:, dim:]], dim=1)
                 else:
-                    kv, gate = ext_kv[cur], ext_gate[cur] + self.position_bias
-                pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
-                entry = self.kv_norm(pooled)
+                    kv_w, gate_w = ext_kv[cur], ext_gate[cur] + self.position_bias
+                pooled = (kv_w * gate_w.softmax(dim=1, dtype=torch.float32).to(kv_w.dtype)).sum(dim=1)
                 cos, sin = rope(w * m)
-                entry = apply_rope(entry, cos, sin)
+                entry = apply_rope(self.kv_norm(pooled), cos, sin)
                 write_slots(out_cache, slots_of(table[r], w, block_size), entry)
-            # keep the last `cap` positions for the next step
-            keep = torch.arange(max(p0, p1 - cap), p1, device=x.device)
-            ring_kv[blk, keep.remainder(cap)] = kv_all[t0:t1][keep - p0].to(ring_kv.dtype)
-            ring_gate[blk, keep.remainder(cap)] = gate_all[t0:t1][keep - p0].to(ring_gate.dtype)
+            roll_ring(ring_kv, ring_gate, blk, kv, gate, p0)
 
 
 class Scorer(nn.Module):

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4.kv.spec import COMPRESSED, STATE, WINDOW, KVGroupSpec, state_ring_rows
-from dsv4.models.config import CSA, ModelConfig
+from dsv4.kv.spec import COMPRESSED, STATE, WINDOW, KVGroupSpec, layer_cache_layout
+from dsv4.models.config import ModelConfig
 
 
 @dataclass
@@ -25,31 +25,28 @@ class LayerKVCache:
 
 def allocate_kv_caches(cfg: ModelConfig, groups: tuple[KVGroupSpec, ...], dtype: torch.dtype,
                        device: torch.device | str) -> list[LayerKVCache]:
-    """Zero-filled caches for every layer, sized by the group pools."""
-    by_kind = {}
-    for g in groups:
-        by_kind.setdefault(g.kind, []).append(g)
-    window = by_kind[WINDOW][0]
+    """Zero-filled caches for every layer, sized by the group pools. Ring gates are fp32 (pre-softmax)."""
+    window = next(g for g in groups if g.kind == WINDOW)
+    state = next((g for g in groups if g.kind == STATE), None)
     caches = []
     for layer in range(cfg.num_hidden_layers):
         c = LayerKVCache(window=torch.zeros(window.num_blocks * window.block_size, cfg.head_dim, dtype=dtype,
                                             device=device))
-        ratio = cfg.compress_ratios[layer]
-        if ratio > 0:
-            is_csa = cfg.layer_types[layer] == CSA
-            g = next(g for g in by_kind[COMPRESSED] if layer in g.layer_ids)
+        lay = layer_cache_layout(cfg, layer)
+        if lay.ratio > 0:
+            g = next(g for g in groups if g.kind == COMPRESSED and layer in g.layer_ids)
             slots = g.num_blocks * g.block_size
             c.compressed = torch.zeros(slots, cfg.head_dim, dtype=dtype, device=device)
-            st = by_kind[STATE][0]
-            ring = state_ring_rows(ratio, is_csa)
-            coff = 2 if is_csa else 1
-            c.ring_kv = torch.zeros(st.num_blocks, ring, coff * cfg.head_dim, dtype=dtype, device=device)
-            c.ring_gate = torch.zeros(st.num_blocks, ring, coff * cfg.head_dim, dtype=torch.float32, device=device)
-            if is_csa:
+            if lay.index_keys:
                 c.index_keys = torch.zeros(slots, cfg.index_head_dim, dtype=dtype, device=device)
-                c.index_ring_kv = torch.zeros(st.num_blocks, ring, 2 * cfg.index_head_dim, dtype=dtype,
-                                              device=device)
-                c.index_ring_gate = torch.zeros(st.num_blocks, ring, 2 * cfg.index_head_dim, dtype=torch.float32,
-                                                device=device)
+        if lay.ring_rows > 0:
+            shape = (state.num_blocks, lay.ring_rows, lay.ring_width)
+            ring_dtype = torch.float32 if cfg.v41 is not None else dtype  # V4.1 keeps the open pair in fp32
+            c.ring_kv = torch.zeros(shape, dtype=ring_dtype, device=device)
+            c.ring_gate = torch.zeros(shape, dtype=torch.float32, device=device)
+            if lay.index_ring_width:
+                ishape = (state.num_blocks, lay.ring_rows, lay.index_ring_width)
+                c.index_ring_kv = torch.zeros(ishape, dtype=dtype, device=device)
+                c.index_ring_gate = torch.zeros(ishape, dtype=torch.float32, device=device)
         caches.append(c)
     return caches

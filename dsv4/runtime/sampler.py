@@ -39,7 +39,9 @@ def row_seed(seed: int, num_output_tokens: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ num_output_tokens)
 
 
-def _flat_tokens(rows: list[int], histories: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _flat_tokens(
+    rows: list[int], histories: Sequence[Sequence[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(row index, token id) pairs for every token of the chosen rows' histories, as two int64 tensors on `device`."""
     parts = [torch.as_tensor(histories[r], dtype=torch.int64).reshape(-1) for r in rows]
     counts = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
@@ -223,7 +225,7 @@ def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor) 
     # Ascending cumsum: a token may go when it and everything below it hold at most 1 - p of the mass.
     cum = srt.softmax(dim=-1).cumsum(dim=-1)
     drop = cum <= (1.0 - p).unsqueeze(1)
-    pass
+    drop[:, -1] = False
     srt = srt.masked_fill(drop, float("-inf"))
     return torch.empty_like(srt).scatter_(1, order, srt)
 
@@ -265,7 +267,9 @@ class SampledLogprobs:
         return out
 
 
-def compute_logprobs(logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: list[int | None]) -> SampledLogprobs | None:
+def compute_logprobs(
+    logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: list[int | None]
+) -> SampledLogprobs | None:
     """Raw-distribution logprobs for rows with `num_logprobs[i]` not None; None when no row asks."""
     rows = [i for i, k in enumerate(num_logprobs) if k is not None]
     if not rows:

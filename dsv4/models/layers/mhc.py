@@ -31,16 +31,22 @@ class HyperConnection(nn.Module):
 
     def mixes(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h [T, N, D] -> pre [T, N], post [T, N], comb [T, N, N] (all fp32)."""
-        n = self.n
-        flat = unweighted_rms_norm(h.flatten(1).float(), self.norm_eps)
-        m = F.linear(flat, self.fn.float())
-        pre_w, post_w, comb_w = m.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
-        s_pre, s_post, s_comb = self.scale.float().unbind(0)
-        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.hc_eps
-        post = 2 * torch.sigmoid(post_w * s_post + post_b)
-        comb = torch.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1) + self.hc_eps
-        return pre, post, sinkhorn(comb, self.iters, self.hc_eps)
+        return hc_mixes(h, self.fn, self.base, self.scale, self.iters, self.hc_eps, self.norm_eps)
+
+
+def hc_mixes(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
+             norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre, post, comb) of one site from its input streams h [T, N, D], all in fp32 (model.md section 3)."""
+    n = h.shape[1]
+    flat = unweighted_rms_norm(h.flatten(1).float(), norm_eps)
+    m = F.linear(flat, fn.float())
+    pre_w, post_w, comb_w = m.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    s_pre, s_post, s_comb = scale.float().unbind(0)
+    pre = torch.sigmoid(pre_w * s_pre + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * s_post + post_b)
+    comb = torch.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1) + hc_eps
+    return pre, post, sinkhorn(comb, iters, hc_eps)
 
 
 def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,535 @@
+"""Safetensors checkpoint -> tensors under the engine's parameter names.
+
+The engine's model uses exactly the state-dict names and shapes of transformers' `DeepseekV4ForCausalLM`
+(model.md 10.1). Checkpoints come in three spellings, all accepted here, with or without a `model.` prefix:
+
+* HF names (`model.layers.0.self_attn.q_a_proj.weight`, packed `mlp.experts.gate_up_proj`);
+* original DeepSeek names (`layers.0.attn.wq_a.weight`, `embed.weight`, `head.weight`, per-expert
+  `ffn.experts.E.w1/w2/w3.weight`, `attn.kv_norm` or `attn.norm`);
+* the hybrid that transformers 5.23 `save_pretrained` writes: original names under `model.`, but
+  `model.embed_tokens.weight`, `model.hc_head.hc_fn`, `model.norm.weight` and per-expert experts.
+
+FP8 block-scaled weights (`X.weight` in float8 plus `X.weight_scale_inv` or `X.scale`) and packed FP4 (e2m1, two
+per int8 byte, with per-block scales) are dequantized on load. Per-expert tensors are stacked into
+`gate_up_proj [E, 2I, D]` (w1 rows, then w3 rows) and `down_proj [E, D, I]`. `mtp.*` tensors are ignored.
+
+Public API: `load_weights` (returns a dict), `iter_weights` (streams, validated up front), `load_into_module`
+(fills an `nn.Module`'s parameters and buffers in place), `expected_from_module`, `keeps_fp32`, `param_dtype`,
+`dequantize`, `canonical_name`, `CheckpointError`. Every mismatch (missing, unexpected, duplicated, wrong shape)
+is collected and raised as one `CheckpointError` before any tensor data is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+DEFAULT_BLOCK = 128
+_MAX_LISTED = 100  # per error category in the message; the exception attributes keep everything
+
+Shape = tuple[int, ...]
+Expected = Mapping[str, "tuple[Shape, torch.dtype | None]"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot fill the model. The message lists every problem found; the attributes keep them:
+    `missing` (names), `unexpected` (checkpoint keys), `mismatched` ((name, expected, found)), `other` (text)."""
+
+    def __init__(self, message: str, missing: list[str] | None = None, unexpected: list[str] | None = None,
+                 mismatched: list[tuple[str, Shape, Shape]] | None = None, other: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.missing = missing or []
+        self.unexpected = unexpected or []
+        self.mismatched = mismatched or []
+        self.other = other or []
+
+
+# ---- dtypes ----------------------------------------------------------------------------------------------------
+# HF's `_keep_in_fp32_modules_strict` for V4, matched per dotted segment: mHC params, sinks, compressor/indexer
+# position biases, router bias, and every norm weight (any segment ending in "norm").
+_FP32_SEGMENTS = frozenset({"attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score_correction_bias"})
+
+
+def keeps_fp32(name: str) -> bool:
+    """True for the tensors HF keeps in float32 whatever the model dtype (mHC, sinks, position_bias, router bias,
+    norm weights). Takes an internal (HF) name."""
+    return any(seg in _FP32_SEGMENTS or seg.endswith("norm") for seg in name.split("."))
+
+
+def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor gets in a model of dtype `dtype`: int64 for `tid2eid`, fp32 where `keeps_fp32`, else
+    `dtype`."""
+    if name.endswith("tid2eid"):
+        return torch.int64
+    return torch.float32 if keeps_fp32(name) else dtype
+
+
+# ---- names -----------------------------------------------------------------------------------------------------
+_TOP_LEVEL = {
+    "embed.weight": "model.embed_tokens.weight",
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "head.weight": "lm_head.weight",
+    "lm_head.weight": "lm_head.weight",
+    "norm.weight": "model.norm.weight",
+    "hc_head_fn": "model.hc_head.hc_fn",
+    "hc_head_base": "model.hc_head.hc_base",
+    "hc_head_scale": "model.hc_head.hc_scale",
+}
+# Original layer-relative module paths (their leaf is `.weight`, or an FP8 scale) -> HF module paths.
+_LAYER_MODULES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn.wq_a": "self_attn.q_a_proj",
+    "attn.q_norm": "self_attn.q_a_norm",
+    "attn.wq_b": "self_attn.q_b_proj",
+    "attn.wkv": "self_attn.kv_proj",
+    "attn.kv_norm": "self_attn.kv_norm",
+    "attn.norm": "self_attn.kv_norm",  # what transformers 5.23 save_pretrained writes for kv_norm
+    "attn.wo_a": "self_attn.o_a_proj",
+    "attn.wo_b": "self_attn.o_b_proj",
+    "attn.compressor.wkv": "self_attn.compressor.kv_proj",
+    "attn.compressor.wgate": "self_attn.compressor.gate_proj",
+    "attn.compressor.norm": "self_attn.compressor.kv_norm",
+    "attn.indexer.compressor.wkv": "self_attn.compressor.indexer.kv_proj",
+    "attn.indexer.compressor.wgate": "self_attn.compressor.indexer.gate_proj",
+    "attn.indexer.compressor.norm": "self_attn.compressor.indexer.kv_norm",
+    "attn.indexer.wq_b": "self_attn.compressor.indexer.q_b_proj",
+    "attn.indexer.weights_proj": "self_attn.compressor.indexer.scorer.weights_proj",
+    "ffn.gate": "mlp.gate",
+    "ffn.shared_experts.w1": "mlp.shared_experts.gate_proj",
+    "ffn.shared_experts.w3": "mlp.shared_experts.up_proj",
+    "ffn.shared_experts.w2": "mlp.shared_experts.down_proj",
+}
+# Original layer-relative parameters without a `.weight` leaf -> HF names.
+_LAYER_PARAMS = {
+    "hc_attn_fn": "attn_hc.fn",
+    "hc_attn_base": "attn_hc.base",
+    "hc_attn_scale": "attn_hc.scale",
+    "hc_ffn_fn": "ffn_hc.fn",
+    "hc_ffn_base": "ffn_hc.base",
+    "hc_ffn_scale": "ffn_hc.scale",
+    "attn.attn_sink": "self_attn.sinks",
+    "attn.compressor.ape": "self_attn.compressor.position_bias",
+    "attn.indexer.compressor.ape": "self_attn.compressor.indexer.position_bias",
+    "ffn.gate.bias": "mlp.gate.e_score_correction_bias",
+    "ffn.gate.tid2eid": "mlp.gate.tid2eid",
+}
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^(?:ffn|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
+# Per-expert piece -> (packed HF parameter, which half). w1 = gate, w3 = up, w2 = down.
+_EXPERT_PART = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),
+                "up_proj": ("gate_up_proj", 1), "w2": ("down_proj", 0), "down_proj": ("down_proj", 0)}
+
+
+@dataclass(frozen=True)
+class _Route:
+    name: str  # internal (HF) name
+    expert: int | None = None  # per-expert piece: expert index
+    half: int = 0  # gate_up_proj: 0 = gate (w1) rows, 1 = up (w3) rows
+
+
+def _route(key: str) -> _Route | None:
+    """Internal name of a (weight, not scale) checkpoint key; None for ignored (`mtp.*`) keys. Unknown keys come
+    back unchanged (with the `model.` prefix) so that they are reported as unexpected."""
+    bare = key[len("model."):] if key.startswith("model.") else key
+    if bare.startswith("mtp."):
+        return None
+    if bare in _TOP_LEVEL:
+        return _Route(_TOP_LEVEL[bare])
+    m = _LAYER_RE.match(bare)
+    if m is None:
+        return _Route(bare if bare.startswith("lm_head.") else "model." + bare)
+    prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    e = _EXPERT_RE.match(rest)
+    if e is not None:
+        packed, half = _EXPERT_PART[e.group(2)]
+        return _Route(prefix + "mlp.experts." + packed, expert=int(e.group(1)), half=half)
+    if rest in _LAYER_PARAMS:
+        return _Route(prefix + _LAYER_PARAMS[rest])
+    module, _, leaf = rest.rpartition(".")
+    if module in _LAYER_MODULES:
+        return _Route(prefix + _LAYER_MODULES[module] + "." + leaf)
+    # Already HF-style (or half-converted): only the two container names differ.
+    if rest.startswith("attn."):
+        rest = "self_attn." + rest[len("attn."):]
+    elif rest.startswith("ffn."):
+        rest = "mlp." + rest[len("ffn."):]
+    return _Route(prefix + rest)
+
+
+def canonical_name(key: str) -> str | None:
+    """Internal (HF) name for a checkpoint key in any accepted spelling; per-expert keys give the packed name
+    (`...mlp.experts.gate_up_proj` / `down_proj`). None for ignored keys (`mtp.*`)."""
+    r = _route(key)
+    return None if r is None else r.name
+
+
+# ---- quantization ----------------------------------------------------------------------------------------------
+_FLOAT8 = {"F8_E4M3", "F8_E5M2"}
+_PACKED_FP4 = {"I8", "U8"}  # two e2m1 values per byte, low nibble first (as transformers' Fp8Dequantize)
+_FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _scale_target(key: str) -> str:
+    """The weight key a scale key would belong to (`X.weight_scale_inv` / `X.scale` -> `X.weight`,
+    `X_scale_inv` -> `X`)."""
+    if key.endswith(".weight_scale_inv"):
+        return key[: -len("_scale_inv")]
+    if key.endswith(".scale"):
+        return key[: -len("scale")] + "weight"
+    if key.endswith("_scale_inv"):
+        return key[: -len("_scale_inv")]
+    return ""
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Packed e2m1 (two values per byte, low nibble = even column) -> float32, last dim doubled."""
+    lut = torch.tensor(_FP4_E2M1, dtype=torch.float32, device=packed.device)
+    u8 = packed.contiguous().view(torch.uint8)
+    pairs = torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1)
+    return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
+
+
+def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
+    # Raw uint8 scales are UE8M0 exponents (2 ** (byte - 127)); float8_e8m0fnu converts by itself.
+    if scale.dtype == torch.uint8:
+        return (scale.float() - 127.0).exp2()
+    return scale.float()
+
+
+def block_size_for(shape: Shape, scale_shape: Shape, hint: tuple[int, int] | None = None) -> tuple[int, int]:
+    """Block (rows, cols) of a block-scaled weight of logical `shape` [..., R, C] with scales [..., ceil(R/br),
+    ceil(C/bc)]: the config's block (`hint`) if it fits both dims, else 128x128 if it does, else the smallest
+    block per dim that gives the scale count (exact whenever the dim is a multiple of its block). Raises
+    ValueError when nothing fits."""
+    if len(scale_shape) != len(shape) or len(shape) < 2 or tuple(scale_shape[:-2]) != tuple(shape[:-2]):
+        raise ValueError(f"scale shape {list(scale_shape)} does not fit weight shape {list(shape)}")
+    (rows, cols), (srows, scols) = shape[-2:], scale_shape[-2:]
+
+    def fits(br: int, bc: int) -> bool:
+        return br > 0 and bc > 0 and math.ceil(rows / br) == srows and math.ceil(cols / bc) == scols
+
+    # Try whole pairs first: a hint that happens to fit one dim says nothing when the other dim disagrees.
+    for block in (hint, (DEFAULT_BLOCK, DEFAULT_BLOCK)):
+        if block and fits(*block):
+            return block
+    derived = (math.ceil(rows / srows) if srows else 0, math.ceil(cols / scols) if scols else 0)
+    if fits(*derived):
+        return derived
+    raise ValueError(f"no block size maps weight shape {list(shape)} onto scale shape {list(scale_shape)}")
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int] | None = None) -> torch.Tensor:
+    """Block-scaled FP8 (float8 weight) or packed FP4 (int8/uint8 weight) -> float32:
+    `w[..., i, j] * scale[..., i // br, j // bc]`. `block_size` is derived from the shapes when not given."""
+    w = unpack_fp4(weight) if weight.dtype in (torch.int8, torch.uint8) else weight.float()
+    s = _scale_to_float(scale)
+    br, bc = block_size or block_size_for(tuple(w.shape), tuple(s.shape))
+    rows, cols = w.shape[-2:]
+    s = s.repeat_interleave(br, dim=-2)[..., :rows, :].repeat_interleave(bc, dim=-1)[..., :cols]
+    return w * s
+
+
+# ---- checkpoint files ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Info:
+    file: str
+    shape: Shape
+    dtype: str  # safetensors dtype string, e.g. "BF16", "F8_E4M3"
+
+
+def _read_header(path: str) -> dict[str, _Info]:
+    try:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            return {k: _Info(path, tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error type for bad headers and truncated files
+        raise CheckpointError(f"cannot read safetensors file {path}: {e}") from None
+
+
+def _scan(model_dir: str) -> dict[str, _Info]:
+    """Every tensor key of the checkpoint -> (file, shape, dtype), from headers only."""
+    if not os.path.isdir(model_dir):
+        raise CheckpointError(f"checkpoint directory {model_dir!r} does not exist")
+    index_path = os.path.join(model_dir, INDEX_FILE)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise ValueError("`weight_map` must map tensor names to file names")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"bad index {index_path}: {e!r}") from None
+        infos: dict[str, _Info] = {}
+        problems = []
+        for fname in sorted(set(weight_map.values())):
+            path = os.path.join(model_dir, fname)
+            if not os.path.isfile(path):
+                problems.append(f"{fname} (named by the index) does not exist")
+                continue
+            for k, info in _read_header(path).items():
+                if k in infos:
+                    problems.append(f"tensor {k!r} is in both {os.path.basename(infos[k].file)} and {fname}")
+                infos[k] = info
+        for k, fname in weight_map.items():
+            if k not in infos or infos[k].file != os.path.join(model_dir, fname):
+                if os.path.isfile(os.path.join(model_dir, fname)):
+                    problems.append(f"tensor {k!r} is not in {fname}, where the index puts it")
+        if problems:
+            raise CheckpointError(f"bad index {index_path}:\n  " + "\n  ".join(problems))
+        return infos
+    single = os.path.join(model_dir, SINGLE_FILE)
+    files = [single] if os.path.isfile(single) else sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise CheckpointError(f"no *.safetensors file in {model_dir!r}")
+    if len(files) > 1:
+        raise CheckpointError(f"{len(files)} safetensors files in {model_dir!r} but no {INDEX_FILE}: "
+                              f"{[os.path.basename(p) for p in files]}")
+    return _read_header(files[0])
+
+
+def _block_hint(model_dir: str) -> tuple[int, int] | None:
+    """`quantization_config.weight_block_size` from config.json, when present."""
+    try:
+        with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+            qc = json.load(f).get("quantization_config") or {}
+        bs = qc.get("weight_block_size")
+        return (int(bs[0]), int(bs[1])) if bs else None
+    except (OSError, ValueError, TypeError, IndexError, AttributeError):
+        return None
+
+
+# ---- plan ------------------------------------------------------------------------------------------------------
+@dataclass
+class _Source:
+    """One checkpoint tensor, with its scale when quantized."""
+
+    key: str
+    info: _Info
+    scale: _Info | None = None
+    scale_key: str | None = None
+
+    @property
+    def shape(self) -> Shape:
+        # Packed FP4 holds two values per byte along the last dim.
+        if self.scale is not None and self.info.dtype in _PACKED_FP4:
+            return (*self.info.shape[:-1], 2 * self.info.shape[-1])
+        return self.info.shape
+
+
+@dataclass
+class _Target:
+    """One internal tensor: a single source, or per-expert pieces {(expert, half): source} to stack."""
+
+    name: str
+    single: _Source | None = None
+    pieces: dict[tuple[int, int], _Source] = field(default_factory=dict)
+    shape: Shape = ()
+
+
+@dataclass
+class _Plan:
+    targets: dict[str, _Target]
+    block_hint: tuple[int, int] | None
+
+
+def _fmt(shape: Shape) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def _make_plan(model_dir: str, expected: Expected) -> _Plan:
+    infos = _scan(model_dir)
+    other: list[str] = []
+
+    # Pair scales with their weights. A key like `attn_hc.scale` is an mHC parameter, not a scale: a key only
+    # counts as a scale when its weight sibling exists.
+    scale_of: dict[str, str] = {}
+    for k in infos:
+        w = _scale_target(k)
+        if w and w in infos:
+            scale_of[w] = k
+    scales = set(scale_of.values())
+
+    targets: dict[str, _Target] = {}
+    sources_of: dict[str, list[str]] = {}
+    n_ignored = 0
+    for k, info in infos.items():
+        if k in scales:
+            continue
+        route = _route(k)
+        if route is None:
+            n_ignored += 1
+            continue
+        sk = scale_of.get(k)
+        src = _Source(k, info, infos[sk] if sk else None, sk)
+        if sk is None and info.dtype in _FLOAT8:
+            other.append(f"{k}: {info.dtype} tensor without a scale (`.weight_scale_inv` or `.scale`)")
+        if sk is not None and info.dtype not in _FLOAT8 | _PACKED_FP4:
+            other.append(f"{k}: has scale {sk} but is {info.dtype}, not FP8 or packed FP4")
+        t = targets.setdefault(route.name, _Target(route.name))
+        sources_of.setdefault(route.name, []).append(k)
+        if route.expert is None:
+            t.single = src
+        elif (route.expert, route.half) in t.pieces:
+            other.append(f"{route.name}: expert {route.expert} given twice "
+                         f"({t.pieces[(route.expert, route.half)].key} and {k})")
+        else:
+            t.pieces[(route.expert, route.half)] = src
+    if n_ignored:
+        logger.info("ignoring %d mtp.* tensors in %s (multi-token prediction is not used)", n_ignored, model_dir)
+
+    for name, t in targets.items():
+        if t.single is not None and (t.pieces or len(sources_of[name]) > 1):
+            other.append(f"{name}: given more than once, by {sorted(sources_of[name])}")
+            continue
+        if t.single is not None:
+            t.shape = t.single.shape
+            continue
+        n_experts = max(e for e, _ in t.pieces) + 1
+        halves = (0, 1) if name.endswith("gate_up_proj") else (0,)
+        absent = [f"expert {e} {'w1' if h == 0 and len(halves) == 2 else 'w3' if h else 'w2'}"
+                  for e in range(n_experts) for h in halves if (e, h) not in t.pieces]
+        shapes = {h: {t.pieces[(e, h)].shape for e in range(n_experts) if (e, h) in t.pieces} for h in halves}
+        if absent:
+            other.append(f"{name}: per-expert tensors missing: {', '.join(absent)}")
+        elif any(len(s) != 1 for s in shapes.values()) or any(len(next(iter(s))) != 2 for s in shapes.values()):
+            other.append(f"{name}: per-expert shapes disagree: {sorted(set().union(*shapes.values()))}")
+        else:
+            per = [next(iter(shapes[h])) for h in halves]
+            if len({p[1] for p in per}) != 1:
+                other.append(f"{name}: w1/w3 shapes disagree: {per}")
+            else:
+                t.shape = (n_experts, sum(p[0] for p in per), per[0][1])
+
+    missing = [n for n in expected if n not in targets]
+    unexpected = [f"{n} (from {', '.join(sorted(sources_of[n]))})" for n in targets if n not in expected]
+    mismatched = [(n, tuple(expected[n][0]), t.shape) for n, t in targets.items()
+                  if n in expected and t.shape and tuple(expected[n][0]) != t.shape]
+    if missing or unexpected or mismatched or other:
+        def section(title: str, items: list[str]) -> str:
+            shown = items[:_MAX_LISTED] + ([f"... and {len(items) - _MAX_LISTED} more"] if len(items) > _MAX_LISTED
+                                           else [])
+            return f"{title} ({len(items)}):\n    " + "\n    ".join(shown)
+
+        parts = []
+        if missing:
+            parts.append(section("missing", [f"{n} {_fmt(tuple(expected[n][0]))}" for n in missing]))
+        if unexpected:
+            parts.append(section("unexpected", unexpected))
+        if mismatched:
+            parts.append(section("shape mismatch", [f"{n}: expected {_fmt(e)}, found {_fmt(f)}"
+                                                    for n, e, f in mismatched]))
+        if other:
+            parts.append(section("invalid", other))
+        raise CheckpointError(f"checkpoint {model_dir} does not match the model:\n  " + "\n  ".join(parts),
+                              missing=missing, unexpected=unexpected, mismatched=mismatched, other=other)
+    return _Plan(targets, _block_hint(model_dir))
+
+
+# ---- reading ---------------------------------------------------------------------------------------------------
+class _Files:
+    """Open safetensors handles, one per file, for the duration of a load."""
+
+    def __init__(self, stack: contextlib.ExitStack) -> None:
+        self._stack = stack
+        self._handles: dict[str, object] = {}
+
+    def get(self, info: _Info, key: str) -> torch.Tensor:
+        try:
+            if info.file not in self._handles:
+                self._handles[info.file] = self._stack.enter_context(safe_open(info.file, framework="pt",
+                                                                               device="cpu"))
+            return self._handles[info.file].get_tensor(key)
+        except Exception as e:
+            raise CheckpointError(f"cannot read tensor {key!r} from {info.file}: {e}") from None
+
+
+def _read(src: _Source, files: _Files, device: torch.device, dtype: torch.dtype,
+          hint: tuple[int, int] | None) -> torch.Tensor:
+    t = files.get(src.info, src.key).to(device)
+    if src.scale is None:
+        return t.to(dtype)
+    s = files.get(src.scale, src.scale_key).to(device)
+    try:
+        block = block_size_for(src.shape, tuple(s.shape), hint)
+    except ValueError as e:
+        raise CheckpointError(f"{src.key} (scale {src.scale_key}): {e}") from None
+    return dequantize(t, s, block).to(dtype)
+
+
+def _materialize(t: _Target, files: _Files, device: torch.device, dtype: torch.dtype,
+                 hint: tuple[int, int] | None) -> torch.Tensor:
+    if t.single is not None:
+        return _read(t.single, files, device, dtype, hint)
+    # Fill a preallocated [E, rows, cols] so the stack never exists twice.
+    out = torch.empty(t.shape, dtype=dtype, device=device)
+    gate_rows = t.pieces[(0, 0)].shape[0]
+    for (e, half), src in sorted(t.pieces.items()):
+        rows = slice(0, gate_rows) if half == 0 else slice(gate_rows, t.shape[1])
+        out[e, rows] = _read(src, files, device, dtype, hint)
+    return out
+
+
+def _iterate(plan: _Plan, names: list[str], dtype_of: Callable[[str], torch.dtype],
+             device_of: Callable[[str], torch.device]) -> Iterator[tuple[str, torch.Tensor]]:
+    with contextlib.ExitStack() as stack:
+        files = _Files(stack)
+        for name in names:
+            yield name, _materialize(plan.targets[name], files, device_of(name), dtype_of(name), plan.block_hint)
+
+
+# ---- public entry points ---------------------------------------------------------------------------------------
+def iter_weights(model_dir: str, expected: Expected, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Validate the checkpoint against `expected` (raising one CheckpointError listing every problem), then return
+    an iterator of (name, tensor), one tensor read at a time.
+
+    `expected` maps each internal name to (shape, dtype). A dtype of None means `param_dtype(name, dtype)`: the
+    model dtype, except fp32-kept tensors and int64 `tid2eid`. FP8/FP4 weights are dequantized in fp32 on
+    `device`, then cast.
+    """
+    plan = _make_plan(model_dir, expected)
+    dev = torch.device(device)
+
+    def dtype_of(name: str) -> torch.dtype:
+        want = expected[name][1]
+        return want if want is not None else param_dtype(name, dtype)
+
+    return _iterate(plan, list(expected), dtype_of, lambda _name: dev)
+
+
+def load_weights(model_dir: str, expected: Expected, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """Load every tensor of `expected` from the safetensors checkpoint in `model_dir` (single file or sharded with
+    an index), under the internal names, with the dtype rule of `iter_weights`."""
+    return dict(iter_weights(model_dir, expected, dtype, device))
+
+
+def expected_from_module(module: nn.Module) -> dict[str, tuple[Shape, torch.dtype]]:
+    """(shape, dtype) of every persistent parameter and buffer of `module`, by state-dict name."""
+    return {n: (tuple(t.shape), t.dtype) for n, t in module.state_dict().items()}
+
+
+@torch.no_grad()
+def load_into_module(module: nn.Module, model_dir: str) -> None:
+    """Fill `module`'s parameters and persistent buffers in place from the checkpoint, tensor by tensor, each in
+    the dtype and on the device it already has (build the module with `param_dtype`). Every state-dict entry must
+    be in the checkpoint (V4 never ties `lm_head` to the embedding, so tied weights are not handled)."""
+    targets = module.state_dict()
+    plan = _make_plan(model_dir, expected_from_module(module))
+    for name, tensor in _iterate(plan, list(targets), lambda n: targets[n].dtype, lambda n: targets[n].device):
+        targets[name].copy_(tensor)
