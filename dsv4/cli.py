@@ -1,4 +1,5 @@
-"""The `dsv4` command: `dsv4 generate` (offline generation) and `dsv4 make-model` (random checkpoints)."""
+"""The `dsv4` command: `dsv4 generate` (offline generation), `dsv4 serve` (OpenAI-compatible server),
+`dsv4 bench serve` (serving benchmark) and `dsv4 make-model` (random checkpoints)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import sys
 from typing import Any
 
+from dsv4.bench.serve import add_cli_args as add_bench_serve_args
 from dsv4.models.config import ConfigError
 from dsv4.sampling_params import SamplingParams, SamplingParamsError
 
@@ -42,6 +44,26 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, help="longest prompt + completion, in tokens")
     gen.add_argument("--max-num-seqs", type=int, help="requests per batch")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+
+    srv = sub.add_parser("serve", help="serve the OpenAI API (chat, completions, /metrics) over HTTP")
+    srv.add_argument("--model", help="checkpoint directory (default: the built-in random tiny-v4 model)")
+    srv.add_argument("--served-model-name", help="the model's name in the API (default: --model as given)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    srv.add_argument("--api-key", default=os.environ.get("DSV4_API_KEY"),
+                     help="require `Authorization: Bearer KEY` on /v1 routes (default $DSV4_API_KEY)")
+    srv.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA, else float32)")
+    srv.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available)")
+    srv.add_argument("--max-model-len", type=int, help="longest prompt + completion, in tokens")
+    srv.add_argument("--max-num-seqs", type=int, help="requests per batch")
+    srv.add_argument("--max-num-batched-tokens", type=int, help="tokens per engine step")
+    srv.add_argument("--block-size", type=int, help="KV cache block size, in tokens")
+    srv.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: room for max-num-seqs requests)")
+    srv.add_argument("--seed", type=int, help="engine random seed")
+    srv.add_argument("--log-level", default="info", help="debug | info | warning | error (default info)")
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    add_bench_serve_args(bench.add_parser("serve", help="load an OpenAI server; report TTFT, TPOT, ITL, E2EL"))
 
     mk = sub.add_parser("make-model", help="write a random-weight checkpoint of a preset")
     mk.add_argument("--preset", default="tiny-v4", help="preset name (default tiny-v4)")
@@ -90,14 +112,31 @@ def _generate(args: argparse.Namespace) -> None:
             print(completion.text)
 
 
+def _serve(args: argparse.Namespace) -> None:
+    import logging
+
+    from dsv4.serve.api_server import run_server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine_args = {name: getattr(args, name) for name in ("dtype", "device", "max_model_len", "max_num_seqs",
+                                                           "max_num_batched_tokens", "block_size", "num_kv_blocks",
+                                                           "seed") if getattr(args, name) is not None}
+    run_server(args.model, host=args.host, port=args.port, api_key=args.api_key,
+               served_model_name=args.served_model_name, log_level=args.log_level.lower(), **engine_args)
+
+
+def _bench_serve(args: argparse.Namespace) -> None:
+    from dsv4.bench.serve import main as bench_serve
+
+    bench_serve(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dsv4` script; returns the exit status (2 for user errors)."""
     args = _build_parser().parse_args(argv)
     try:
-        if args.command == "make-model":
-            _make_model(args)
-        else:
-            _generate(args)
+        commands = {"make-model": _make_model, "generate": _generate, "serve": _serve, "bench": _bench_serve}
+        commands[args.command](args)
     except _user_errors() as e:
         print(f"dsv4: error: {e}", file=sys.stderr)
         return 2

@@ -2,27 +2,114 @@
 
 from __future__ import annotations
 
-import torch
+import json
+import os
+import re
 
-from dsv4.models.config import ModelConfig
+import torch
+from torch import nn
+
+from dsv4.models.config import ConfigError, ModelConfig
 from dsv4.models.deepseek_v4 import DeepseekV4ForCausalLM
 from dsv4.models.layers.rope import RotaryTable
-from dsv4.models.loader import load_into_module, param_dtype
+from dsv4.models.loader import CheckpointError, load_into_module, param_dtype, route_v41
+
+# V4.1 keeps only the mHC parameters, attention sinks and router biases in fp32 (its norms follow the model dtype).
+_V41_FP32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|attn_sink|gate\.bias(_vl)?)$")
 
 
-def build_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, device: torch.device | str
-                ) -> DeepseekV4ForCausalLM:
-    """Create the module on the meta device, materialize every tensor in its load dtype on `device` (norms,
-    mHC, sinks and router biases stay fp32), then load the checkpoint (all tensors must be present)."""
-    with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(cfg)
+def v41_param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a V4.1 tensor in a model of dtype `dtype`."""
+    return torch.float32 if _V41_FP32.search(name) else dtype
+
+
+def _materialize(model: nn.Module, device: torch.device | str, dtype_of) -> nn.Module:
     model = model.to_empty(device=device)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.data = p.data.to(param_dtype(name, dtype))
+            p.data = p.data.to(dtype_of(name))
         for module in model.modules():
             if isinstance(module, RotaryTable):
                 module.reset()
+    return model
+
+
+def build_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """Create the module on the meta device, materialize every tensor in its load dtype on `device`, then load
+    the checkpoint (all tensors must be present). V4.1 also binds the engram token map and host tables."""
+    if cfg.v41 is None:
+        with torch.device("meta"):
+            model = DeepseekV4ForCausalLM(cfg)
+        model = _materialize(model, device, lambda n: param_dtype(n, dtype))
+        if model_dir is not None:
+            load_into_module(model, model_dir)
+        return model.eval()
+
+    from dsv4.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    with torch.device("meta"):
+        model = DeepseekV41ForCausalLM(cfg)
+    model = _materialize(model, device, lambda n: v41_param_dtype(n, dtype))
     if model_dir is not None:
-        load_into_module(model, model_dir)
+        load_into_module(model, model_dir, route_v41)
+        if cfg.v41.engram is not None:
+            bind_engram(model, model_dir)
     return model.eval()
+
+
+def bind_engram(model: nn.Module, model_dir: str) -> None:
+    """Token map from the checkpoint's tokenizer (its size must equal engram_compressed_vocab_size) and one
+    memory-mapped host table per engram layer."""
+    import tokenizers
+
+    from dsv4.models.engram import HostTable, build_compressed_token_map
+
+    eng = model.cfg.v41.engram
+    tok_path = os.path.join(model_dir, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        raise ConfigError(f"engram needs the checkpoint's tokenizer.json (not found in {model_dir!r})")
+    token_map, size = build_compressed_token_map(tokenizers.Tokenizer.from_file(tok_path))
+    if size != eng.compressed_vocab_size:
+        raise ConfigError(f"config field `engram_compressed_vocab_size`: the tokenizer gives {size} compressed ids, "
+                          f"the config says {eng.compressed_vocab_size}; refusing to run with a mismatched engram")
+    if len(token_map) < model.cfg.vocab_size:
+        raise ConfigError(f"the tokenizer covers {len(token_map)} ids but vocab_size is {model.cfg.vocab_size}")
+    files = _tensor_files(model_dir)
+    tables = {}
+    layout = model.engram_layout
+    for layer in eng.layer_ids:
+        w = _find(files, [f"model.layers.{layer}.engram.embed.weight", f"layers.{layer}.engram.embed.weight",
+                          f"model.engram_tables.{layer}.weight", f"engram_tables.{layer}.weight"])
+        if w is None:
+            raise CheckpointError(f"missing engram table of layer {layer} (layers.{layer}.engram.embed.weight)")
+        key, path = w
+        scale = _find(files, [key.replace("embed.weight", "embed.scale"), key.replace(".weight", ".weight_scale_inv")])
+        table = HostTable.from_safetensors(path, key, scale[0] if scale else None, scale[1] if scale else None)
+        if table.num_rows < layout.rows[layer]:
+            raise CheckpointError(f"engram table of layer {layer} has {table.num_rows} rows; the hash layout "
+                                  f"needs {layout.rows[layer]}")
+        tables[layer] = table
+    model.bind_engram(torch.from_numpy(token_map).long(), tables)
+
+
+def _tensor_files(model_dir: str) -> dict[str, str]:
+    """Tensor name -> the safetensors file holding it (from the index, or the single file's header)."""
+    from dsv4.models.engram import read_safetensors_header
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            return {k: os.path.join(model_dir, v) for k, v in json.load(f)["weight_map"].items()}
+    out = {}
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            path = os.path.join(model_dir, name)
+            out.update({k: path for k in read_safetensors_header(path) if not k.startswith("__")})
+    return out
+
+
+def _find(files: dict[str, str], names: list[str]) -> tuple[str, str] | None:
+    for n in names:
+        if n in files:
+            return n, files[n]
+    return None

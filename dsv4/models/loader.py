@@ -172,6 +172,55 @@ def _route(key: str) -> _Route | None:
     return _Route(prefix + rest)
 
 
+# ---- V4.1 names ------------------------------------------------------------------------------------------------
+# V4.1's internal names are the reference's original names (model.md 10.2) under `model.`, with packed experts.
+# Newer HF-V41 module names map onto them; engram tables are left to `HostTable` (host memory, memory-mapped).
+_V41_TOP = {"embed.weight": "model.embed.weight", "embed_tokens.weight": "model.embed.weight",
+            "head.weight": "lm_head.weight", "lm_head.weight": "lm_head.weight", "norm.weight": "model.norm.weight"}
+_V41_RENAMES = [  # newer HF-V41 -> original, applied to the layer-relative part
+    ("input_layernorm.", "attn_norm."), ("post_attention_layernorm.", "ffn_norm."),
+    ("attn_hc.fn", "hc_attn_fn"), ("attn_hc.base", "hc_attn_base"), ("attn_hc.scale", "hc_attn_scale"),
+    ("ffn_hc.fn", "hc_ffn_fn"), ("ffn_hc.base", "hc_ffn_base"), ("ffn_hc.scale", "hc_ffn_scale"),
+    ("self_attn.q_a_proj.", "attn.wq_a."), ("self_attn.q_a_norm.", "attn.q_norm."), ("self_attn.q_b_proj.", "attn.wq_b."),
+    ("self_attn.kv_proj.", "attn.wkv."), ("self_attn.o_a_proj.", "attn.wo_a."), ("self_attn.o_b_proj.", "attn.wo_b."),
+    ("self_attn.sinks", "attn.attn_sink"), ("self_attn.compressor.kv_proj.", "attn.compressor.wkv."),
+    ("self_attn.compressor.gate_proj.", "attn.compressor.wgate."), ("self_attn.compressor.kv_norm.", "attn.compressor.norm."),
+    ("self_attn.indexer.q_b_proj.", "attn.indexer.wq_b."), ("self_attn.indexer.k_proj.", "attn.indexer.wk."),
+    ("self_attn.", "attn."), ("mlp.gate.e_score_correction_bias_vl", "ffn.gate.bias_vl"),
+    ("mlp.gate.e_score_correction_bias", "ffn.gate.bias"), ("mlp.shared_experts.gate_proj.", "ffn.shared_experts.w1."),
+    ("mlp.shared_experts.up_proj.", "ffn.shared_experts.w3."), ("mlp.shared_experts.down_proj.", "ffn.shared_experts.w2."),
+    ("mlp.", "ffn."),
+]
+_V41_IGNORED = re.compile(r"^(mtp\.|engram_tables\.|layers\.\d+\.engram\.embed\.)")
+
+
+def route_v41(key: str) -> _Route | None:
+    """Internal V4.1 name of a checkpoint key (original, HF-saved or newer-HF spelling); None for keys loaded
+    elsewhere or not used (engram tables, `mtp.*`)."""
+    bare = key
+    for prefix in ("model.language_model.", "language_model.model.", "model."):
+        if bare.startswith(prefix):
+            bare = bare[len(prefix):]
+            break
+    if _V41_IGNORED.match(bare):
+        return None
+    if bare in _V41_TOP:
+        return _Route(_V41_TOP[bare])
+    m = _LAYER_RE.match(bare)
+    if m is None:
+        return _Route(bare if bare.startswith("lm_head.") else "model." + bare)
+    prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
+    e = _EXPERT_RE.match(rest)
+    if e is not None:
+        packed, half = _EXPERT_PART[e.group(2)]
+        return _Route(prefix + "ffn.experts." + packed, expert=int(e.group(1)), half=half)
+    for old, new in _V41_RENAMES:
+        if rest.startswith(old):
+            rest = new + rest[len(old):]
+            break
+    return _Route(prefix + rest)
+
+
 def canonical_name(key: str) -> str | None:
     """Internal (HF) name for a checkpoint key in any accepted spelling; per-expert keys give the packed name
     (`...mlp.experts.gate_up_proj` / `down_proj`). None for ignored keys (`mtp.*`)."""
@@ -351,7 +400,7 @@ def _fmt(shape: Shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def _make_plan(model_dir: str, expected: Expected) -> _Plan:
+def _make_plan(model_dir: str, expected: Expected, route_fn: Callable[[str], _Route | None] = _route) -> _Plan:
     infos = _scan(model_dir)
     other: list[str] = []
 
@@ -370,7 +419,7 @@ def _make_plan(model_dir: str, expected: Expected) -> _Plan:
     for k, info in infos.items():
         if k in scales:
             continue
-        route = _route(k)
+        route = route_fn(k)
         if route is None:
             n_ignored += 1
             continue
@@ -390,7 +439,8 @@ def _make_plan(model_dir: str, expected: Expected) -> _Plan:
         else:
             t.pieces[(route.expert, route.half)] = src
     if n_ignored:
-        logger.info("ignoring %d mtp.* tensors in %s (multi-token prediction is not used)", n_ignored, model_dir)
+        logger.info("not loading %d tensors of %s into the module (mtp.* drafter weights until speculative "
+                    "decoding lands; engram tables, which stay memory-mapped)", n_ignored, model_dir)
 
     for name, t in targets.items():
         if t.single is not None and (t.pieces or len(sources_of[name]) > 1):
@@ -525,11 +575,11 @@ def expected_from_module(module: nn.Module) -> dict[str, tuple[Shape, torch.dtyp
 
 
 @torch.no_grad()
-def load_into_module(module: nn.Module, model_dir: str) -> None:
+def load_into_module(module: nn.Module, model_dir: str, route_fn: Callable[[str], _Route | None] = _route) -> None:
     """Fill `module`'s parameters and persistent buffers in place from the checkpoint, tensor by tensor, each in
     the dtype and on the device it already has (build the module with `param_dtype`). Every state-dict entry must
     be in the checkpoint (V4 never ties `lm_head` to the embedding, so tied weights are not handled)."""
     targets = module.state_dict()
-    plan = _make_plan(model_dir, expected_from_module(module))
+    plan = _make_plan(model_dir, expected_from_module(module), route_fn)
     for name, tensor in _iterate(plan, list(targets), lambda n: targets[n].dtype, lambda n: targets[n].device):
         targets[name].copy_(tensor)

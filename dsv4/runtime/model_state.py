@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.kv.spec import PAD_SLOT, KVGroupSpec
+from dsv4.ops.lookback import gather_lookback
 from dsv4.runtime.attn_metadata import AttnMetadata, build_attn_metadata
 from dsv4.runtime.block_tables import BlockTables
 from dsv4.runtime.input_batch import InputBatch
@@ -55,3 +56,36 @@ class DefaultModelState:
     def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, torch.Tensor]:
         """The same keys as prepare_inputs, for warm-up, profiling and graph capture."""
         return {}
+
+
+class DeepseekV41ModelState(DefaultModelState):
+    """DefaultModelState plus the engram lookback window (the seed's `DeepseekV41ModelState`, first half).
+
+    The engram n-gram hash needs the ids of the `depth` tokens before each request's chunk. The runner keeps
+    every request's token history on the device, so the window is gathered there each step, in one op: exact
+    for prompt and generated tokens alike, whoever computed their KV. The buffer is persistent so a captured
+    graph reads the same address on every replay.
+    """
+
+    def __init__(self, groups: tuple[KVGroupSpec, ...], max_num_reqs: int, depth: int, device: torch.device) -> None:
+        super().__init__(groups)
+        self.lookback_token_ids: torch.Tensor | None = None
+        if depth > 0:
+            self.lookback_token_ids = torch.full((max_num_reqs, depth), -1, dtype=torch.int32, device=device)
+
+    def prepare_inputs(self, batch: InputBatch, req_state: RequestState) -> dict[str, torch.Tensor]:
+        inputs = super().prepare_inputs(batch, req_state)
+        if self.lookback_token_ids is None:
+            return inputs
+        # chunk start of each row = the position of its first query token (a device gather, no host sync)
+        starts = batch.positions[batch.query_start_loc[: batch.num_reqs].long()]
+        gather_lookback(self.lookback_token_ids, batch.idx_mapping, starts, req_state.token_history, batch.num_reqs)
+        inputs["lookback_token_ids"] = self.lookback_token_ids
+        return inputs
+
+    def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, torch.Tensor]:
+        inputs = super().prepare_dummy_inputs(num_reqs, num_tokens)
+        if self.lookback_token_ids is not None:
+            self.lookback_token_ids.fill_(-1)  # replays refill it in place
+            inputs["lookback_token_ids"] = self.lookback_token_ids
+        return inputs

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import nn
 
 from dsv4.config import EngineConfig
 from dsv4.kv.spec import KVGroupSpec
-from dsv4.models.deepseek_v4 import DeepseekV4ForCausalLM
 from dsv4.runtime.block_tables import BlockTables
 from dsv4.runtime.input_batch import InputBatch, InputBuffers
 from dsv4.runtime.kv_cache import allocate_kv_caches
-from dsv4.runtime.model_state import DefaultModelState
+from dsv4.runtime.model_state import DeepseekV41ModelState, DefaultModelState
 from dsv4.runtime.request_state import RequestState
 from dsv4.runtime.sampler import Sampler, SamplingTensors
 from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
@@ -26,7 +26,7 @@ from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
 class ModelRunner:
     """Owns the model, its KV caches and every per-request device tensor."""
 
-    def __init__(self, config: EngineConfig, model: DeepseekV4ForCausalLM, groups: tuple[KVGroupSpec, ...],
+    def __init__(self, config: EngineConfig, model: nn.Module, groups: tuple[KVGroupSpec, ...],
                  dtype: torch.dtype) -> None:
         self.config, self.model, self.groups = config, model, groups
         self.device = torch.device(config.device)
@@ -37,7 +37,11 @@ class ModelRunner:
         self.block_tables = BlockTables(groups, sc.max_num_seqs, sc.max_model_len, self.device)
         self.buffers = InputBuffers(sc.max_num_seqs, sc.max_num_batched_tokens, self.device)
         self.kv_caches = allocate_kv_caches(config.model, groups, dtype, self.device)
-        self.model_state = DefaultModelState(groups)
+        if config.model.v41 is not None:
+            self.model_state: DefaultModelState = DeepseekV41ModelState(
+                groups, sc.max_num_seqs, model.token_lookback_depth, self.device)
+        else:
+            self.model_state = DefaultModelState(groups)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(config.seed)
         self.sampler = Sampler(gen)

@@ -1,0 +1,274 @@
+"""AsyncLLMEngine: many asyncio callers, one LLMEngine stepping in one background thread.
+
+LLMEngine is not thread-safe, so only the engine thread touches it. Callers put commands (add, abort) on a queue;
+the thread drains it between steps, steps while anything is unfinished, and sleeps on a condition when idle (no
+busy spin). Each request has an asyncio queue on its caller's event loop, fed with `call_soon_threadsafe`.
+
+    stream = await engine.add_request(prompt, params, request_id)   # RequestError here, before any output
+    async for out in stream: ...                                     # cumulative RequestOutputs, last one finished
+
+`generate()` does both. A stream left before its final output (client disconnect, cancellation, an exception in
+the consumer) aborts its request, so its KV blocks are freed at the next step boundary. Errors from add_request
+reach only that request's caller; an exception inside `step()` fails every request and marks the engine dead
+(`/health` then reports it), since the engine's state can no longer be trusted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsv4.engine.engine import LLMEngine, RequestError
+from dsv4.outputs import RequestOutput
+from dsv4.sampling_params import SamplingParams
+from dsv4.serve.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down, or a step raised); no request can run any more."""
+
+
+_ACCEPTED = object()  # the engine thread's acknowledgement that add_request succeeded
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator. Leaving it before the end aborts the request."""
+
+    def __init__(self, engine: "AsyncLLMEngine", request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._engine = engine
+        self._loop = loop
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    def put(self, item: Any) -> None:
+        """Called from the engine thread: hand an output (or an exception) to the consumer's loop."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+            pass
+
+    async def _get(self) -> Any:
+        item = await self._queue.get()
+        # Outputs are cumulative, so a consumer that fell behind only needs the latest one; an exception or the
+        # final output ends the stream and is never skipped.
+        while not self._queue.empty() and isinstance(item, RequestOutput) and not item.finished:
+            item = self._queue.get_nowait()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while not self.finished:
+                out = await self._get()
+                self.finished = out.finished
+                yield out
+        finally:
+            if not self.finished:
+                self.abort()
+
+    def abort(self) -> None:
+        """Abort the request (no-op once it finished)."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: RequestStream
+    arrival_time: float
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Live:
+    """The engine thread's bookkeeping of one running request (for its stream and the latency metrics)."""
+
+    stream: RequestStream
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
+    num_tokens: int = 0
+
+
+@dataclass
+class _Commands:
+    items: deque[_Add | _Abort] = field(default_factory=deque)
+    stop: bool = False
+
+
+class AsyncLLMEngine:
+    """An asyncio front over LLMEngine; call `start()` once, then `add_request`/`generate`/`abort` from any loop."""
+
+    def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics if metrics is not None else EngineMetrics()
+        self._cond = threading.Condition()
+        self._commands = _Commands()
+        self._live: dict[str, _Live] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self.dead_error: BaseException | None = None
+
+    @classmethod
+    def from_args(cls, model: str, metrics: EngineMetrics | None = None, **engine_args: Any) -> "AsyncLLMEngine":
+        """Build the LLMEngine (`LLMEngine.from_args` arguments) and wrap it; the thread is not started yet."""
+        return cls(LLMEngine.from_args(model, **engine_args), metrics)
+
+    # ---- facts callers need (constant after construction, so safe to read from any thread) ----------------------
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's Tokenizer (encode/decode/chat template are safe to call concurrently)."""
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """Most tokens (prompt + output) one request may hold: max_model_len, or less if the KV cache is smaller."""
+        return min(self.engine.config.scheduler.max_model_len, self.engine.scheduler.max_len)
+
+    @property
+    def is_running(self) -> bool:
+        """Whether the engine thread is alive and accepting requests."""
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    # ---- lifecycle ----------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dsv4-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the thread after its current step; requests still in flight fail with EngineDeadError."""
+        with self._cond:
+            self._commands.stop = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- requests -----------------------------------------------------------------------------------------------
+    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestStream:
+        """Queue a request and wait until the engine accepted it; RequestError (a ValueError) if it refused."""
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running") from self.dead_error
+        stream = RequestStream(self, request_id, asyncio.get_running_loop())
+        self._submit(_Add(request_id, prompt, params, stream, time.monotonic()))
+        try:
+            first = await stream._queue.get()
+        except asyncio.CancelledError:
+            self.abort(request_id)  # queued after the add, so it takes effect whatever the engine does first
+            raise
+        if first is not _ACCEPTED:
+            stream.finished = True  # never added: nothing to abort (and the id may belong to someone else)
+            raise first
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative outputs until the finished one; leaving early aborts the request."""
+        stream = await self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:  # runs on aclose()/cancellation, without waiting for the inner iterator to be collected
+            stream.abort()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (unknown or finished ids are ignored); takes effect before the next step."""
+        self._submit(_Abort(request_id))
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        with self._cond:
+            self._commands.items.append(command)
+            self._cond.notify()
+
+    # ---- the engine thread --------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while (not self._commands.items and not self._commands.stop
+                           and not self.engine.has_unfinished_requests()):
+                        self._cond.wait()
+                    if self._commands.stop:
+                        break
+                    commands, self._commands.items = self._commands.items, deque()
+                for command in commands:
+                    self._apply(command)
+                if self.engine.has_unfinished_requests():
+                    self._dispatch(self.engine.step())
+                self._record_state()
+            error: BaseException = EngineDeadError("the engine was shut down")
+        except Exception as e:  # a bug in a step: the engine state is suspect, so fail everyone and stop
+            logger.exception("engine step failed; the engine is stopping")
+            error = EngineDeadError(f"engine step failed: {e!r}")
+            error.__cause__ = e
+        self.dead_error = error
+        with self._cond:  # requests that arrived meanwhile must not wait forever
+            pending = [c for c in self._commands.items if isinstance(c, _Add)]
+            self._commands.items.clear()
+        for live in self._live.values():
+            live.stream.put(error)
+        for command in pending:
+            command.stream.put(error)
+        self._live.clear()
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            if self._live.pop(command.request_id, None) is not None:
+                self.engine.abort_request([command.request_id])
+                self.metrics.on_finished("abort", None)
+            return
+        try:
+            self.engine.add_request(command.prompt, command.params, command.request_id)
+        except Exception as e:  # RequestError and anything unexpected: that caller's problem only
+            if not isinstance(e, RequestError):
+                logger.exception("add_request failed for %s", command.request_id)
+            command.stream.put(e)
+            return
+        self._live[command.request_id] = _Live(command.stream, command.arrival_time)
+        command.stream.put(_ACCEPTED)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            num_tokens = sum(len(o.token_ids) for o in out.outputs)
+            new = num_tokens - live.num_tokens
+            if new > 0:
+                if live.first_token_time is None:
+                    live.first_token_time = now
+                    self.metrics.on_first_output(now - live.arrival_time, len(out.prompt_token_ids),
+                                                 out.num_cached_tokens)
+                    self.metrics.on_new_tokens(new, None)
+                else:
+                    self.metrics.on_new_tokens(new, now - live.last_token_time)
+                live.last_token_time, live.num_tokens = now, num_tokens
+            if out.finished:
+                del self._live[out.request_id]
+                # A request finishes with one reason per sample; report the first sample's, as vLLM reports one.
+                self.metrics.on_finished(out.outputs[0].finish_reason or "stop", now - live.arrival_time)
+            live.stream.put(out)
+
+    def _record_state(self) -> None:
+        sched = self.engine.scheduler
+        self.metrics.on_scheduler_state(sched.num_running, sched.num_waiting, self.engine.kv_manager.usage(),
+                                        sched.num_preemptions)

@@ -1,0 +1,446 @@
+"""DeepSeek-V4.1 text model (model.md sections 3, 5, 6, 7): CSA2 attention with shared compressed KV, re-used
+top-k and candidate pre-selection; the QAT fake-quant that is part of the model; delayed mHC; the fp32 router
+with gate_temp and bias_vl; Engram injection before a layer's mixes.
+
+Parameter names are the reference's original names (`model.layers.L.attn.wq_a.weight`, ...), except that
+routed experts are packed (`ffn.experts.gate_up_proj [E, 2I, D]`, `ffn.experts.down_proj [E, D, I]`) and the
+engram tables live outside the module in host memory (`HostTable`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.models.config import ModelConfig
+from dsv4.models.deepseek_v4 import QUERY_BLOCK, sink_attention, write_slots
+from dsv4.models.engram import Engram, EngramLayout, HostTable, engram_hash
+from dsv4.models.layers.compress import closing_windows, roll_ring, window_rows
+from dsv4.models.layers.mhc import hc_mixes
+from dsv4.models.layers.moe import clamped_swiglu, score
+from dsv4.models.layers.rope import RotaryTable, apply_rope
+from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant
+from dsv4.ops.topk import stable_topk
+from dsv4.runtime.attn_metadata import AttnMetadata, slots_of
+from dsv4.runtime.kv_cache import LayerKVCache
+
+
+class RMSNormV41(nn.Module):
+    """V4.1 RMSNorm: the normalised value is cast to the input dtype first, then scaled by the weight (model
+    dtype)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_j pre_j h_j in fp32, cast to the stream dtype."""
+    return (pre.unsqueeze(-1) * h.float()).sum(dim=1).to(h.dtype)
+
+
+def expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """h'_k = post_k y + sum_j comb[j, k] h_j, in fp32 (V4.1 numerics), cast to the stream dtype."""
+    out = post.unsqueeze(-1) * y.float().unsqueeze(1) + torch.matmul(comb.transpose(-1, -2), h.float())
+    return out.to(h.dtype)
+
+
+@dataclass
+class StepState:
+    """What layers publish to later layers within one forward: per request, the top-k picks of the latest
+    index source ([T_r, K] entry ids, -1 = none) and the candidate source's kept blocks ([T_r, C], -1 = none)."""
+
+    topk: list[torch.Tensor | None] = field(default_factory=list)
+    candidates: list[torch.Tensor | None] = field(default_factory=list)
+
+
+class Compressor(nn.Module):
+    """KV-source compressor: ratio 2 = gated softmax pooling of aligned pairs (fp32, no position bias), ratio 1 =
+    one projected latent per token. Produces the pre-rope latent of every entry that completes this step."""
+
+    def __init__(self, hidden: int, head_dim: int, ratio: int, eps: float) -> None:
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = nn.Linear(hidden, head_dim, bias=False)
+        if ratio > 1:
+            self.wgate = nn.Linear(hidden, head_dim, bias=False)
+        self.norm = RMSNormV41(head_dim, eps)
+
+    def forward(self, x: torch.Tensor, md: AttnMetadata, cache: LayerKVCache, state_blocks: torch.Tensor
+                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per request: (entry ids [n], latents [n, head_dim]) of the entries that complete in this step."""
+        qsl, ctx = md.query_start_loc_cpu, md.context_lens_cpu
+        out = []
+        if self.ratio == 1:
+            lat = self.norm(self.wkv(x))
+            for r in range(md.num_reqs):
+                out.append((md.positions[qsl[r]:qsl[r + 1]], lat[qsl[r]:qsl[r + 1]]))
+            return out
+        m = self.ratio
+        kv_all = F.linear(x.float(), self.wkv.weight.float())
+        gate_all = F.linear(x.float(), self.wgate.weight.float())
+        for r in range(md.num_reqs):
+            t0, t1 = qsl[r], qsl[r + 1]
+            p0, blk = ctx[r], int(state_blocks[r])
+            kv, gate = kv_all[t0:t1], gate_all[t0:t1]
+            w = closing_windows(p0, p0 + (t1 - t0), m, x.device)
+            if w.numel() > 0:
+                ext_kv, ext_gate, base = window_rows(kv, gate, cache.ring_kv, cache.ring_gate, blk, p0)
+                rows = w[:, None] * m + torch.arange(m, device=x.device) - base
+                pooled = (ext_kv[rows] * ext_gate[rows].softmax(dim=1)).sum(dim=1)
+                out.append((w, self.norm(pooled.to(x.dtype))))
+            else:
+                out.append((w, x.new_zeros(0, self.wkv.weight.shape[0])))
+            if t1 > t0:
+                roll_ring(cache.ring_kv, cache.ring_gate, blk, kv, gate, p0)
+        return out
+
+
+class Indexer(nn.Module):
+    """Index source: scores every visible entry of its KV group per query and publishes the top-k. A KV source
+    that is an index source also owns the keys (`wk`, `k_norm`) derived from the compressor's latents."""
+
+    def __init__(self, cfg: ModelConfig, owns_keys: bool) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False)
+        if owns_keys:
+            self.wk = nn.Linear(cfg.head_dim, cfg.index_head_dim, bias=False)
+            self.k_norm = RMSNormV41(cfg.index_head_dim, cfg.rms_norm_eps)
+
+    def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Indexer keys of entries from their pre-rope latents: k_norm(wk(latent)), roped, FP4 (ue8m0/32)."""
+        return fp4_fake_quant_ue8m0(apply_rope(self.k_norm(self.wk(latent)), cos, sin))
+
+    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries [T, IH, d] (roped, FP4, fp32) and head weights [T, IH] (fp32)."""
+        q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
+        q = fp4_fake_quant_ue8m0(apply_rope(q, cos, sin))
+        return q.float(), self.weights_proj(x).float() * self.n_heads ** -0.5
+
+    def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, qpos: torch.Tensor,
+               ratio: int) -> torch.Tensor:
+        """[Q, n] fp32 scores; entries a query cannot see yet (e >= (t+1) div ratio) are -inf."""
+        s = torch.relu(torch.einsum("qhd,nd->qhn", q, keys.float())) * self.head_dim ** -0.5
+        s = (s * w.unsqueeze(-1)).sum(dim=1)
+        visible = torch.arange(keys.shape[0], device=q.device)[None, :] < ((qpos + 1) // ratio)[:, None]
+        return s.masked_fill(~visible, float("-inf"))
+
+
+def candidate_blocks(scores: torch.Tensor, qpos: torch.Tensor, ratio: int, block: int, keep: int) -> torch.Tensor:
+    """The candidate source's per-query pre-selection: block scores = max over `block` entries, the block of
+    the newest visible entry pinned to +inf, the top `keep` blocks with a finite score. [Q, keep] ids, -1 = none."""
+    Q, n = scores.shape
+    nb = -(-n // block)
+    padded = F.pad(scores, (0, nb * block - n), value=float("-inf"))
+    bs = padded.view(Q, nb, block).amax(dim=-1)
+    newest = (qpos + 1) // ratio - 1
+    has = newest >= 0
+    bs[has, (newest[has] // block)] = float("inf")
+    k = min(keep, nb)
+    picks = stable_topk(bs, k)
+    return torch.where(bs.gather(1, picks) > float("-inf"), picks, torch.full_like(picks, -1))
+
+
+def picks_to_bias(picks: torch.Tensor, n: int) -> torch.Tensor:
+    """[Q, K] entry ids (-1 = none) -> [Q, n] 0/-inf bias over the group's first n entries."""
+    ok = (picks >= 0) & (picks < n)
+    sel = torch.zeros(picks.shape[0], n + 1, dtype=torch.bool, device=picks.device)
+    sel.scatter_(1, torch.where(ok, picks, torch.full_like(picks, n)), True)
+    return torch.zeros(sel.shape, device=picks.device).masked_fill(~sel, float("-inf"))[:, :n]
+
+
+class AttentionV41(nn.Module):
+    """Shared-KV MQA with sinks over the FP8 window ++ the group's FP4 compressed entries picked by top-k."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        sched = cfg.v41
+        self.layer, self.cfg = layer, cfg
+        self.ratio = cfg.compress_ratios[layer]
+        self.n_heads, self.head_dim, self.window = cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window
+        self.kv_source = sched.kv_source_of(layer) if self.ratio > 0 else None
+        self.index_source = sched.index_source_of(layer) if self.ratio > 0 else None
+        self.is_kv_source = self.kv_source == layer
+        self.is_index_source = self.index_source == layer
+        self.is_candidate = layer == sched.candidate_source_layer_id
+        cand = sched.candidate_source_layer_id
+        self.uses_candidates = self.is_index_source and 0 <= cand < layer
+        self.wq_a = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_norm = RMSNormV41(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.kv_norm = RMSNormV41(self.head_dim, cfg.rms_norm_eps)
+        self.o_groups = cfg.o_groups
+        self.wo_a = nn.Linear(self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.rope = RotaryTable(cfg.rope_compress if self.ratio > 0 else cfg.rope_main)
+        if self.is_kv_source:
+            self.compressor = Compressor(cfg.hidden_size, self.head_dim, self.ratio, cfg.rms_norm_eps)
+        if self.is_index_source:
+            self.indexer = Indexer(cfg, owns_keys=self.is_kv_source)
+
+    def _publish_entries(self, x: torch.Tensor, md: AttnMetadata, cache: LayerKVCache) -> None:
+        """KV source: write this step's completed entries (FP4 compressed KV, FP4 indexer keys) to its caches."""
+        group = md.groups[f"compressed_{self.ratio}"]
+        table = md.block_tables[group.name]
+        state = md.block_tables["compressor_state"][:, 0] if "compressor_state" in md.block_tables else None
+        for r, (ent, lat) in enumerate(self.compressor(x, md, cache, state)):
+            if ent.numel() == 0:
+                continue
+            cos, sin = self.rope(ent * self.ratio)  # an entry sits at its group's first token
+            slots = slots_of(table[r], ent, group.block_size)
+            write_slots(cache.compressed, slots, fp4_fake_quant_e4m3(apply_rope(lat, cos, sin)))
+            write_slots(cache.index_keys, slots, self.indexer.keys(lat, cos, sin))
+
+    def forward(self, x: torch.Tensor, md: AttnMetadata, caches: list[LayerKVCache], step: StepState) -> torch.Tensor:
+        T = x.shape[0]
+        cache = caches[self.layer]
+        cos, sin = self.rope(md.positions)
+        qr = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), cos, sin)
+        kv = fp8_fake_quant(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
+        write_slots(cache.window, md.window_slot_mapping, kv)
+
+        src = caches[self.kv_source] if self.kv_source is not None else None
+        if self.is_kv_source:
+            self._publish_entries(x, md, cache)
+        if self.is_index_source:
+            qi, iw = self.indexer.queries(x, qr, cos, sin)
+            step.topk = [None] * md.num_reqs
+            if self.is_candidate:
+                step.candidates = [None] * md.num_reqs
+        comp_group = md.groups[f"compressed_{self.ratio}"] if self.ratio > 0 else None
+        sched = self.cfg.v41
+
+        win_group = md.groups["window"]
+        win_table = md.block_tables["window"]
+        out = torch.empty_like(q)
+        qsl, ctx = md.query_start_loc_cpu, md.context_lens_cpu
+        for r in range(md.num_reqs):
+            t0, t1 = qsl[r], qsl[r + 1]
+            if t0 == t1:
+                continue
+            ckeys = ikeys = None
+            n_all = 0
+            if comp_group is not None:
+                n_all = md.seq_len(r) // self.ratio  # the group's entries after this step
+                if n_all > 0:
+                    ent = torch.arange(n_all, device=x.device)
+                    slots = slots_of(md.block_tables[comp_group.name][r], ent, comp_group.block_size)
+                    ckeys = src.compressed[slots]
+                    if self.is_index_source:
+                        ikeys = src.index_keys[slots]
+                if self.is_index_source:
+                    k = min(self.indexer.topk, max(n_all, 1))
+                    step.topk[r] = torch.full((t1 - t0, k), -1, dtype=torch.long, device=x.device)
+                    if self.is_candidate:
+                        c = sched.candidate_topk_blocks
+                        step.candidates[r] = torch.full((t1 - t0, c), -1, dtype=torch.long, device=x.device)
+            for b0 in range(t0, t1, QUERY_BLOCK):
+                b1 = min(b0 + QUERY_BLOCK, t1)
+                qpos = md.positions[b0:b1]
+                p0 = int(ctx[r]) + (b0 - t0)
+                p1 = p0 + (b1 - b0)
+                kpos = torch.arange(max(0, p0 - self.window + 1), p1, device=x.device)
+                keys = cache.window[slots_of(win_table[r], kpos, win_group.block_size)]
+                in_window = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - self.window)
+                bias = torch.zeros(in_window.shape, device=x.device).masked_fill(~in_window, float("-inf"))
+                if ckeys is not None:
+                    if self.is_index_source:
+                        self._select(step, r, b0 - t0, b1 - t0, qi[b0:b1], iw[b0:b1], ikeys, qpos)
+                    picks = step.topk[r][b0 - t0:b1 - t0] if step.topk and step.topk[r] is not None else None
+                    cbias = (picks_to_bias(picks, n_all) if picks is not None else
+                             torch.full((b1 - b0, n_all), float("-inf"), device=x.device))
+                    keys = torch.cat([keys, ckeys], dim=0)
+                    bias = torch.cat([bias, cbias], dim=1)
+                out[b0:b1] = sink_attention(q[b0:b1], keys, bias, self.attn_sink, self.head_dim ** -0.5)
+
+        out = apply_rope(out, cos, sin, inverse=True)
+        g = self.o_groups
+        grouped = out.reshape(T, g, -1).transpose(0, 1)
+        w = self.wo_a.weight.view(g, -1, grouped.shape[-1])
+        o = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)
+        return self.wo_b(o)
+
+    def _select(self, step: StepState, r: int, a: int, b: int, qi: torch.Tensor, iw: torch.Tensor,
+                ikeys: torch.Tensor, qpos: torch.Tensor) -> None:
+        """Publish the top-k picks of queries [a, b) of request r (and, on the candidate source, its blocks)."""
+        sched = self.cfg.v41
+        s = self.indexer.scores(qi, iw, ikeys, qpos, self.ratio)
+        if self.is_candidate:
+            step.candidates[r][a:b] = candidate_blocks(s, qpos, self.ratio, sched.candidate_block_size,
+                                                       sched.candidate_topk_blocks)
+        elif self.uses_candidates and step.candidates and step.candidates[r] is not None:
+            blocks = step.candidates[r][a:b]
+            entry_block = torch.arange(s.shape[1], device=s.device) // sched.candidate_block_size
+            in_pool = (entry_block[None, None, :] == blocks[:, :, None]).any(dim=1)
+            s = s.masked_fill(~in_pool, float("-inf"))
+        k = step.topk[r].shape[1]
+        picks = stable_topk(s, min(k, s.shape[1]))
+        picks = torch.where(s.gather(1, picks) > float("-inf"), picks, torch.full_like(picks, -1))  # no -inf picks
+        step.topk[r][a:b, : picks.shape[1]] = picks
+
+
+class MoEV41(nn.Module):
+    """fp32 router (gate_temp; bias_vl steers image-span tokens), packed clamped-SwiGLU experts weighted before
+    w2, shared expert; routed and shared summed in fp32 and cast once."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
+        self.top_k, self.limit = cfg.num_experts_per_tok, cfg.swiglu_limit
+        self.gate_temp, self.scoring_func = cfg.v41.gate_temp, cfg.scoring_func
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.zeros(E, D))
+        self.gate.bias = nn.Parameter(torch.zeros(E, dtype=torch.float32))
+        self.gate.bias_vl = nn.Parameter(torch.zeros(E, dtype=torch.float32))
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, D))
+        self.experts.down_proj = nn.Parameter(torch.zeros(E, D, I))
+        self.shared_experts = nn.Module()
+        self.shared_experts.w1 = nn.Linear(D, I, bias=False)
+        self.shared_experts.w2 = nn.Linear(I, D, bias=False)
+        self.shared_experts.w3 = nn.Linear(D, I, bias=False)
+
+    def route(self, x: torch.Tensor, is_image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = score(F.linear(x.float(), self.gate.weight.float()) / self.gate_temp, self.scoring_func)
+        bias = torch.where(is_image[:, None], self.gate.bias_vl.float(), self.gate.bias.float())
+        idx = stable_topk(s + bias, self.top_k)
+        w = s.gather(1, idx)
+        if self.top_k > 1:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * self.routed_scaling_factor, idx
+
+    def forward(self, x: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
+        weights, idx = self.route(x, is_image)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.experts.gate_up_proj.shape[0]).tolist()
+        token_of = order // idx.shape[1]
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            sel, tok = order[start:start + c], token_of[start:start + c]
+            start += c
+            g, u = F.linear(x[tok], self.experts.gate_up_proj[e]).float().chunk(2, dim=-1)
+            h = (clamped_swiglu(g, u, self.limit) * weights.flatten()[sel, None]).to(x.dtype)
+            out.index_add_(0, tok, F.linear(h, self.experts.down_proj[e]).float())
+        se = self.shared_experts
+        h = clamped_swiglu(se.w1(x).float(), se.w3(x).float(), self.limit).to(x.dtype)
+        return (out + se.w2(h).float()).to(x.dtype)
+
+
+class DecoderLayerV41(nn.Module):
+    """Delayed mHC: the attention input collapses with the previous site's pre, the FFN input with this
+    layer's attention-site pre; Engram (if any) edits the streams before the mixes."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        n, D = cfg.hc_mult, cfg.hidden_size
+        self.hc = (cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        for site in ("attn", "ffn"):
+            setattr(self, f"hc_{site}_fn", nn.Parameter(torch.zeros((2 + n) * n, n * D, dtype=torch.float32)))
+            setattr(self, f"hc_{site}_base", nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32)))
+            setattr(self, f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+        self.attn_norm = RMSNormV41(D, cfg.rms_norm_eps)
+        self.ffn_norm = RMSNormV41(D, cfg.rms_norm_eps)
+        self.attn = AttentionV41(cfg, layer)
+        self.ffn = MoEV41(cfg)
+        eng = cfg.v41.engram
+        if eng is not None and layer in eng.layer_ids:
+            cols = (eng.max_ngram_size - 1) * eng.n_heads
+            self.engram = Engram(n, D, cols * eng.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, pre_prev: torch.Tensor, is_image: torch.Tensor, md: AttnMetadata,
+                caches: list[LayerKVCache], step: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+        pre_a, post_a, comb_a = hc_mixes(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc)
+        y = self.attn(self.attn_norm(collapse(h, pre_prev)), md, caches, step)
+        h = expand(y, h, post_a, comb_a)
+        pre_f, post_f, comb_f = hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc)
+        z = self.ffn(self.ffn_norm(collapse(h, pre_a)), is_image)
+        return expand(z, h, post_f, comb_f), pre_f
+
+
+class DeepseekV41Model(nn.Module):
+    """Embedding, layers on N streams with a carried `pre`, final collapse with the last FFN site's pre."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayerV41(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNormV41(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    """The V4.1 text model, its LM head, and the engram machinery (token map, layout, host tables)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = DeepseekV41Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        eng = cfg.v41.engram
+        self.engram_layout = None if eng is None else EngramLayout.from_config(
+            eng.layer_ids, eng.vocab_size, eng.max_ngram_size, eng.n_heads, eng.compressed_vocab_size)
+        self.engram_tables: dict[int, HostTable] = {}
+        self.register_buffer("token_map", torch.zeros(0, dtype=torch.int64), persistent=False)
+        self.compressed_pad = 0
+
+    @property
+    def token_lookback_depth(self) -> int:
+        """History tokens before a chunk that the engram hash needs (0 without engram)."""
+        eng = self.cfg.v41.engram
+        return 0 if eng is None else eng.max_ngram_size - 1
+
+    def bind_engram(self, token_map: torch.Tensor, tables: dict[int, HostTable]) -> None:
+        """Attach the tokenizer-derived compressed token map and the host tables (one per engram layer)."""
+        eng = self.cfg.v41.engram
+        self.token_map = token_map.to(self.lm_head.weight.device)
+        self.compressed_pad = int(token_map[eng.pad_id])
+        self.engram_tables = tables
+
+    def forward(self, input_ids: torch.Tensor, md: AttnMetadata, caches: list[LayerKVCache],
+                lookback_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        cfg = self.cfg
+        is_image = input_ids == cfg.v41.image_token_id
+        h = self.model.embed(input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        pre = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32, device=h.device)
+        pre[:, 0] = 1.0  # one-hot start: the streams are equal copies here
+        step = StepState()
+        for i, layer in enumerate(self.model.layers):
+            if hasattr(layer, "engram"):
+                h = self._engram(i, layer.engram, h, input_ids, is_image, md, lookback_token_ids)
+            h, pre = layer(h, pre, is_image, md, caches, step)
+        return self.model.norm(collapse(h, pre))
+
+    def _engram(self, layer: int, module: Engram, h: torch.Tensor, input_ids: torch.Tensor, is_image: torch.Tensor,
+                md: AttnMetadata, lookback: torch.Tensor | None) -> torch.Tensor:
+        assert self.token_map.numel() > 0, "engram needs bind_engram() with the tokenizer's token map"
+        R = md.num_reqs
+        window = lookback[:R] if lookback is not None else torch.full(
+            (R, self.token_lookback_depth), -1, dtype=torch.int64, device=h.device)
+        qsl = torch.tensor(md.query_start_loc_cpu, dtype=torch.int64, device=h.device)
+        rows = engram_hash(self.token_map[input_ids], qsl, window.long(), is_image, self.token_map,
+                           self.compressed_pad, self.engram_layout, layer,
+                           self.cfg.v41.image_token_id)
+        emb = self.engram_tables[layer].gather(rows, dtype=h.dtype, device=h.device)
+        return module(h, emb, is_image)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.weight).float()

@@ -1,0 +1,348 @@
+"""The OpenAI-compatible HTTP server: `build_app(engine, ...)` (FastAPI) and `run_server(...)` (uvicorn).
+
+Endpoints: GET /health, GET /metrics (Prometheus text), GET /v1/models, POST /v1/chat/completions and
+POST /v1/completions, streaming (SSE) or not. Every request runs on the one AsyncLLMEngine, so requests from all
+connections are batched together. Errors are OpenAI-shaped `{"error": {...}}` bodies with the proper status and
+touch only their own request. A client that goes away (mid-stream, or while waiting for a non-streamed answer)
+has its requests aborted, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import secrets
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from dsv4.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from dsv4.engine.engine import RequestError
+from dsv4.outputs import RequestOutput
+from dsv4.sampling_params import SamplingParams
+from dsv4.serve.protocol import (APIError, ChatCompletionRequest, ChatFormat, ChoiceProgress, CompletionFormat,
+                                 CompletionRequest, ResponseFormat, bad_request, model_card, usage_of)
+from dsv4.tokenizer import TokenizerError
+
+logger = logging.getLogger(__name__)
+
+
+# ---- the app ---------------------------------------------------------------------------------------------------
+
+def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` under `served_model_name`; /v1 routes need `api_key` when it is set."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="dsv4", lifespan=lifespan)
+    server = _Server(engine, served_model_name)
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_running else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not secrets.compare_digest(given, f"Bearer {api_key}".encode()):
+            raise APIError(401, "Incorrect or missing API key: pass it as `Authorization: Bearer <key>`.",
+                           code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    v1.add_api_route("/models", server.models, methods=["GET"])
+    v1.add_api_route("/chat/completions", server.chat, methods=["POST"])
+    v1.add_api_route("/completions", server.completions, methods=["POST"])
+    app.include_router(v1)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as an OpenAI-style body, whatever raised it."""
+
+    def reply(e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return reply(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        errors = e.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ()) if p != 'body')}: {err.get('msg')}"
+                            for err in errors) or "invalid request"
+        return reply(bad_request(message, loc[0] if loc else None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return reply(APIError(e.status_code, str(e.detail), type_=kind))
+
+    @app.exception_handler(EngineDeadError)
+    async def dead(_: Request, e: EngineDeadError) -> JSONResponse:
+        return reply(APIError(503, str(e), type_="server_error"))
+
+
+class _SSEResponse(StreamingResponse):
+    """An SSE stream that aborts its requests however it ends (finished, client gone, server shutting down)."""
+
+    def __init__(self, chunks: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+# ---- requests --------------------------------------------------------------------------------------------------
+
+@dataclass
+class _Job:
+    """One engine request of an HTTP request (a chat, or one prompt of a completions batch)."""
+
+    stream: RequestStream
+    prompt_ids: list[int]
+    prompt_text: str
+
+
+class _Server:
+    """The route handlers, sharing the engine and the served model name."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+        self.engine = engine
+        self.name = served_model_name
+        self.created = int(time.time())
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [model_card(self.name, self.created, self.engine.max_model_len)]}
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.name:
+            raise APIError(404, f"The model `{model}` does not exist.", "model", "model_not_found")
+
+    def _tokenizer(self) -> Any:
+        if self.engine.tokenizer is None:
+            raise bad_request("this checkpoint has no tokenizer; send token ids to /v1/completions")
+        return self.engine.tokenizer
+
+    def _check_length(self, num_prompt: int, max_tokens: int | None, param: str) -> None:
+        limit = self.engine.max_model_len
+        if num_prompt >= limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                              f"{num_prompt} tokens, which leaves no room for the completion.", param,
+                              "context_length_exceeded")
+        if max_tokens is not None and num_prompt + max_tokens > limit:
+            raise bad_request(f"This model's maximum context length is {limit} tokens. However, you requested "
+                              f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} for the "
+                              f"completion). Please reduce the prompt or the completion length.", "max_tokens",
+                              "context_length_exceeded")
+
+    async def _start(self, prompts: list[tuple[list[int], str]], params: SamplingParams,
+                     request_id: str) -> list[_Job]:
+        """Add every prompt to the engine; if one is refused, abort the others and answer 400."""
+        jobs: list[_Job] = []
+        try:
+            for i, (ids, text) in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                jobs.append(_Job(await self.engine.add_request(ids, params, rid), ids, text))
+        except BaseException as e:
+            for job in jobs:
+                job.stream.abort()
+            if isinstance(e, RequestError):
+                raise bad_request(str(e)) from None
+            raise
+        return jobs
+
+    # ---- POST /v1/chat/completions ---------------------------------------------------------------------------
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        self._check_model(req.model)
+        req.check_supported()
+        tok = self._tokenizer()
+        try:
+            rendered = tok.apply_chat_template(req.messages_for_template(), add_generation_prompt=True)
+        except TokenizerError as e:
+            raise bad_request(str(e), "messages") from None
+        ids = tok.encode(rendered, add_special_tokens=False)  # the template already carries BOS
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        self._check_length(len(ids), max_tokens, "messages")
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        jobs = await self._start([(ids, rendered)], params, rid)
+        return await self._respond(raw, req, jobs, params, ChatFormat(rid, self.name, req))
+
+    # ---- POST /v1/completions ----------------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        self._check_model(req.model)
+        req.check_supported()
+        params = req.sampling_params(req.max_tokens, req.logprobs)
+        prompts = []
+        for p in req.prompts():
+            if isinstance(p, str):
+                ids, text = self._tokenizer().encode(p), p
+            else:
+                ids = list(p)
+                text = self.engine.tokenizer.decode(ids) if req.echo and self.engine.tokenizer else ""
+            self._check_length(len(ids), req.max_tokens, "prompt")
+            prompts.append((ids, text))
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        jobs = await self._start(prompts, params, rid)
+        return await self._respond(raw, req, jobs, params, CompletionFormat(rid, self.name, req))
+
+    # ---- both ------------------------------------------------------------------------------------------------------
+    async def _respond(self, raw: Request, req: ChatCompletionRequest | CompletionRequest, jobs: list[_Job],
+                       params: SamplingParams, fmt: ResponseFormat) -> Response:
+        def abort_all() -> None:
+            for job in jobs:
+                job.stream.abort()
+
+        if req.stream:
+            return _SSEResponse(_stream_chunks(jobs, params, fmt, req.include_usage), abort_all)
+        try:
+            finals = await _until_disconnected(raw, _collect(jobs))
+        finally:
+            abort_all()  # no-op for finished requests; frees the rest if the client left or we were cancelled
+        if finals is None:
+            return Response(status_code=499)  # nobody reads this: the client is gone
+        prompt_lens = [len(job.prompt_ids) for job in jobs]
+        return JSONResponse(fmt.response([job.prompt_text for job in jobs], finals, params.n,
+                                         usage_of(prompt_lens, finals)))
+
+
+# ---- waiting and streaming -------------------------------------------------------------------------------------
+
+async def _until_disconnected(raw: Request, work: Awaitable[Any]) -> Any:
+    """Await `work`, or cancel it and return None if the client disconnects first."""
+
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return task.result() if not task.cancelled() else None
+
+
+async def _collect(jobs: list[_Job]) -> list[RequestOutput]:
+    finals: dict[int, RequestOutput] = {}
+    async for i, out in _merged(jobs):
+        finals[i] = out
+    return [finals[i] for i in range(len(jobs))]
+
+
+async def _merged(jobs: list[_Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several requests as they come, tagged with the job index."""
+    if len(jobs) == 1:
+        async for out in jobs[0].stream:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, job.stream)) for i, job in enumerate(jobs)]
+    try:
+        remaining = len(jobs)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _stream_chunks(jobs: list[_Job], params: SamplingParams, fmt: ResponseFormat,
+                         include_usage: bool) -> AsyncIterator[str]:
+    """SSE lines: per-choice deltas, each choice's finish_reason, the usage chunk if asked for, then [DONE]."""
+    n = params.n
+    progress = [ChoiceProgress(text_offset=len(job.prompt_text) if fmt.echo else 0) for job in jobs
+                for _ in range(n)]
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for i, out in _merged(jobs):
+            finals[i] = out
+            for o in out.outputs:
+                index = i * n + o.index
+                if not progress[index].done:
+                    for chunk in fmt.stream_choice(index, o, progress[index], params, jobs[i].prompt_text):
+                        yield _sse(chunk)
+        if include_usage:
+            yield _sse(fmt.chunk([], usage=usage_of([len(j.prompt_ids) for j in jobs], list(finals.values()))))
+    except (EngineDeadError, RequestError) as e:  # the engine failed mid-stream: tell the client, then end
+        yield _sse(APIError(500, str(e), type_="server_error").body())
+    yield "data: [DONE]\n\n"
+
+
+# ---- running it ------------------------------------------------------------------------------------------------
+
+def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+               served_model_name: str | None = None, log_level: str = "info", **engine_args: Any) -> None:
+    """Build the engine (without `model`, the built-in default model), then serve until interrupted."""
+    import torch
+    import uvicorn
+
+    if model is None:
+        from dsv4.models.presets import default_model_dir
+
+        model, name = default_model_dir(), served_model_name or "tiny-v4"
+    else:
+        if not os.path.isdir(model):
+            raise FileNotFoundError(f"--model {model!r} is not a directory")
+        name = served_model_name or model
+    device = engine_args.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = engine_args.pop("dtype", None) or ("bfloat16" if device.startswith("cuda") else "float32")
+    from dsv4.serve.metrics import EngineMetrics
+
+    engine = AsyncLLMEngine.from_args(model, EngineMetrics(name), dtype=dtype, device=device, **engine_args)
+    logger.info("serving %s as %r on http://%s:%d (max_model_len %d)", model, name, host, port,
+                engine.max_model_len)
+    uvicorn.run(build_app(engine, name, api_key), host=host, port=port, log_level=log_level,
+                timeout_graceful_shutdown=5)

@@ -1,0 +1,349 @@
+"""OpenAI API shapes: request bodies (pydantic) and their SamplingParams; responses, whole and streamed.
+
+Field names and defaults follow OpenAI's API; the non-standard extras clients send in `extra_body` (top_k, min_p,
+repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, min_tokens, include_stop_str_in_output) follow
+vLLM. Unknown fields are accepted and ignored, as OpenAI-compatible servers do, except features a client would
+silently get wrong (tools, JSON response formats, suffix, best_of > n), which are refused with 400.
+
+Responses are plain dicts (built per chunk, so no model validation on the hot path). A streamed choice sends its
+text as it becomes final, holding back what could still turn into a stop string.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from dsv4.engine.stop import stop_hold_back
+from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
+from dsv4.sampling_params import SamplingParams, SamplingParamsError
+
+MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+
+
+class APIError(Exception):
+    """An error returned to the client as OpenAI's `{"error": {message, type, param, code}}` body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body OpenAI clients parse into their exceptions."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    """A 400 invalid_request_error."""
+    return APIError(400, message, param, code)
+
+
+class _Request(BaseModel):
+    """Fields shared by chat and completions requests."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.get("include_usage"))
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The engine's SamplingParams; 400 naming the field when a value is out of range."""
+        bias = None
+        if self.logit_bias:
+            try:
+                bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except ValueError:
+                raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
+        try:
+            return SamplingParams(
+                n=self.n, temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0),
+                top_k=_or(self.top_k, 0), min_p=_or(self.min_p, 0.0),
+                presence_penalty=_or(self.presence_penalty, 0.0), frequency_penalty=_or(self.frequency_penalty, 0.0),
+                repetition_penalty=_or(self.repetition_penalty, 1.0), seed=self.seed, stop=self.stop,
+                stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
+                min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=bias,
+            )
+        except SamplingParamsError as e:
+            name = re.search(r"`(\w+)`", str(e))
+            raise bad_request(str(e), name.group(1) if name else None) from None
+
+
+class ChatCompletionRequest(_Request):
+    """POST /v1/chat/completions."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        """Refuse what this server would otherwise silently ignore."""
+        if self.tools:
+            raise bad_request("tool calling is not supported by this server", "tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise bad_request("structured output (response_format) is not supported by this server",
+                              "response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+
+    def messages_for_template(self) -> list[dict[str, Any]]:
+        """Messages with text content parts joined into one string (the form chat templates expect)."""
+        out = []
+        for i, m in enumerate(self.messages):
+            content = m.get("content")
+            if isinstance(content, list):
+                texts = []
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") != "text":
+                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                        raise bad_request(f"messages[{i}]: content parts of type {kind!r} are not supported",
+                                          "messages")
+                    texts.append(str(part.get("text", "")))
+                content = "".join(texts)
+            out.append({**m, "content": content if content is not None else ""})
+        return out
+
+
+class CompletionRequest(_Request):
+    """POST /v1/completions. A prompt is a string, token ids, or a list of either (a batch)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's (and vLLM's) default for completions
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_supported(self) -> None:
+        """Refuse what this server would otherwise silently ignore."""
+        if self.suffix:
+            raise bad_request("suffix is not supported by this server", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request("best_of other than n is not supported by this server", "best_of")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs needs prompt logprobs, which this server does not compute", "echo")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts, each a string or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]  # type: ignore[list-item]
+        if not p:
+            raise bad_request("the prompt is empty", "prompt")
+        return list(p)  # type: ignore[arg-type]
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    """OpenAI's usage object, with prefix-cache hits in prompt_tokens_details.cached_tokens."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def model_card(name: str, created: int, max_model_len: int) -> dict[str, Any]:
+    """One entry of GET /v1/models (max_model_len is vLLM's extra field)."""
+    return {"id": name, "object": "model", "created": created, "owned_by": "dsv4", "root": name, "parent": None,
+            "max_model_len": max_model_len}
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+# ---- response shapes ---------------------------------------------------------------------------------------------
+
+_MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM clamps the same way
+
+
+@dataclass
+class ChoiceProgress:
+    """What one choice has streamed so far."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0  # completions logprobs: where the next token's text starts
+    started: bool = False
+    done: bool = False
+
+
+def next_delta(o: CompletionOutput, p: ChoiceProgress, params: SamplingParams) -> tuple[str, int, int]:
+    """(new text, first new token, end token) for one choice, advancing `p`. Until a choice finishes, text that
+    could be the start of a stop string is withheld, so everything streamed is a prefix of the final text."""
+    p.done = o.finish_reason is not None
+    visible = len(o.text)
+    if not p.done:
+        visible -= stop_hold_back(o.text, params.stop, params.include_stop_str_in_output)
+    text = o.text[p.text_len:visible] if visible > p.text_len else ""
+    start, end = p.num_tokens, len(o.token_ids)
+    p.text_len, p.num_tokens = max(p.text_len, visible), end
+    return text, start, end
+
+
+def usage_of(prompt_lens: list[int], finals: list[RequestOutput]) -> dict[str, Any]:
+    """Usage of finished requests (one per prompt), all their samples counted."""
+    return usage(sum(prompt_lens), sum(len(o.token_ids) for out in finals for o in out.outputs),
+                 sum(out.num_cached_tokens for out in finals))
+
+
+def _lp(x: float) -> float:
+    return max(x, _MIN_LOGPROB) if not math.isnan(x) else _MIN_LOGPROB
+
+
+def _ranked(d: dict[int, Logprob], k: int) -> list[Logprob]:
+    """The top-k entries of one token's logprob dict, best first."""
+    entries = [lp for lp in d.values() if lp.rank is not None and lp.rank <= k]
+    return sorted(entries, key=lambda lp: (lp.rank, -lp.logprob))[:k]
+
+
+class ResponseFormat:
+    """How one endpoint shapes stream chunks and whole responses; choice index = prompt index * n + sample."""
+
+    object = ""
+    chunk_object = ""
+
+    def __init__(self, request_id: str, model: str, include_usage: bool, echo: bool = False) -> None:
+        self.id, self.model, self.include_usage, self.echo = request_id, model, include_usage, echo
+        self.created = int(time.time())
+
+    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        """One streamed chunk object."""
+        body = {"id": self.id, "object": self.chunk_object, "created": self.created, "model": self.model,
+                "choices": choices}
+        if self.include_usage:
+            body["usage"] = None  # OpenAI: every chunk has the field; only the last one fills it
+        body.update(extra)
+        return body
+
+    def stream_choice(self, index: int, o: CompletionOutput, p: ChoiceProgress, params: SamplingParams,
+                      prompt_text: str) -> list[dict[str, Any]]:
+        """The chunks that bring choice `index` from `p` up to `o` (possibly none)."""
+        raise NotImplementedError
+
+    def response(self, prompt_texts: list[str], finals: list[RequestOutput], n: int,
+                 usage_: dict[str, Any]) -> dict[str, Any]:
+        """The non-streamed response for finished requests (one per prompt)."""
+        choices = [self.choice(i * n + o.index, o, text) for i, (text, out) in enumerate(zip(prompt_texts, finals))
+                   for o in out.outputs]
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "choices": choices, "usage": usage_}
+
+    def choice(self, index: int, o: CompletionOutput, prompt_text: str) -> dict[str, Any]:
+        """One choice of a non-streamed response."""
+        raise NotImplementedError
+
+
+def _token_entry(lp: Logprob) -> dict[str, Any]:
+    token = lp.decoded_token or ""
+    return {"token": token, "logprob": _lp(lp.logprob), "bytes": list(token.encode("utf-8"))}
+
+
+class ChatFormat(ResponseFormat):
+    """chat.completion / chat.completion.chunk; logprobs as `content[] = {token, logprob, bytes, top_logprobs}`."""
+
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+
+    def __init__(self, request_id: str, model: str, req: ChatCompletionRequest) -> None:
+        super().__init__(request_id, model, req.include_usage)
+        self.top = (req.top_logprobs or 0) if req.logprobs else None
+
+    def _logprobs(self, o: CompletionOutput, start: int, end: int) -> dict[str, Any] | None:
+        if self.top is None or o.logprobs is None:
+            return None
+        return {"content": [{**_token_entry(d[tid]), "top_logprobs": [_token_entry(lp) for lp in _ranked(d, self.top)]}
+                            for tid, d in zip(o.token_ids[start:end], o.logprobs[start:end])]}
+
+    def stream_choice(self, index: int, o: CompletionOutput, p: ChoiceProgress, params: SamplingParams,
+                      prompt_text: str) -> list[dict[str, Any]]:
+        chunks = []
+        if not p.started:  # the first delta of a choice carries the role
+            p.started = True
+            chunks.append(self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]))
+        text, start, end = next_delta(o, p, params)
+        if text or p.done or (self.top is not None and end > start):
+            chunks.append(self.chunk([{"index": index, "delta": {"content": text} if text else {},
+                                       "logprobs": self._logprobs(o, start, end),
+                                       "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]))
+        return chunks
+
+    def choice(self, index: int, o: CompletionOutput, prompt_text: str) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": o.text},
+                "logprobs": self._logprobs(o, 0, len(o.token_ids)), "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason}
+
+
+class CompletionFormat(ResponseFormat):
+    """text_completion; logprobs as `{tokens, token_logprobs, top_logprobs, text_offset}`."""
+
+    object = chunk_object = "text_completion"
+
+    def __init__(self, request_id: str, model: str, req: CompletionRequest) -> None:
+        super().__init__(request_id, model, req.include_usage, req.echo)
+        self.top = req.logprobs
+
+    def _logprobs(self, o: CompletionOutput, start: int, end: int, p: ChoiceProgress) -> dict[str, Any] | None:
+        if self.top is None or o.logprobs is None:
+            return None
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, d in zip(o.token_ids[start:end], o.logprobs[start:end]):
+            chosen = d[tid]
+            token = chosen.decoded_token or ""
+            top = {lp.decoded_token or "": _lp(lp.logprob) for lp in _ranked(d, self.top)}
+            top.setdefault(token, _lp(chosen.logprob))  # the sampled token is always listed, as vLLM does
+            out["tokens"].append(token)
+            out["token_logprobs"].append(_lp(chosen.logprob))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(p.text_offset)
+            p.text_offset += len(token)
+        return out
+
+    def stream_choice(self, index: int, o: CompletionOutput, p: ChoiceProgress, params: SamplingParams,
+                      prompt_text: str) -> list[dict[str, Any]]:
+        text, start, end = next_delta(o, p, params)
+        if self.echo and not p.started:
+            text = prompt_text + text
+        p.started = True
+        if not (text or p.done or (self.top is not None and end > start)):
+            return []
+        return [self.chunk([{"index": index, "text": text, "logprobs": self._logprobs(o, start, end, p),
+                             "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}])]
+
+    def choice(self, index: int, o: CompletionOutput, prompt_text: str) -> dict[str, Any]:
+        p = ChoiceProgress(text_offset=len(prompt_text) if self.echo else 0)
+        return {"index": index, "text": (prompt_text if self.echo else "") + o.text,
+                "logprobs": self._logprobs(o, 0, len(o.token_ids), p), "finish_reason": o.finish_reason,
+                "stop_reason": o.stop_reason}
