@@ -1,0 +1,400 @@
+"""The OpenAI-compatible server, end to end: a real `dsv4 serve` process on loopback, driven by the official
+`openai` client (and raw HTTP where a client would hide what is checked), then `dsv4 bench serve` against it.
+
+One server for the whole module (the tiny random model, a 256-token context, 16 sequences per batch); every
+request is short, so the module stays well under two minutes on two CPU cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from dsv4.make_model import make_model
+from dsv4.tokenizer import Tokenizer
+
+REPO = Path(__file__).resolve().parents[1]
+KEY = "sk-test-key"
+MAX_MODEL_LEN = 256
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the fox."}]
+PROMPT = "The quick brown fox"
+
+
+@dataclass
+class Server:
+    """A running `dsv4 serve` process."""
+
+    url: str
+    model_dir: str
+    log: Path
+    tok: Tokenizer
+
+    def client(self, **kw: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", KEY), max_retries=0, **kw)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=KEY, max_retries=0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("serve")
+    model_dir = make_model("tiny-v4", str(tmp / "tiny"), seed=0)
+    port, log = _free_port(), tmp / "server.log"
+    cmd = [sys.executable, "-m", "dsv4.cli", "serve", "--model", model_dir, "--port", str(port), "--api-key", KEY,
+           "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--log-level", "warning"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    with open(log, "wb") as out:  # a file, not a pipe: an unread pipe would block the server
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server did not become healthy:\n{log.read_text()}")
+            time.sleep(0.2)
+        yield Server(url, model_dir, log, Tokenizer.from_dir(model_dir))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _metrics(server: Server) -> dict[str, float]:
+    """Prometheus samples by name; a `finished_reason` label is folded into the name (name:reason)."""
+    text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r'^([\w:]+)(\{[^}]*\})? (\S+)$', line)
+        if m and "le=" not in (m.group(2) or ""):
+            reason = re.search(r'finished_reason="(\w+)"', m.group(2) or "")
+            out[m.group(1) + (":" + reason.group(1) if reason else "")] = float(m.group(3))
+    return out
+
+
+def _post(server: Server, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    req = urllib.request.Request(server.url + path, data=body, method="POST",
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as e:
+        return e.code, json.load(e)
+
+
+def _chat_prompt_len(server: Server, messages: list[dict[str, str]]) -> int:
+    return len(server.tok.encode(server.tok.apply_chat_template(messages, add_generation_prompt=True),
+                                 add_special_tokens=False))
+
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+# ---- the basics -----------------------------------------------------------------------------------------------
+
+def test_models(server: Server) -> None:
+    models = server.client().models.list().data
+    assert [m.id for m in models] == [server.model_dir]
+    assert models[0].max_model_len == MAX_MODEL_LEN  # vLLM's extra field
+
+
+def test_completions_stream_equals_non_stream(server: Server) -> None:
+    client = server.client()
+    full = client.completions.create(model=server.model_dir, prompt=PROMPT, max_tokens=8, **GREEDY)
+    assert full.object == "text_completion" and full.choices[0].finish_reason == "length"
+    assert full.usage.prompt_tokens == len(server.tok.encode(PROMPT))
+    assert full.usage.completion_tokens == 8
+    assert full.usage.total_tokens == full.usage.prompt_tokens + 8
+    assert full.usage.prompt_tokens_details.cached_tokens == 0
+
+    chunks = list(client.completions.create(model=server.model_dir, prompt=PROMPT, max_tokens=8, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+
+    # token-id prompts (what benchmarks send) count exactly
+    ids = server.tok.encode(PROMPT)
+    by_ids = client.completions.create(model=server.model_dir, prompt=ids, max_tokens=8, **GREEDY)
+    assert by_ids.choices[0].text == full.choices[0].text and by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_chat_stream_equals_non_stream(server: Server) -> None:
+    client = server.client()
+    kw = dict(model=server.model_dir, messages=MESSAGES, max_tokens=8, logprobs=True, top_logprobs=2, **GREEDY)
+    full = client.chat.completions.create(**kw)
+    choice = full.choices[0]
+    assert full.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason == "length"
+    assert full.usage.prompt_tokens == _chat_prompt_len(server, MESSAGES)
+    assert full.usage.completion_tokens == 8
+
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    with_choices = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == choice.message.content
+    assert with_choices[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    streamed = [e.token for c in with_choices if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == [e.token for e in choice.logprobs.content]
+
+
+# ---- logprobs -----------------------------------------------------------------------------------------------
+
+def test_chat_logprobs(server: Server) -> None:
+    client = server.client()
+    for temperature in (0, 1.0):  # greedy: the chosen token is the top one; sampled: it is listed if in the top 3
+        resp = client.chat.completions.create(model=server.model_dir, messages=MESSAGES, max_tokens=6, seed=3,
+                                              temperature=temperature, logprobs=True, top_logprobs=3,
+                                              extra_body={"ignore_eos": True})
+        content = resp.choices[0].logprobs.content
+        assert len(content) == resp.usage.completion_tokens == 6
+        for entry in content:
+            assert entry.logprob <= 0 and entry.bytes == list(entry.token.encode())
+            top = entry.top_logprobs
+            assert len(top) == 3 and all(t.logprob <= 0 for t in top)
+            assert [t.logprob for t in top] == sorted((t.logprob for t in top), reverse=True)
+            if temperature == 0:
+                assert entry.logprob == pytest.approx(top[0].logprob)
+            if entry.logprob > top[-1].logprob:
+                assert entry.token in [t.token for t in top]
+
+
+def test_completions_logprobs(server: Server) -> None:
+    resp = server.client().completions.create(model=server.model_dir, prompt=PROMPT, max_tokens=6, logprobs=2,
+                                              temperature=1.0, seed=5, extra_body={"ignore_eos": True})
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    offset = 0
+    for token, value, top, start in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset):
+        assert value <= 0 and start == offset
+        assert token in top and len(top) <= 3 and all(v <= 0 for v in top.values())
+        offset += len(token)
+
+
+# ---- sampling fields --------------------------------------------------------------------------------------------
+
+def test_n_seed_and_max_completion_tokens(server: Server) -> None:
+    client = server.client()
+    kw = dict(model=server.model_dir, messages=MESSAGES, n=2, seed=1234, temperature=1.0, max_completion_tokens=5,
+              extra_body={"ignore_eos": True})
+    first, again = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    assert first.usage.completion_tokens == 10  # max_completion_tokens per choice
+    assert all(c.finish_reason == "length" for c in first.choices)
+
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == [c.message.content for c in first.choices]
+
+    batch = client.completions.create(model=server.model_dir, prompt=[PROMPT, "Hello"], n=2, max_tokens=3,
+                                      **GREEDY)
+    assert sorted(c.index for c in batch.choices) == [0, 1, 2, 3] and batch.usage.completion_tokens == 12
+
+
+def test_stop_strings(server: Server) -> None:
+    client = server.client()
+    base = client.completions.create(model=server.model_dir, prompt=PROMPT, max_tokens=16, **GREEDY)
+    text = base.choices[0].text
+    starts = [i for i in range(2, len(text) - 2) if "\ufffd" not in text[i:i + 2] and text[i:i + 2].strip()]
+    if not starts:
+        pytest.skip(f"the random model's text {text!r} has no usable stop string")
+    stop = text[starts[len(starts) // 2]:][:2]
+    expected = text[:text.find(stop)]
+
+    cut = client.completions.create(model=server.model_dir, prompt=PROMPT, max_tokens=16, stop=[stop], **GREEDY)
+    assert cut.choices[0].text == expected and cut.choices[0].finish_reason == "stop"
+    chunks = [c for c in client.completions.create(model=server.model_dir, prompt=PROMPT, max_tokens=16,
+                                                   stop=stop, stream=True, **GREEDY)]
+    assert "".join(c.choices[0].text for c in chunks) == expected  # a partial stop string was never streamed
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# ---- errors -------------------------------------------------------------------------------------------------
+
+def _error(exc: openai.APIStatusError) -> dict[str, Any]:
+    body = exc.response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def test_errors_are_openai_shaped_and_leave_others_alone(server: Server) -> None:
+    async def run() -> None:
+        client = server.async_client()
+        # a streaming request in flight while the bad ones come and go
+        stream = await client.completions.create(model=server.model_dir, prompt=PROMPT, max_tokens=12, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY)
+
+        async def consume() -> int:
+            usage = None
+            async for chunk in stream:
+                usage = chunk.usage or usage
+            return usage.completion_tokens
+
+        survivor = asyncio.ensure_future(consume())
+        good = dict(model=server.model_dir, messages=MESSAGES, max_tokens=2)
+        cases = [
+            (dict(good, temperature=-1), openai.BadRequestError, "temperature"),
+            (dict(good, top_p=2), openai.BadRequestError, "top_p"),
+            (dict(good, messages=[{"role": "user", "content": "fox " * 300}]), openai.BadRequestError, "messages"),
+            (dict(good, max_tokens=MAX_MODEL_LEN), openai.BadRequestError, "max_tokens"),
+            (dict(good, model="no-such-model"), openai.NotFoundError, "model"),
+        ]
+        for kwargs, exc_type, param in cases:
+            with pytest.raises(exc_type) as info:
+                await client.chat.completions.create(**kwargs)
+            assert _error(info.value)["param"] == param
+        with pytest.raises(openai.AuthenticationError) as info:
+            await openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert _error(info.value)["code"] == "invalid_api_key"
+        assert await survivor == 12
+
+    asyncio.run(run())
+    status, body = _post(server, "/v1/completions", b'{"prompt": "x"}')  # no key at all
+    assert status == 401 and body["error"]["type"] == "invalid_request_error"
+    status, body = _post(server, "/v1/completions", b"{not json", {"Authorization": f"Bearer {KEY}"})
+    assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+    assert server.client().models.list().data  # still serving
+
+
+# ---- load, disconnects, metrics -----------------------------------------------------------------------------
+
+def test_32_concurrent_streams_with_metrics(server: Server) -> None:
+    before = _metrics(server)
+    seen: list[dict[str, float]] = []
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int]:
+        stream = await client.completions.create(model=server.model_dir, prompt=f"{PROMPT} {i}", max_tokens=6,
+                                                 stream=True, stream_options={"include_usage": True}, **GREEDY)
+        text, tokens = "", -1
+        async for chunk in stream:
+            text += "".join(c.text for c in chunk.choices)
+            tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+        return text, tokens
+
+    async def watch(done: asyncio.Event) -> None:
+        while not done.is_set():
+            seen.append(await asyncio.to_thread(_metrics, server))
+            await asyncio.sleep(0.01)
+
+    async def run() -> list[tuple[str, int]]:
+        client, done = server.async_client(), asyncio.Event()
+        watcher = asyncio.ensure_future(watch(done))
+        results = await asyncio.gather(*(one(client, i) for i in range(32)))
+        done.set()
+        await watcher
+        return results
+
+    results = asyncio.run(run())
+    assert [tokens for _, tokens in results] == [6] * 32
+    assert max(m["vllm:num_requests_running"] for m in seen) > 0
+    assert max(m["vllm:num_requests_running"] + m["vllm:num_requests_waiting"] for m in seen) > 16  # they queue
+    after = _metrics(server)
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == 32 * 6
+    assert after["vllm:request_success_total:length"] - before["vllm:request_success_total:length"] == 32
+    assert after["vllm:e2e_request_latency_seconds_count"] - before["vllm:e2e_request_latency_seconds_count"] == 32
+    assert after["vllm:time_to_first_token_seconds_count"] - before["vllm:time_to_first_token_seconds_count"] == 32
+    assert after["vllm:inter_token_latency_seconds_count"] > before["vllm:inter_token_latency_seconds_count"]
+    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:prompt_tokens_total",
+                 "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total"):
+        assert name in after
+
+
+def _wait_idle(server: Server, timeout: float = 30) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        m = _metrics(server)
+        if m["vllm:num_requests_running"] == m["vllm:num_requests_waiting"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"the server did not go idle: {m}"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_disconnect_aborts_and_frees_kv(server: Server, stream: bool) -> None:
+    before = _wait_idle(server)
+    body = json.dumps({"model": server.model_dir, "prompt": PROMPT, "max_tokens": 200, "stream": stream,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     + f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+        if stream:  # leave after the first token
+            got = b""
+            while b"data:" not in got:
+                got += sock.recv(4096)
+        else:  # leave once the request is running
+            deadline = time.monotonic() + 30
+            while _metrics(server)["vllm:num_requests_running"] == 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+    after = _wait_idle(server, timeout=20)  # 200 tokens would take far longer than an abort
+    assert after["vllm:request_success_total:abort"] == before["vllm:request_success_total:abort"] + 1
+    assert after["vllm:kv_cache_usage_perc"] == 0
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 200
+
+
+# ---- the benchmark --------------------------------------------------------------------------------------------
+
+def test_bench_serve(server: Server, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "dsv4.cli", "bench", "serve", "--base-url", server.url, "--api-key", KEY,
+           "--tokenizer", server.model_dir, "--num-prompts", "6", "--random-input-len", "12",
+           "--random-output-len", "4", "--max-concurrency", "3", "--request-rate", "50", "--seed", "0",
+           "--save-result", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Serving Benchmark Result" in proc.stdout
+    res = json.loads(out.read_text())
+    assert res["completed"] == 6 and res["failed"] == 0
+    assert res["total_input_tokens"] == 6 * 12 and res["total_output_tokens"] == 6 * 4
+    assert res["duration"] > 0 and res["request_throughput"] > 0
+    assert res["output_throughput"] > 0 and res["total_token_throughput"] > res["output_throughput"]
+    for metric in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p90", "p99"):
+            assert res[f"{stat}_{metric}_ms"] >= 0, f"{stat}_{metric}_ms"
+        assert res[f"mean_{metric}_ms"] > 0
+    assert res["mean_e2el_ms"] >= res["mean_ttft_ms"]
+    assert len(res["ttfts"]) == len(res["itls"]) == len(res["output_lens"]) == 6
+
+
+def test_server_log_is_clean(server: Server) -> None:
+    """Everything above (errors, disconnects) was handled, not crashed through."""
+    assert "Traceback" not in server.log.read_text(), server.log.read_text()[-4000:]
