@@ -1,0 +1,54 @@
+"""The offline API on a checkpoint with a tokenizer (the tiny-v4 preset): text in, text out, vLLM-shaped."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsv4 import LLM, RequestOutput, SamplingParams
+from dsv4.make_model import make_model
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    path = make_model("tiny-v4", str(tmp_path_factory.mktemp("tiny-v4")), seed=0)
+    return LLM(model=path, device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4,
+               max_num_batched_tokens=16, block_size=16, seed=0)
+
+
+def test_generate_text_and_token_prompts(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    text_out, ids_out = llm.generate(["Hello there, how are you?",
+                                      {"prompt_token_ids": llm.tokenizer.encode("Hello there, how are you?")}],
+                                     params)
+    assert isinstance(text_out, RequestOutput) and text_out.prompt == "Hello there, how are you?"
+    assert text_out.outputs[0].token_ids == ids_out.outputs[0].token_ids  # same tokens either way
+    for out in (text_out, ids_out):
+        c = out.outputs[0]
+        assert len(c.token_ids) == 12 and c.finish_reason == "length"
+        assert c.text == llm.tokenizer.decode(c.token_ids)  # incremental detokenization == full decode
+
+
+def test_stop_string_cuts_text(llm: LLM) -> None:
+    free = llm.generate("The weather", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    text = free.text
+    start = next(i for i in range(len(text) // 2, len(text) - 1) if text[i:i + 2].strip())
+    stop = text[start:start + 2]
+    out = llm.generate("The weather", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                     stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+
+
+def test_chat_uses_the_template(llm: LLM) -> None:
+    msgs = [{"role": "user", "content": "Say hi"}]
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    rendered = llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
+    assert len(out.outputs[0].token_ids) == 5
+
+
+def test_bad_prompt_in_a_batch_names_it_and_runs_nothing(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="prompt 1"):
+        llm.generate(["fine", {"prompt_token_ids": []}], SamplingParams(max_tokens=3))
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate("still serving", SamplingParams(max_tokens=3))[0].outputs[0].token_ids) >= 1
