@@ -26,8 +26,7 @@ from dsv4.models.engram import (
 )
 
 # The tiny V4.1 golden checkpoint of model.md 11.1 (outside the repo); tests that need it skip without it.
-GOLDEN = os.environ.get("DSV4_GOLDEN_V41", "/work/shared/golden/deepseek-v41-tiny")
-needs_golden = pytest.mark.skipif(not os.path.isdir(GOLDEN), reason=f"golden checkpoint not found at {GOLDEN}")
+GOLDEN = os.path.join(os.path.dirname(__file__), "data", "deepseek-v41-tiny")
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 IMG = 287  # stands in for the image token id in the synthetic sequences
 
@@ -46,7 +45,6 @@ def synth_map() -> tuple[np.ndarray, int]:
 
 
 # ---- token map and layout -------------------------------------------------------------------------------------
-@needs_golden
 def test_token_map_golden(golden_map: tuple[np.ndarray, int]) -> None:
     m, n = golden_map
     assert n == 247 and len(m) == 288 and m.dtype == np.int64
@@ -283,7 +281,6 @@ def test_host_table_float_ignores_dummy_scale(tmp_path, device: str, dtype: torc
     assert table.gather(ids, dtype=torch.float32).dtype == torch.float32
 
 
-@needs_golden
 def test_host_table_golden() -> None:
     path = os.path.join(GOLDEN, "model.safetensors")
     table = HostTable.from_safetensors(path, "model.layers.1.engram.embed.weight", "model.layers.1.engram.embed.scale")
@@ -367,7 +364,6 @@ def test_engram_module(device: str) -> None:
     np.testing.assert_allclose(out16.float().numpy(), want16, rtol=1e-2, atol=1e-2)
 
 
-@needs_golden
 def test_engram_module_loads_golden_weights() -> None:
     """Parameter names and shapes match the golden checkpoint's engram tensors."""
     prefix = "model.layers.1.engram."
