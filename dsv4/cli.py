@@ -66,7 +66,7 @@ def _build_parser() -> argparse.ArgumentParser:
     add_bench_serve_args(bench.add_parser("serve", help="load an OpenAI server; report TTFT, TPOT, ITL, E2EL"))
 
     mk = sub.add_parser("make-model", help="write a random-weight checkpoint of a preset")
-    mk.add_argument("--preset", default="tiny-v4", help="preset name (default tiny-v4)")
+    mk.add_argument("--preset", default="tiny-v4", help="tiny-v4 (default), tiny-v41 (engram on), tiny-v41-noengram")
     mk.add_argument("--out", required=True, help="output directory")
     mk.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     mk.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")

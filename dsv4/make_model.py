@@ -1,7 +1,8 @@
-"""Write random-weight DeepSeek-V4 checkpoints (`dsv4 make-model`) and the cached built-in default model.
+"""Write random-weight DeepSeek-V4/V4.1 checkpoints (`dsv4 make-model`) and the cached built-in default model.
 
-A checkpoint here is what a real one ships: config.json, model.safetensors (HF DeepseekV4ForCausalLM names),
-tokenizer.json, tokenizer_config.json (with a DeepSeek-style chat template) and generation_config.json.
+A checkpoint here is what a real one ships: config.json, model.safetensors (HF DeepseekV4ForCausalLM names for V4;
+the layout HF-V41 saves for V4.1, with a composite config.json), tokenizer.json, tokenizer_config.json (with a
+DeepSeek-style chat template) and generation_config.json.
 Everything is deterministic given the seed, so tests and `dsv4 generate` need no download.
 """
 
@@ -17,7 +18,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from dsv4.models.config import parse_config_dict
-from dsv4.models.presets import TOKENIZER_VOCAB_SIZE, preset_config, v4_tensor_shapes
+from dsv4.models.presets import TOKENIZER_VOCAB_SIZE, preset_config, text_config, v4_tensor_shapes, v41_tensor_shapes
 
 # Bump when anything make_model writes changes, so cached default models are rebuilt.
 FORMAT_VERSION = 1
@@ -124,14 +125,19 @@ def write_tokenizer_files(out_dir: str, max_length: int = 1024) -> None:
 
 
 def random_weights(config: dict, seed: int = 0, dtype: str = "float32") -> dict[str, torch.Tensor]:
-    """Random tensors for every name of `v4_tensor_shapes`, drawn in that order from one seeded generator.
+    """Random tensors for every name of `v4_tensor_shapes` (or `v41_tensor_shapes` for a V4.1 config), drawn in
+    that order from one seeded generator.
 
-    Linear weights (and the mHC fn) ~ N(0, 0.02); norms and mHC scales = 1; sinks, position biases and mHC bases
-    ~ 0.5 N(0, 1) and the router bias ~ 0.1 N(0, 1), so none of them is zero and every code path matters;
-    `tid2eid` rows are distinct random experts."""
+    V4: linear weights (and the mHC fn) ~ N(0, 0.02); norms and mHC scales = 1; sinks, position biases and mHC
+    bases ~ 0.5 N(0, 1) and the router bias ~ 0.1 N(0, 1), so none of them is zero and every code path matters;
+    `tid2eid` rows are distinct random experts. V4.1: see `_init_v41`."""
     cfg = parse_config_dict(config)
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
+    if cfg.v41 is not None:
+        for name, (shape, disk_dtype) in v41_tensor_shapes(cfg, dtype).items():
+            out[name] = _init_v41(name, shape, gen).to(disk_dtype).contiguous()
+        return out
     for name, (shape, disk_dtype) in v4_tensor_shapes(cfg, dtype).items():
         leaf = name.rsplit(".", 1)[-1]
         if leaf == "tid2eid":
@@ -148,6 +154,22 @@ def random_weights(config: dict, seed: int = 0, dtype: str = "float32") -> dict[
     return out
 
 
+def _init_v41(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """One V4.1 tensor, following model.md 11.1's recipe: HF initialises sinks, mHC bases and router biases to 0
+    and the engram q/k weights to 1, which would leave those paths untested, so they are randomised here."""
+    if name.endswith(("norm.weight", "_scale", "engram.embed.scale")):
+        return torch.ones(shape)  # norms, mHC scales, and the dummy scale of a float engram table
+    if name.endswith(("attn_sink", "hc_attn_base", "hc_ffn_base")):
+        return torch.randn(shape, generator=gen) * 0.5
+    if name.endswith(("gate.bias", "gate.bias_vl")):
+        return torch.randn(shape, generator=gen) * 0.1
+    if name.endswith(("engram.q_weight", "engram.k_weight")):
+        return 1 + torch.randn(shape, generator=gen) * 0.5  # only their product matters; keep it away from 0
+    if name.endswith("engram.embed.weight"):
+        return torch.randn(shape, generator=gen)  # std 1, so the engram visibly changes the output
+    return torch.randn(shape, generator=gen) * 0.02
+
+
 def _write_json(path: str, obj: dict) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f, indent=2, ensure_ascii=False)
@@ -157,10 +179,12 @@ def _write_json(path: str, obj: dict) -> None:
 def make_model(preset: str, out_dir: str, seed: int = 0, dtype: str = "float32") -> str:
     """Write preset `preset` with random weights (seeded) to `out_dir`; return out_dir."""
     config = preset_config(preset)
-    config["dtype"] = dtype
+    text_config(config)["dtype"] = dtype  # V4.1 parses the dtype from text_config, as HF writes it
     cfg = parse_config_dict(config)  # validates the preset before anything is written
-    if cfg.vocab_size < TOKENIZER_VOCAB_SIZE:
+    if cfg.vocab_size < TOKENIZER_VOCAB_SIZE:  # every id the tokenizer emits must have an embedding row
         raise ValueError(f"preset {preset!r} vocab_size {cfg.vocab_size} < tokenizer size {TOKENIZER_VOCAB_SIZE}")
+    if cfg.v41 is not None and cfg.vocab_size > TOKENIZER_VOCAB_SIZE:  # the engram map must cover every id
+        raise ValueError(f"preset {preset!r} vocab_size {cfg.vocab_size} > tokenizer size {TOKENIZER_VOCAB_SIZE}")
     tensors = random_weights(config, seed=seed, dtype=dtype)
 
     os.makedirs(out_dir, exist_ok=True)

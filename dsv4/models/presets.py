@@ -1,17 +1,21 @@
-"""Model presets for `dsv4 make-model`, and the tensor layout of a DeepSeek-V4 checkpoint.
+"""Model presets for `dsv4 make-model`, and the tensor layouts of DeepSeek-V4 and V4.1 checkpoints.
 
 `v4_tensor_shapes(cfg)` is the single statement of which tensors a V4 checkpoint holds (HF DeepseekV4ForCausalLM
 state-dict names, model.md section 10.1) and their shapes; the writer, the loader and the tests share it.
+`v41_tensor_shapes(cfg)` does the same for V4.1 in the layout HF-V41 `save_pretrained` writes (model.md 10.2, the
+golden checkpoint's key set): original names under `model.`, `lm_head.weight`, per-expert `w1/w2/w3`.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
 
 from dsv4.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
+from dsv4.models.config_v41 import IMAGE_TOKEN_ID
 
 # Tensors kept in float32 whatever the checkpoint dtype, as DeepSeek ships them and HF keeps them: the mHC
 # parameters, attention sinks, compressor position biases and the router bias are precision-critical.
@@ -73,16 +77,144 @@ _TINY_V4: dict[str, Any] = {
     "initializer_range": 0.02,
 }
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny-v4": _TINY_V4,
+# tiny-v41 text config: model.md section 11.1 (the golden checkpoint's config, executed on HF-V41) with the vocabulary
+# of the built-in tokenizer. The whole CSA2 schedule in 6 layers: window-only layer 0, a ratio-2 KV group
+# (source 1, consumer 2), a ratio-1 KV group (source 3, consumers 4-5) with a re-index source 5 inside candidate source
+# 3's blocks; engram on layer 1. The two engram sizes that depend on the tokenizer are filled in by preset_config.
+_TINY_V41_TEXT: dict[str, Any] = {
+    "model_type": "deepseek_v41_text",
+    "architectures": ["DeepseekV41ForCausalLM"],
+    "vocab_size": TOKENIZER_VOCAB_SIZE,  # = the tokenizer size: ids must embed, and the engram map must cover them
+    "hidden_size": 64,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "qk_rope_head_dim": 16,
+    "q_lora_rank": 32,
+    "o_groups": 2,
+    "o_lora_rank": 16,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "gate_temp": 1.0,
+    "swiglu_limit": 10.0,
+    "compress_ratios": [0, 2, 2, 1, 1, 1],
+    "kv_source_layer_ids": [1, 3],
+    "index_source_layer_ids": [1, 3, 5],
+    "candidate_source_layer_id": 3,
+    "candidate_topk_blocks": 2,
+    "candidate_block_size": 2,
+    "index_n_heads": 2,
+    "index_head_dim": 32,
+    "index_topk": 4,
+    "sliding_window": 8,
+    "engram_layer_ids": [1],
+    "engram_vocab_size": 1000,
+    "engram_num_embeddings": None,  # filled in: the hash layout's rows per engram layer
+    "engram_max_ngram_size": 3,
+    "engram_n_heads": 2,
+    "engram_head_dim": 32,
+    "engram_pad_id": 2,  # the tokenizer's <｜▁pad▁｜>, as DeepSeek's pad id 2
+    "engram_compressed_vocab_size": None,  # filled in: distinct keys of the tokenizer's compressed token map
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-20,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64,
+                     "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 1024,
+    "num_nextn_predict_layers": 0,
+    # HF-V41's strict config rejects None and warns outside the vocabulary; unused without DSpark layers.
+    "dspark_noise_token_id": TOKENIZER_VOCAB_SIZE - 1,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": None,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    "hidden_act": "silu",
+}
+
+# DeepseekV41VisionConfig defaults (model.md section 1.2): the composite layout carries them though the text model
+# never reads them.
+_V41_VISION: dict[str, Any] = {
+    "model_type": "deepseek_v41_vision",
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 16,
+    "patch_size": 14,
+    "downsample_ratio": 3,
+    "rope_theta": 10000.0,
+    "max_image_tokens": 1024,
+    "min_pixels": 295936,
+    "max_wh_ratio": None,
 }
 
 
+def _composite_v41(text: dict[str, Any]) -> dict[str, Any]:
+    """The released composite config.json layout (what HF-V41 reloads; its flat save does not round-trip)."""
+    return {
+        "model_type": "deepseek_v41",
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "image_token_id": IMAGE_TOKEN_ID,
+        "tie_word_embeddings": False,
+        "text_config": copy.deepcopy(text),
+        "vision_config": copy.deepcopy(_V41_VISION),
+    }
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-v4": _TINY_V4,
+    "tiny-v41": _composite_v41(_TINY_V41_TEXT),
+    "tiny-v41-noengram": _composite_v41({**_TINY_V41_TEXT, "engram_layer_ids": []}),
+}
+
+
+def text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The dict holding the text model's fields: `text_config` of a composite V4.1 config, else the config itself."""
+    inner = config.get("text_config")
+    return inner if isinstance(inner, dict) else config
+
+
+@functools.lru_cache(maxsize=1)
+def builtin_compressed_vocab_size() -> int:
+    """Distinct keys of the engram compressed token map of the built-in tokenizer (what a V4.1 config's
+    `engram_compressed_vocab_size` must say for the engine to run it)."""
+    from dsv4.make_model import build_tokenizer  # lazy: make_model imports this module
+    from dsv4.models.engram import build_compressed_token_map
+
+    return build_compressed_token_map(build_tokenizer())[1]
+
+
+def _fill_engram_sizes(text: dict[str, Any]) -> None:
+    """Set the tokenizer-derived compressed vocab size and the hash layout's table rows (computed, not guessed:
+    the engine refuses a compressed size that differs from its tokenizer's, and a table smaller than the layout)."""
+    from dsv4.models.engram import EngramLayout
+
+    size = builtin_compressed_vocab_size()
+    text["engram_compressed_vocab_size"] = size
+    layer_ids = list(text["engram_layer_ids"])
+    layout = EngramLayout.from_config(layer_ids, text["engram_vocab_size"], text["engram_max_ngram_size"],
+                                      text["engram_n_heads"], size)
+    text["engram_num_embeddings"] = [int(layout.rows[layer]) for layer in layer_ids]
+
+
 def preset_config(name: str) -> dict[str, Any]:
-    """A fresh copy of preset `name`'s config.json dict."""
+    """A fresh copy of preset `name`'s config.json dict (V4.1 presets with their engram sizes filled in)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-    return copy.deepcopy(PRESETS[name])
+    config = copy.deepcopy(PRESETS[name])
+    text = text_config(config)
+    if "engram_layer_ids" in text:
+        _fill_engram_sizes(text)
+    return config
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -164,6 +296,89 @@ def v4_tensor_shapes(cfg: ModelConfig, dtype: str = "float32") -> dict[str, tupl
         return torch.float32 if name.endswith(_FP32_SUFFIXES) else wdtype
 
     return {name: (shape, disk_dtype(name)) for name, shape in shapes.items()}
+
+
+# V4.1 tensors HF-V41 keeps in float32 whatever the save dtype (model.md 11.1); the engram scale is a dummy F32.
+_V41_FP32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
+                      "attn.attn_sink", "gate.bias", "gate.bias_vl", "engram.embed.scale")
+
+
+def v41_tensor_shapes(cfg: ModelConfig, dtype: str = "float32") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor of a DeepSeek-V4.1 text checkpoint as HF-V41 saves it -> (shape, on-disk dtype).
+
+    Which layers own a compressor, an indexer (with keys) or an engram comes from `cfg.v41`. Engram tables are
+    float with a dummy all-ones `embed.scale` [rows, head_dim/32], as HF saves float tables (section 7)."""
+    v41 = cfg.v41
+    if v41 is None:
+        raise ValueError("v41_tensor_shapes needs a DeepSeek-V4.1 config")
+    wdtype = torch_dtype(dtype)
+    V, D, N = cfg.vocab_size, cfg.hidden_size, cfg.hc_mult
+    H, hd, ql = cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
+    G, ol = cfg.o_groups, cfg.o_lora_rank
+    E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+    IH, ihd = cfg.index_n_heads, cfg.index_head_dim
+    mix = (2 + N) * N
+    eng = v41.engram
+    rows = {} if eng is None else dict(zip(eng.layer_ids, eng.num_embeddings))
+
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed.weight": (V, D),
+        "lm_head.weight": (V, D),
+        "model.norm.weight": (D,),
+    }
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shapes[p + "attn_norm.weight"] = (D,)
+        shapes[p + "ffn_norm.weight"] = (D,)
+        for site in ("attn", "ffn"):
+            shapes[p + f"hc_{site}_fn"] = (mix, N * D)
+            shapes[p + f"hc_{site}_base"] = (mix,)
+            shapes[p + f"hc_{site}_scale"] = (3,)
+        a = p + "attn."
+        shapes[a + "wq_a.weight"] = (ql, D)
+        shapes[a + "q_norm.weight"] = (ql,)
+        shapes[a + "wq_b.weight"] = (H * hd, ql)
+        shapes[a + "wkv.weight"] = (hd, D)
+        shapes[a + "kv_norm.weight"] = (hd,)
+        shapes[a + "wo_a.weight"] = (G * ol, H * hd // G)
+        shapes[a + "wo_b.weight"] = (D, G * ol)
+        shapes[a + "attn_sink"] = (H,)
+        is_kv_source = layer in v41.kv_source_layer_ids
+        if is_kv_source:
+            # One latent per entry (ratio 2 pools aligned pairs with a gate; ratio 1 projects every token).
+            shapes[a + "compressor.wkv.weight"] = (hd, D)
+            if cfg.compress_ratios[layer] > 1:
+                shapes[a + "compressor.wgate.weight"] = (hd, D)
+            shapes[a + "compressor.norm.weight"] = (hd,)
+        if layer in v41.index_source_layer_ids:
+            shapes[a + "indexer.wq_b.weight"] = (IH * ihd, ql)
+            shapes[a + "indexer.weights_proj.weight"] = (IH, D)
+            if is_kv_source:  # the group's indexer keys are derived from the compressor's latents
+                shapes[a + "indexer.wk.weight"] = (ihd, hd)
+                shapes[a + "indexer.k_norm.weight"] = (ihd,)
+        f = p + "ffn."
+        shapes[f + "gate.weight"] = (E, D)
+        shapes[f + "gate.bias"] = (E,)
+        shapes[f + "gate.bias_vl"] = (E,)
+        for e in range(E):
+            shapes[f + f"experts.{e}.w1.weight"] = (I, D)
+            shapes[f + f"experts.{e}.w2.weight"] = (D, I)
+            shapes[f + f"experts.{e}.w3.weight"] = (I, D)
+        # One shared expert of width I, as HF-V41 builds it (V4.1 ships n_shared_experts = 1).
+        shapes[f + "shared_experts.w1.weight"] = (I, D)
+        shapes[f + "shared_experts.w2.weight"] = (D, I)
+        shapes[f + "shared_experts.w3.weight"] = (I, D)
+        if layer in rows:
+            g = p + "engram."
+            cols = (eng.max_ngram_size - 1) * eng.n_heads  # one table row per (n-gram size, hash head)
+            shapes[g + "embed.weight"] = (rows[layer], eng.head_dim)
+            shapes[g + "embed.scale"] = (rows[layer], eng.head_dim // 32)
+            shapes[g + "wkv.weight"] = ((N + 1) * D, cols * eng.head_dim)  # N stream keys, then one value
+            shapes[g + "q_weight"] = (N, D)
+            shapes[g + "k_weight"] = (N, D)
+
+    return {name: (shape, torch.float32 if name.endswith(_V41_FP32_SUFFIXES) else wdtype)
+            for name, shape in shapes.items()}
 
 
 def default_model_dir() -> str:
