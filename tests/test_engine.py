@@ -3,12 +3,9 @@ outputs shaped like vLLM's."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 
 import pytest
-import torch
 from hf_reference import build_hf_model, make_prompt, save_hf_model
 
 from dsv4.engine.engine import LLMEngine, RequestError

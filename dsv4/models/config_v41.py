@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dsv4.models.config import MOE, ConfigError, ModelConfig, RopeConfig, _get, _require, _rope_from_dict, validate
+from dsv4.models.config import MOE, ModelConfig, RopeConfig, _get, _require, _rope_from_dict, validate
 
 V41_KV_SOURCE = "shared_compressed_attention"
 RELEASED_RATIOS = [0, 0] + [2] * 18 + [1] * 20 + [0] * 3

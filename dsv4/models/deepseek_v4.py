@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.kv.spec import PAD_SLOT
 from dsv4.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
+from dsv4.models.layers.attention import QUERY_BLOCK, grouped_projection, sink_attention, window_keys, write_slots
 from dsv4.models.layers.compress import closing_windows, roll_ring, window_rows
 from dsv4.models.layers.mhc import HyperConnection, HyperHead, collapse, expand
 from dsv4.models.layers.moe import MoE
@@ -22,32 +22,6 @@ from dsv4.models.layers.rope import RotaryTable, apply_rope
 from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import AttnMetadata, slots_of
 from dsv4.runtime.kv_cache import LayerKVCache
-
-QUERY_BLOCK = 128  # queries per attention block in the reference path
-
-
-def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """cache[slot] = row for every slot that is not PAD_SLOT."""
-    keep = slots != PAD_SLOT
-    if bool(keep.all()):
-        cache[slots] = rows.to(cache.dtype)
-    else:
-        cache[slots[keep]] = rows[keep].to(cache.dtype)
-
-
-def sink_attention(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """One softmax over keys plus a per-head sink logit that has no value row.
-
-    q [Q, H, D], k [L, D] (K = V, shared by all heads), bias [Q, L] (0 or -inf) -> [Q, H, D].
-    A query whose keys are all masked gets weight only on the sink, i.e. a zero output.
-    """
-    logits = torch.einsum("qhd,ld->hql", q.float(), k.float()) * scale + bias.unsqueeze(0)
-    sink = sinks.float().view(-1, 1, 1).expand(-1, logits.shape[1], 1)
-    logits = torch.cat([logits, sink], dim=-1)
-    probs = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
-    return torch.einsum("hql,ld->qhd", probs, k.float()).to(q.dtype)
-
 
 class Compressor(nn.Module):
     """Gated softmax pooling of every `ratio` tokens into one entry (HCA), or of two overlapping series
@@ -195,15 +169,10 @@ class Attention(nn.Module):
         for r in range(md.num_reqs):
             for b0 in range(qsl[r], qsl[r + 1], QUERY_BLOCK):
                 b1 = min(b0 + QUERY_BLOCK, qsl[r + 1])
-                p0 = ctx[r] + (b0 - qsl[r])
-                p1 = p0 + (b1 - b0)
                 qpos = md.positions[b0:b1]
-                kpos = torch.arange(max(0, p0 - self.window + 1), p1, device=x.device)
-                keys = cache.window[slots_of(win_table[r], kpos, win_bs)]
-                in_window = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - self.window)
-                bias = torch.zeros(in_window.shape, device=x.device).masked_fill(~in_window, float("-inf"))
+                keys, bias = window_keys(cache.window, win_table[r], win_bs, qpos, self.window)
                 if comp_table is not None:
-                    n = p1 // self.ratio  # entries visible to the block's last query
+                    n = (ctx[r] + b1 - qsl[r]) // self.ratio  # entries visible to the block's last query
                     if n > 0:
                         ent = torch.arange(n, device=x.device)
                         ckeys = cache.compressed[slots_of(comp_table[r], ent, comp_bs)]
@@ -218,11 +187,7 @@ class Attention(nn.Module):
                 out[b0:b1] = sink_attention(q[b0:b1], keys, bias, self.sinks, self.head_dim ** -0.5)
 
         out = apply_rope(out, cos, sin, inverse=True)  # V carried rope: undo it at the query position
-        g = self.o_groups
-        grouped = out.reshape(T, g, -1).transpose(0, 1)  # [G, T, H*hd/G]
-        w = self.o_a_proj.weight.view(g, -1, grouped.shape[-1])  # [G, o_lora, H*hd/G]
-        o = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)
-        return self.o_b_proj(o)
+        return self.o_b_proj(grouped_projection(out, self.o_a_proj.weight, self.o_groups))
 
 
 class DecoderLayer(nn.Module):

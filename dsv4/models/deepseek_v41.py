@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.models.config import ModelConfig
-from dsv4.models.deepseek_v4 import QUERY_BLOCK, sink_attention, write_slots
 from dsv4.models.engram import Engram, EngramLayout, HostTable, engram_hash
+from dsv4.models.layers.attention import QUERY_BLOCK, grouped_projection, sink_attention, window_keys, write_slots
 from dsv4.models.layers.compress import closing_windows, roll_ring, window_rows
 from dsv4.models.layers.mhc import hc_mixes
 from dsv4.models.layers.moe import clamped_swiglu, score
@@ -227,7 +227,7 @@ class AttentionV41(nn.Module):
         win_group = md.groups["window"]
         win_table = md.block_tables["window"]
         out = torch.empty_like(q)
-        qsl, ctx = md.query_start_loc_cpu, md.context_lens_cpu
+        qsl = md.query_start_loc_cpu
         for r in range(md.num_reqs):
             t0, t1 = qsl[r], qsl[r + 1]
             if t0 == t1:
@@ -251,12 +251,7 @@ class AttentionV41(nn.Module):
             for b0 in range(t0, t1, QUERY_BLOCK):
                 b1 = min(b0 + QUERY_BLOCK, t1)
                 qpos = md.positions[b0:b1]
-                p0 = int(ctx[r]) + (b0 - t0)
-                p1 = p0 + (b1 - b0)
-                kpos = torch.arange(max(0, p0 - self.window + 1), p1, device=x.device)
-                keys = cache.window[slots_of(win_table[r], kpos, win_group.block_size)]
-                in_window = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - self.window)
-                bias = torch.zeros(in_window.shape, device=x.device).masked_fill(~in_window, float("-inf"))
+                keys, bias = window_keys(cache.window, win_table[r], win_group.block_size, qpos, self.window)
                 if ckeys is not None:
                     if self.is_index_source:
                         self._select(step, r, b0 - t0, b1 - t0, qi[b0:b1], iw[b0:b1], ikeys, qpos)
@@ -268,11 +263,7 @@ class AttentionV41(nn.Module):
                 out[b0:b1] = sink_attention(q[b0:b1], keys, bias, self.attn_sink, self.head_dim ** -0.5)
 
         out = apply_rope(out, cos, sin, inverse=True)
-        g = self.o_groups
-        grouped = out.reshape(T, g, -1).transpose(0, 1)
-        w = self.wo_a.weight.view(g, -1, grouped.shape[-1])
-        o = torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)
-        return self.wo_b(o)
+        return self.wo_b(grouped_projection(out, self.wo_a.weight, self.o_groups))
 
     def _select(self, step: StepState, r: int, a: int, b: int, qi: torch.Tensor, iw: torch.Tensor,
                 ikeys: torch.Tensor, qpos: torch.Tensor) -> None:
