@@ -51,6 +51,8 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     seed: int = 0
+    enforce_eager: bool = False  # no CUDA graphs
+    cudagraph_capture_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, ... up to max_num_seqs
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

@@ -4,21 +4,34 @@ A checkpoint here is what a real one ships: config.json, model.safetensors (HF D
 the layout HF-V41 saves for V4.1, with a composite config.json), tokenizer.json, tokenizer_config.json (with a
 DeepSeek-style chat template) and generation_config.json.
 Everything is deterministic given the seed, so tests and `dsv4 generate` need no download.
+
+The large benchmark presets (`LARGE_PRESETS`, several GB in bf16) are streamed instead: each tensor is drawn in chunks,
+each chunk from its own generator seeded by (seed, tensor name, chunk index), optionally on a GPU (`device`), and
+written straight into sharded safetensors files with an index, so the whole checkpoint is never held in memory.
+Their tokenizer is the built-in BPE extended with synthetic words to the released 129280 ids.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import math
 import os
 import shutil
+import string
 import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from dsv4.models.config import parse_config_dict
-from dsv4.models.presets import TOKENIZER_VOCAB_SIZE, preset_config, text_config, v4_tensor_shapes, v41_tensor_shapes
+from dsv4.models.presets import (LARGE_PRESETS, TOKENIZER_VOCAB_SIZE, preset_config, preset_dtype, tensor_shapes,
+                                 text_config)
 
 # Bump when anything make_model writes changes, so cached default models are rebuilt.
 FORMAT_VERSION = 1
@@ -100,6 +113,37 @@ def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> Tokenizer:
     return tok
 
 
+@functools.lru_cache(maxsize=4)
+def _synthetic_tokenizer_json(vocab_size: int) -> str:
+    base = build_tokenizer()
+    if vocab_size == TOKENIZER_VOCAB_SIZE:
+        return base.to_str()
+    data = json.loads(base.to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    # Lowercase words after a byte-level space ("Ġ"), in base-26 order from "aaa": every one decodes to plain text,
+    # and distinct words stay distinct keys of the engram token map. Words the BPE already holds are skipped. No merge
+    # builds them, so they are never produced by encoding; they exist so that every id decodes.
+    n = 0
+    while len(vocab) < vocab_size:
+        k, word = n + 26 * 26, ""
+        while k:
+            k, r = divmod(k, 26)
+            word = string.ascii_lowercase[r] + word
+        n += 1
+        if "\u0120" + word not in vocab:
+            vocab["\u0120" + word] = len(vocab)
+    return json.dumps(data, ensure_ascii=False)
+
+
+def synthetic_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> Tokenizer:
+    """The tokenizer make_model writes for a `vocab_size`-id model: the built-in BPE (exactly, at 512 ids), extended
+    with synthetic words up to `vocab_size` ids so that every id of a released-size vocabulary decodes and the engram
+    token map covers it."""
+    if vocab_size < TOKENIZER_VOCAB_SIZE:
+        raise ValueError(f"vocab_size {vocab_size} < the built-in tokenizer's {TOKENIZER_VOCAB_SIZE} ids")
+    return Tokenizer.from_str(_synthetic_tokenizer_json(vocab_size))
+
+
 def tokenizer_config(max_length: int) -> dict:
     """tokenizer_config.json for the built-in tokenizer (DeepSeek's fields, minus the Llama class)."""
     return {
@@ -117,57 +161,166 @@ def tokenizer_config(max_length: int) -> dict:
     }
 
 
-def write_tokenizer_files(out_dir: str, max_length: int = 1024) -> None:
-    """Write the built-in tokenizer.json and tokenizer_config.json to `out_dir`."""
+def write_tokenizer_files(out_dir: str, max_length: int = 1024, vocab_size: int = TOKENIZER_VOCAB_SIZE) -> None:
+    """Write tokenizer.json (`synthetic_tokenizer(vocab_size)`: the built-in one by default) and
+    tokenizer_config.json to `out_dir`."""
     os.makedirs(out_dir, exist_ok=True)
-    build_tokenizer().save(os.path.join(out_dir, "tokenizer.json"))
+    synthetic_tokenizer(vocab_size).save(os.path.join(out_dir, "tokenizer.json"))
     _write_json(os.path.join(out_dir, "tokenizer_config.json"), tokenizer_config(max_length))
+
+
+@dataclass(frozen=True)
+class _Init:
+    """How one tensor is drawn: "ones", "normal" (mean + std * N(0, 1)) or "experts" (tid2eid rows of distinct
+    random experts)."""
+
+    kind: str
+    std: float = 0.0
+    mean: float = 0.0
+
+
+def _init_v4(name: str) -> _Init:
+    """V4: linear weights (and the mHC fn) ~ N(0, 0.02); norms and mHC scales = 1; sinks, position biases and mHC
+    bases ~ 0.5 N(0, 1) and the router bias ~ 0.1 N(0, 1), so none of them is zero and every code path matters;
+    `tid2eid` rows are distinct random experts."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "tid2eid":
+        return _Init("experts")
+    if "norm" in name or leaf in ("scale", "hc_scale"):
+        return _Init("ones")
+    if leaf in ("sinks", "position_bias", "base", "hc_base"):
+        return _Init("normal", 0.5)
+    if leaf == "e_score_correction_bias":
+        return _Init("normal", 0.1)
+    return _Init("normal", 0.02)
+
+
+def _init_v41(name: str) -> _Init:
+    """V4.1, following model.md 11.1's recipe: HF initialises sinks, mHC bases and router biases to 0 and the engram
+    q/k weights to 1, which would leave those paths untested, so they are randomised here."""
+    if name.endswith(("norm.weight", "_scale", "engram.embed.scale")):
+        return _Init("ones")  # norms, mHC scales, and the dummy scale of a float engram table
+    if name.endswith(("attn_sink", "hc_attn_base", "hc_ffn_base")):
+        return _Init("normal", 0.5)
+    if name.endswith(("gate.bias", "gate.bias_vl")):
+        return _Init("normal", 0.1)
+    if name.endswith(("engram.q_weight", "engram.k_weight")):
+        return _Init("normal", 0.5, 1.0)  # only their product matters; keep it away from 0
+    if name.endswith("engram.embed.weight"):
+        return _Init("normal", 1.0)  # std 1, so the engram visibly changes the output
+    return _Init("normal", 0.02)
+
+
+def _draw(init: _Init, shape: tuple[int, ...], gen: torch.Generator, n_experts: int) -> torch.Tensor:
+    """One float32 CPU tensor from one shared generator (the tiny presets' recipe; their bytes depend on it)."""
+    if init.kind == "experts":
+        return torch.rand((shape[0], n_experts), generator=gen).argsort(dim=1)[:, : shape[1]]
+    if init.kind == "ones":
+        return torch.ones(shape)
+    t = torch.randn(shape, generator=gen) * init.std
+    return t + init.mean if init.mean else t
 
 
 def random_weights(config: dict, seed: int = 0, dtype: str = "float32") -> dict[str, torch.Tensor]:
     """Random tensors for every name of `v4_tensor_shapes` (or `v41_tensor_shapes` for a V4.1 config), drawn in
-    that order from one seeded generator.
-
-    V4: linear weights (and the mHC fn) ~ N(0, 0.02); norms and mHC scales = 1; sinks, position biases and mHC
-    bases ~ 0.5 N(0, 1) and the router bias ~ 0.1 N(0, 1), so none of them is zero and every code path matters;
-    `tid2eid` rows are distinct random experts. V4.1: see `_init_v41`."""
+    that order from one seeded generator (recipes: `_init_v4`, `_init_v41`)."""
     cfg = parse_config_dict(config)
     gen = torch.Generator().manual_seed(seed)
+    init = _init_v41 if cfg.v41 is not None else _init_v4
     out: dict[str, torch.Tensor] = {}
-    if cfg.v41 is not None:
-        for name, (shape, disk_dtype) in v41_tensor_shapes(cfg, dtype).items():
-            out[name] = _init_v41(name, shape, gen).to(disk_dtype).contiguous()
-        return out
-    for name, (shape, disk_dtype) in v4_tensor_shapes(cfg, dtype).items():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf == "tid2eid":
-            t = torch.rand((shape[0], cfg.n_routed_experts), generator=gen).argsort(dim=1)[:, : shape[1]]
-        elif "norm" in name or leaf in ("scale", "hc_scale"):
-            t = torch.ones(shape)
-        elif leaf in ("sinks", "position_bias", "base", "hc_base"):
-            t = torch.randn(shape, generator=gen) * 0.5
-        elif leaf == "e_score_correction_bias":
-            t = torch.randn(shape, generator=gen) * 0.1
-        else:
-            t = torch.randn(shape, generator=gen) * 0.02
-        out[name] = t.to(disk_dtype).contiguous()
+    for name, (shape, disk_dtype) in tensor_shapes(cfg, dtype).items():
+        out[name] = _draw(init(name), shape, gen, cfg.n_routed_experts).to(disk_dtype).contiguous()
     return out
 
 
-def _init_v41(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """One V4.1 tensor, following model.md 11.1's recipe: HF initialises sinks, mHC bases and router biases to 0
-    and the engram q/k weights to 1, which would leave those paths untested, so they are randomised here."""
-    if name.endswith(("norm.weight", "_scale", "engram.embed.scale")):
-        return torch.ones(shape)  # norms, mHC scales, and the dummy scale of a float engram table
-    if name.endswith(("attn_sink", "hc_attn_base", "hc_ffn_base")):
-        return torch.randn(shape, generator=gen) * 0.5
-    if name.endswith(("gate.bias", "gate.bias_vl")):
-        return torch.randn(shape, generator=gen) * 0.1
-    if name.endswith(("engram.q_weight", "engram.k_weight")):
-        return 1 + torch.randn(shape, generator=gen) * 0.5  # only their product matters; keep it away from 0
-    if name.endswith("engram.embed.weight"):
-        return torch.randn(shape, generator=gen)  # std 1, so the engram visibly changes the output
-    return torch.randn(shape, generator=gen) * 0.02
+# ---- streamed writer (large presets) ---------------------------------------------------------------------------
+DEFAULT_SHARD_BYTES = 4 << 30  # safetensors shards of at most 4 GiB (a larger single tensor gets a shard of its own)
+_CHUNK_ELEMENTS = 1 << 26  # draw at most 64M values at a time: 128 MB in bf16, whatever the tensor size
+_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
+
+
+def _chunk_generator(seed: int, name: str, chunk: int, device: torch.device) -> torch.Generator:
+    """A generator for one chunk of one tensor: the draws do not depend on the order or the shard layout."""
+    digest = hashlib.blake2b(f"{seed}/{name}/{chunk}".encode(), digest_size=8).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+
+
+def _stream_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, init: _Init, seed: int, n_experts: int,
+                   device: torch.device) -> Iterator[torch.Tensor]:
+    """The tensor in row chunks along dim 0 (contiguous CPU tensors, in order), drawn in `dtype` on `device`."""
+    rows = shape[0] if shape else 1
+    per_row = math.prod(shape[1:])
+    step = max(1, _CHUNK_ELEMENTS // max(per_row, 1))
+    for chunk, start in enumerate(range(0, rows, step)):
+        part = (min(step, rows - start), *shape[1:])
+        if init.kind == "ones":
+            t = torch.ones(part, dtype=dtype, device=device)
+        elif init.kind == "experts":
+            gen = _chunk_generator(seed, name, chunk, device)
+            t = torch.rand((part[0], n_experts), generator=gen, device=device).argsort(dim=1)[:, : shape[1]]
+        else:
+            gen = _chunk_generator(seed, name, chunk, device)
+            t = torch.empty(part, dtype=dtype, device=device).normal_(init.mean, init.std, generator=gen)
+        yield t.to(dtype).cpu().contiguous()
+
+
+def _plan_shards(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], max_shard_bytes: int) -> list[list[str]]:
+    """Tensor names per shard, in layout order, each shard at most `max_shard_bytes` (unless one tensor is larger)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, (shape, dt) in shapes.items():
+        size = math.prod(shape) * dt.itemsize
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def write_random_safetensors(config: dict[str, Any], out_dir: str, seed: int = 0, dtype: str = "bfloat16",
+                             device: str | torch.device = "cpu", max_shard_bytes: int = DEFAULT_SHARD_BYTES
+                             ) -> list[str]:
+    """Stream random weights of `config` (names, shapes and dtypes of `tensor_shapes`, recipes `_init_v4` /
+    `_init_v41`) into `out_dir`: model.safetensors, or model-0000i-of-0000n.safetensors plus
+    model.safetensors.index.json when the total exceeds `max_shard_bytes`. Returns the files written.
+
+    Peak memory is a few chunks, not the checkpoint. The values depend on (seed, device): a GPU draws other
+    numbers than the CPU from the same seed."""
+    cfg = parse_config_dict(config)
+    shapes = tensor_shapes(cfg, dtype)
+    init = _init_v41 if cfg.v41 is not None else _init_v4
+    dev = torch.device(device)
+    shards = _plan_shards(shapes, max_shard_bytes)
+    files = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    weight_map: dict[str, str] = {}
+    total = 0
+    for file, names in zip(files, shards):
+        # Wider dtypes first, so every tensor starts at a multiple of its item size (as safetensors' own writer).
+        names = sorted(names, key=lambda n: -shapes[n][1].itemsize)
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for name in names:
+            shape, dt = shapes[name]
+            size = math.prod(shape) * dt.itemsize
+            header[name] = {"dtype": _ST_DTYPE[dt], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            offset += size
+            weight_map[name] = file
+        total += offset
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data must start 8-byte aligned
+        with open(os.path.join(out_dir, file), "wb") as f:
+            f.write(len(raw).to_bytes(8, "little"))
+            f.write(raw)
+            for name in names:
+                shape, dt = shapes[name]
+                for part in _stream_tensor(name, shape, dt, init(name), seed, cfg.n_routed_experts, dev):
+                    f.write(part.reshape(-1).view(torch.uint8).numpy().data)
+    if len(files) > 1:
+        _write_json(os.path.join(out_dir, "model.safetensors.index.json"),
+                    {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return files
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -176,21 +329,30 @@ def _write_json(path: str, obj: dict) -> None:
         f.write("\n")
 
 
-def make_model(preset: str, out_dir: str, seed: int = 0, dtype: str = "float32") -> str:
-    """Write preset `preset` with random weights (seeded) to `out_dir`; return out_dir."""
-    config = preset_config(preset)
+def make_model(preset: str, out_dir: str, seed: int = 0, dtype: str | None = None, device: str | None = None,
+               overrides: dict[str, Any] | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
+    """Write preset `preset` with random weights (seeded) to `out_dir`; return out_dir.
+
+    `dtype` defaults to the preset's (`preset_dtype`: bf16 for the large presets). The large presets, or any preset
+    given a `device` (e.g. "cuda", which draws much faster), are streamed by `write_random_safetensors`; the tiny
+    presets otherwise keep their single-generator draws and single file. `overrides` replace text-config fields
+    (a scaled-down variant of a preset)."""
+    dtype = dtype or preset_dtype(preset)
+    config = preset_config(preset, overrides)
     text_config(config)["dtype"] = dtype  # V4.1 parses the dtype from text_config, as HF writes it
     cfg = parse_config_dict(config)  # validates the preset before anything is written
     if cfg.vocab_size < TOKENIZER_VOCAB_SIZE:  # every id the tokenizer emits must have an embedding row
         raise ValueError(f"preset {preset!r} vocab_size {cfg.vocab_size} < tokenizer size {TOKENIZER_VOCAB_SIZE}")
-    if cfg.v41 is not None and cfg.vocab_size > TOKENIZER_VOCAB_SIZE:  # the engram map must cover every id
-        raise ValueError(f"preset {preset!r} vocab_size {cfg.vocab_size} > tokenizer size {TOKENIZER_VOCAB_SIZE}")
-    tensors = random_weights(config, seed=seed, dtype=dtype)
 
     os.makedirs(out_dir, exist_ok=True)
     _write_json(os.path.join(out_dir, "config.json"), config)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer_files(out_dir, cfg.max_position_embeddings)
+    if preset in LARGE_PRESETS or device is not None:
+        write_random_safetensors(config, out_dir, seed=seed, dtype=dtype, device=device or "cpu",
+                                 max_shard_bytes=max_shard_bytes)
+    else:
+        tensors = random_weights(config, seed=seed, dtype=dtype)
+        save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    write_tokenizer_files(out_dir, cfg.max_position_embeddings, cfg.vocab_size)
     _write_json(os.path.join(out_dir, "generation_config.json"),
                 {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids[0]})
     return out_dir

@@ -82,6 +82,7 @@ class LLMEngine:
                                      config.scheduler.max_num_seqs)
         model = build_model(config.model, config.model_dir, dtype, config.device)
         self.runner = ModelRunner(config, model, self.groups, dtype)
+        self.runner.capture_graphs()
         self.kv_manager = KVCacheManager(self.groups)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.requests: dict[str, _UserRequest] = {}
@@ -91,7 +92,8 @@ class LLMEngine:
     @classmethod
     def from_args(cls, model: str, dtype: str = "float32", device: str = "cpu", max_model_len: int | None = None,
                   max_num_seqs: int = 16, max_num_batched_tokens: int | None = None, block_size: int = 16,
-                  num_kv_blocks: int | None = None, seed: int = 0, load_tokenizer: bool = True) -> "LLMEngine":
+                  num_kv_blocks: int | None = None, seed: int = 0, load_tokenizer: bool = True,
+                  enforce_eager: bool = False, cudagraph_capture_sizes: tuple[int, ...] | None = None) -> "LLMEngine":
         """Build an engine from a checkpoint directory and the usual knobs."""
         mc = load_model_config(model)
         max_model_len = max_model_len or min(mc.max_position_embeddings, 4096)
@@ -101,7 +103,8 @@ class LLMEngine:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
                                       max_model_len=max_model_len),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks),
-            dtype=dtype, device=device, seed=seed,
+            dtype=dtype, device=device, seed=seed, enforce_eager=enforce_eager,
+            cudagraph_capture_sizes=cudagraph_capture_sizes,
         )
         tok = Tokenizer.from_dir(model) if load_tokenizer else None
         return cls(cfg, tok)

@@ -13,14 +13,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
-from dsv4.models.layers.attention import QUERY_BLOCK, grouped_projection, sink_attention, window_keys, write_slots
+from dsv4.models.layers.attention import (QUERY_BLOCK, grouped_projection, sink_attention, sink_attention_rows,
+                                          window_keys, write_slots)
 from dsv4.models.layers.compress import closing_windows, roll_ring, window_rows
 from dsv4.models.layers.mhc import HyperConnection, HyperHead, collapse, expand
 from dsv4.models.layers.moe import MoE
 from dsv4.models.layers.norm import RMSNorm, unweighted_rms_norm
 from dsv4.models.layers.rope import RotaryTable, apply_rope
 from dsv4.ops.topk import stable_topk
-from dsv4.runtime.attn_metadata import AttnMetadata, slots_of
+from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, slots_of
 from dsv4.runtime.kv_cache import LayerKVCache
 
 class Compressor(nn.Module):
@@ -73,6 +74,31 @@ class Compressor(nn.Module):
             roll_ring(ring_kv, ring_gate, blk, kv, gate, p0)
 
 
+    def forward_decode(self, x: torch.Tensor, dmd: DecodeMetadata, rope: RotaryTable, out_cache: torch.Tensor,
+                       ring_kv: torch.Tensor, ring_gate: torch.Tensor, entry_write: torch.Tensor) -> None:
+        """One token per row: push its rows into the ring, then pool the window it closes (written to
+        `entry_write`, TRASH_SLOT for rows that close none)."""
+        m, dim, cap = self.ratio, self.dim, ring_kv.shape[1]
+        pos, blk = dmd.positions, dmd.state_blocks
+        ring_kv[blk, pos % cap] = self.kv_proj(x).to(ring_kv.dtype)
+        ring_gate[blk, pos % cap] = self.gate_proj(x).to(ring_gate.dtype)
+        src = pos[:, None] - cap + 1 + torch.arange(cap, device=x.device)  # positions of the ring's rows, in order
+        kv = ring_kv[blk[:, None], src % cap].to(x.dtype)
+        gate = ring_gate[blk[:, None], src % cap].to(x.dtype)
+        before = (src < 0)[..., None]
+        kv = kv.masked_fill(before, 0)
+        gate = gate.masked_fill(before, float("-inf"))
+        if self.overlap:  # Ca of the previous window, Cb of this one
+            kv_w = torch.cat([kv[:, :m, :dim], kv[:, m:, dim:]], dim=1)
+            gate_w = torch.cat([gate[:, :m, :dim] + self.position_bias[:, :dim],
+                                gate[:, m:, dim:] + self.position_bias[:, dim:]], dim=1)
+        else:
+            kv_w, gate_w = kv, gate + self.position_bias
+        pooled = (kv_w * gate_w.softmax(dim=1, dtype=torch.float32).to(kv_w.dtype)).sum(dim=1)
+        cos, sin = rope(((pos + 1) // m - 1).clamp(min=0) * m)
+        out_cache[entry_write] = apply_rope(self.kv_norm(pooled), cos, sin).to(out_cache.dtype)
+
+
 class Scorer(nn.Module):
     """Per-head weights of the indexer scores (a module of its own to keep HF's parameter names)."""
 
@@ -109,6 +135,16 @@ class Indexer(Compressor):
         picked = torch.zeros_like(visible).scatter_(1, picks, True) & visible  # never scatter -inf picks
         bias = torch.full(scores.shape, float("-inf"), device=qi.device)
         return bias.masked_fill(picked, 0.0)
+
+
+    def select_decode(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """Decode form of `select`: top-k entry ids [R, K] of each row over its own entries (-1 = none)."""
+        scores = torch.relu(torch.einsum("rhd,rnd->rhn", qi, keys.float())) * self.head_dim ** -0.5
+        scores = (scores * w.unsqueeze(-1)).sum(dim=1)
+        visible = torch.arange(keys.shape[1], device=qi.device)[None, :] < n[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        picks = stable_topk(scores, min(self.topk, keys.shape[1]))
+        return torch.where(scores.gather(1, picks) > float("-inf"), picks, torch.full_like(picks, -1))
 
 
 class Attention(nn.Module):
@@ -190,6 +226,37 @@ class Attention(nn.Module):
         return self.o_b_proj(grouped_projection(out, self.o_a_proj.weight, self.o_groups))
 
 
+    def forward_decode(self, x: torch.Tensor, dmd: DecodeMetadata, cache: LayerKVCache) -> torch.Tensor:
+        """One token per row with fixed shapes (a captured decode step)."""
+        R = x.shape[0]
+        cos, sin = self.rope(dmd.positions)
+        qr = self.q_a_norm(self.q_a_proj(x))
+        q = unweighted_rms_norm(self.q_b_proj(qr).view(R, self.n_heads, self.head_dim), self.eps)
+        q = apply_rope(q, cos, sin)
+        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        cache.window[dmd.write_slots] = kv.to(cache.window.dtype)
+        keys, mask = cache.window[dmd.window_slots], dmd.window_mask
+        if self.compressor is not None:
+            group = f"compressed_{self.ratio}"
+            write = dmd.entry_write[group]
+            self.compressor.forward_decode(x, dmd, self.rope, cache.compressed, cache.ring_kv, cache.ring_gate, write)
+            eslots, n = dmd.entry_slots[group], dmd.n_entries[group]
+            if self.kind == CSA:
+                indexer = self.compressor.indexer
+                indexer.forward_decode(x, dmd, self.rope, cache.index_keys, cache.index_ring_kv,
+                                       cache.index_ring_gate, write)
+                qi, iw = indexer.queries(x, qr, cos, sin)
+                picks = indexer.select_decode(qi, iw, cache.index_keys[eslots], n)
+                ckeys, cmask = cache.compressed[eslots.gather(1, picks.clamp(min=0))], picks >= 0
+            else:  # HCA: every visible entry
+                ckeys = cache.compressed[eslots]
+                cmask = torch.arange(eslots.shape[1], device=x.device)[None, :] < n[:, None]
+            keys, mask = torch.cat([keys, ckeys], dim=1), torch.cat([mask, cmask], dim=1)
+        out = sink_attention_rows(q, keys, mask, self.sinks, self.head_dim ** -0.5)
+        out = apply_rope(out, cos, sin, inverse=True)
+        return self.o_b_proj(grouped_projection(out, self.o_a_proj.weight, self.o_groups))
+
+
 class DecoderLayer(nn.Module):
     """attention site then FFN site, each wrapped in its own hyper-connection."""
 
@@ -214,6 +281,16 @@ class DecoderLayer(nn.Module):
         return expand(z, h, post, comb)
 
 
+    def forward_decode(self, h: torch.Tensor, input_ids: torch.Tensor, dmd: DecodeMetadata,
+                       cache: LayerKVCache) -> torch.Tensor:
+        pre, post, comb = self.attn_hc.mixes(h)
+        y = self.self_attn.forward_decode(self.input_layernorm(collapse(h, pre)), dmd, cache)
+        h = expand(y, h, post, comb)
+        pre, post, comb = self.ffn_hc.mixes(h)
+        z = self.mlp.forward_fixed(self.post_attention_layernorm(collapse(h, pre)), input_ids)
+        return expand(z, h, post, comb)
+
+
 class DeepseekV4Model(nn.Module):
     """Embedding, decoder layers on N streams, hc_head collapse, final norm."""
 
@@ -233,6 +310,13 @@ class DeepseekV4Model(nn.Module):
         return self.norm(self.hc_head(h))
 
 
+    def forward_decode(self, input_ids: torch.Tensor, dmd: DecodeMetadata, caches: list[LayerKVCache]) -> torch.Tensor:
+        h = self.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        for layer, cache in zip(self.layers, caches):
+            h = layer.forward_decode(h, input_ids, dmd, cache)
+        return self.norm(self.hc_head(h))
+
+
 class DeepseekV4ForCausalLM(nn.Module):
     """The text model and its LM head. `forward` returns final hidden states; `compute_logits` the logits."""
 
@@ -244,6 +328,10 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, md: AttnMetadata, caches: list[LayerKVCache]) -> torch.Tensor:
         return self.model(input_ids, md, caches)
+
+    def forward_decode(self, input_ids: torch.Tensor, dmd: DecodeMetadata, caches: list[LayerKVCache]) -> torch.Tensor:
+        """One token per row, fixed shapes, no host sync: the forward a FULL decode CUDA graph captures."""
+        return self.model.forward_decode(input_ids, dmd, caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the given final hidden rows."""

@@ -17,14 +17,15 @@ from torch import nn
 
 from dsv4.models.config import ModelConfig
 from dsv4.models.engram import Engram, EngramLayout, HostTable, engram_hash
-from dsv4.models.layers.attention import QUERY_BLOCK, grouped_projection, sink_attention, window_keys, write_slots
+from dsv4.models.layers.attention import (QUERY_BLOCK, grouped_projection, sink_attention, sink_attention_rows,
+                                          window_keys, write_slots)
 from dsv4.models.layers.compress import closing_windows, roll_ring, window_rows
 from dsv4.models.layers.mhc import hc_mixes
-from dsv4.models.layers.moe import clamped_swiglu, score
+from dsv4.models.layers.moe import clamped_swiglu, routed_experts_fixed, score
 from dsv4.models.layers.rope import RotaryTable, apply_rope
 from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant
 from dsv4.ops.topk import stable_topk
-from dsv4.runtime.attn_metadata import AttnMetadata, slots_of
+from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, slots_of
 from dsv4.runtime.kv_cache import LayerKVCache
 
 
@@ -60,6 +61,8 @@ class StepState:
 
     topk: list[torch.Tensor | None] = field(default_factory=list)
     candidates: list[torch.Tensor | None] = field(default_factory=list)
+    topk_decode: torch.Tensor | None = None  # decode path: [R, K] for all rows at once
+    candidates_decode: torch.Tensor | None = None
 
 
 class Compressor(nn.Module):
@@ -145,8 +148,8 @@ def candidate_blocks(scores: torch.Tensor, qpos: torch.Tensor, ratio: int, block
     padded = F.pad(scores, (0, nb * block - n), value=float("-inf"))
     bs = padded.view(Q, nb, block).amax(dim=-1)
     newest = (qpos + 1) // ratio - 1
-    has = newest >= 0
-    bs[has, (newest[has] // block)] = float("inf")
+    pin = (newest.clamp(min=0) // block)[:, None]  # the newest visible entry's block: always kept
+    bs = bs.scatter(1, pin, torch.where((newest >= 0)[:, None], float("inf"), bs.gather(1, pin)))
     k = min(keep, nb)
     picks = stable_topk(bs, k)
     return torch.where(bs.gather(1, picks) > float("-inf"), picks, torch.full_like(picks, -1))
@@ -265,6 +268,72 @@ class AttentionV41(nn.Module):
         out = apply_rope(out, cos, sin, inverse=True)
         return self.wo_b(grouped_projection(out, self.wo_a.weight, self.o_groups))
 
+    # ---- uniform decode (fixed shapes, capturable) --------------------------------------------------------------
+    def _publish_decode(self, x: torch.Tensor, dmd: DecodeMetadata, cache: LayerKVCache) -> None:
+        """KV source, one token per row: roll the open pair (ratio 2) and write the entry the token completes."""
+        pos = dmd.positions
+        if self.ratio == 1:
+            latent, ent = self.compressor.norm(self.compressor.wkv(x)), pos
+        else:
+            c = self.compressor
+            kv = F.linear(x.float(), c.wkv.weight.float())
+            gate = F.linear(x.float(), c.wgate.weight.float())
+            blk, slot = dmd.state_blocks, pos % self.ratio
+            cache.ring_kv[blk, slot] = kv
+            cache.ring_gate[blk, slot] = gate
+            # ring rows are positions in order once the pair closes (slot 0 = even, slot 1 = odd position)
+            pooled = (cache.ring_kv[blk] * cache.ring_gate[blk].softmax(dim=1)).sum(dim=1)
+            latent, ent = c.norm(pooled.to(x.dtype)), ((pos + 1) // self.ratio - 1).clamp(min=0)
+        cos, sin = self.rope(ent * self.ratio)
+        slots = dmd.entry_write[f"compressed_{self.ratio}"]
+        cache.compressed[slots] = fp4_fake_quant_e4m3(apply_rope(latent, cos, sin)).to(cache.compressed.dtype)
+        cache.index_keys[slots] = self.indexer.keys(latent, cos, sin).to(cache.index_keys.dtype)
+
+    def _select_decode(self, step: StepState, qi: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor,
+                       n: torch.Tensor) -> None:
+        """Top-k picks [R, K] of every row over its group's entries (candidate pool applied where it must be)."""
+        sched = self.cfg.v41
+        s = torch.relu(torch.einsum("rhd,rmd->rhm", qi, ikeys.float())) * self.indexer.head_dim ** -0.5
+        s = (s * iw.unsqueeze(-1)).sum(dim=1)
+        visible = torch.arange(s.shape[1], device=s.device)[None, :] < n[:, None]
+        s = s.masked_fill(~visible, float("-inf"))
+        if self.is_candidate:
+            step.candidates_decode = candidate_blocks(s, n * self.ratio - 1, self.ratio, sched.candidate_block_size,
+                                                      sched.candidate_topk_blocks)
+        elif self.uses_candidates and step.candidates_decode is not None:
+            entry_block = torch.arange(s.shape[1], device=s.device) // sched.candidate_block_size
+            in_pool = (entry_block[None, None, :] == step.candidates_decode[:, :, None]).any(dim=1)
+            s = s.masked_fill(~in_pool, float("-inf"))
+        picks = stable_topk(s, min(self.indexer.topk, s.shape[1]))
+        step.topk_decode = torch.where(s.gather(1, picks) > float("-inf"), picks, torch.full_like(picks, -1))
+
+    def forward_decode(self, x: torch.Tensor, dmd: DecodeMetadata, caches: list[LayerKVCache],
+                       step: StepState) -> torch.Tensor:
+        R = x.shape[0]
+        cache = caches[self.layer]
+        cos, sin = self.rope(dmd.positions)
+        qr = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(qr).view(R, self.n_heads, self.head_dim), cos, sin)
+        kv = fp8_fake_quant(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
+        cache.window[dmd.write_slots] = kv.to(cache.window.dtype)
+        keys, mask = cache.window[dmd.window_slots], dmd.window_mask
+        if self.ratio > 0:
+            src = caches[self.kv_source]
+            group = f"compressed_{self.ratio}"
+            if self.is_kv_source:
+                self._publish_decode(x, dmd, cache)
+            eslots, n = dmd.entry_slots[group], dmd.n_entries[group]
+            if self.is_index_source:
+                qi, iw = self.indexer.queries(x, qr, cos, sin)
+                self._select_decode(step, qi, iw, src.index_keys[eslots], n)
+            picks = step.topk_decode
+            ckeys = src.compressed[eslots.gather(1, picks.clamp(min=0))]
+            keys = torch.cat([keys, ckeys], dim=1)
+            mask = torch.cat([mask, picks >= 0], dim=1)
+        out = sink_attention_rows(q, keys, mask, self.attn_sink, self.head_dim ** -0.5)
+        out = apply_rope(out, cos, sin, inverse=True)
+        return self.wo_b(grouped_projection(out, self.wo_a.weight, self.o_groups))
+
     def _select(self, step: StepState, r: int, a: int, b: int, qi: torch.Tensor, iw: torch.Tensor,
                 ikeys: torch.Tensor, qpos: torch.Tensor) -> None:
         """Publish the top-k picks of queries [a, b) of request r (and, on the candidate source, its blocks)."""
@@ -336,6 +405,16 @@ class MoEV41(nn.Module):
         return (out + se.w2(h).float()).to(x.dtype)
 
 
+    def forward_fixed(self, x: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
+        """Same function with fixed shapes and no host sync (captured decode steps)."""
+        weights, idx = self.route(x, is_image)
+        out = routed_experts_fixed(x, weights, idx, self.experts.gate_up_proj, self.experts.down_proj, self.limit,
+                                   weight_before_down=True)
+        se = self.shared_experts
+        h = clamped_swiglu(se.w1(x).float(), se.w3(x).float(), self.limit).to(x.dtype)
+        return (out + se.w2(h).float()).to(x.dtype)
+
+
 class DecoderLayerV41(nn.Module):
     """Delayed mHC: the attention input collapses with the previous site's pre, the FFN input with this
     layer's attention-site pre; Engram (if any) edits the streams before the mixes."""
@@ -364,6 +443,16 @@ class DecoderLayerV41(nn.Module):
         h = expand(y, h, post_a, comb_a)
         pre_f, post_f, comb_f = hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc)
         z = self.ffn(self.ffn_norm(collapse(h, pre_a)), is_image)
+        return expand(z, h, post_f, comb_f), pre_f
+
+
+    def forward_decode(self, h: torch.Tensor, pre_prev: torch.Tensor, is_image: torch.Tensor, dmd: DecodeMetadata,
+                       caches: list[LayerKVCache], step: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+        pre_a, post_a, comb_a = hc_mixes(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc)
+        y = self.attn.forward_decode(self.attn_norm(collapse(h, pre_prev)), dmd, caches, step)
+        h = expand(y, h, post_a, comb_a)
+        pre_f, post_f, comb_f = hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc)
+        z = self.ffn.forward_fixed(self.ffn_norm(collapse(h, pre_a)), is_image)
         return expand(z, h, post_f, comb_f), pre_f
 
 
@@ -414,19 +503,35 @@ class DeepseekV41ForCausalLM(nn.Module):
         pre = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32, device=h.device)
         pre[:, 0] = 1.0  # one-hot start: the streams are equal copies here
         step = StepState()
+        qsl = torch.tensor(md.query_start_loc_cpu, dtype=torch.int64, device=h.device)
         for i, layer in enumerate(self.model.layers):
             if hasattr(layer, "engram"):
-                h = self._engram(i, layer.engram, h, input_ids, is_image, md, lookback_token_ids)
+                h = self._engram(i, layer.engram, h, input_ids, is_image, qsl, md.num_reqs, lookback_token_ids)
             h, pre = layer(h, pre, is_image, md, caches, step)
         return self.model.norm(collapse(h, pre))
 
+    def forward_decode(self, input_ids: torch.Tensor, dmd: DecodeMetadata, caches: list[LayerKVCache],
+                       lookback_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per row, fixed shapes, no host sync: the forward a FULL decode CUDA graph captures."""
+        cfg = self.cfg
+        is_image = input_ids == cfg.v41.image_token_id
+        h = self.model.embed(input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        pre = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32, device=h.device)
+        pre[:, 0] = 1.0
+        step = StepState()
+        for i, layer in enumerate(self.model.layers):
+            if hasattr(layer, "engram"):
+                h = self._engram(i, layer.engram, h, input_ids, is_image, dmd.query_start_loc, dmd.num_padded,
+                                 lookback_token_ids)
+            h, pre = layer.forward_decode(h, pre, is_image, dmd, caches, step)
+        return self.model.norm(collapse(h, pre))
+
     def _engram(self, layer: int, module: Engram, h: torch.Tensor, input_ids: torch.Tensor, is_image: torch.Tensor,
-                md: AttnMetadata, lookback: torch.Tensor | None) -> torch.Tensor:
+                qsl: torch.Tensor, num_reqs: int, lookback: torch.Tensor | None) -> torch.Tensor:
         assert self.token_map.numel() > 0, "engram needs bind_engram() with the tokenizer's token map"
-        R = md.num_reqs
+        R = num_reqs
         window = lookback[:R] if lookback is not None else torch.full(
             (R, self.token_lookback_depth), -1, dtype=torch.int64, device=h.device)
-        qsl = torch.tensor(md.query_start_loc_cpu, dtype=torch.int64, device=h.device)
         rows = engram_hash(self.token_map[input_ids], qsl, window.long(), is_image, self.token_map,
                            self.compressed_pad, self.engram_layout, layer,
                            self.cfg.v41.image_token_id)

@@ -267,8 +267,8 @@ class HostTable:
     """
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-        if weight.dim() != 2 or weight.device.type != "cpu":
-            raise ValueError("a HostTable needs a 2-D CPU weight")
+        if weight.dim() != 2:
+            raise ValueError("a HostTable needs a 2-D weight")
         self.weight = weight
         self.is_fp8 = weight.dtype == torch.float8_e4m3fn
         self.scale = scale if self.is_fp8 else None
@@ -288,6 +288,11 @@ class HostTable:
             scale = mmap_safetensors_tensor(scale_path or path, scale_name)
         return cls(weight, scale)
 
+    def to_device(self, device: torch.device | str) -> "HostTable":
+        """A copy resident in `device` memory: gathers then stay on the device (no host sync), so a CUDA graph
+        can capture them. Only for tables that fit; the released ones (~98 GB) stay in host memory."""
+        return HostTable(self.weight.to(device), None if self.scale is None else self.scale.to(device))
+
     @property
     def num_rows(self) -> int:
         """Rows in the table (sum of the layer's primes)."""
@@ -306,15 +311,19 @@ class HostTable:
         Only the requested rows are read from host memory; fp8 rows travel as bytes and are dequantised on the
         target device (value * scale, exact in fp32)."""
         device = row_ids.device if device is None else torch.device(device)
-        flat = row_ids.reshape(-1).to("cpu", torch.int64)
-        rows = self.weight.index_select(0, flat)
-        if device.type == "cuda":
-            rows = rows.pin_memory()
-        rows = rows.to(device, non_blocking=True)
+        if self.weight.device == device:  # device-resident table: one gather, no host round trip
+            flat = row_ids.reshape(-1).to(device, torch.int64)
+            rows = self.weight.index_select(0, flat)
+        else:
+            flat = row_ids.reshape(-1).to("cpu", torch.int64)
+            rows = self.weight.index_select(0, flat)
+            if device.type == "cuda":
+                rows = rows.pin_memory()
+            rows = rows.to(device, non_blocking=True)
         if not self.is_fp8:
             out = rows if dtype is None else rows.to(dtype)
             return out.reshape(*row_ids.shape, self.dim)
-        scale = self.scale.index_select(0, flat).to(device)
+        scale = self.scale.index_select(0, flat.to(self.scale.device)).to(device)
         scale = _e8m0_to_float(scale) if scale.dtype == torch.uint8 else scale.float()
         block = self.dim // scale.shape[1]
         val = rows.float().reshape(-1, scale.shape[1], block) * scale[..., None]

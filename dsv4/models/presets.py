@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 from typing import Any
 
 import torch
@@ -170,11 +171,114 @@ def _composite_v41(text: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+# ---- benchmark presets: released Flash shapes per layer, fewer layers and experts, so one GPU holds them ----------
+# The vocabulary is the released 129280 ids (make_model writes a synthetic tokenizer of that size), the experts are cut
+# to 16 (top-6 as released, so a batch-1 step reads 6 of 16), and the layers to the first few of the released schedule.
+
+# DeepSeek-V4-Flash (model.md 1.1; the released config.json's compress_ratios start [0, 0, 4, 128, ...]): the first 4
+# layers: two window-only layers, one CSA (ratio 4, indexer top-512), one HCA (ratio 128); the first 3 are hash-MoE.
+_V4_FLASH_4L: dict[str, Any] = {
+    "model_type": "deepseek_v4",
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "vocab_size": 129280,
+    "hidden_size": 4096,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 1,
+    "head_dim": 512,
+    "partial_rotary_factor": 0.125,  # qk rope 64 of 512
+    "q_lora_rank": 1024,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "moe_intermediate_size": 2048,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 1,
+    "scoring_func": "sqrtsoftplus",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 10.0,
+    "layer_types": ["sliding_attention", "sliding_attention", "compressed_sparse_attention",
+                    "heavily_compressed_attention"],
+    "mlp_layer_types": ["hash_moe", "hash_moe", "hash_moe", "moe"],
+    "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    "sliding_window": 128,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                        "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 1048576,
+    "num_nextn_predict_layers": 0,  # the MTP layer is not written
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "pad_token_id": None,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+}
+
+# DeepSeek-V4.1-Flash (model.md 1.2) in 8 layers with the released topology in small: a window-only layer, a ratio-2
+# group (KV source 1, consumers 2-3), a ratio-1 group (KV source 4, consumers 5-7) whose re-index source 6 searches
+# inside candidate source 4's blocks; engram on layer 1 with the released hash shape (n-grams 2..4, 8 heads, rows of
+# 256) but primes from 100003 instead of 16M, so its host table is 2.4M rows (1.2 GB bf16) instead of 384M.
+_V41_FLASH_8L_TEXT: dict[str, Any] = {
+    **_TINY_V41_TEXT,
+    "vocab_size": 129280,
+    "hidden_size": 5120,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 64,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 1280,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "moe_intermediate_size": 2304,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 6,
+    "compress_ratios": [0, 2, 2, 2, 1, 1, 1, 1],
+    "kv_source_layer_ids": [1, 4],
+    "index_source_layer_ids": [1, 4, 6],
+    "candidate_source_layer_id": 4,
+    "candidate_topk_blocks": 2048,
+    "candidate_block_size": 8,
+    "index_n_heads": 32,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "sliding_window": 128,
+    "engram_layer_ids": [1],
+    "engram_vocab_size": 100003,
+    "engram_max_ngram_size": 4,
+    "engram_n_heads": 8,
+    "engram_head_dim": 256,
+    "rope_scaling": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 1048576,
+    "dspark_noise_token_id": 128799,  # the released id (inside the 129280-id vocabulary)
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-v4": _TINY_V4,
     "tiny-v41": _composite_v41(_TINY_V41_TEXT),
     "tiny-v41-noengram": _composite_v41({**_TINY_V41_TEXT, "engram_layer_ids": []}),
+    "v4-flash-4l": _V4_FLASH_4L,
+    "v41-flash-8l": _composite_v41(_V41_FLASH_8L_TEXT),
+    "v41-flash-8l-noengram": _composite_v41({**_V41_FLASH_8L_TEXT, "engram_layer_ids": []}),
 }
+
+# Presets written in bf16 by default and streamed tensor by tensor (per-chunk seeded draws, sharded safetensors):
+# they are several GB. The tiny presets keep float32 and their original single-generator draws.
+LARGE_PRESETS = frozenset({"v4-flash-4l", "v41-flash-8l", "v41-flash-8l-noengram"})
+
+
+def preset_dtype(name: str) -> str:
+    """The checkpoint dtype `dsv4 make-model` uses for preset `name` when none is given."""
+    return "bfloat16" if name in LARGE_PRESETS else "float32"
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -187,10 +291,17 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
 def builtin_compressed_vocab_size() -> int:
     """Distinct keys of the engram compressed token map of the built-in tokenizer (what a V4.1 config's
     `engram_compressed_vocab_size` must say for the engine to run it)."""
-    from dsv4.make_model import build_tokenizer  # lazy: make_model imports this module
+    return compressed_vocab_size(TOKENIZER_VOCAB_SIZE)
+
+
+@functools.lru_cache(maxsize=4)
+def compressed_vocab_size(vocab_size: int) -> int:
+    """Distinct keys of the engram compressed token map of the tokenizer make_model writes for `vocab_size` ids
+    (the built-in BPE, extended with synthetic words beyond 512 ids)."""
+    from dsv4.make_model import synthetic_tokenizer  # lazy: make_model imports this module
     from dsv4.models.engram import build_compressed_token_map
 
-    return build_compressed_token_map(build_tokenizer())[1]
+    return build_compressed_token_map(synthetic_tokenizer(vocab_size))[1]
 
 
 def _fill_engram_sizes(text: dict[str, Any]) -> None:
@@ -198,7 +309,7 @@ def _fill_engram_sizes(text: dict[str, Any]) -> None:
     the engine refuses a compressed size that differs from its tokenizer's, and a table smaller than the layout)."""
     from dsv4.models.engram import EngramLayout
 
-    size = builtin_compressed_vocab_size()
+    size = compressed_vocab_size(int(text["vocab_size"]))
     text["engram_compressed_vocab_size"] = size
     layer_ids = list(text["engram_layer_ids"])
     layout = EngramLayout.from_config(layer_ids, text["engram_vocab_size"], text["engram_max_ngram_size"],
@@ -206,12 +317,16 @@ def _fill_engram_sizes(text: dict[str, Any]) -> None:
     text["engram_num_embeddings"] = [int(layout.rows[layer]) for layer in layer_ids]
 
 
-def preset_config(name: str) -> dict[str, Any]:
-    """A fresh copy of preset `name`'s config.json dict (V4.1 presets with their engram sizes filled in)."""
+def preset_config(name: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A fresh copy of preset `name`'s config.json dict (V4.1 presets with their engram sizes filled in).
+
+    `overrides` replace text-model fields first (a scaled-down variant of a preset: same schedule, smaller sizes);
+    the engram sizes are then computed for the result."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
     config = copy.deepcopy(PRESETS[name])
     text = text_config(config)
+    text.update(copy.deepcopy(overrides or {}))
     if "engram_layer_ids" in text:
         _fill_engram_sizes(text)
     return config
@@ -379,6 +494,18 @@ def v41_tensor_shapes(cfg: ModelConfig, dtype: str = "float32") -> dict[str, tup
 
     return {name: (shape, torch.float32 if name.endswith(_V41_FP32_SUFFIXES) else wdtype)
             for name, shape in shapes.items()}
+
+
+def tensor_shapes(cfg: ModelConfig, dtype: str = "float32") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """`v41_tensor_shapes` for a V4.1 config, else `v4_tensor_shapes`."""
+    return v41_tensor_shapes(cfg, dtype) if cfg.v41 is not None else v4_tensor_shapes(cfg, dtype)
+
+
+def checkpoint_size(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> tuple[int, int]:
+    """(parameters, bytes) of a tensor layout from `tensor_shapes`."""
+    numel = {name: math.prod(shape) for name, (shape, _) in shapes.items()}
+    nbytes = sum(numel[name] * dt.itemsize for name, (_, dt) in shapes.items())
+    return sum(numel.values()), nbytes
 
 
 def default_model_dir() -> str:

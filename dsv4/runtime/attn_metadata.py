@@ -60,3 +60,104 @@ def build_attn_metadata(
         block_tables=block_tables,
         window_slot_mapping=window_slot_mapping,
     )
+
+
+TRASH_SLOT = 0  # slot 0 of the null block: writes that must land nowhere (padding rows, no closed group) go here
+
+
+@dataclass
+class DecodeMetadata:
+    """A uniform-decode step (one query token per row) as fixed-shape device tensors, so the forward can be
+    captured in a CUDA graph: every tensor here lives in a persistent buffer sized for the largest padded batch,
+    and rows past `num_reqs` are padding (no valid keys, writes to TRASH_SLOT).
+
+    For each compressed group g (ratio r): `entry_slots[g]` [R, M_g] maps entry e < M_g = ceil(max_len / r) to its
+    cache slot, `n_entries[g]` [R] is how many entries the row's query sees ((pos+1) div r), and `entry_write[g]`
+    [R] is the slot of the entry this token completes (TRASH_SLOT if it completes none).
+    """
+
+    num_reqs: int
+    num_padded: int
+    positions: torch.Tensor  # [R] int64
+    valid: torch.Tensor  # [R] bool
+    query_start_loc: torch.Tensor  # [R+1] int64 = arange (one token per row)
+    window_slots: torch.Tensor  # [R, W] int64 (TRASH_SLOT where masked)
+    window_mask: torch.Tensor  # [R, W] bool: key position in (pos - W, pos] and >= 0
+    write_slots: torch.Tensor  # [R] int64 window slot of the row's token
+    state_blocks: torch.Tensor  # [R] int64 compressor ring block (null block for padding)
+    entry_slots: dict[str, torch.Tensor]
+    n_entries: dict[str, torch.Tensor]
+    entry_write: dict[str, torch.Tensor]
+
+
+class DecodeMetadataBuffers:
+    """Persistent storage of DecodeMetadata for up to `max_rows` rows, and its builder (device ops only)."""
+
+    def __init__(self, groups: tuple[KVGroupSpec, ...], max_rows: int, max_model_len: int, window: int,
+                 device: torch.device) -> None:
+        self.groups, self.window, self.max_rows = groups, window, max_rows
+        z = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
+        self.positions, self.valid = z(max_rows), z(max_rows, dtype=torch.bool)
+        self.query_start_loc = torch.arange(max_rows + 1, dtype=torch.int64, device=device)
+        self.window_slots, self.window_mask = z(max_rows, window), z(max_rows, window, dtype=torch.bool)
+        self.write_slots, self.state_blocks = z(max_rows), z(max_rows)
+        self.compressed = [g for g in groups if g.kind == "compressed"]
+        self.entry_slots = {g.name: z(max_rows, -(-max_model_len // g.tokens_per_row)) for g in self.compressed}
+        self.n_entries = {g.name: z(max_rows) for g in self.compressed}
+        self.entry_write = {g.name: z(max_rows) for g in self.compressed}
+        self._wrange = torch.arange(window - 1, -1, -1, device=device)  # offsets pos-W+1 .. pos
+
+    def views(self, num_reqs: int, num_padded: int) -> DecodeMetadata:
+        """The first `num_padded` rows of every buffer (no writes): what a graph of that size reads."""
+        P = num_padded
+        return DecodeMetadata(
+            num_reqs=num_reqs, num_padded=P, positions=self.positions[:P], valid=self.valid[:P],
+            query_start_loc=self.query_start_loc[: P + 1], window_slots=self.window_slots[:P],
+            window_mask=self.window_mask[:P], write_slots=self.write_slots[:P], state_blocks=self.state_blocks[:P],
+            entry_slots={k: v[:P] for k, v in self.entry_slots.items()},
+            n_entries={k: v[:P] for k, v in self.n_entries.items()},
+            entry_write={k: v[:P] for k, v in self.entry_write.items()},
+        )
+
+    def build(self, num_reqs: int, num_padded: int, positions: torch.Tensor,
+              block_tables: dict[str, torch.Tensor]) -> DecodeMetadata:
+        """Fill rows [0, num_padded) from the real rows' positions [num_reqs] and batch-order block tables."""
+        R, P = num_reqs, num_padded
+        # padding rows first: no position, no visible key, every write to the trash slot
+        for t in (self.positions, self.window_slots, self.write_slots, self.state_blocks):
+            t[:P].zero_()
+        self.valid[:P] = False
+        self.window_mask[:P] = False
+        for g in self.compressed:
+            for t in (self.entry_slots[g.name], self.n_entries[g.name], self.entry_write[g.name]):
+                t[:P].zero_()
+        if R == 0:
+            return self.views(0, P)
+        self.positions[:R] = positions[:R]
+        self.valid[:R] = True
+        pos = self.positions[:R]
+        win = next(g for g in self.groups if g.kind == "window")
+        wpos = pos[:, None] - self._wrange  # [R, W]
+        ok = wpos >= 0
+        wslots = _table_slots(block_tables[win.name][:R], wpos.clamp(min=0), win.block_size)
+        self.window_mask[:R] = ok
+        self.window_slots[:R] = torch.where(ok, wslots, torch.full_like(wslots, TRASH_SLOT))
+        self.write_slots[:R] = wslots[:, -1]
+        if "compressor_state" in block_tables:
+            self.state_blocks[:R] = block_tables["compressor_state"][:R, 0].long()
+        for g in self.compressed:
+            r, slots = g.tokens_per_row, self.entry_slots[g.name]
+            table = block_tables[g.name][:R]
+            slots[:R] = _table_slots(table, torch.arange(slots.shape[1], device=pos.device).expand(R, -1), g.block_size)
+            self.n_entries[g.name][:R] = (pos + 1) // r
+            new = _table_slots(table, ((pos + 1) // r - 1).clamp(min=0)[:, None], g.block_size)[:, 0]
+            closes = (pos + 1) % r == 0
+            self.entry_write[g.name][:R] = torch.where(closes, new, torch.full_like(new, TRASH_SLOT))
+        return self.views(R, P)
+
+
+def _table_slots(tables: torch.Tensor, rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Per batch row b: slot of logical row rows[b, j] through tables[b] ([R, max_blocks]); rows beyond the table
+    map to the null block (masked by the caller)."""
+    blk = (rows // block_size).clamp(max=tables.shape[1] - 1)
+    return tables.gather(1, blk).long() * block_size + rows % block_size

@@ -11,7 +11,7 @@ import torch
 
 from dsv4.kv.spec import PAD_SLOT, KVGroupSpec
 from dsv4.ops.lookback import gather_lookback
-from dsv4.runtime.attn_metadata import AttnMetadata, build_attn_metadata
+from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, DecodeMetadataBuffers, build_attn_metadata
 from dsv4.runtime.block_tables import BlockTables
 from dsv4.runtime.input_batch import InputBatch
 from dsv4.runtime.request_state import RequestState
@@ -21,8 +21,10 @@ from dsv4.step import NewRequestData
 class DefaultModelState:
     """Hooks for a model that needs nothing beyond tokens, positions and per-group attention metadata."""
 
-    def __init__(self, groups: tuple[KVGroupSpec, ...]) -> None:
+    def __init__(self, groups: tuple[KVGroupSpec, ...], max_num_reqs: int, max_model_len: int, window: int,
+                 device: torch.device) -> None:
         self.groups = groups
+        self.decode = DecodeMetadataBuffers(groups, max_num_reqs, max_model_len, window, device)
 
     def add_request(self, row: int, new_req: NewRequestData) -> None:
         """A request took state row `row` (keyed by row, as every device-side per-request state is)."""
@@ -49,6 +51,15 @@ class DefaultModelState:
             window_slot_mapping=slots,
         )
 
+    def prepare_decode_attn(self, batch: InputBatch, block_tables: BlockTables, num_padded: int) -> DecodeMetadata:
+        """Fixed-shape metadata of a uniform-decode step padded to `num_padded` rows (a graph size)."""
+        tables = block_tables.gather(batch.idx_mapping)
+        return self.decode.build(batch.num_reqs, num_padded, batch.positions, tables)
+
+    def prepare_dummy_decode_attn(self, num_padded: int) -> DecodeMetadata:
+        """All-padding decode metadata of `num_padded` rows (graph capture, warm-up)."""
+        return self.decode.build(0, num_padded, self.decode.positions[:0], {})
+
     def prepare_inputs(self, batch: InputBatch, req_state: RequestState) -> dict[str, torch.Tensor]:
         """Extra model inputs beyond input_ids/positions (none for V4)."""
         return {}
@@ -67,8 +78,9 @@ class DeepseekV41ModelState(DefaultModelState):
     graph reads the same address on every replay.
     """
 
-    def __init__(self, groups: tuple[KVGroupSpec, ...], max_num_reqs: int, depth: int, device: torch.device) -> None:
-        super().__init__(groups)
+    def __init__(self, groups: tuple[KVGroupSpec, ...], max_num_reqs: int, max_model_len: int, window: int,
+                 device: torch.device, depth: int) -> None:
+        super().__init__(groups, max_num_reqs, max_model_len, window, device)
         self.lookback_token_ids: torch.Tensor | None = None
         if depth > 0:
             self.lookback_token_ids = torch.full((max_num_reqs, depth), -1, dtype=torch.int32, device=device)

@@ -8,6 +8,8 @@ tokens to the device history.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 from torch import nn
@@ -15,12 +17,15 @@ from torch import nn
 from dsv4.config import EngineConfig
 from dsv4.kv.spec import KVGroupSpec
 from dsv4.runtime.block_tables import BlockTables
+from dsv4.runtime.cudagraphs import CudaGraphManager, default_capture_sizes, round_capture_sizes
 from dsv4.runtime.input_batch import InputBatch, InputBuffers
 from dsv4.runtime.kv_cache import allocate_kv_caches
 from dsv4.runtime.model_state import DeepseekV41ModelState, DefaultModelState
 from dsv4.runtime.request_state import RequestState
 from dsv4.runtime.sampler import Sampler, SamplingTensors
 from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -37,14 +42,39 @@ class ModelRunner:
         self.block_tables = BlockTables(groups, sc.max_num_seqs, sc.max_model_len, self.device)
         self.buffers = InputBuffers(sc.max_num_seqs, sc.max_num_batched_tokens, self.device)
         self.kv_caches = allocate_kv_caches(config.model, groups, dtype, self.device)
+        state_args = (groups, sc.max_num_seqs, sc.max_model_len, config.model.sliding_window, self.device)
         if config.model.v41 is not None:
-            self.model_state: DefaultModelState = DeepseekV41ModelState(
-                groups, sc.max_num_seqs, model.token_lookback_depth, self.device)
+            self.model_state: DefaultModelState = DeepseekV41ModelState(*state_args, model.token_lookback_depth)
         else:
-            self.model_state = DefaultModelState(groups)
+            self.model_state = DefaultModelState(*state_args)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(config.seed)
         self.sampler = Sampler(gen)
+        sizes = round_capture_sizes(list(config.cudagraph_capture_sizes or default_capture_sizes(sc.max_num_seqs)),
+                                    1, sc.max_num_seqs)
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager and self._graph_safe()
+        self.graphs = CudaGraphManager(sizes, enabled=use_graphs)
+
+    def _graph_safe(self) -> bool:
+        """Graphs need every input on the device: engram tables resident in host memory are not."""
+        tables = getattr(self.model, "engram_tables", {})
+        if any(t.weight.device != self.device for t in tables.values()):
+            logger.warning("engram tables live in host memory: decode runs eagerly (no CUDA graphs)")
+            return False
+        return True
+
+    def capture_graphs(self) -> None:
+        """Capture the decode forward at every capture size (warm-up included); no-op when graphs are off."""
+        def run(size: int) -> torch.Tensor:
+            return self.model.forward_decode(self.buffers.input_ids[:size], self.model_state.decode.views(size, size),
+                                             self.kv_caches, **self.model_state.prepare_dummy_inputs(size, size))
+
+        if self.graphs.enabled:
+            for size in self.graphs.capture_sizes:  # all-padding metadata: captures write only the trash slots
+                self.model_state.prepare_dummy_decode_attn(size)
+            self.buffers.input_ids.zero_()
+            with torch.inference_mode():
+                self.graphs.capture(run)
 
     # ---- request deltas ------------------------------------------------------------------------------
     def _apply_deltas(self, so: SchedulerOutput) -> None:
@@ -80,9 +110,12 @@ class ModelRunner:
         sample_rows = np.nonzero(computed + sched == rs.num_tokens[rows])[0]
 
         batch = InputBatch.prepare(self.buffers, rs.token_history, req_ids, rows, computed, sched, sample_rows)
-        md = self.model_state.prepare_attn(batch, self.block_tables)
-        extra = self.model_state.prepare_inputs(batch, rs)
-        hidden = self.model(batch.input_ids, md, self.kv_caches, **extra)
+        if (sched == 1).all():
+            hidden = self._decode(batch)
+        else:
+            md = self.model_state.prepare_attn(batch, self.block_tables)
+            extra = self.model_state.prepare_inputs(batch, rs)
+            hidden = self.model(batch.input_ids, md, self.kv_caches, **extra)
         rs.num_computed[rows] = computed + sched
 
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
@@ -103,6 +136,20 @@ class ModelRunner:
                 if lp_list[i] is not None:
                     logprob_lists[b] = [lp_list[i]]
         return RunnerOutput(req_ids, sampled_lists, logprob_lists)
+
+    def _decode(self, batch: InputBatch) -> torch.Tensor:
+        """A uniform-decode step: replay the graph of the smallest capture size that holds it, else run the same
+        fixed-shape forward eagerly. Metadata and inputs go to the persistent buffers first (order: metadata,
+        then model inputs)."""
+        R = batch.num_reqs
+        padded = self.graphs.padded_size(R)
+        P = padded or R
+        self.buffers.input_ids[R:P].zero_()
+        dmd = self.model_state.prepare_decode_attn(batch, self.block_tables, P)
+        extra = self.model_state.prepare_inputs(batch, self.req_state)
+        if padded is not None and padded in self.graphs.graphs:
+            return self.graphs.replay(padded)[:R]
+        return self.model.forward_decode(self.buffers.input_ids[:P], dmd, self.kv_caches, **extra)[:R]
 
     @torch.inference_mode()
     def dummy_run(self, num_reqs: int, num_tokens: int) -> torch.Tensor:

@@ -52,3 +52,17 @@ def grouped_projection(out: torch.Tensor, weight: torch.Tensor, groups: int) -> 
     grouped = out.reshape(T, groups, -1).transpose(0, 1)  # [G, T, H*D/G]
     w = weight.view(groups, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
     return torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)
+
+
+def sink_attention_rows(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """Decode form of `sink_attention`: one query per row over that row's own keys.
+
+    q [R, H, D], k [R, L, D], mask [R, L] (True = visible) -> [R, H, D]; fixed shapes, so it can be captured.
+    """
+    logits = torch.einsum("rhd,rld->rhl", q.float(), k.float()) * scale
+    logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+    sink = sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
+    logits = torch.cat([logits, sink], dim=-1)
+    probs = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+    return torch.einsum("rhl,rld->rhd", probs, k.float()).to(q.dtype)

@@ -106,3 +106,43 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, idx = self.gate(x, input_ids)
         return self.experts(x, weights, idx) + self.shared_experts(x)
+
+    def forward_fixed(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Same function with fixed shapes and no host sync (captured decode steps)."""
+        weights, idx = self.gate(x, input_ids)
+        e = self.experts
+        routed = routed_experts_fixed(x, weights, idx, e.gate_up_proj, e.down_proj, e.limit, weight_before_down=False)
+        return routed.to(x.dtype) + self.shared_experts(x)
+
+
+def routed_experts_fixed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
+                         down: torch.Tensor, limit: float, weight_before_down: bool) -> torch.Tensor:
+    """Routed experts with shapes fixed by (tokens, top_k, experts) and no host sync, for captured decode steps.
+
+    When tokens*top_k <= experts, each (token, slot) gathers its expert's weights (reads at most what is hit);
+    otherwise every expert runs on every token and the routing weights mask the sum (each expert's weights are
+    read once: at that batch size nearly all of them are hit anyway). Returns fp32 [T, D].
+    V4 weights the expert output after w2 (in the model dtype); V4.1 before w2, in fp32 (`weight_before_down`).
+    """
+    T, k = idx.shape
+    E = gate_up.shape[0]
+    if T * k <= E:
+        xk = x.repeat_interleave(k, dim=0)  # [T*k, D]
+        gu = torch.bmm(gate_up[idx.flatten()], xk[:, :, None])[..., 0]  # [T*k, 2I]
+        g, u = gu.float().chunk(2, dim=-1) if weight_before_down else gu.chunk(2, dim=-1)
+        w = weights.flatten()[:, None]
+        if weight_before_down:
+            h = (clamped_swiglu(g, u, limit) * w).to(x.dtype)
+            y = torch.bmm(down[idx.flatten()], h[:, :, None])[..., 0].float()
+        else:
+            h = clamped_swiglu(g, u, limit)
+            y = (torch.bmm(down[idx.flatten()], h[:, :, None])[..., 0] * w).float()
+        return y.view(T, k, -1).sum(dim=1)
+    wmat = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx, weights.float())
+    gu = torch.einsum("td,efd->etf", x, gate_up)  # [E, T, 2I]
+    g, u = gu.float().chunk(2, dim=-1) if weight_before_down else gu.chunk(2, dim=-1)
+    if weight_before_down:
+        h = (clamped_swiglu(g, u, limit) * wmat.t()[:, :, None]).to(x.dtype)
+        return torch.einsum("eti,edi->td", h, down).float()
+    y = torch.einsum("eti,edi->etd", clamped_swiglu(g, u, limit), down)
+    return (y.float() * wmat.t()[:, :, None]).sum(dim=0)
