@@ -1,5 +1,5 @@
 """The `dsv4` command: `dsv4 generate` (offline generation), `dsv4 serve` (OpenAI-compatible server),
-`dsv4 bench serve` (serving benchmark) and `dsv4 make-model` (random checkpoints)."""
+`dsv4 bench serve | latency | throughput` (benchmarks) and `dsv4 make-model` (random checkpoints)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import os
 import sys
 from typing import Any
 
+from dsv4.bench.latency import add_cli_args as add_bench_latency_args
 from dsv4.bench.serve import add_cli_args as add_bench_serve_args
+from dsv4.bench.throughput import add_cli_args as add_bench_throughput_args
 from dsv4.models.config import ConfigError
 from dsv4.sampling_params import SamplingParams, SamplingParamsError
 
@@ -64,20 +66,28 @@ def _build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     add_bench_serve_args(bench.add_parser("serve", help="load an OpenAI server; report TTFT, TPOT, ITL, E2EL"))
+    add_bench_latency_args(bench.add_parser("latency", help="decode step time of one batch vs the bandwidth floor"))
+    add_bench_throughput_args(bench.add_parser("throughput", help="offline throughput through LLM.generate"))
 
     mk = sub.add_parser("make-model", help="write a random-weight checkpoint of a preset")
-    mk.add_argument("--preset", default="tiny-v4", help="tiny-v4 (default), tiny-v41 (engram on), tiny-v41-noengram")
+    mk.add_argument("--preset", default="tiny-v4",
+                    help="tiny-v4 (default), tiny-v41 (engram on), tiny-v41-noengram; GPU-sized bf16: v4-flash-4l, "
+                         "v41-flash-8l (engram on), v41-flash-8l-noengram")
     mk.add_argument("--out", required=True, help="output directory")
     mk.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
-    mk.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (default float32)")
+    mk.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the preset's, float32 for tiny-*)")
+    mk.add_argument("--device", help="draw the weights on this device (e.g. cuda: much faster; other values than "
+                                     "the CPU draws)")
     return parser
 
 
 def _make_model(args: argparse.Namespace) -> None:
     from dsv4.make_model import make_model
+    from dsv4.models.presets import preset_dtype
 
-    out = make_model(args.preset, args.out, seed=args.seed, dtype=args.dtype)
-    print(f"wrote {args.preset} (seed {args.seed}, {args.dtype}) to {out}")
+    dtype = args.dtype or preset_dtype(args.preset)
+    out = make_model(args.preset, args.out, seed=args.seed, dtype=dtype, device=args.device)
+    print(f"wrote {args.preset} (seed {args.seed}, {dtype}) to {out}")
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -125,17 +135,17 @@ def _serve(args: argparse.Namespace) -> None:
                served_model_name=args.served_model_name, log_level=args.log_level.lower(), **engine_args)
 
 
-def _bench_serve(args: argparse.Namespace) -> None:
-    from dsv4.bench.serve import main as bench_serve
+def _bench(args: argparse.Namespace) -> None:
+    import importlib
 
-    bench_serve(args)
+    importlib.import_module(f"dsv4.bench.{args.bench_command}").main(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dsv4` script; returns the exit status (2 for user errors)."""
     args = _build_parser().parse_args(argv)
     try:
-        commands = {"make-model": _make_model, "generate": _generate, "serve": _serve, "bench": _bench_serve}
+        commands = {"make-model": _make_model, "generate": _generate, "serve": _serve, "bench": _bench}
         commands[args.command](args)
     except _user_errors() as e:
         print(f"dsv4: error: {e}", file=sys.stderr)

@@ -35,6 +35,8 @@ class ModelRunner:
                  dtype: torch.dtype) -> None:
         self.config, self.model, self.groups = config, model, groups
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N": device equality
+            self.device = torch.device("cuda", torch.cuda.current_device())
         sc = config.scheduler
         self.vocab_size = config.model.vocab_size
         self.eos_token_ids = config.model.eos_token_ids

@@ -69,7 +69,7 @@ def test_golden_through_graphs_with_preemption_and_mixed_steps() -> None:
     ids = exp["prompt_token_ids"]
     # a tiny pool forces preemptions; a budget of 5 mixes prefill chunks with decodes
     eng = LLMEngine.from_args(GOLDEN, device="cuda", dtype="float32", max_model_len=96, max_num_seqs=4,
-                              max_num_batched_tokens=5, block_size=8, num_kv_blocks=16)
+                              max_num_batched_tokens=5, block_size=8, num_kv_blocks=10)
     done = _run(eng, [ids, ids[:20], ids[10:], ids[:7]], max_tokens=16)
     assert done["0"].token_ids == exp["greedy_token_ids"]
     assert eng.scheduler.num_preemptions > 0

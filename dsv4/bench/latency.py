@@ -1,0 +1,498 @@
+"""`dsv4 bench latency`: decode step time at a fixed batch, against the memory-bandwidth floor.
+
+One batch of B requests (I random prompt tokens each, `ignore_eos`, greedy, O output tokens) runs through the engine
+step by step; every step is timed with a device sync on both sides. Steps in which all B requests decode are the
+decode steps; the others (prefill, or prefill mixed with decode) are reported apart. The floor is what a decode step
+must at least read from device memory (`decode_floor`) over the measured device copy bandwidth
+(`measure_copy_bandwidth`); the fraction of the floor reached is floor time / measured median decode step.
+
+`--baseline hf` runs transformers' DeepseekV4ForCausalLM on the same checkpoint in the same process (eager
+attention, a manual greedy decode loop with its DynamicCache) on the same prompts, for a side-by-side ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import logging
+import math
+import platform
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+from dsv4.models.config import ModelConfig, load_model_config
+from dsv4.models.presets import tensor_shapes
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+# ---- the floor -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodeFloor:
+    """Bytes one decode step must read from device memory, by kind. `host_bytes` (engram table rows, gathered in
+    host memory and copied over) is reported but not part of `total`."""
+
+    weight_bytes: float  # every non-routed-expert weight once, the embedding rows of the batch's tokens
+    expert_bytes: float  # the routed experts the batch hits (expected distinct count per MoE layer)
+    kv_bytes: float  # window rows, compressed entries attended, indexer keys scanned
+    host_bytes: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.weight_bytes + self.expert_bytes + self.kv_bytes
+
+
+def expected_distinct_experts(n_experts: int, top_k: int, batch: int) -> float:
+    """Expected number of distinct experts hit when `batch` tokens each pick `top_k` distinct experts uniformly at
+    random out of `n_experts`: an expert is missed by one token with probability 1 - k/E."""
+    return n_experts * (1.0 - (1.0 - top_k / n_experts) ** batch)
+
+
+def _dtype_name(dtype: str | torch.dtype) -> str:
+    return dtype if isinstance(dtype, str) else _DTYPE_NAMES[dtype]
+
+
+def _is_embedding(name: str) -> bool:
+    return name in ("model.embed_tokens.weight", "model.embed.weight")
+
+
+def _is_routed_expert(name: str) -> bool:
+    # V4 packs the experts (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`); V4.1 stores `ffn.experts.E.wN`.
+    return ".experts." in name
+
+
+def _is_host_table(name: str) -> bool:
+    return ".engram.embed." in name  # engram tables stay in host memory (dsv4.models.engram.HostTable)
+
+
+def _layer_of(name: str) -> int:
+    return int(name.split(".")[2])  # "model.layers.L...."
+
+
+def _kv_rows(cfg: ModelConfig, ctx_len: int) -> tuple[int, int]:
+    """(rows of head_dim, rows of index_head_dim) one request reads at one decode step, summed over layers."""
+    rows, index_rows = 0, 0
+    v41 = cfg.v41
+    for layer in range(cfg.num_hidden_layers):
+        rows += min(cfg.sliding_window, ctx_len)  # every layer attends its window
+        ratio = cfg.compress_ratios[layer]
+        if ratio == 0:
+            continue
+        entries = ctx_len // ratio  # entries whose whole window of `ratio` tokens is in the context
+        if v41 is None:
+            if cfg.layer_types[layer] == "compressed_sparse_attention":  # own indexer: scan all keys, attend top-k
+                rows += min(cfg.index_topk, entries)
+                index_rows += entries
+            else:  # HCA attends every entry
+                rows += entries
+            continue
+        rows += min(cfg.index_topk, entries)  # V4.1: every compressed layer attends the top-k of its index source
+        if layer in v41.index_source_layer_ids:
+            cand = v41.candidate_source_layer_id
+            scanned = entries
+            if 0 <= cand < layer:  # a re-index source scores only the candidate source's top blocks
+                scanned = min(entries, v41.candidate_topk_blocks * v41.candidate_block_size)
+            index_rows += scanned
+    return rows, index_rows
+
+
+def decode_floor(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | torch.dtype) -> DecodeFloor:
+    """The bytes a decode step of `batch` requests, each with `ctx_len` tokens of context (the decoded token
+    included), must read from device memory, for weights and KV cache in `dtype`.
+
+    Assumptions (a floor, not a model of any kernel):
+    - weights: every tensor of the checkpoint layout (`tensor_shapes`) is read once per step at its checkpoint
+      dtype (`dtype`, the mHC / sink / router-bias tensors in fp32), except: the embedding (only the `batch` rows of
+      the step's tokens), hash-MoE `tid2eid` (only those rows, int64), engram tables (host memory: `host_bytes`,
+      the batch's (n-1) * heads rows per engram layer), and routed experts (below). Norm weights the engine keeps in
+      fp32 are counted at `dtype` (a few KB per layer). lm_head is read whole.
+    - routed experts: per MoE layer, the expected number of distinct experts among `batch` tokens each drawing
+      top_k distinct experts uniformly (`expected_distinct_experts`), each read whole (w1, w2, w3).
+    - KV, per request and layer: min(sliding_window, ctx_len) window rows of head_dim; a compressed layer of ratio m
+      sees floor(ctx_len / m) entries: V4 CSA attends min(index_topk, entries) of them and its indexer scans all
+      their keys (index_head_dim); V4 HCA attends all; V4.1 layers with ratio > 0 attend min(index_topk, entries)
+      of their KV source's entries, and index sources scan all keys (a re-index source after the candidate source:
+      at most candidate_topk_blocks * candidate_block_size). KV and keys are stored in `dtype`.
+    - not counted: activations, the compressor rings (a few rows per step), writes, sampling, host traffic.
+    """
+    name = _dtype_name(dtype)
+    item = torch.empty((), dtype=getattr(torch, name)).element_size()
+    distinct = expected_distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch)
+    weights = experts = host = 0.0
+    for tensor, (shape, dt) in tensor_shapes(cfg, name).items():
+        nbytes = math.prod(shape) * dt.itemsize
+        row = nbytes / shape[0]
+        if _is_embedding(tensor):
+            weights += batch * row
+        elif tensor.endswith("tid2eid"):
+            weights += batch * row
+        elif _is_host_table(tensor):
+            eng = cfg.v41.engram
+            host += batch * (eng.max_ngram_size - 1) * eng.n_heads * row
+        elif _is_routed_expert(tensor):
+            experts += nbytes / cfg.n_routed_experts * distinct
+        else:
+            weights += nbytes
+    rows, index_rows = _kv_rows(cfg, ctx_len)
+    kv = batch * (rows * cfg.head_dim + index_rows * cfg.index_head_dim) * item
+    return DecodeFloor(weights, experts, kv, host)
+
+
+def decode_floor_bytes(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | torch.dtype) -> float:
+    """`decode_floor(cfg, batch, ctx_len, dtype).total`: bytes a decode step must read (see `decode_floor`)."""
+    return decode_floor(cfg, batch, ctx_len, dtype).total
+
+
+def mean_decode_floor(cfg: ModelConfig, batch: int, input_len: int, output_len: int, dtype: str) -> DecodeFloor:
+    """The floor averaged over the decode steps of a run: decode step j (1 <= j < O) reads a context of I + j."""
+    floors = [decode_floor(cfg, batch, input_len + j, dtype) for j in range(1, output_len)]
+    n = len(floors)
+    return DecodeFloor(*(sum(getattr(f, k) for f in floors) / n
+                         for k in ("weight_bytes", "expert_bytes", "kv_bytes", "host_bytes")))
+
+
+# ---- the device ----------------------------------------------------------------------------------------------
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting each copy's read and write (2 * nbytes).
+
+    CUDA: `nbytes` copied `iters` times between two device buffers, timed with events after a warm-up copy.
+    CPU: the same with host memory (a memcpy bandwidth)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: first-touch and allocation effects
+    sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dst.copy_(src)
+        seconds = time.perf_counter() - t0
+    del src, dst
+    return 2 * nbytes * iters / seconds
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the host CPU's."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Versions and the machine, for the results file."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": str(device),
+            "device_name": device_name(device), "torch": torch.__version__, "triton": triton_version,
+            "cuda": torch.version.cuda, "python": platform.python_version(), "command": " ".join(sys.argv)}
+
+
+# ---- shared with `bench throughput` --------------------------------------------------------------------------
+def resolve_device_dtype(device: str, dtype: str) -> tuple[str, str]:
+    """"auto" -> cuda if available else cpu; bfloat16 on CUDA, float32 on the CPU (as `LLM`)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return device, dtype
+
+
+def random_prompts(cfg: ModelConfig, num: int, length: int, seed: int) -> list[list[int]]:
+    """`num` prompts of `length` uniformly random token ids, avoiding BOS/EOS/pad and the V4.1 image placeholder
+    (which the engram treats as a gap)."""
+    avoid = {0, 1, 2, *cfg.eos_token_ids}
+    if cfg.bos_token_id is not None:
+        avoid.add(cfg.bos_token_id)
+    if cfg.v41 is not None:
+        avoid.add(cfg.v41.image_token_id)
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num):
+        ids = []
+        while len(ids) < length:
+            t = rng.randrange(cfg.vocab_size)
+            if t not in avoid:
+                ids.append(t)
+        out.append(ids)
+    return out
+
+
+def engine_knobs(fn: Callable[..., Any], enforce_eager: bool, gpu_memory_utilization: float | None
+                 ) -> tuple[dict[str, Any], list[str]]:
+    """The optional engine knobs `fn` (LLMEngine.from_args or LLM) accepts, and the names of those asked for that it
+    does not know (this engine build predates them), so the benchmark runs on builds with and without them."""
+    params = inspect.signature(fn).parameters
+    knobs: dict[str, Any] = {}
+    ignored: list[str] = []
+    if "enforce_eager" in params:
+        knobs["enforce_eager"] = enforce_eager
+    elif enforce_eager:
+        ignored.append("enforce_eager")
+    if gpu_memory_utilization is not None:
+        if "gpu_memory_utilization" in params:
+            knobs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:
+            ignored.append("gpu_memory_utilization")
+    for name in ignored:
+        logger.warning("this engine build has no `%s`; ignored", name)
+    return knobs, ignored
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0..100), linear interpolation, as numpy's default."""
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize(values: list[float]) -> dict[str, float]:
+    """median / mean / p90 / min / max of a list of seconds (empty -> NaNs)."""
+    if not values:
+        return {k: float("nan") for k in ("median", "mean", "p90", "min", "max")}
+    return {"median": statistics.median(values), "mean": statistics.fmean(values), "p90": percentile(values, 90),
+            "min": min(values), "max": max(values)}
+
+
+# ---- the dsv4 run --------------------------------------------------------------------------------------------
+@dataclass
+class StepTime:
+    """One engine step: its wall time (device-synced), whether all B requests decoded in it, its requests."""
+
+    seconds: float
+    decode: bool
+    num_requests: int
+
+
+def build_engine(args: argparse.Namespace, device: str, dtype: str) -> tuple[Any, dict[str, Any]]:
+    """LLMEngine.from_args for a batch of `batch_size` prompts of `input_len` + `output_len` tokens; the knobs this
+    engine build does not know (enforce_eager, gpu_memory_utilization) are reported, not passed."""
+    from dsv4.engine.engine import LLMEngine
+
+    b, i, o = args.batch_size, args.input_len, args.output_len
+    kwargs: dict[str, Any] = {
+        "dtype": dtype, "device": device, "max_model_len": args.max_model_len or i + o, "max_num_seqs": b,
+        # the whole batch's prompts in one step by default, so every later step is a full-batch decode step
+        "max_num_batched_tokens": args.max_num_batched_tokens or max(2048, b * i),
+        "block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks, "seed": args.seed,
+        "load_tokenizer": args.detokenize,  # ids in, ids out: detokenization is host work outside the floor
+    }
+    knobs, ignored = engine_knobs(LLMEngine.from_args, args.enforce_eager, args.gpu_memory_utilization)
+    engine = LLMEngine.from_args(args.model, **kwargs, **knobs)
+    return engine, {"engine_kwargs": {**kwargs, **knobs}, "ignored_engine_kwargs": ignored}
+
+
+def run_batch(engine: Any, prompts: list[list[int]], output_len: int, device: torch.device, tag: str
+              ) -> tuple[list[StepTime], list[list[int]]]:
+    """Submit the batch, step the engine until it drains; return every step's time and the output tokens."""
+    from dsv4.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    ids = [engine.add_request(p, params, request_id=f"{tag}-{k}") for k, p in enumerate(prompts)]
+    produced = dict.fromkeys(ids, 0)
+    tokens: dict[str, list[int]] = {}
+    alive = set(ids)
+    steps: list[StepTime] = []
+    while engine.has_unfinished_requests():
+        # a decode step: every request of the batch is still running and has its first token (its prefill is done)
+        decode = len(alive) == len(ids) and all(produced[r] > 0 for r in ids)
+        running = len(alive)
+        sync(device)
+        t0 = time.perf_counter()
+        outputs = engine.step()
+        sync(device)
+        steps.append(StepTime(time.perf_counter() - t0, decode, running))
+        for out in outputs:
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+            if out.finished:
+                alive.discard(out.request_id)
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+    return steps, [tokens[r] for r in ids]
+
+
+# ---- the transformers baseline -------------------------------------------------------------------------------
+def hf_decode_steps(model_dir: str, prompts: list[list[int]], output_len: int, dtype: str, device: torch.device
+                    ) -> tuple[list[float], list[list[int]]]:
+    """transformers' DeepseekV4ForCausalLM (eager attention) on the same prompts: one prefill forward, then
+    output_len - 1 greedy decode forwards with its DynamicCache, each timed with a device sync. A short warm-up
+    run goes first. Returns (decode step seconds, output tokens per prompt)."""
+    import transformers
+
+    model = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        model_dir, dtype=getattr(torch, dtype), attn_implementation="eager").to(device).eval()
+    ids = torch.tensor(prompts, dtype=torch.long, device=device)
+
+    def run(steps: int) -> tuple[list[float], torch.Tensor]:
+        times, out_tokens = [], []
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1)
+            out_tokens.append(nxt)
+            cache = out.past_key_values
+            for _ in range(steps - 1):
+                sync(device)
+                t0 = time.perf_counter()
+                out = model(nxt[:, None], past_key_values=cache, use_cache=True)
+                nxt = out.logits[:, -1].argmax(-1)
+                sync(device)
+                times.append(time.perf_counter() - t0)
+                cache = out.past_key_values
+                out_tokens.append(nxt)
+        return times, torch.stack(out_tokens, dim=1)
+
+    run(min(output_len, 3))  # warm-up: kernels, allocator
+    times, toks = run(output_len)
+    del model
+    return times, toks.tolist()
+
+
+# ---- the command ---------------------------------------------------------------------------------------------
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The options of `dsv4 bench latency` (vLLM's names where vLLM has them)."""
+    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser.add_argument("--batch-size", type=int, default=8, help="requests decoded together (default 8)")
+    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens per request (default 32)")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
+    parser.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 (default: bf16 on CUDA)")
+    parser.add_argument("--device", default="auto", help="cpu | cuda | cuda:N (default: cuda if available)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (when the engine has them)")
+    parser.add_argument("--gpu-memory-utilization", type=float, help="passed to the engine when it supports it")
+    parser.add_argument("--num-iters-warmup", type=int, default=1, help="untimed batches first (default 1)")
+    parser.add_argument("--num-iters", type=int, default=3, help="timed batches (default 3)")
+    parser.add_argument("--max-model-len", type=int, help="default: input-len + output-len")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help="tokens per step (default: max(2048, batch * input-len): one prefill step)")
+    parser.add_argument("--block-size", type=int, default=16, help="KV block size (default 16)")
+    parser.add_argument("--num-kv-blocks", type=int, help="KV pool blocks (default: the engine's)")
+    parser.add_argument("--detokenize", action="store_true", help="load the tokenizer and detokenize (default off)")
+    parser.add_argument("--copy-bytes", type=int,
+                        help="bytes per copy for the bandwidth measure (default 2 GiB on CUDA, 256 MiB on the CPU)")
+    parser.add_argument("--baseline", choices=["hf"], help="also run transformers' DeepSeek-V4 (V4 checkpoints)")
+    parser.add_argument("--seed", type=int, default=0, help="prompt and engine seed (default 0)")
+    parser.add_argument("--output-json", metavar="FILE", help="write every number as JSON")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark; return the result dict (what --output-json writes)."""
+    if args.batch_size < 1 or args.input_len < 1 or args.output_len < 2 or args.num_iters < 1:
+        raise ValueError("need --batch-size >= 1, --input-len >= 1, --output-len >= 2 (one decode step at least) "
+                         "and --num-iters >= 1")
+    cfg = load_model_config(args.model)
+    if args.baseline == "hf" and cfg.v41 is not None:
+        raise ValueError("--baseline hf runs transformers' DeepseekV4ForCausalLM: it needs a DeepSeek-V4 checkpoint")
+    device_str, dtype = resolve_device_dtype(args.device, args.dtype)
+    device = torch.device(device_str)
+    b, i, o = args.batch_size, args.input_len, args.output_len
+
+    engine, engine_info = build_engine(args, device_str, dtype)
+    for w in range(args.num_iters_warmup):
+        run_batch(engine, random_prompts(cfg, b, i, args.seed + 1000 + w), o, device, f"warmup{w}")
+    prompts = random_prompts(cfg, b, i, args.seed)
+    decode_steps: list[float] = []
+    prefill_times: list[float] = []
+    e2e: list[float] = []
+    tokens: list[list[int]] = []
+    for it in range(args.num_iters):
+        steps, tokens = run_batch(engine, prompts, o, device, f"iter{it}")
+        decode_steps += [s.seconds for s in steps if s.decode]
+        prefill_times.append(sum(s.seconds for s in steps if not s.decode and s.num_requests == b))
+        e2e.append(sum(s.seconds for s in steps))
+    del engine
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    stats = summarize(decode_steps)
+    floor = mean_decode_floor(cfg, b, i, o, dtype)
+    copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
+    bandwidth = measure_copy_bandwidth(device, copy_bytes)
+    floor_time = floor.total / bandwidth
+    result: dict[str, Any] = {
+        "benchmark": "latency", "model": args.model, "model_type": cfg.model_type, **environment(device),
+        "dtype": dtype, "batch_size": b, "input_len": i, "output_len": o, "num_iters": args.num_iters,
+        "num_iters_warmup": args.num_iters_warmup, "enforce_eager": bool(args.enforce_eager), **engine_info,
+        "decode_step_s": stats, "decode_steps": len(decode_steps), "decode_step_times_s": decode_steps,
+        "decode_tokens_per_s": b / stats["median"], "prefill_s": summarize(prefill_times), "e2e_s": summarize(e2e),
+        "floor_bytes": floor.total, "floor": {**asdict(floor), "total": floor.total},
+        "copy_bytes": copy_bytes, "copy_bandwidth_Bps": bandwidth, "floor_time_s": floor_time,
+        "fraction_of_floor": floor_time / stats["median"], "achieved_Bps": floor.total / stats["median"],
+        "hf": None,
+    }
+    if args.baseline == "hf":
+        hf_times, hf_tokens = hf_decode_steps(args.model, prompts, o, dtype, device)
+        hf = summarize(hf_times)
+        result["hf"] = {"decode_step_s": hf, "decode_step_times_s": hf_times,
+                        "fraction_of_floor": floor_time / hf["median"],
+                        "speedup": hf["median"] / stats["median"],  # HF step time / dsv4 step time
+                        "matching_sequences": sum(a == h for a, h in zip(tokens, hf_tokens))}
+    return result
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:10.3f}"
+
+
+def print_result(res: dict[str, Any]) -> None:
+    """The short table."""
+    s, f = res["decode_step_s"], res["floor"]
+    print(f"dsv4 bench latency: {res['model']} ({res['model_type']}), {res['device_name']} [{res['device']}], "
+          f"{res['dtype']}, enforce_eager={res['enforce_eager']}")
+    print(f"batch {res['batch_size']}, input {res['input_len']}, output {res['output_len']}, "
+          f"{res['num_iters']} iters (+{res['num_iters_warmup']} warm-up), {res['decode_steps']} decode steps")
+    print(f"{'':24}{'median':>10} {'mean':>10} {'p90':>10}")
+    print(f"{'decode step (ms)':24}{_ms(s['median'])} {_ms(s['mean'])} {_ms(s['p90'])}")
+    p = res["prefill_s"]
+    print(f"{'prefill steps (ms)':24}{_ms(p['median'])} {_ms(p['mean'])} {_ms(p['p90'])}")
+    print(f"{'decode tokens/s':24}{res['decode_tokens_per_s']:10.1f}")
+    print(f"{'floor bytes/step':24}{res['floor_bytes'] / 1e9:10.4f} GB  (weights {f['weight_bytes'] / 1e9:.4f}, "
+          f"experts {f['expert_bytes'] / 1e9:.4f}, KV {f['kv_bytes'] / 1e9:.4f})")
+    print(f"{'copy bandwidth':24}{res['copy_bandwidth_Bps'] / 1e9:10.1f} GB/s")
+    print(f"{'floor time/step (ms)':24}{_ms(res['floor_time_s'])}")
+    print(f"{'fraction of floor':24}{res['fraction_of_floor'] * 100:9.1f} %")
+    print(f"{'achieved (GB/s)':24}{res['achieved_Bps'] / 1e9:10.1f}")
+    if res["hf"] is not None:
+        h = res["hf"]["decode_step_s"]
+        print(f"{'HF decode step (ms)':24}{_ms(h['median'])} {_ms(h['mean'])} {_ms(h['p90'])}")
+        print(f"{'HF fraction of floor':24}{res['hf']['fraction_of_floor'] * 100:9.1f} %")
+        print(f"{'speedup vs HF':24}{res['hf']['speedup']:10.2f} x  "
+              f"({res['hf']['matching_sequences']}/{res['batch_size']} greedy sequences identical)")
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    """`dsv4 bench latency`: run, print the table, write --output-json."""
+    res = run(args)
+    print_result(res)
+    if args.output_json:
+        with open(args.output_json, "w", encoding="utf-8") as fh:
+            json.dump(res, fh, indent=2)
+            fh.write("\n")
+    return res
