@@ -41,13 +41,11 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 # ---- the floor -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DecodeFloor:
-    """Bytes one decode step must read from device memory, by kind. `host_bytes` (engram table rows, gathered in
-    host memory and copied over) is reported but not part of `total`."""
+    """Bytes one decode step must read from device memory, by kind."""
 
-    weight_bytes: float  # every non-routed-expert weight once, the embedding rows of the batch's tokens
+    weight_bytes: float  # every non-routed-expert weight once; embedding, tid2eid and engram rows of the batch only
     expert_bytes: float  # the routed experts the batch hits (expected distinct count per MoE layer)
     kv_bytes: float  # window rows, compressed entries attended, indexer keys scanned
-    host_bytes: float = 0.0
 
     @property
     def total(self) -> float:
@@ -73,8 +71,8 @@ def _is_routed_expert(name: str) -> bool:
     return ".experts." in name
 
 
-def _is_host_table(name: str) -> bool:
-    return ".engram.embed." in name  # engram tables stay in host memory (dsv4.models.engram.HostTable)
+def _is_engram_table(name: str) -> bool:
+    return name.endswith(".engram.embed.weight")
 
 
 def _layer_of(name: str) -> int:
@@ -115,9 +113,10 @@ def decode_floor(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | torch.
     Assumptions (a floor, not a model of any kernel):
     - weights: every tensor of the checkpoint layout (`tensor_shapes`) is read once per step at its checkpoint
       dtype (`dtype`, the mHC / sink / router-bias tensors in fp32), except: the embedding (only the `batch` rows of
-      the step's tokens), hash-MoE `tid2eid` (only those rows, int64), engram tables (host memory: `host_bytes`,
-      the batch's (n-1) * heads rows per engram layer), and routed experts (below). Norm weights the engine keeps in
-      fp32 are counted at `dtype` (a few KB per layer). lm_head is read whole.
+      the step's tokens), hash-MoE `tid2eid` (only those rows, int64), engram tables (only the batch's
+      (max_ngram_size - 1) * n_heads rows per engram layer; their dummy float scale is never read), and routed
+      experts (below). Norm weights the engine keeps in fp32 are counted at `dtype` (a few KB per layer).
+      lm_head is read whole.
     - routed experts: per MoE layer, the expected number of distinct experts among `batch` tokens each drawing
       top_k distinct experts uniformly (`expected_distinct_experts`), each read whole (w1, w2, w3).
     - KV, per request and layer: min(sliding_window, ctx_len) window rows of head_dim; a compressed layer of ratio m
@@ -130,24 +129,24 @@ def decode_floor(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | torch.
     name = _dtype_name(dtype)
     item = torch.empty((), dtype=getattr(torch, name)).element_size()
     distinct = expected_distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch)
-    weights = experts = host = 0.0
+    weights = experts = 0.0
     for tensor, (shape, dt) in tensor_shapes(cfg, name).items():
         nbytes = math.prod(shape) * dt.itemsize
         row = nbytes / shape[0]
-        if _is_embedding(tensor):
+        if _is_embedding(tensor) or tensor.endswith("tid2eid"):
             weights += batch * row
-        elif tensor.endswith("tid2eid"):
-            weights += batch * row
-        elif _is_host_table(tensor):
+        elif _is_engram_table(tensor):
             eng = cfg.v41.engram
-            host += batch * (eng.max_ngram_size - 1) * eng.n_heads * row
+            weights += batch * (eng.max_ngram_size - 1) * eng.n_heads * row
+        elif tensor.endswith(".engram.embed.scale"):
+            continue
         elif _is_routed_expert(tensor):
             experts += nbytes / cfg.n_routed_experts * distinct
         else:
             weights += nbytes
     rows, index_rows = _kv_rows(cfg, ctx_len)
     kv = batch * (rows * cfg.head_dim + index_rows * cfg.index_head_dim) * item
-    return DecodeFloor(weights, experts, kv, host)
+    return DecodeFloor(weights, experts, kv)
 
 
 def decode_floor_bytes(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | torch.dtype) -> float:
@@ -159,8 +158,7 @@ def mean_decode_floor(cfg: ModelConfig, batch: int, input_len: int, output_len: 
     """The floor averaged over the decode steps of a run: decode step j (1 <= j < O) reads a context of I + j."""
     floors = [decode_floor(cfg, batch, input_len + j, dtype) for j in range(1, output_len)]
     n = len(floors)
-    return DecodeFloor(*(sum(getattr(f, k) for f in floors) / n
-                         for k in ("weight_bytes", "expert_bytes", "kv_bytes", "host_bytes")))
+    return DecodeFloor(*(sum(getattr(f, k) for f in floors) / n for k in ("weight_bytes", "expert_bytes", "kv_bytes")))
 
 
 # ---- the device ----------------------------------------------------------------------------------------------

@@ -42,7 +42,8 @@ class ModelRunner:
         self.eos_token_ids = config.model.eos_token_ids
         self.req_state = RequestState(sc.max_num_seqs, sc.max_model_len, self.device)
         self.block_tables = BlockTables(groups, sc.max_num_seqs, sc.max_model_len, self.device)
-        self.buffers = InputBuffers(sc.max_num_seqs, sc.max_num_batched_tokens, self.device)
+        # decode graphs read up to max_num_seqs rows even when the token budget is smaller
+        self.buffers = InputBuffers(sc.max_num_seqs, max(sc.max_num_batched_tokens, sc.max_num_seqs), self.device)
         self.kv_caches = allocate_kv_caches(config.model, groups, dtype, self.device)
         state_args = (groups, sc.max_num_seqs, sc.max_model_len, config.model.sliding_window, self.device)
         if config.model.v41 is not None:
