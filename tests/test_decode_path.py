@@ -47,9 +47,12 @@ def _checked_engine(path: str, pad_to: int) -> tuple[LLMEngine, list[float]]:
         diffs.append((got - ref).abs().max().item())
         bs = runner.groups[0].block_size
         for c, want in zip(runner.kv_caches, ref_caches):  # same writes (the trash slot aside)
-            assert torch.allclose(c.window[bs:], want["window"][bs:], atol=1e-6)
-            if c.compressed is not None:
-                assert torch.allclose(c.compressed[bs:], want["compressed"][bs:], atol=1e-6)
+            for name in ("window", "compressed"):
+                a, b = getattr(c, name), want.get(name)
+                if b is not None:
+                    # V4.1 fake-quantises what it caches: ~1e-7 noise between two batchings can move a value to
+                    # the next FP8/FP4 grid point, so allow one grid step; a wrong slot or a missing write is far off
+                    assert torch.allclose(a[bs:], b[bs:], rtol=0.5, atol=1e-5), name
         return got
 
     runner._decode = checked

@@ -21,7 +21,6 @@ import math
 import platform
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -201,8 +200,20 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine()
 
 
-def environment(device: torch.device) -> dict[str, Any]:
-    """Versions and the machine, for the results file."""
+def command_line(args: argparse.Namespace) -> str:
+    """The `dsv4 bench ...` command that reproduces `args` (every option given or defaulted)."""
+    words = ["dsv4", args.command, args.bench_command] if hasattr(args, "bench_command") else ["dsv4"]
+    for key, value in vars(args).items():
+        if key in ("command", "bench_command") or value is None or value is False:
+            continue
+        words.append(f"--{key.replace('_', '-')}")
+        if value is not True:
+            words.append(str(value))
+    return " ".join(words)
+
+
+def environment(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Versions, the machine and the command, for the results file."""
     try:
         import triton
 
@@ -211,7 +222,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         triton_version = None
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": str(device),
             "device_name": device_name(device), "torch": torch.__version__, "triton": triton_version,
-            "cuda": torch.version.cuda, "python": platform.python_version(), "command": " ".join(sys.argv)}
+            "cuda": torch.version.cuda, "python": platform.python_version(), "command": command_line(args)}
 
 
 # ---- shared with `bench throughput` --------------------------------------------------------------------------
@@ -435,7 +446,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bandwidth = measure_copy_bandwidth(device, copy_bytes)
     floor_time = floor.total / bandwidth
     result: dict[str, Any] = {
-        "benchmark": "latency", "model": args.model, "model_type": cfg.model_type, **environment(device),
+        "benchmark": "latency", "model": args.model, "model_type": cfg.model_type, **environment(args, device),
         "dtype": dtype, "batch_size": b, "input_len": i, "output_len": o, "num_iters": args.num_iters,
         "num_iters_warmup": args.num_iters_warmup, "enforce_eager": bool(args.enforce_eager), **engine_info,
         "decode_step_s": stats, "decode_steps": len(decode_steps), "decode_step_times_s": decode_steps,

@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     out_tokens = sum(len(c.token_ids) for r in outputs for c in r.outputs)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in outputs)
     return {
-        "benchmark": "throughput", "model": args.model, "model_type": cfg.model_type, **environment(device),
+        "benchmark": "throughput", "model": args.model, "model_type": cfg.model_type, **environment(args, device),
         "dtype": dtype, "num_prompts": n, "input_len": i, "output_len": o, "max_num_seqs": args.max_num_seqs,
         "enforce_eager": bool(args.enforce_eager), "engine_kwargs": {**kwargs, **knobs},
         "ignored_engine_kwargs": ignored, "elapsed_s": elapsed, "prompt_tokens": prompt_tokens,

@@ -150,9 +150,9 @@ def candidate_blocks(scores: torch.Tensor, qpos: torch.Tensor, ratio: int, block
     newest = (qpos + 1) // ratio - 1
     pin = (newest.clamp(min=0) // block)[:, None]  # the newest visible entry's block: always kept
     bs = bs.scatter(1, pin, torch.where((newest >= 0)[:, None], float("inf"), bs.gather(1, pin)))
-    k = min(keep, nb)
-    picks = stable_topk(bs, k)
-    return torch.where(bs.gather(1, picks) > float("-inf"), picks, torch.full_like(picks, -1))
+    picks = stable_topk(bs, min(keep, nb))
+    picks = torch.where(bs.gather(1, picks) > float("-inf"), picks, torch.full_like(picks, -1))
+    return F.pad(picks, (0, keep - picks.shape[1]), value=-1)  # always `keep` columns
 
 
 def picks_to_bias(picks: torch.Tensor, n: int) -> torch.Tensor:

@@ -68,9 +68,14 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """Capture the decode forward at every capture size (warm-up included); no-op when graphs are off."""
+        # the extra inputs (lookback window) are filled here, once: a fill inside `run` would be captured and
+        # replayed over the real inputs
+        extra = self.model_state.prepare_dummy_inputs(self.graphs.capture_sizes[-1], self.graphs.capture_sizes[-1])
+
         def run(size: int) -> torch.Tensor:
+            inputs = {k: v[:size] for k, v in extra.items()}
             return self.model.forward_decode(self.buffers.input_ids[:size], self.model_state.decode.views(size, size),
-                                             self.kv_caches, **self.model_state.prepare_dummy_inputs(size, size))
+                                             self.kv_caches, **inputs)
 
         if self.graphs.enabled:
             for size in self.graphs.capture_sizes:  # all-padding metadata: captures write only the trash slots
