@@ -35,7 +35,7 @@ def test_runtime_md_cases() -> None:
     fresh = _add(rs, "fresh", [5, 6, 7], 0)
     end = _add(rs, "end", [0, 0, 0, 0, 0, 9], 5)  # its 5-token prompt is computed; decoding the first output
     groups = make_kv_groups(load_model_config(GOLDEN), 16, 8, 4)
-    state = DeepseekV41ModelState(groups, max_num_reqs=4, depth=3, device=torch.device("cpu"))
+    state = DeepseekV41ModelState(groups, 4, 32, 8, torch.device("cpu"), depth=3)
     bufs = InputBuffers(4, 16, torch.device("cpu"))
     rows = np.array([mid, fresh, end])
     computed = np.array([9, 0, 5])

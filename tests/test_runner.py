@@ -20,8 +20,8 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
 class RecordingState(DefaultModelState):
     """Records the hook calls of every step."""
 
-    def __init__(self, groups) -> None:
-        super().__init__(groups)
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
         self.calls: list[str] = []
 
     def add_request(self, row, new_req) -> None:
@@ -33,6 +33,10 @@ class RecordingState(DefaultModelState):
     def prepare_attn(self, batch, block_tables, for_dummy=False):
         self.calls.append("attn")
         return super().prepare_attn(batch, block_tables, for_dummy)
+
+    def prepare_decode_attn(self, batch, block_tables, num_padded):
+        self.calls.append("attn")
+        return super().prepare_decode_attn(batch, block_tables, num_padded)
 
     def prepare_inputs(self, batch, req_state):
         self.calls.append("inputs")
@@ -47,7 +51,9 @@ def _engine(path: str) -> LLMEngine:
 def test_rows_buffers_history_and_hook_order(ckpt: str) -> None:
     eng = _engine(ckpt)
     runner = eng.runner
-    runner.model_state = state = RecordingState(eng.groups)
+    sc = eng.config.scheduler
+    runner.model_state = state = RecordingState(eng.groups, sc.max_num_seqs, sc.max_model_len,
+                                                eng.config.model.sliding_window, runner.device)
     ptrs = {name: t.data_ptr() for name, t in vars(runner.buffers).items()}
     table_ptrs = {n: t.data_ptr() for n, t in runner.block_tables.tables.items()}
     prompts = {str(i): make_prompt(n, seed=20 + i)[0].tolist() for i, n in enumerate((11, 4, 7))}

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dsv4.models.config import ModelConfig, load_model_config
+from dsv4.models.config import CSA, ModelConfig, load_model_config
 from dsv4.models.presets import tensor_shapes
 
 logger = logging.getLogger(__name__)
@@ -74,10 +74,6 @@ def _is_engram_table(name: str) -> bool:
     return name.endswith(".engram.embed.weight")
 
 
-def _layer_of(name: str) -> int:
-    return int(name.split(".")[2])  # "model.layers.L...."
-
-
 def _kv_rows(cfg: ModelConfig, ctx_len: int) -> tuple[int, int]:
     """(rows of head_dim, rows of index_head_dim) one request reads at one decode step, summed over layers."""
     rows, index_rows = 0, 0
@@ -89,7 +85,7 @@ def _kv_rows(cfg: ModelConfig, ctx_len: int) -> tuple[int, int]:
             continue
         entries = ctx_len // ratio  # entries whose whole window of `ratio` tokens is in the context
         if v41 is None:
-            if cfg.layer_types[layer] == "compressed_sparse_attention":  # own indexer: scan all keys, attend top-k
+            if cfg.layer_types[layer] == CSA:  # own indexer: scan all keys, attend top-k
                 rows += min(cfg.index_topk, entries)
                 index_rows += entries
             else:  # HCA attends every entry
@@ -126,7 +122,7 @@ def decode_floor(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | torch.
     - not counted: activations, the compressor rings (a few rows per step), writes, sampling, host traffic.
     """
     name = _dtype_name(dtype)
-    item = torch.empty((), dtype=getattr(torch, name)).element_size()
+    item = getattr(torch, name).itemsize
     distinct = expected_distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch)
     weights = experts = 0.0
     for tensor, (shape, dt) in tensor_shapes(cfg, name).items():
@@ -349,6 +345,25 @@ def run_batch(engine: Any, prompts: list[list[int]], output_len: int, device: to
 
 
 # ---- the transformers baseline -------------------------------------------------------------------------------
+def _hf_greedy(model: torch.nn.Module, ids: torch.Tensor, steps: int, device: torch.device
+               ) -> tuple[list[float], torch.Tensor]:
+    """One prefill forward, then steps - 1 greedy decode forwards with the model's DynamicCache, each timed."""
+    times, tokens = [], []
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1)
+        tokens.append(nxt)
+        for _ in range(steps - 1):
+            sync(device)
+            t0 = time.perf_counter()
+            out = model(nxt[:, None], past_key_values=out.past_key_values, use_cache=True)
+            nxt = out.logits[:, -1].argmax(-1)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+            tokens.append(nxt)
+    return times, torch.stack(tokens, dim=1)
+
+
 def hf_decode_steps(model_dir: str, prompts: list[list[int]], output_len: int, dtype: str, device: torch.device
                     ) -> tuple[list[float], list[list[int]]]:
     """transformers' DeepseekV4ForCausalLM (eager attention) on the same prompts: one prefill forward, then
@@ -359,29 +374,9 @@ def hf_decode_steps(model_dir: str, prompts: list[list[int]], output_len: int, d
     model = transformers.DeepseekV4ForCausalLM.from_pretrained(
         model_dir, dtype=getattr(torch, dtype), attn_implementation="eager").to(device).eval()
     ids = torch.tensor(prompts, dtype=torch.long, device=device)
-
-    def run(steps: int) -> tuple[list[float], torch.Tensor]:
-        times, out_tokens = [], []
-        with torch.no_grad():
-            out = model(ids, use_cache=True)
-            nxt = out.logits[:, -1].argmax(-1)
-            out_tokens.append(nxt)
-            cache = out.past_key_values
-            for _ in range(steps - 1):
-                sync(device)
-                t0 = time.perf_counter()
-                out = model(nxt[:, None], past_key_values=cache, use_cache=True)
-                nxt = out.logits[:, -1].argmax(-1)
-                sync(device)
-                times.append(time.perf_counter() - t0)
-                cache = out.past_key_values
-                out_tokens.append(nxt)
-        return times, torch.stack(out_tokens, dim=1)
-
-    run(min(output_len, 3))  # warm-up: kernels, allocator
-    times, toks = run(output_len)
-    del model
-    return times, toks.tolist()
+    _hf_greedy(model, ids, min(output_len, 3), device)  # warm-up: kernels, allocator
+    times, tokens = _hf_greedy(model, ids, output_len, device)
+    return times, tokens.tolist()
 
 
 # ---- the command ---------------------------------------------------------------------------------------------
@@ -433,7 +428,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for it in range(args.num_iters):
         steps, tokens = run_batch(engine, prompts, o, device, f"iter{it}")
         decode_steps += [s.seconds for s in steps if s.decode]
-        prefill_times.append(sum(s.seconds for s in steps if not s.decode and s.num_requests == b))
+        prefill_times.append(sum(s.seconds for s in steps if not s.decode))  # the batch's prefill step(s)
         e2e.append(sum(s.seconds for s in steps))
     del engine
     gc.collect()

@@ -1,0 +1,327 @@
+"""`dsv4 bench latency` / `bench throughput` on the CPU, the decode floor against hand counts, and the GPU-sized
+make-model presets (configs, layouts and sizes; their multi-GB weights are only written scaled down here)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import tokenizers
+import torch
+from safetensors import safe_open
+
+from dsv4 import LLM, SamplingParams
+from dsv4.bench.latency import decode_floor, decode_floor_bytes, expected_distinct_experts, mean_decode_floor
+from dsv4.cli import main
+from dsv4.make_model import make_model, synthetic_tokenizer
+from dsv4.models.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig, load_model_config, parse_config_dict
+from dsv4.models.engram import EngramLayout, build_compressed_token_map
+from dsv4.models.presets import (LARGE_PRESETS, checkpoint_size, preset_config, preset_dtype, tensor_shapes,
+                                 v4_tensor_shapes, v41_tensor_shapes)
+
+F32 = 4  # bytes
+
+
+def _preset_cfg(preset: str) -> ModelConfig:
+    return parse_config_dict(preset_config(preset))
+
+
+@pytest.fixture(scope="module")
+def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_model("tiny-v4", str(tmp_path_factory.mktemp("tiny-v4")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_v41(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_model("tiny-v41", str(tmp_path_factory.mktemp("tiny-v41")), seed=0)
+
+
+# ---- the floor -------------------------------------------------------------------------------------------------
+def test_expected_distinct_experts() -> None:
+    assert expected_distinct_experts(16, 6, 1) == pytest.approx(6)  # one token: exactly its top-k
+    assert expected_distinct_experts(16, 6, 2) == pytest.approx(16 * (1 - (10 / 16) ** 2))  # 9.75
+    assert expected_distinct_experts(16, 6, 64) == pytest.approx(16, abs=1e-9)  # a big batch hits them all
+    assert expected_distinct_experts(8, 8, 3) == 8
+
+
+def test_floor_tiny_v4_by_hand() -> None:
+    # tiny-v4: V 512, D 64, hc 4 (mix 24), H 4 x hd 32, q_lora 32, o 2 x 16, 8 experts of 32 top-2, index 2 x 16
+    # top-4, window 16; layers [sliding, CSA/4, HCA/8, CSA/4], MoE [hash, hash, moe, moe]; all fp32.
+    cfg = _preset_cfg("tiny-v4")
+    batch, ctx = 3, 40
+    hc = 2 * (24 * 4 * 64 + 24 + 3)  # attn + ffn mHC: fn, base, scale
+    # q_a, q_norm, q_b, kv, kv_norm, o_a, o_b, sinks
+    attn = 32 * 64 + 32 + 128 * 32 + 32 * 64 + 32 + 32 * 64 + 64 * 32 + 4
+    csa = (64 * 64) * 2 + 4 * 64 + 32 + (32 * 64) * 2 + 4 * 32 + 16 + 32 * 32 + 2 * 64  # compressor + indexer
+    hca = (32 * 64) * 2 + 8 * 32 + 32
+    mlp = 8 * 64 + 3 * 32 * 64  # router, shared expert
+    layer = 2 * 64 + hc + attn + mlp
+    top = 512 * 64 + 64 + (4 * 4 * 64 + 4 + 1)  # lm_head, norm, hc_head
+    weights = (4 * layer + csa * 2 + hca + 2 * 8 + top) * F32  # + the two moe layers' router bias (8 each)
+    weights += batch * 64 * F32 + 2 * batch * 2 * 8  # embedding rows; tid2eid rows (k=2 int64) of 2 hash layers
+    experts = 4 * expected_distinct_experts(8, 2, batch) * 3 * 32 * 64 * F32
+    rows = 4 * 16 + 2 * min(4, ctx // 4) + ctx // 8  # windows, CSA top-4 of 10 entries twice, HCA's 5 entries
+    index_rows = 2 * (ctx // 4)  # each CSA indexer scans its 10 keys
+    kv = batch * (rows * 32 + index_rows * 16) * F32
+    floor = decode_floor(cfg, batch, ctx, "float32")
+    assert floor.weight_bytes == pytest.approx(weights)
+    assert floor.expert_bytes == pytest.approx(experts)
+    assert floor.kv_bytes == kv == 33408
+    assert decode_floor_bytes(cfg, batch, ctx, torch.float32) == pytest.approx(weights + experts + kv)
+
+
+def test_floor_tiny_v41_by_hand() -> None:
+    # tiny-v41: V 512, D 64, H 4 x hd 64, q_lora 32, o 2 x 16, 8 experts of 32 top-2, index 2 x 32 top-4, window 8,
+    # ratios [0, 2, 2, 1, 1, 1], KV sources 1 (ratio 2) and 3 (ratio 1), index sources 1, 3, 5, candidate source 3
+    # with 2 blocks of 2; engram on layer 1 (n-grams 2..3, 2 heads, rows of 32, 4062 rows); all fp32.
+    cfg = _preset_cfg("tiny-v41")
+    batch, ctx = 2, 40
+    hc = 2 * (24 * 4 * 64 + 24 + 3)
+    # wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, sink
+    attn = 32 * 64 + 32 + 256 * 32 + 64 * 64 + 64 + 32 * 128 + 64 * 32 + 4
+    ffn = 8 * 64 + 8 + 8 + 3 * 32 * 64  # router, bias, bias_vl, shared expert
+    layer = 2 * 64 + hc + attn + ffn
+    compressors = (64 * 64 * 2 + 64) + (64 * 64 + 64)  # source 1 pools pairs (wkv, wgate, norm); source 3 no gate
+    indexers = 3 * (64 * 32 + 2 * 64) + 2 * (32 * 64 + 32)  # wq_b, weights_proj at 1, 3, 5; wk, k_norm at 1 and 3
+    engram = 5 * 64 * (2 * 2 * 32) + 2 * 4 * 64  # wkv [(hc+1) D, 4 columns of 32], q/k weights
+    top = 512 * 64 + 64  # lm_head, norm (V4.1 has no hc_head)
+    weights = (6 * layer + compressors + indexers + engram + top) * F32
+    weights += batch * 64 * F32 + batch * 2 * 2 * 32 * F32  # embedding rows; engram rows (2 n-gram sizes x 2 heads)
+    experts = 6 * expected_distinct_experts(8, 2, batch) * 3 * 32 * 64 * F32
+    rows = 6 * 8 + 2 * min(4, ctx // 2) + 3 * min(4, ctx)  # windows; top-4 in the ratio-2 and ratio-1 groups
+    index_rows = ctx // 2 + ctx + min(ctx, 2 * 2)  # source 1 scans 20, source 3 (the candidate) 40, layer 5 its 4
+    kv = batch * (rows * 64 + index_rows * 32) * F32
+    floor = decode_floor(cfg, batch, ctx, "float32")
+    assert floor.weight_bytes == pytest.approx(weights)
+    assert floor.expert_bytes == pytest.approx(experts)
+    assert floor.kv_bytes == kv == 51200
+
+
+def test_floor_halves_in_bf16_and_grows_with_context() -> None:
+    cfg = _preset_cfg("tiny-v41")
+    f32, bf16 = decode_floor(cfg, 4, 100, "float32"), decode_floor(cfg, 4, 100, "bfloat16")
+    assert bf16.kv_bytes * 2 == f32.kv_bytes and bf16.expert_bytes * 2 == pytest.approx(f32.expert_bytes)
+    assert f32.weight_bytes / 2 < bf16.weight_bytes < f32.weight_bytes  # mHC, sinks, router biases stay fp32
+    assert decode_floor(cfg, 4, 200, "float32").kv_bytes > f32.kv_bytes
+    mean = mean_decode_floor(cfg, 4, 100, 5, "float32")  # decode steps read contexts 101..104
+    assert mean.kv_bytes == pytest.approx(sum(decode_floor(cfg, 4, 100 + j, "float32").kv_bytes
+                                              for j in range(1, 5)) / 4)
+
+
+def test_floor_v4_flash_batch1_is_the_issue_figure() -> None:
+    # The issue: a V4-Flash-shaped model of 4 layers with 16 experts reads 3.35 GB per batch-1 decode step.
+    cfg = _preset_cfg("v4-flash-4l")
+    floor = mean_decode_floor(cfg, 1, 512, 128, "bfloat16")
+    assert 3.3e9 < floor.total < 3.45e9
+    assert floor.expert_bytes == pytest.approx(4 * 6 * 3 * 2048 * 4096 * 2)  # 6 experts in each of 4 layers
+
+
+# ---- the presets ----------------------------------------------------------------------------------------------
+def test_v4_flash_config() -> None:
+    cfg = _preset_cfg("v4-flash-4l")
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim) == (4096, 64, 512, 64)
+    assert (cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.moe_intermediate_size) == (1024, 8, 1024, 2048)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_shared_experts) == (16, 6, 1)
+    assert (cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk, cfg.sliding_window) == (64, 128, 512, 128)
+    assert cfg.layer_types == (SLIDING, SLIDING, CSA, HCA) and cfg.compress_ratios == (0, 0, 4, 128)
+    assert cfg.mlp_layer_types == (HASH_MOE, HASH_MOE, HASH_MOE, MOE) and cfg.vocab_size == 129280
+    assert cfg.rope_compress.rope_type == "yarn" and cfg.rope_compress.original_max_position_embeddings == 65536
+    shapes = v4_tensor_shapes(cfg, "bfloat16")
+    assert shapes["model.layers.3.mlp.experts.gate_up_proj"] == ((16, 4096, 4096), torch.bfloat16)
+    assert shapes["model.layers.2.self_attn.compressor.indexer.q_b_proj.weight"][0] == (64 * 128, 1024)
+    assert shapes["model.layers.0.mlp.gate.tid2eid"] == ((129280, 6), torch.int64)
+    # By hand: bf16 (2 bytes) except mHC, sinks, position biases, router bias (fp32) and tid2eid (int64).
+    V, D, mix, H, hd, ql, G, ol, E, I, k, IH, ihd = 129280, 4096, 24, 64, 512, 1024, 8, 1024, 16, 2048, 6, 64, 128
+    bf16 = 2 * V * D + D + 4 * (2 * D + ql * D + ql + H * hd * ql + hd * D + hd + G * ol * (H * hd // G)
+                                + D * G * ol + E * D + (E + 1) * 3 * I * D)
+    bf16 += 2 * (2 * hd * D) + hd + 2 * (2 * ihd * D) + ihd + IH * ihd * ql + IH * D  # CSA layer 2
+    bf16 += 2 * (hd * D) + hd  # HCA layer 3
+    fp32 = (4 * 4 * D + 4 + 1) + 4 * (2 * (mix * 4 * D + mix + 3) + H)  # hc_head; per layer mHC, sinks
+    fp32 += 4 * 2 * hd + 4 * 2 * ihd + 128 * hd + E  # position biases (CSA kv + indexer, HCA); layer 3 router bias
+    int64 = 3 * V * k
+    assert checkpoint_size(shapes) == (bf16 + fp32 + int64, 2 * bf16 + 4 * fp32 + 8 * int64)
+    assert 6.47e9 < checkpoint_size(shapes)[1] < 6.48e9
+    assert preset_dtype("v4-flash-4l") == "bfloat16" and preset_dtype("tiny-v4") == "float32"
+
+
+def test_v41_flash_config() -> None:
+    cfg = _preset_cfg("v41-flash-8l")
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.qk_rope_head_dim) == (5120, 64, 512, 64)
+    assert (cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.moe_intermediate_size) == (1280, 8, 1024, 2304)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.index_n_heads, cfg.index_topk) == (16, 6, 32, 512)
+    assert cfg.compress_ratios == (0, 2, 2, 2, 1, 1, 1, 1) and cfg.rms_norm_eps == 1e-20
+    v41 = cfg.v41
+    assert v41.kv_source_layer_ids == (1, 4) and v41.index_source_layer_ids == (1, 4, 6)
+    assert (v41.candidate_source_layer_id, v41.candidate_topk_blocks, v41.candidate_block_size) == (4, 2048, 8)
+    eng = v41.engram
+    assert eng.layer_ids == (1,) and (eng.max_ngram_size, eng.n_heads, eng.head_dim) == (4, 8, 256)
+    # The engram sizes are the synthetic 129280-id tokenizer's, as the engine will recompute them.
+    backend = synthetic_tokenizer(129280)
+    assert backend.get_vocab_size(with_added_tokens=True) == 129280
+    _, size = build_compressed_token_map(backend)
+    assert eng.compressed_vocab_size == size
+    assert eng.num_embeddings == (EngramLayout.from_config([1], 100003, 4, 8, size).rows[1],)
+    shapes = v41_tensor_shapes(cfg, "bfloat16")
+    assert shapes["model.layers.1.engram.embed.weight"] == ((eng.num_embeddings[0], 256), torch.bfloat16)
+    assert shapes["model.layers.5.ffn.experts.15.w1.weight"] == ((2304, 5120), torch.bfloat16)
+    assert "model.layers.5.attn.compressor.wkv.weight" not in shapes  # a consumer owns no compressor
+    assert shapes["model.layers.4.attn.indexer.wk.weight"][0] == (128, 512)
+    params, nbytes = checkpoint_size(shapes)
+    assert 15.9e9 < nbytes < 16.1e9 and 7.9e9 < params < 8.0e9
+    noengram = _preset_cfg("v41-flash-8l-noengram")
+    assert noengram.v41.engram is None
+    assert checkpoint_size(tensor_shapes(noengram, "bfloat16"))[1] < 14.5e9
+    assert {"v4-flash-4l", "v41-flash-8l", "v41-flash-8l-noengram"} == LARGE_PRESETS
+
+
+# Same schedules, kinds and vocabulary; widths of the tiny presets, so the streamed writer runs in seconds.
+SMALL_V4 = {"hidden_size": 64, "num_attention_heads": 4, "head_dim": 32, "partial_rotary_factor": 0.25,
+            "q_lora_rank": 32, "o_groups": 2, "o_lora_rank": 16, "moe_intermediate_size": 32, "index_n_heads": 2,
+            "index_head_dim": 16, "index_topk": 4, "sliding_window": 8,
+            "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}}
+SMALL_V41 = {"hidden_size": 64, "num_attention_heads": 4, "head_dim": 64, "qk_rope_head_dim": 16, "q_lora_rank": 32,
+             "o_groups": 2, "o_lora_rank": 16, "moe_intermediate_size": 32, "index_n_heads": 2, "index_head_dim": 32,
+             "index_topk": 4, "sliding_window": 8, "candidate_topk_blocks": 2, "candidate_block_size": 2,
+             "engram_vocab_size": 1009, "engram_head_dim": 32}
+
+
+def _disk_shapes(model_dir: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    with open(os.path.join(model_dir, "model.safetensors.index.json"), encoding="utf-8") as f:
+        index = json.load(f)
+    out = {}
+    for file in sorted(set(index["weight_map"].values())):
+        with safe_open(os.path.join(model_dir, file), framework="pt") as st:
+            for k in st.keys():
+                assert index["weight_map"][k] == file
+                out[k] = (tuple(st.get_slice(k).get_shape()), st.get_tensor(k).dtype)
+    return out
+
+
+def _read(model_dir: str, name: str) -> torch.Tensor:
+    with open(os.path.join(model_dir, "model.safetensors.index.json"), encoding="utf-8") as f:
+        file = json.load(f)["weight_map"][name]
+    with safe_open(os.path.join(model_dir, file), framework="pt") as st:
+        return st.get_tensor(name)
+
+
+@pytest.mark.parametrize("preset", ["v4-flash-4l", "v41-flash-8l"])
+def test_scaled_down_preset_writes_shards_and_loads(preset: str, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import dsv4.make_model as mm
+
+    monkeypatch.setattr(mm, "_CHUNK_ELEMENTS", 100_000)  # several chunks per large tensor
+    small = SMALL_V4 if preset == "v4-flash-4l" else SMALL_V41
+    d = make_model(preset, str(tmp_path / "a"), seed=0, overrides=small, max_shard_bytes=10_000_000)
+    cfg = load_model_config(d)
+    assert cfg.vocab_size == 129280 and cfg.torch_dtype == "bfloat16"
+    files = sorted(f for f in os.listdir(d) if f.endswith(".safetensors"))
+    assert len(files) >= 3 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    assert _disk_shapes(d) == tensor_shapes(cfg, "bfloat16")
+    tok = tokenizers.Tokenizer.from_file(os.path.join(d, "tokenizer.json"))
+    assert tok.get_vocab_size(with_added_tokens=True) == 129280
+    if preset == "v4-flash-4l":
+        tid2eid = _read(d, "model.layers.0.mlp.gate.tid2eid")
+        assert all(len(set(row.tolist())) == 6 for row in tid2eid[:100]) and tid2eid.max() < 16
+        q_b = _read(d, "model.layers.1.self_attn.q_b_proj.weight")
+        norm = _read(d, "model.layers.1.input_layernorm.weight")
+    else:
+        q_b, norm = _read(d, "model.layers.1.attn.wq_b.weight"), _read(d, "model.layers.1.attn_norm.weight")
+        assert 0.9 < _read(d, "model.layers.1.engram.embed.weight").float().std() < 1.1
+    assert 0.018 < q_b.float().std() < 0.022 and abs(q_b.float().mean()) < 1e-3
+    assert torch.equal(norm, torch.ones_like(norm))
+    # The engine loads it (bf16 on the CPU) and generates.
+    out = LLM(model=d, device="cpu", dtype="bfloat16").generate(
+        [list(range(100, 130))], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    # Deterministic given the seed; another seed draws other weights.
+    again = make_model(preset, str(tmp_path / "b"), seed=0, overrides=small, max_shard_bytes=10_000_000)
+    other = make_model(preset, str(tmp_path / "c"), seed=1, overrides=small, max_shard_bytes=10_000_000)
+    for f in files:
+        same = Path(d, f).read_bytes()
+        assert same == Path(again, f).read_bytes()
+        assert same != Path(other, f).read_bytes()
+
+
+def test_scaled_down_v4_flash_loads_in_transformers(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    d = make_model("v4-flash-4l", str(tmp_path), seed=0, overrides=SMALL_V4, max_shard_bytes=10_000_000)
+    model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(d, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+
+
+def test_tiny_presets_keep_the_single_file_writer(tmp_path: Path) -> None:
+    d = make_model("tiny-v4", str(tmp_path / "t"))
+    assert "model.safetensors" in os.listdir(d) and "model.safetensors.index.json" not in os.listdir(d)
+    assert synthetic_tokenizer().to_str() == tokenizers.Tokenizer.from_file(os.path.join(d, "tokenizer.json")).to_str()
+
+
+# ---- the commands ---------------------------------------------------------------------------------------------
+LATENCY_FIELDS = {"benchmark", "model", "model_type", "date", "device", "device_name", "torch", "triton", "cuda",
+                  "python", "command", "dtype", "batch_size", "input_len", "output_len", "num_iters",
+                  "num_iters_warmup", "enforce_eager", "engine_kwargs", "ignored_engine_kwargs", "decode_step_s",
+                  "decode_steps", "decode_step_times_s", "decode_tokens_per_s", "prefill_s", "e2e_s", "floor_bytes",
+                  "floor", "copy_bytes", "copy_bandwidth_Bps", "floor_time_s", "fraction_of_floor", "achieved_Bps",
+                  "hf"}
+
+
+@pytest.mark.parametrize("which", ["tiny-v4", "tiny-v41"])
+def test_bench_latency_end_to_end(which: str, tiny_v4: str, tiny_v41: str, tmp_path: Path,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    model = tiny_v4 if which == "tiny-v4" else tiny_v41
+    out = tmp_path / "lat.json"
+    argv = ["bench", "latency", "--model", model, "--batch-size", "3", "--input-len", "20", "--output-len", "5",
+            "--num-iters", "2", "--device", "cpu", "--copy-bytes", str(16 << 20), "--output-json", str(out)]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "decode step (ms)" in table and "fraction of floor" in table
+    res = json.loads(out.read_text())
+    assert set(res) == LATENCY_FIELDS
+    assert res["decode_steps"] == 2 * (5 - 1) == len(res["decode_step_times_s"])  # one prefill step per batch
+    assert set(res["decode_step_s"]) == {"median", "mean", "p90", "min", "max"}
+    assert res["decode_step_s"]["min"] <= res["decode_step_s"]["median"] <= res["decode_step_s"]["max"]
+    cfg = load_model_config(model)
+    floor = mean_decode_floor(cfg, 3, 20, 5, "float32")
+    assert res["floor_bytes"] == pytest.approx(floor.total) and res["floor"]["total"] == res["floor_bytes"]
+    assert set(res["floor"]) == {"weight_bytes", "expert_bytes", "kv_bytes", "total"}
+    assert res["copy_bandwidth_Bps"] > 0 and 0 < res["fraction_of_floor"]
+    assert res["fraction_of_floor"] == pytest.approx(res["floor_time_s"] / res["decode_step_s"]["median"])
+    assert res["engine_kwargs"]["max_num_seqs"] == 3 and res["hf"] is None
+    assert res["command"].startswith("dsv4 bench latency --model")
+
+
+def test_bench_latency_hf_baseline(tiny_v4: str, tiny_v41: str, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--model", tiny_v4, "--batch-size", "2", "--input-len", "12", "--output-len",
+                 "4", "--num-iters", "1", "--num-iters-warmup", "0", "--device", "cpu", "--baseline", "hf",
+                 "--copy-bytes", str(16 << 20), "--output-json", str(out)]) == 0
+    assert "speedup vs HF" in capsys.readouterr().out
+    hf = json.loads(out.read_text())["hf"]
+    assert set(hf) == {"decode_step_s", "decode_step_times_s", "fraction_of_floor", "speedup", "matching_sequences"}
+    assert len(hf["decode_step_times_s"]) == 3 and hf["speedup"] > 0
+    assert hf["matching_sequences"] == 2  # fp32: the engine's greedy tokens are transformers'
+    assert main(["bench", "latency", "--model", tiny_v41, "--baseline", "hf", "--device", "cpu"]) == 2
+    assert "DeepSeek-V4 checkpoint" in capsys.readouterr().err
+
+
+def test_bench_throughput_end_to_end(tiny_v41: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "thr.json"
+    assert main(["bench", "throughput", "--model", tiny_v41, "--num-prompts", "5", "--input-len", "16",
+                 "--output-len", "4", "--max-num-seqs", "4", "--device", "cpu", "--output-json", str(out)]) == 0
+    assert "output tokens/s" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert {"requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "elapsed_s", "prompt_tokens",
+            "output_tokens", "num_prompts", "input_len", "output_len", "command", "torch", "device_name"} <= set(res)
+    assert res["output_tokens"] == 5 * 4 and res["prompt_tokens"] == 5 * 16
+    assert res["output_tokens_per_s"] == pytest.approx(20 / res["elapsed_s"])
+    assert res["total_tokens_per_s"] == pytest.approx(100 / res["elapsed_s"])
+    assert math.isclose(res["requests_per_s"] * res["elapsed_s"], 5)
+
+
+def test_bench_rejects_bad_lengths(tiny_v4: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "latency", "--model", tiny_v4, "--output-len", "1", "--device", "cpu"]) == 2
+    assert "--output-len >= 2" in capsys.readouterr().err
