@@ -12,6 +12,8 @@ attention, a manual greedy decode loop with its DynamicCache) on the same prompt
 
 from __future__ import annotations
 
+import contextlib
+
 import argparse
 import gc
 import inspect
@@ -349,7 +351,11 @@ def _hf_greedy(model: torch.nn.Module, ids: torch.Tensor, steps: int, device: to
                ) -> tuple[list[float], torch.Tensor]:
     """One prefill forward, then steps - 1 greedy decode forwards with the model's DynamicCache, each timed."""
     times, tokens = [], []
-    with torch.no_grad():
+    # Some transformers releases (5.17 on the GPU machine) leave the mHC collapse in fp32 and then feed it to
+    # bf16 projections; autocast keeps such a model runnable in its load dtype.
+    low = model.dtype if model.dtype != torch.float32 else None
+    autocast = torch.autocast(device.type, dtype=low) if low is not None else contextlib.nullcontext()
+    with torch.no_grad(), autocast:
         out = model(ids, use_cache=True)
         nxt = out.logits[:, -1].argmax(-1)
         tokens.append(nxt)
