@@ -19,7 +19,8 @@ from dsv4.models.layers.compress import closing_windows, roll_ring, window_rows
 from dsv4.models.layers.mhc import HyperConnection, HyperHead, collapse, expand
 from dsv4.models.layers.moe import MoE
 from dsv4.models.layers.norm import RMSNorm, unweighted_rms_norm
-from dsv4.models.layers.rope import RotaryTable, apply_rope
+from dsv4.models.layers.rope import RotaryTable
+from dsv4.ops.rope import apply_rope
 from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, slots_of
 from dsv4.runtime.kv_cache import LayerKVCache

@@ -22,7 +22,8 @@ from dsv4.models.layers.attention import (QUERY_BLOCK, grouped_projection, sink_
 from dsv4.models.layers.compress import closing_windows, roll_ring, window_rows
 from dsv4.models.layers.mhc import hc_mixes
 from dsv4.models.layers.moe import clamped_swiglu, routed_experts_fixed, score
-from dsv4.models.layers.rope import RotaryTable, apply_rope
+from dsv4.models.layers.rope import RotaryTable
+from dsv4.ops.rope import apply_rope
 from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant
 from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, slots_of

@@ -7,7 +7,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from dsv4.engine.engine import LLMEngine
 from dsv4.make_model import make_model

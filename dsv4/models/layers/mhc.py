@@ -7,15 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.models.layers.norm import unweighted_rms_norm
-
-
-def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Project [.., N, N] positive matrices towards doubly stochastic: columns first, then rows/columns."""
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return comb
+from dsv4.ops.mhc import hc_post
 
 
 class HyperConnection(nn.Module):
@@ -39,14 +31,7 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
     """(pre, post, comb) of one site from its input streams h [T, N, D], all in fp32 (model.md section 3)."""
     n = h.shape[1]
     flat = unweighted_rms_norm(h.flatten(1).float(), norm_eps)
-    m = F.linear(flat, fn.float())
-    pre_w, post_w, comb_w = m.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    s_pre, s_post, s_comb = scale.float().unbind(0)
-    pre = torch.sigmoid(pre_w * s_pre + pre_b) + hc_eps
-    post = 2 * torch.sigmoid(post_w * s_post + post_b)
-    comb = torch.softmax(comb_w.view(-1, n, n) * s_comb + comb_b.view(n, n), dim=-1) + hc_eps
-    return pre, post, sinkhorn(comb, iters, hc_eps)
+    return hc_post(F.linear(flat, fn.float()), base, scale, n, iters, hc_eps)
 
 
 def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4.ops.moe import expert_gemv
 from dsv4.ops.topk import stable_topk
 
 
@@ -127,16 +128,16 @@ def routed_experts_fixed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tens
     T, k = idx.shape
     E = gate_up.shape[0]
     if T * k <= E:
-        xk = x.repeat_interleave(k, dim=0)  # [T*k, D]
-        gu = torch.bmm(gate_up[idx.flatten()], xk[:, :, None])[..., 0]  # [T*k, 2I]
+        flat = idx.flatten()
+        gu = expert_gemv(x, gate_up, flat, k)  # [T*k, 2I]
         g, u = gu.float().chunk(2, dim=-1) if weight_before_down else gu.chunk(2, dim=-1)
         w = weights.flatten()[:, None]
         if weight_before_down:
             h = (clamped_swiglu(g, u, limit) * w).to(x.dtype)
-            y = torch.bmm(down[idx.flatten()], h[:, :, None])[..., 0].float()
+            y = expert_gemv(h, down, flat, 1).float()
         else:
             h = clamped_swiglu(g, u, limit)
-            y = (torch.bmm(down[idx.flatten()], h[:, :, None])[..., 0] * w).float()
+            y = (expert_gemv(h, down, flat, 1) * w).float()
         return y.view(T, k, -1).sum(dim=1)
     wmat = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx, weights.float())
     gu = torch.einsum("td,efd->etf", x, gate_up)  # [E, T, 2I]

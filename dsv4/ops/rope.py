@@ -1,0 +1,80 @@
+"""Interleaved-pair RoPE on the trailing channels of a vector (and its inverse): torch reference and Triton.
+
+Channels 2i, 2i+1 of the trailing `2 * cos.shape[-1]` form one complex number rotated by angle i; the leading
+(nope) channels pass through. cos/sin are rounded to x's dtype first and the rotation runs in fp32 (the
+reference's numerics); `inverse` rotates by -angle (undoing the rope carried by V on the attention output).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use the torch reference
+    triton = None
+
+
+def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """x: [T, ..., D]; cos/sin: [T, D_rope/2] fp32."""
+    rd = 2 * cos.shape[-1]
+    cos = cos.to(x.dtype).float()
+    sin = sin.to(x.dtype).float()
+    if inverse:
+        sin = -sin
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    rope = x[..., -rd:].float()
+    a, b = rope[..., 0::2], rope[..., 1::2]
+    rotated = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat([x[..., :-rd], rotated], dim=-1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, sign, D: tl.constexpr, HALF: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+        row = tl.program_id(0)  # one (token, head) row of D channels
+        t = row // heads
+        base = x_ptr + row * D
+        obase = out_ptr + row * D
+        d = tl.arange(0, BLOCK_D)
+        nope = D - 2 * HALF
+        keep = d < nope
+        tl.store(obase + d, tl.load(base + d, mask=keep), mask=keep)
+        i = tl.arange(0, BLOCK_H)
+        im = i < HALF
+        dt = x_ptr.dtype.element_ty
+        c = tl.load(cos_ptr + t * HALF + i, mask=im).to(dt).to(tl.float32)
+        s = tl.load(sin_ptr + t * HALF + i, mask=im).to(dt).to(tl.float32) * sign
+        a = tl.load(base + nope + 2 * i, mask=im).to(tl.float32)
+        b = tl.load(base + nope + 2 * i + 1, mask=im).to(tl.float32)
+        ac = a * c
+        bs = b * s
+        bc = b * c
+        as_ = a * s
+        tl.store(obase + nope + 2 * i, (ac - bs).to(dt), mask=im)
+        tl.store(obase + nope + 2 * i + 1, (bc + as_).to(dt), mask=im)
+
+
+def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """The same as one launch over every (token, head) row."""
+    assert triton is not None, "triton is not installed"
+    x = x.contiguous()
+    D, half = x.shape[-1], cos.shape[-1]
+    rows = x.numel() // D
+    out = torch.empty_like(x)
+    if rows:
+        _rope_kernel[(rows,)](x, cos.float().contiguous(), sin.float().contiguous(), out, rows // x.shape[0],
+                              -1.0 if inverse else 1.0, D=D, HALF=half, BLOCK_D=triton.next_power_of_2(D),
+                              BLOCK_H=triton.next_power_of_2(half))
+    return out
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Triton on CUDA, torch elsewhere."""
+    if x.is_cuda and triton is not None:
+        return apply_rope_triton(x, cos, sin, inverse)
+    return apply_rope_torch(x, cos, sin, inverse)
