@@ -53,12 +53,15 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False  # no CUDA graphs
     cudagraph_capture_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, ... up to max_num_seqs
+    gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU the engine may use (weights, steps, KV)
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         self.scheduler.validate()
         self.cache.validate()
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.scheduler.max_model_len > self.model.max_position_embeddings:
             raise ConfigError(
                 f"max_model_len {self.scheduler.max_model_len} exceeds the model's max_position_embeddings "

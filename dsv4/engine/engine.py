@@ -21,8 +21,9 @@ from dsv4.engine.stop import check_stop_strings
 from dsv4.kv.manager import KVCacheManager
 from dsv4.kv.spec import make_kv_groups
 from dsv4.models.build import build_model
-from dsv4.models.config import load_model_config
+from dsv4.models.config import ConfigError, ModelConfig, load_model_config
 from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
+from dsv4.runtime.kv_cache import kv_cache_bytes
 from dsv4.runtime.runner import ModelRunner
 from dsv4.sampling_params import SamplingParams, SamplingParamsError
 from dsv4.step import TokenLogprobs
@@ -69,6 +70,21 @@ def default_num_blocks(config: EngineConfig) -> int:
     return sc.max_num_seqs * -(-sc.max_model_len // bs) + 1
 
 
+def kv_blocks_for_budget(cfg: ModelConfig, block_size: int, max_num_seqs: int, dtype: torch.dtype,
+                         budget: int) -> int:
+    """The largest window-group pool whose caches (all groups) fit in `budget` bytes."""
+    def fits(n: int) -> bool:
+        return kv_cache_bytes(cfg, make_kv_groups(cfg, block_size, n, max_num_seqs), dtype) <= budget
+
+    lo, hi = 0, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
 class LLMEngine:
     """Single-process engine: scheduler, KV manager, runner and detokenizers."""
 
@@ -77,10 +93,12 @@ class LLMEngine:
         self.config, self.tokenizer = config, tokenizer
         torch.manual_seed(config.seed)
         dtype = _DTYPES[config.dtype]
+        model = build_model(config.model, config.model_dir, dtype, config.device)
         num_blocks = config.cache.num_blocks or default_num_blocks(config)
+        if config.device.startswith("cuda") and config.cache.num_blocks is None:
+            num_blocks = self._size_kv_pool(model, dtype)
         self.groups = make_kv_groups(config.model, config.cache.block_size, num_blocks,
                                      config.scheduler.max_num_seqs)
-        model = build_model(config.model, config.model_dir, dtype, config.device)
         self.runner = ModelRunner(config, model, self.groups, dtype)
         self.runner.capture_graphs()
         self.kv_manager = KVCacheManager(self.groups)
@@ -89,11 +107,40 @@ class LLMEngine:
         self._child_to_user: dict[str, str] = {}
         self._ids = itertools.count()
 
+    def _size_kv_pool(self, model: torch.nn.Module, dtype: torch.dtype) -> int:
+        """Profile a worst-case step on a minimal pool, then give the KV cache what `gpu_memory_utilization`
+        leaves (capped at what max_num_seqs requests of max_model_len can use). A budget that cannot hold one
+        request of max_model_len fails here, at start-up, never mid-run."""
+        cfg, sc, bs = self.config, self.config.scheduler, self.config.cache.block_size
+        per_request = -(-sc.max_model_len // bs) + 1
+        probe = make_kv_groups(cfg.model, bs, per_request + 1, sc.max_num_seqs)
+        runner = ModelRunner(cfg, model, probe, dtype)
+        peak = runner.profile_peak_memory() - kv_cache_bytes(cfg.model, probe, dtype)
+        del runner
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory
+        budget = int(total * cfg.gpu_memory_utilization) - peak
+        blocks = kv_blocks_for_budget(cfg.model, bs, sc.max_num_seqs, dtype, budget)
+        if blocks < per_request + 1:
+            need = kv_cache_bytes(cfg.model, make_kv_groups(cfg.model, bs, per_request + 1, sc.max_num_seqs), dtype)
+            raise ConfigError(
+                f"the KV cache does not fit: one request of max_model_len={sc.max_model_len} needs "
+                f"{need / 2**30:.2f} GiB, but gpu_memory_utilization={cfg.gpu_memory_utilization} of "
+                f"{total / 2**30:.1f} GiB leaves {max(budget, 0) / 2**30:.2f} GiB after the weights and a worst-case "
+                f"step ({peak / 2**30:.2f} GiB); lower max_model_len or max_num_batched_tokens, or raise "
+                "gpu_memory_utilization")
+        blocks = min(blocks, default_num_blocks(cfg))
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB); worst-case step peak %.2f GiB", blocks, bs,
+                    kv_cache_bytes(cfg.model, make_kv_groups(cfg.model, bs, blocks, sc.max_num_seqs), dtype) / 2**30,
+                    peak / 2**30)
+        return blocks
+
     @classmethod
     def from_args(cls, model: str, dtype: str = "float32", device: str = "cpu", max_model_len: int | None = None,
                   max_num_seqs: int = 16, max_num_batched_tokens: int | None = None, block_size: int = 16,
                   num_kv_blocks: int | None = None, seed: int = 0, load_tokenizer: bool = True,
-                  enforce_eager: bool = False, cudagraph_capture_sizes: tuple[int, ...] | None = None) -> "LLMEngine":
+                  enforce_eager: bool = False, cudagraph_capture_sizes: tuple[int, ...] | None = None,
+                  gpu_memory_utilization: float = 0.9) -> "LLMEngine":
         """Build an engine from a checkpoint directory and the usual knobs."""
         mc = load_model_config(model)
         max_model_len = max_model_len or min(mc.max_position_embeddings, 4096)
@@ -104,7 +151,7 @@ class LLMEngine:
                                       max_model_len=max_model_len),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks),
             dtype=dtype, device=device, seed=seed, enforce_eager=enforce_eager,
-            cudagraph_capture_sizes=cudagraph_capture_sizes,
+            cudagraph_capture_sizes=cudagraph_capture_sizes, gpu_memory_utilization=gpu_memory_utilization,
         )
         tok = Tokenizer.from_dir(model) if load_tokenizer else None
         return cls(cfg, tok)

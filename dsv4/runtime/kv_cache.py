@@ -50,3 +50,24 @@ def allocate_kv_caches(cfg: ModelConfig, groups: tuple[KVGroupSpec, ...], dtype:
                 c.index_ring_gate = torch.zeros(ishape, dtype=torch.float32, device=device)
         caches.append(c)
     return caches
+
+
+def kv_cache_bytes(cfg: ModelConfig, groups: tuple[KVGroupSpec, ...], dtype: torch.dtype) -> int:
+    """Bytes `allocate_kv_caches` takes for these groups (the same layout rules, without allocating)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    window = next(g for g in groups if g.kind == WINDOW)
+    state = next((g for g in groups if g.kind == STATE), None)
+    total = 0
+    for layer in range(cfg.num_hidden_layers):
+        total += window.num_blocks * window.block_size * cfg.head_dim * elem
+        lay = layer_cache_layout(cfg, layer)
+        if lay.ratio > 0:
+            g = next(g for g in groups if g.kind == COMPRESSED and layer in g.layer_ids)
+            dims = cfg.head_dim + (cfg.index_head_dim if lay.index_keys else 0)
+            total += g.num_blocks * g.block_size * dims * elem
+        if lay.ring_rows > 0:
+            ring_elem = 4 if cfg.v41 is not None else elem
+            total += state.num_blocks * lay.ring_rows * lay.ring_width * (ring_elem + 4)
+            if lay.index_ring_width:
+                total += state.num_blocks * lay.ring_rows * lay.index_ring_width * (elem + 4)
+    return total

@@ -160,6 +160,23 @@ class ModelRunner:
         return self.model.forward_decode(self.buffers.input_ids[:P], dmd, self.kv_caches, **extra)[:R]
 
     @torch.inference_mode()
+    def profile_peak_memory(self) -> int:
+        """Peak bytes allocated by a worst-case step: a prefill of max_num_batched_tokens tokens (split into as
+        few requests as max_model_len allows) and a full decode batch. CUDA only."""
+        sc = self.config.scheduler
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        T = sc.max_num_batched_tokens
+        reqs = min(sc.max_num_seqs, max(1, -(-T // (sc.max_model_len - 1))))
+        self.dummy_run(reqs, max(T, reqs))
+        P = sc.max_num_seqs
+        extra = self.model_state.prepare_dummy_inputs(P, P)
+        self.model.forward_decode(self.buffers.input_ids[:P], self.model_state.prepare_dummy_decode_attn(P),
+                                  self.kv_caches, **extra)
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    @torch.inference_mode()
     def dummy_run(self, num_reqs: int, num_tokens: int) -> torch.Tensor:
         """A forward over a dummy batch (warm-up, profiling); writes no KV a real request reads."""
         batch = InputBatch.make_dummy(self.buffers, num_reqs, num_tokens)
