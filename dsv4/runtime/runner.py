@@ -166,8 +166,9 @@ class ModelRunner:
         sc = self.config.scheduler
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        T = sc.max_num_batched_tokens
-        reqs = min(sc.max_num_seqs, max(1, -(-T // (sc.max_model_len - 1))))
+        # as many tokens as a step may carry, in requests no longer than max_model_len
+        T = min(sc.max_num_batched_tokens, sc.max_num_seqs * (sc.max_model_len - 1))
+        reqs = max(1, -(-T // (sc.max_model_len - 1)))
         self.dummy_run(reqs, max(T, reqs))
         P = sc.max_num_seqs
         extra = self.model_state.prepare_dummy_inputs(P, P)
@@ -179,6 +180,7 @@ class ModelRunner:
     @torch.inference_mode()
     def dummy_run(self, num_reqs: int, num_tokens: int) -> torch.Tensor:
         """A forward over a dummy batch (warm-up, profiling); writes no KV a real request reads."""
+        assert -(-num_tokens // num_reqs) < self.config.scheduler.max_model_len, "dummy requests past max_model_len"
         batch = InputBatch.make_dummy(self.buffers, num_reqs, num_tokens)
         md = self.model_state.prepare_attn(batch, self.block_tables, for_dummy=True)
         extra = self.model_state.prepare_dummy_inputs(num_reqs, num_tokens)
