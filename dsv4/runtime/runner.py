@@ -68,21 +68,23 @@ class ModelRunner:
 
     def capture_graphs(self) -> None:
         """Capture the decode forward at every capture size (warm-up included); no-op when graphs are off."""
-        # the extra inputs (lookback window) are filled here, once: a fill inside `run` would be captured and
-        # replayed over the real inputs
-        extra = self.model_state.prepare_dummy_inputs(self.graphs.capture_sizes[-1], self.graphs.capture_sizes[-1])
+        if not self.graphs.enabled:
+            return
+        # The extra inputs (lookback window) are filled here, once: a fill inside `run` would be captured and
+        # replayed over the real inputs. All-padding metadata: captures write only the trash slots.
+        largest = self.graphs.capture_sizes[-1]
+        extra = self.model_state.prepare_dummy_inputs(largest, largest)
+        for size in self.graphs.capture_sizes:
+            self.model_state.prepare_dummy_decode_attn(size)
+        self.buffers.input_ids.zero_()
 
         def run(size: int) -> torch.Tensor:
             inputs = {k: v[:size] for k, v in extra.items()}
             return self.model.forward_decode(self.buffers.input_ids[:size], self.model_state.decode.views(size, size),
                                              self.kv_caches, **inputs)
 
-        if self.graphs.enabled:
-            for size in self.graphs.capture_sizes:  # all-padding metadata: captures write only the trash slots
-                self.model_state.prepare_dummy_decode_attn(size)
-            self.buffers.input_ids.zero_()
-            with torch.inference_mode():
-                self.graphs.capture(run)
+        with torch.inference_mode():
+            self.graphs.capture(run)
 
     # ---- request deltas ------------------------------------------------------------------------------
     def _apply_deltas(self, so: SchedulerOutput) -> None:
