@@ -74,8 +74,7 @@ class ModelRunner:
         # replayed over the real inputs. All-padding metadata: captures write only the trash slots.
         largest = self.graphs.capture_sizes[-1]
         extra = self.model_state.prepare_dummy_inputs(largest, largest)
-        for size in self.graphs.capture_sizes:
-            self.model_state.prepare_dummy_decode_attn(size)
+        self.model_state.prepare_dummy_decode_attn(largest)
         self.buffers.input_ids.zero_()
 
         def run(size: int) -> torch.Tensor:
