@@ -75,3 +75,29 @@ def test_expert_gemv_kernel_matches_torch() -> None:
             assert torch.allclose(expert_gemv_torch(h, w2, idx, 1), expert_gemv_triton(h, w2, idx, 1), rtol=1e-4, atol=1e-4)
         print("ok")
     """)
+
+
+def test_fake_quant_kernel_is_bit_exact() -> None:
+    _interpret("""
+        import torch
+        from dsv4.ops.fake_quant import (FP4_E4M3, FP4_UE8M0, FP8_UE8M0, fake_quant_triton, fp4_fake_quant_e4m3,
+                                         fp4_fake_quant_ue8m0, fp8_fake_quant)
+        g = torch.Generator().manual_seed(3)
+        cases = [torch.randn(7, 64, generator=g), torch.randn(3, 4, 128, generator=g) * 100,
+                 torch.randn(5, 32, generator=g) * 1e-5, torch.zeros(2, 32),
+                 (torch.randint(-24, 25, (4, 64), generator=g) * 0.25).float(),  # e2m1 grid ties
+                 torch.randn(6, 64, generator=g).to(torch.bfloat16).float()]
+        # e4m3 round-half-even: every midpoint between neighbouring e4m3 values, in blocks whose amax is 448
+        grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        grid = torch.unique(grid[torch.isfinite(grid) & (grid >= 0)])
+        mids = (grid[1:] + grid[:-1]) / 2
+        mids = torch.cat([mids, mids.new_zeros((-len(mids)) % 31)]).view(-1, 31)
+        blocks = torch.cat([torch.full((mids.shape[0], 1), 448.0), mids], dim=1)
+        cases += [blocks, -blocks, blocks * 2.0**-20]
+        for x in cases:
+            for fn, mode, block in ((fp8_fake_quant, FP8_UE8M0, 32), (fp4_fake_quant_ue8m0, FP4_UE8M0, 32),
+                                    (fp4_fake_quant_e4m3, FP4_E4M3, 16)):
+                ref, got = fn(x, block), fake_quant_triton(x, mode, block)
+                assert torch.equal(ref, got), (fn.__name__, (ref - got).abs().max(), x.abs().max())
+        print("ok")
+    """)

@@ -7,6 +7,8 @@ scale per 32 channels). They must be reproduced bit-exactly, so every step follo
 power-of-two scales taken from the fp32 exponent bits of `amax * fp32(1/max)` (a multiply by the rounded reciprocal,
 not a division), round-to-nearest-even casts, and one cast back to the input dtype at the end.
 Each function returns its input unchanged when the last dim is not a multiple of the block (as the reference does).
+On CUDA one Triton launch (the same arithmetic, bit for bit: integer-bit scales, RNE by magic-number addition,
+division with round-to-nearest) replaces the ~30 elementwise kernels of the torch version.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ def fp8_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """FP8 e4m3 fake quant with a power-of-two (ue8m0) scale per `block` channels of the last dim (window KV)."""
     if x.shape[-1] % block != 0:
         return x
+    if x.is_cuda and triton is not None:
+        return fake_quant_triton(x, FP8_UE8M0, block)
     xb = _blocks(x, block)
     amax = _amax(xb).clamp(min=1e-4)
     # A Python float operand is applied in the tensor's dtype, i.e. as fp32(1/448): the reference's multiply by the
@@ -70,6 +74,8 @@ def fp4_fake_quant_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """FP4 e2m1 fake quant with a power-of-two scale per `block` channels (indexer queries and keys)."""
     if x.shape[-1] % block != 0:
         return x
+    if x.is_cuda and triton is not None:
+        return fake_quant_triton(x, FP4_UE8M0, block)
     xb = _blocks(x, block)
     # The floor 6*2^-126 keeps the scale a normal fp32 power of two (>= 2^-126).
     amax = _amax(xb).clamp(min=_FP4_MAX * 2.0**-126)
@@ -81,6 +87,8 @@ def fp4_fake_quant_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     """FP4 e2m1 fake quant with an e4m3 scale per `block` channels (compressed KV entries)."""
     if x.shape[-1] % block != 0:
         return x
+    if x.is_cuda and triton is not None:
+        return fake_quant_triton(x, FP4_E4M3, block)
     xb = _blocks(x, block)
     # Floor 6*2^-9: the scale is then >= 2^-9, the smallest e4m3 subnormal, never 0. The reference divides here.
     # The clamp to 448 makes the cast saturate on every device: torch's CPU cast saturates but its CUDA cast turns
@@ -88,3 +96,74 @@ def fp4_fake_quant_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     scale = (_amax(xb).clamp(min=_FP4_MAX * 2.0**-9) / _FP4_MAX).clamp(max=_FP8_MAX)
     scale = scale.to(torch.float8_e4m3fn).float()
     return _fp4_apply(xb, scale, x.shape, x.dtype)
+
+
+# ---- Triton: one launch per call instead of ~30 elementwise kernels ------------------------------------------
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use the torch functions above
+    triton = None
+
+FP8_UE8M0, FP4_UE8M0, FP4_E4M3 = 0, 1, 2
+
+if triton is not None:
+
+    @triton.jit
+    def _rne(v):
+        # round-to-nearest-even to an integer for |v| < 2^22: the fp32 add rounds, the subtract is exact
+        return (v + 12582912.0) - 12582912.0
+
+    @triton.jit
+    def _pow2_ceil_tl(v):
+        bits = v.to(tl.int32, bitcast=True)
+        floor = (bits & 0x7F800000).to(tl.float32, bitcast=True)
+        return tl.where((bits & 0x007FFFFF) != 0, floor * 2.0, floor)
+
+    @triton.jit
+    def _e4m3_round(v):
+        # e4m3 RNE of |v| <= 448: 3 mantissa bits in the normal range (>= 2^-6), a 2^-9 grid below it
+        a = tl.abs(v)
+        quantum = ((a.to(tl.int32, bitcast=True) & 0x7F800000) - (3 << 23)).to(tl.float32, bitcast=True)
+        quantum = tl.where(a < 0.015625, 0.001953125, quantum)
+        r = _rne(a / quantum) * quantum
+        return tl.where(v < 0, -r, r)
+
+    @triton.jit
+    def _e2m1_round_tl(v):
+        a = tl.abs(v)
+        g = tl.where(a < 2.0, _rne(a * 2.0) * 0.5, tl.where(a < 4.0, _rne(a), _rne(a * 0.5) * 2.0))
+        return tl.where((v < 0) & (g > 0), -g, g)
+
+    @triton.jit
+    def _fake_quant_kernel(x_ptr, out_ptr, n_blocks, MODE: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr):
+        b = tl.program_id(0) * NB + tl.arange(0, NB)
+        bm = b < n_blocks
+        offs = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        x = tl.load(x_ptr + offs, mask=bm[:, None], other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=1)[:, None]
+        if MODE == 0:
+            scale = _pow2_ceil_tl(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
+            q = _e4m3_round(tl.minimum(tl.maximum(x / scale, -448.0), 448.0))
+        else:
+            if MODE == 1:
+                scale = _pow2_ceil_tl(tl.maximum(amax, 6.0 * 1.1754943508222875e-38) * (1.0 / 6.0))
+            else:
+                s = tl.minimum(tl.math.div_rn(tl.maximum(amax, 6.0 * 0.001953125), tl.full(amax.shape, 6.0, tl.float32)), 448.0)
+                scale = _e4m3_round(s)
+            q = _e2m1_round_tl(tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -6.0), 6.0))
+        tl.store(out_ptr + offs, (q * scale).to(out_ptr.dtype.element_ty), mask=bm[:, None])
+
+
+def fake_quant_triton(x: torch.Tensor, mode: int, block: int) -> torch.Tensor:
+    """FP8_UE8M0 / FP4_UE8M0 / FP4_E4M3 fake quant (the functions above) in one Triton launch."""
+    assert triton is not None, "triton is not installed"
+    if x.shape[-1] % block != 0:
+        return x
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    n = x.numel() // block
+    if n:
+        nb = 64
+        _fake_quant_kernel[(triton.cdiv(n, nb),)](x, out, n, MODE=mode, BLOCK=block, NB=nb)
+    return out
