@@ -9,6 +9,7 @@ import torch
 from tqdm import tqdm
 
 from dsv4.engine.engine import LLMEngine
+from dsv4.engine.multimodal import split_chat_images
 from dsv4.outputs import RequestOutput
 from dsv4.sampling_params import SamplingParams
 
@@ -57,7 +58,7 @@ class LLM:
         ids = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
-                ids.append(self.engine.add_request(_prompt_of(p, i), sp))
+                ids.append(self.engine.add_request(_prompt_of(p, i), sp, images=_images_of(p)))
         except ValueError as e:
             self.engine.abort_request(ids)
             raise type(e)(f"prompt {len(ids)}: {e}") from None
@@ -70,9 +71,13 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        rendered = [{"prompt_token_ids": self.tokenizer.encode(
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt),
-            add_special_tokens=False)} for c in convs]
+        rendered = []
+        for c in convs:
+            text_messages, images = split_chat_images(c)  # image parts become placeholders in the text
+            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(
+                text_messages, add_generation_prompt=add_generation_prompt), add_special_tokens=False)
+            rendered.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images
+                            else {"prompt_token_ids": ids})
         return self.generate(rendered, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -85,6 +90,16 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [done[i] for i in ids]
+
+
+def _images_of(p: PromptType) -> list[Any] | None:
+    """The images of a prompt dict's `multi_modal_data` (one image or a list)."""
+    if not isinstance(p, dict) or not p.get("multi_modal_data"):
+        return None
+    images = p["multi_modal_data"].get("image")
+    if images is None:
+        return None
+    return list(images) if isinstance(images, (list, tuple)) else [images]
 
 
 def _prompt_of(p: PromptType, i: int) -> str | list[int]:

@@ -7,6 +7,7 @@ The scheduler decides; the runner executes. Neither imports the other: a `Schedu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from dsv4.sampling_params import SamplingParams
 
@@ -26,6 +27,7 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]  # one list per KV group
     num_computed_tokens: int
     replay_start: int = 0
+    images: list[Any] | None = None  # ImageInput per image span of the prompt (dsv4.engine.multimodal)
 
 
 @dataclass

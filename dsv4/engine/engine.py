@@ -11,10 +11,12 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from dsv4.config import CacheConfig, EngineConfig, SchedulerConfig
+from dsv4.engine.multimodal import expand_image_spans, process_images
 from dsv4.engine.request import Request
 from dsv4.engine.scheduler import Scheduler
 from dsv4.engine.stop import check_stop_strings
@@ -181,8 +183,10 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer")
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
-        """Queue a request (a text prompt or token ids). Raises RequestError for a bad request; nothing is queued."""
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    images: list[Any] | None = None) -> str:
+        """Queue a request (a text prompt or token ids, and optionally images: PIL images, paths, bytes or data
+        URLs, one per image placeholder of the prompt). Raises RequestError for a bad request; nothing is queued."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -192,6 +196,16 @@ class LLMEngine:
             text, prompt_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, prompt_ids = None, list(prompt)
+        image_inputs = None
+        if images:
+            vision = self.config.model.vision
+            if vision is None:
+                raise RequestError("this model has no vision tower: it cannot take images")
+            try:
+                processed = process_images(list(images), vision)
+                prompt_ids, image_inputs = expand_image_spans(prompt_ids, processed, self.config.model.v41.image_token_id)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
         self._validate(prompt_ids, params)
         eos = self.config.model.eos_token_ids
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -203,7 +217,7 @@ class LLMEngine:
                 child_params = SamplingParams(**{**_params_fields(params), "n": 1,
                                                  "seed": None if params.seed is None else params.seed + i})
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(child_id, list(prompt_ids), child_params, eos_token_ids=eos)
+            req = Request(child_id, list(prompt_ids), child_params, eos_token_ids=eos, images=image_inputs)
             detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
                      if self.tokenizer is not None else None)
             children.append(_Child(req, detok, logprobs=[] if params.logprobs is not None else None,

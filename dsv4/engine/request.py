@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from dsv4.sampling_params import SamplingParams
 
@@ -51,6 +52,7 @@ class Request:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
+    images: list[Any] | None = None  # ImageInput per image span of the prompt
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -152,6 +152,7 @@ class Scheduler:
                 sampling_params=req.sampling_params,
                 block_ids=self.kv_manager.get_block_ids(req.req_id),
                 num_computed_tokens=req.num_computed_tokens,
+                images=req.images,
             ))
             num_scheduled[req.req_id] = n
             budget -= n

@@ -110,6 +110,7 @@ class ModelConfig:
     torch_dtype: str | None = None
     quantization_config: Any = field(default=None, compare=False)
     v41: Any = None  # V41Schedule (config_v41.py) for DeepSeek-V4.1; None for V4
+    vision: Any = None  # VisionConfig (vision.py) of a V4.1 checkpoint with a vision tower; None for text-only
 
     # ---- derived views -------------------------------------------------------------------
     @property

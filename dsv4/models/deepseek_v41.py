@@ -497,10 +497,16 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.engram_tables = tables
 
     def forward(self, input_ids: torch.Tensor, md: AttnMetadata, caches: list[LayerKVCache],
-                lookback_token_ids: torch.Tensor | None = None) -> torch.Tensor:
+                lookback_token_ids: torch.Tensor | None = None,
+                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`image_embeds` = (token indices, span embeddings): they replace the token embeddings there; the raw ids
+        (all the image token) still reach the router (bias_vl) and Engram (DEAD, gate 0)."""
         cfg = self.cfg
         is_image = input_ids == cfg.v41.image_token_id
-        h = self.model.embed(input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
+        x = self.model.embed(input_ids)
+        if image_embeds is not None:
+            x = x.index_copy(0, image_embeds[0], image_embeds[1].to(x.dtype))
+        h = x.unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
         pre = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32, device=h.device)
         pre[:, 0] = 1.0  # one-hot start: the streams are equal copies here
         step = StepState()

@@ -57,6 +57,8 @@ class ModelRunner:
                                     1, sc.max_num_seqs)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and self._graph_safe()
         self.graphs = CudaGraphManager(sizes, enabled=use_graphs)
+        # encoder outputs per request, computed once at admission: [(prompt offset, span embeddings)]
+        self.image_spans: dict[str, list[tuple[int, torch.Tensor]]] = {}
 
     def _graph_safe(self) -> bool:
         """Graphs need every input on the device: engram tables resident in host memory are not."""
@@ -90,7 +92,10 @@ class ModelRunner:
         for req_id in sorted(so.finished_req_ids):  # sorted: every rank frees rows in the same order
             self.model_state.remove_request(req_id)
             self.req_state.remove_request(req_id)
+            self.image_spans.pop(req_id, None)
         for new in so.scheduled_new_reqs:
+            if new.images:
+                self.image_spans[new.req_id] = self.model.encode_images(new.images)
             row = self.req_state.add_request(new)
             self.block_tables.set_row(row, new.block_ids)
             self.model_state.add_request(row, new)
@@ -119,11 +124,14 @@ class ModelRunner:
         sample_rows = np.nonzero(computed + sched == rs.num_tokens[rows])[0]
 
         batch = InputBatch.prepare(self.buffers, rs.token_history, req_ids, rows, computed, sched, sample_rows)
-        if (sched == 1).all():
+        image_rows = self._image_rows(batch)
+        if (sched == 1).all() and image_rows is None:
             hidden = self._decode(batch)
         else:
             md = self.model_state.prepare_attn(batch, self.block_tables)
             extra = self.model_state.prepare_inputs(batch, rs)
+            if image_rows is not None:
+                extra["image_embeds"] = image_rows
             hidden = self.model(batch.input_ids, md, self.kv_caches, **extra)
         rs.num_computed[rows] = computed + sched
 
@@ -145,6 +153,24 @@ class ModelRunner:
                 if lp_list[i] is not None:
                     logprob_lists[b] = [lp_list[i]]
         return RunnerOutput(req_ids, sampled_lists, logprob_lists)
+
+    def _image_rows(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token indices in the batch, span embeddings) of the image-span positions this step computes."""
+        idx, vals = [], []
+        for b, req_id in enumerate(batch.req_ids):
+            spans = self.image_spans.get(req_id)
+            if not spans:
+                continue
+            p0 = int(batch.num_computed_np[b])
+            p1, t0 = p0 + int(batch.num_scheduled_tokens[b]), int(batch.query_start_loc_np[b])
+            for offset, span in spans:
+                lo, hi = max(p0, offset), min(p1, offset + span.shape[0])
+                if lo < hi:
+                    idx.append(torch.arange(t0 + lo - p0, t0 + hi - p0))
+                    vals.append(span[lo - offset: hi - offset])
+        if not idx:
+            return None
+        return torch.cat(idx).to(self.device), torch.cat(vals)
 
     def _decode(self, batch: InputBatch) -> torch.Tensor:
         """A uniform-decode step: replay the graph of the smallest capture size that holds it, else run the same
