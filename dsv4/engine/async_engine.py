@@ -90,6 +90,7 @@ class _Add:
     params: SamplingParams
     stream: RequestStream
     arrival_time: float
+    images: list[Any] | None = None
 
 
 @dataclass
@@ -163,12 +164,13 @@ class AsyncLLMEngine:
             self._thread.join(timeout)
 
     # ---- requests -----------------------------------------------------------------------------------------------
-    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str) -> RequestStream:
+    async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                          images: list[Any] | None = None) -> RequestStream:
         """Queue a request and wait until the engine accepted it; RequestError (a ValueError) if it refused."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self.dead_error
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        self._submit(_Add(request_id, prompt, params, stream, time.monotonic()))
+        self._submit(_Add(request_id, prompt, params, stream, time.monotonic(), images))
         try:
             first = await stream._queue.get()
         except asyncio.CancelledError:
@@ -236,7 +238,7 @@ class AsyncLLMEngine:
                 self.metrics.on_finished("abort", None)
             return
         try:
-            self.engine.add_request(command.prompt, command.params, command.request_id)
+            self.engine.add_request(command.prompt, command.params, command.request_id, images=command.images)
         except Exception as e:  # RequestError and anything unexpected: that caller's problem only
             if not isinstance(e, RequestError):
                 logger.exception("add_request failed for %s", command.request_id)

@@ -94,13 +94,13 @@ def _check_pixels(width: int, height: int, max_pixels: int) -> None:
         )
 
 
-def _to_rgb(image: Image.Image, max_pixels: int) -> Image.Image:
-    """Check the declared size first (cheap: only the header has been read), then decode and convert."""
+def _to_rgb(image: Image.Image, max_pixels: int, copy: bool = True) -> Image.Image:
+    """Check the declared size first (cheap: for an opened file only the header has been read), then decode and
+    convert. `copy` forces a new image (convert() always copies) so that it outlives the file it was read from."""
     _check_pixels(image.width, image.height, max_pixels)
     try:
         image.load()
-        # convert() always copies, so the result outlives the file the image was opened from.
-        return image.convert("RGB")
+        return image if image.mode == "RGB" and not copy else image.convert("RGB")
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as e:
         # PIL reports a truncated or corrupt stream as OSError ("image file is truncated"), SyntaxError (bad
         # chunk, CRC mismatch) or ValueError, depending on the format.
@@ -148,10 +148,7 @@ def load_image(src: ImageSource, max_pixels: int = MAX_PIXELS) -> Image.Image:
     (`convert("RGB")`); EXIF orientation is not applied, as in the reference.
     """
     if isinstance(src, Image.Image):
-        try:
-            return _to_rgb(src, max_pixels) if src.mode != "RGB" or src.readonly or not src.im else src
-        except AttributeError:  # a lazily opened image has no core image yet
-            return _to_rgb(src, max_pixels)
+        return _to_rgb(src, max_pixels, copy=False)
     if isinstance(src, (bytes, bytearray, memoryview)):
         return _decode_bytes(bytes(src), "image bytes", max_pixels)
     if isinstance(src, str) and src.startswith("data:"):
@@ -173,7 +170,7 @@ def load_image(src: ImageSource, max_pixels: int = MAX_PIXELS) -> Image.Image:
 def image_content_hash(image: ImageSource) -> str:
     """sha256 hex digest of an image's RGB pixels and size: equal pixels give equal keys whatever the encoding
     (PNG or JPEG file, bytes or data URL), so the prefix cache can key image spans on content."""
-    rgb = load_image(image) if not isinstance(image, Image.Image) or image.mode != "RGB" else image
+    rgb = load_image(image)
     h = hashlib.sha256()
     h.update(f"rgb:{rgb.width}x{rgb.height}:".encode())
     h.update(rgb.tobytes())

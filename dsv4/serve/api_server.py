@@ -169,13 +169,13 @@ class _Server:
                               "context_length_exceeded")
 
     async def _start(self, prompts: list[tuple[list[int], str]], params: SamplingParams,
-                     request_id: str) -> list[_Job]:
+                     request_id: str, images: list[str] | None = None) -> list[_Job]:
         """Add every prompt to the engine; if one is refused, abort the others and answer 400."""
         jobs: list[_Job] = []
         try:
             for i, (ids, text) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                jobs.append(_Job(await self.engine.add_request(ids, params, rid), ids, text))
+                jobs.append(_Job(await self.engine.add_request(ids, params, rid, images=images), ids, text))
         except BaseException as e:
             for job in jobs:
                 job.stream.abort()
@@ -189,8 +189,9 @@ class _Server:
         self._check_model(req.model)
         req.check_supported()
         tok = self._tokenizer()
+        messages, images = req.messages_for_template()
         try:
-            rendered = tok.apply_chat_template(req.messages_for_template(), add_generation_prompt=True)
+            rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
         except TokenizerError as e:
             raise bad_request(str(e), "messages") from None
         ids = tok.encode(rendered, add_special_tokens=False)  # the template already carries BOS
@@ -198,7 +199,7 @@ class _Server:
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         self._check_length(len(ids), max_tokens, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = await self._start([(ids, rendered)], params, rid)
+        jobs = await self._start([(ids, rendered)], params, rid, images or None)
         return await self._respond(raw, req, jobs, params, ChatFormat(rid, self.name, req))
 
     # ---- POST /v1/completions ----------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsv4.engine.stop import stop_hold_back
 from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
+from dsv4.engine.multimodal import IMAGE_PLACEHOLDER
 from dsv4.sampling_params import SamplingParams, SamplingParamsError
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
@@ -120,22 +121,33 @@ class ChatCompletionRequest(_Request):
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
 
-    def messages_for_template(self) -> list[dict[str, Any]]:
-        """Messages with text content parts joined into one string (the form chat templates expect)."""
-        out = []
+    def messages_for_template(self) -> tuple[list[dict[str, Any]], list[str]]:
+        """Messages with content parts joined into one string (the form chat templates expect), image parts
+        replaced by the image placeholder; and the image data URLs in order. Remote URLs are refused: the server
+        does not fetch arbitrary addresses."""
+        out, images = [], []
         for i, m in enumerate(self.messages):
             content = m.get("content")
             if isinstance(content, list):
                 texts = []
                 for part in content:
-                    if not isinstance(part, dict) or part.get("type") != "text":
-                        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    if kind == "text":
+                        texts.append(str(part.get("text", "")))
+                    elif kind == "image_url":
+                        url = part.get("image_url")
+                        url = url.get("url") if isinstance(url, dict) else url
+                        if not isinstance(url, str) or not url.startswith("data:"):
+                            raise bad_request(f"messages[{i}]: only data: image URLs are accepted (the server does "
+                                              "not fetch remote images)", "messages")
+                        images.append(url)
+                        texts.append(IMAGE_PLACEHOLDER)
+                    else:
                         raise bad_request(f"messages[{i}]: content parts of type {kind!r} are not supported",
                                           "messages")
-                    texts.append(str(part.get("text", "")))
                 content = "".join(texts)
             out.append({**m, "content": content if content is not None else ""})
-        return out
+        return out, images
 
 
 class CompletionRequest(_Request):
