@@ -1,8 +1,9 @@
 """Write random-weight DeepSeek-V4/V4.1 checkpoints (`dsv4 make-model`) and the cached built-in default model.
 
 A checkpoint here is what a real one ships: config.json, model.safetensors (HF DeepseekV4ForCausalLM names for V4;
-the layout HF-V41 saves for V4.1, with a composite config.json), tokenizer.json, tokenizer_config.json (with a
-DeepSeek-style chat template) and generation_config.json.
+the layout HF-V41 saves for V4.1, with a composite config.json; the presets of `VISION_PRESETS` add the vision
+encoder's tensors under their original names), tokenizer.json, tokenizer_config.json (with a DeepSeek-style chat
+template) and generation_config.json.
 Everything is deterministic given the seed, so tests and `dsv4 generate` need no download.
 
 The large benchmark presets (`LARGE_PRESETS`, several GB in bf16) are streamed instead: each tensor is drawn in chunks,
@@ -27,11 +28,13 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from dsv4.models.image_processor import IMAGE_PLACEHOLDER
 from dsv4.models.config import parse_config_dict
-from dsv4.models.presets import (LARGE_PRESETS, TOKENIZER_VOCAB_SIZE, preset_config, preset_dtype, tensor_shapes,
-                                 text_config)
+from dsv4.models.presets import (LARGE_PRESETS, TOKENIZER_VOCAB_SIZE, VISION_PRESETS, preset_config, preset_dtype,
+                                 tensor_shapes, text_config, vision_tensor_shapes)
+from dsv4.models.vision import parse_vision_config
 
 # Bump when anything make_model writes changes, so cached default models are rebuilt.
 FORMAT_VERSION = 1
@@ -41,6 +44,7 @@ DEFAULT_PRESET = "tiny-v4"
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, USER, ASSISTANT]
+# DeepSeek-V4.1's image placeholder: a regular added token, not a special one (model.md 1.2).
 
 # DeepSeek's format without tools or thinking: BOS, the system prompt, then User/Assistant turns; an assistant
 # turn ends with EOS. Unknown roles fail loudly through raise_exception.
@@ -114,7 +118,14 @@ def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> Tokenizer:
 
 
 @functools.lru_cache(maxsize=4)
-def _synthetic_tokenizer_json(vocab_size: int) -> str:
+def _synthetic_tokenizer_json(vocab_size: int, image_token: bool = False) -> str:
+    if image_token:  # the placeholder takes the last id, after the text vocabulary
+        tok = Tokenizer.from_str(_synthetic_tokenizer_json(vocab_size - 1))
+        tok.add_tokens([AddedToken(IMAGE_PLACEHOLDER, special=False, normalized=False)])
+        if tok.token_to_id(IMAGE_PLACEHOLDER) != vocab_size - 1:
+            raise RuntimeError(f"image placeholder landed at id {tok.token_to_id(IMAGE_PLACEHOLDER)}, "
+                               f"not {vocab_size - 1}")
+        return tok.to_str()
     base = build_tokenizer()
     if vocab_size == TOKENIZER_VOCAB_SIZE:
         return base.to_str()
@@ -135,13 +146,14 @@ def _synthetic_tokenizer_json(vocab_size: int) -> str:
     return json.dumps(data, ensure_ascii=False)
 
 
-def synthetic_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> Tokenizer:
+def synthetic_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE, image_token: bool = False) -> Tokenizer:
     """The tokenizer make_model writes for a `vocab_size`-id model: the built-in BPE (exactly, at 512 ids), extended
     with synthetic words up to `vocab_size` ids so that every id of a released-size vocabulary decodes and the engram
-    token map covers it."""
-    if vocab_size < TOKENIZER_VOCAB_SIZE:
-        raise ValueError(f"vocab_size {vocab_size} < the built-in tokenizer's {TOKENIZER_VOCAB_SIZE} ids")
-    return Tokenizer.from_str(_synthetic_tokenizer_json(vocab_size))
+    token map covers it. With `image_token`, the last id is the image placeholder `<｜deepseek_image｜>`."""
+    if vocab_size < TOKENIZER_VOCAB_SIZE + image_token:
+        raise ValueError(f"vocab_size {vocab_size} < the built-in tokenizer's {TOKENIZER_VOCAB_SIZE} ids"
+                         + (" plus the image placeholder" if image_token else ""))
+    return Tokenizer.from_str(_synthetic_tokenizer_json(vocab_size, image_token))
 
 
 def tokenizer_config(max_length: int) -> dict:
@@ -161,11 +173,12 @@ def tokenizer_config(max_length: int) -> dict:
     }
 
 
-def write_tokenizer_files(out_dir: str, max_length: int = 1024, vocab_size: int = TOKENIZER_VOCAB_SIZE) -> None:
-    """Write tokenizer.json (`synthetic_tokenizer(vocab_size)`: the built-in one by default) and
+def write_tokenizer_files(out_dir: str, max_length: int = 1024, vocab_size: int = TOKENIZER_VOCAB_SIZE,
+                          image_token: bool = False) -> None:
+    """Write tokenizer.json (`synthetic_tokenizer(vocab_size, image_token)`: the built-in one by default) and
     tokenizer_config.json to `out_dir`."""
     os.makedirs(out_dir, exist_ok=True)
-    synthetic_tokenizer(vocab_size).save(os.path.join(out_dir, "tokenizer.json"))
+    synthetic_tokenizer(vocab_size, image_token).save(os.path.join(out_dir, "tokenizer.json"))
     _write_json(os.path.join(out_dir, "tokenizer_config.json"), tokenizer_config(max_length))
 
 
@@ -197,8 +210,9 @@ def _init_v4(name: str) -> _Init:
 
 def _init_v41(name: str) -> _Init:
     """V4.1, following model.md 11.1's recipe: HF initialises sinks, mHC bases and router biases to 0 and the engram
-    q/k weights to 1, which would leave those paths untested, so they are randomised here."""
-    if name.endswith(("norm.weight", "_scale", "engram.embed.scale")):
+    q/k weights to 1, which would leave those paths untested, so they are randomised here. The vision encoder's
+    tensors (no text name ends like them) follow the same rule: norms 1, everything else N(0, 0.02)."""
+    if name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "_scale", "engram.embed.scale")):
         return _Init("ones")  # norms, mHC scales, and the dummy scale of a float engram table
     if name.endswith(("attn_sink", "hc_attn_base", "hc_ffn_base")):
         return _Init("normal", 0.5)
@@ -221,14 +235,29 @@ def _draw(init: _Init, shape: tuple[int, ...], gen: torch.Generator, n_experts: 
     return t + init.mean if init.mean else t
 
 
-def random_weights(config: dict, seed: int = 0, dtype: str = "float32") -> dict[str, torch.Tensor]:
-    """Random tensors for every name of `v4_tensor_shapes` (or `v41_tensor_shapes` for a V4.1 config), drawn in
-    that order from one seeded generator (recipes: `_init_v4`, `_init_v41`)."""
+def _checkpoint_shapes(config: dict[str, Any], dtype: str, vision: bool
+                       ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """`tensor_shapes` of the config, followed by `vision_tensor_shapes` of its vision_config when `vision`."""
+    cfg = parse_config_dict(config)
+    shapes = tensor_shapes(cfg, dtype)
+    if vision:
+        vcfg = parse_vision_config(config)
+        if cfg.v41 is None or vcfg is None:
+            raise ValueError("vision weights need a DeepSeek-V4.1 config with a vision_config")
+        shapes.update(vision_tensor_shapes(vcfg, cfg.hidden_size, dtype))
+    return shapes
+
+
+def random_weights(config: dict, seed: int = 0, dtype: str = "float32", vision: bool = False
+                   ) -> dict[str, torch.Tensor]:
+    """Random tensors for every name of `v4_tensor_shapes` (or `v41_tensor_shapes` for a V4.1 config, then
+    `vision_tensor_shapes` when `vision`), drawn in that order from one seeded generator (recipes: `_init_v4`,
+    `_init_v41`); the text tensors do not depend on `vision`."""
     cfg = parse_config_dict(config)
     gen = torch.Generator().manual_seed(seed)
     init = _init_v41 if cfg.v41 is not None else _init_v4
     out: dict[str, torch.Tensor] = {}
-    for name, (shape, disk_dtype) in tensor_shapes(cfg, dtype).items():
+    for name, (shape, disk_dtype) in _checkpoint_shapes(config, dtype, vision).items():
         out[name] = _draw(init(name), shape, gen, cfg.n_routed_experts).to(disk_dtype).contiguous()
     return out
 
@@ -279,16 +308,17 @@ def _plan_shards(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], max_sha
 
 
 def write_random_safetensors(config: dict[str, Any], out_dir: str, seed: int = 0, dtype: str = "bfloat16",
-                             device: str | torch.device = "cpu", max_shard_bytes: int = DEFAULT_SHARD_BYTES
-                             ) -> list[str]:
-    """Stream random weights of `config` (names, shapes and dtypes of `tensor_shapes`, recipes `_init_v4` /
-    `_init_v41`) into `out_dir`: model.safetensors, or model-0000i-of-0000n.safetensors plus
-    model.safetensors.index.json when the total exceeds `max_shard_bytes`. Returns the files written.
+                             device: str | torch.device = "cpu", max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+                             vision: bool = False) -> list[str]:
+    """Stream random weights of `config` (names, shapes and dtypes of `tensor_shapes`, plus `vision_tensor_shapes`
+    when `vision`; recipes `_init_v4` / `_init_v41`) into `out_dir`: model.safetensors, or
+    model-0000i-of-0000n.safetensors plus model.safetensors.index.json when the total exceeds `max_shard_bytes`.
+    Returns the files written.
 
     Peak memory is a few chunks, not the checkpoint. The values depend on (seed, device): a GPU draws other
     numbers than the CPU from the same seed."""
     cfg = parse_config_dict(config)
-    shapes = tensor_shapes(cfg, dtype)
+    shapes = _checkpoint_shapes(config, dtype, vision)
     init = _init_v41 if cfg.v41 is not None else _init_v4
     dev = torch.device(device)
     shards = _plan_shards(shapes, max_shard_bytes)
@@ -336,23 +366,28 @@ def make_model(preset: str, out_dir: str, seed: int = 0, dtype: str | None = Non
     `dtype` defaults to the preset's (`preset_dtype`: bf16 for the large presets). The large presets, or any preset
     given a `device` (e.g. "cuda", which draws much faster), are streamed by `write_random_safetensors`; the tiny
     presets otherwise keep their single-generator draws and single file. `overrides` replace text-config fields
-    (a scaled-down variant of a preset)."""
+    (a scaled-down variant of a preset). The presets of `VISION_PRESETS` also get the vision encoder's weights
+    and the image placeholder as the tokenizer's last id."""
     dtype = dtype or preset_dtype(preset)
     config = preset_config(preset, overrides)
     text_config(config)["dtype"] = dtype  # V4.1 parses the dtype from text_config, as HF writes it
     cfg = parse_config_dict(config)  # validates the preset before anything is written
+    vision = preset in VISION_PRESETS
     if cfg.vocab_size < TOKENIZER_VOCAB_SIZE:  # every id the tokenizer emits must have an embedding row
         raise ValueError(f"preset {preset!r} vocab_size {cfg.vocab_size} < tokenizer size {TOKENIZER_VOCAB_SIZE}")
+    if vision and (parse_vision_config(config) is None or cfg.v41.image_token_id != cfg.vocab_size - 1):
+        raise ValueError(f"preset {preset!r}: a vision preset needs a vision_config and image_token_id = "
+                         f"vocab_size - 1 (the tokenizer's placeholder id), got {cfg.v41.image_token_id}")
 
     os.makedirs(out_dir, exist_ok=True)
     _write_json(os.path.join(out_dir, "config.json"), config)
     if preset in LARGE_PRESETS or device is not None:
         write_random_safetensors(config, out_dir, seed=seed, dtype=dtype, device=device or "cpu",
-                                 max_shard_bytes=max_shard_bytes)
+                                 max_shard_bytes=max_shard_bytes, vision=vision)
     else:
-        tensors = random_weights(config, seed=seed, dtype=dtype)
+        tensors = random_weights(config, seed=seed, dtype=dtype, vision=vision)
         save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    write_tokenizer_files(out_dir, cfg.max_position_embeddings, cfg.vocab_size)
+    write_tokenizer_files(out_dir, cfg.max_position_embeddings, cfg.vocab_size, image_token=vision)
     _write_json(os.path.join(out_dir, "generation_config.json"),
                 {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids[0]})
     return out_dir

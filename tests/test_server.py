@@ -8,6 +8,7 @@ request is short, so the module stays well under two minutes on two CPU cores.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -57,10 +58,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("serve")
-    model_dir = make_model("tiny-v4", str(tmp / "tiny"), seed=0)
+@contextlib.contextmanager
+def serve_process(model_dir: str, tmp: Path) -> Iterator[Server]:
+    """`dsv4 serve` on a free loopback port until the block exits."""
     port, log = _free_port(), tmp / "server.log"
     cmd = [sys.executable, "-m", "dsv4.cli", "serve", "--model", model_dir, "--port", str(port), "--api-key", KEY,
            "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--log-level", "warning"]
@@ -89,6 +89,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("serve")
+    with serve_process(make_model("tiny-v4", str(tmp / "tiny"), seed=0), tmp) as s:
+        yield s
 
 
 def _metrics(server: Server) -> dict[str, float]:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
+from dsv4.models.image_processor import IMAGE_PLACEHOLDER
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ from torch import nn
 from dsv4.models.config import ConfigError, ModelConfig
 from dsv4.models.deepseek_v4 import DeepseekV4ForCausalLM
 from dsv4.models.layers.rope import RotaryTable
-from dsv4.models.loader import CheckpointError, load_into_module, param_dtype, route_v41
+from dsv4.models.loader import VISION_MODULE, CheckpointError, load_into_module, param_dtype, route_v41
+from dsv4.models.vision import vision_param_dtype
 
 # V4.1 keeps only the mHC parameters, attention sinks and router biases in fp32 (its norms follow the model dtype).
 _V41_FP32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|attn_sink|gate\.bias(_vl)?)$")
@@ -49,7 +50,8 @@ def build_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, dev
 
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(cfg)
-    model = _materialize(model, device, lambda n: v41_param_dtype(n, dtype))
+    model = _materialize(model, device, lambda n: vision_param_dtype(n, dtype) if n.startswith(f"{VISION_MODULE}.")
+                         else v41_param_dtype(n, dtype))
     if model_dir is not None:
         load_into_module(model, model_dir, route_v41)
         if cfg.v41.engram is not None:

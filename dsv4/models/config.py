@@ -6,6 +6,7 @@ config.json, legacy fields folded in, and validated; every later module reads on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -315,7 +316,14 @@ def load_model_config(model_dir: str) -> ModelConfig:
         raise ConfigError(f"{path} is not valid JSON: {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path} must hold a JSON object")
-    return parse_config_dict(raw)
+    cfg = parse_config_dict(raw)
+    if cfg.v41 is not None:
+        # released composite configs describe the vision tower even for text-only checkpoints: build it only
+        # when the checkpoint has its weights
+        from dsv4.models.vision import load_vision_config
+
+        cfg = dataclasses.replace(cfg, vision=load_vision_config(model_dir))
+    return cfg
 
 
 def parse_config_dict(raw: dict[str, Any]) -> ModelConfig:

@@ -21,6 +21,7 @@ from dsv4.models.layers.attention import (QUERY_BLOCK, grouped_projection, sink_
                                           window_keys, write_slots)
 from dsv4.models.layers.compress import closing_windows, roll_ring, window_rows
 from dsv4.models.layers.mhc import hc_mixes
+from dsv4.models.vision import VisionEncoder
 from dsv4.models.layers.moe import clamped_swiglu, routed_experts_fixed, score
 from dsv4.models.layers.rope import RotaryTable
 from dsv4.ops.rope import apply_rope
@@ -482,6 +483,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.engram_tables: dict[int, HostTable] = {}
         self.register_buffer("token_map", torch.zeros(0, dtype=torch.int64), persistent=False)
         self.compressed_pad = 0
+        if cfg.vision is not None:  # checkpoint names vision.*, aligner.*, image_* map under this module
+            self.vision_encoder = VisionEncoder(cfg.vision, cfg.hidden_size)
 
     @property
     def token_lookback_depth(self) -> int:
@@ -544,6 +547,13 @@ class DeepseekV41ForCausalLM(nn.Module):
                            self.cfg.v41.image_token_id)
         emb = self.engram_tables[layer].gather(rows, dtype=h.dtype, device=h.device)
         return module(h, emb, is_image)
+
+    def encode_images(self, images: list) -> list[tuple[int, torch.Tensor]]:
+        """(prompt offset, span embeddings [lh*(lw+1)+2, D]) of each ImageInput: one packed ViT pass."""
+        if not hasattr(self, "vision_encoder"):
+            raise ValueError("this checkpoint has no vision tower")
+        spans = self.vision_encoder(torch.cat([im.patches for im in images]), [im.vit_grid for im in images])
+        return [(im.offset, span.to(self.lm_head.weight.dtype)) for im, span in zip(images, spans)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head.weight).float()

@@ -47,6 +47,9 @@ _URL_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 ImageSource = Union[Image.Image, str, os.PathLike, bytes, bytearray, memoryview]
 
 
+IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"  # the text of the image token (a regular added token)
+
+
 class ImageError(ValueError):
     """An image input that cannot be used: unreadable, empty, truncated, too large or from a refused source."""
 

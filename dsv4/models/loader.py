@@ -193,17 +193,45 @@ _V41_RENAMES = [  # newer HF-V41 -> original, applied to the layer-relative part
 ]
 _V41_IGNORED = re.compile(r"^(mtp\.|engram_tables\.|layers\.\d+\.engram\.embed\.)")
 
+# The vision encoder (dsv4/models/vision.py) sits in the V4.1 model as `vision_encoder`; its own state-dict names are
+# model.md 10.2's `vision.*`, `aligner.*`, `image_{start,end,newline}`. Newer HF-V41 names the tower `visual` and its
+# attention projections `qkv` / `proj`.
+VISION_MODULE = "vision_encoder"
+_VISION_KEY = re.compile(r"^((vision|visual|aligner)\.|image_(start|end|newline)$)")
+_VISUAL_ATTN = [(re.compile(r"^(blocks\.\d+\.attn\.)qkv\."), r"\1wqkv."),
+                (re.compile(r"^(blocks\.\d+\.attn\.)proj\."), r"\1wo.")]
+
+
+def _v41_bare(key: str) -> str:
+    for prefix in ("model.language_model.", "language_model.model.", "model."):
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+def is_vision_key(key: str) -> bool:
+    """True for a V4.1 checkpoint key of the vision encoder (ViT, aligner, delimiters) in any spelling."""
+    return _VISION_KEY.match(_v41_bare(key)) is not None
+
+
+def _vision_name(bare: str) -> str:
+    """model.md 10.2 name of a (prefix-stripped) vision key."""
+    if bare.startswith("visual."):
+        rest = bare[len("visual."):]
+        for pattern, repl in _VISUAL_ATTN:
+            rest = pattern.sub(repl, rest)
+        bare = "vision." + rest
+    return bare
+
 
 def route_v41(key: str) -> _Route | None:
     """Internal V4.1 name of a checkpoint key (original, HF-saved or newer-HF spelling); None for keys loaded
-    elsewhere or not used (engram tables, `mtp.*`)."""
-    bare = key
-    for prefix in ("model.language_model.", "language_model.model.", "model."):
-        if bare.startswith(prefix):
-            bare = bare[len(prefix):]
-            break
+    elsewhere or not used (engram tables, `mtp.*`). Vision keys go to `vision_encoder.<model.md 10.2 name>`."""
+    bare = _v41_bare(key)
     if _V41_IGNORED.match(bare):
         return None
+    if _VISION_KEY.match(bare):
+        return _Route(f"{VISION_MODULE}.{_vision_name(bare)}")
     if bare in _V41_TOP:
         return _Route(_V41_TOP[bare])
     m = _LAYER_RE.match(bare)
@@ -219,6 +247,16 @@ def route_v41(key: str) -> _Route | None:
             rest = new + rest[len(old):]
             break
     return _Route(prefix + rest)
+
+
+def route_v41_text(key: str) -> _Route | None:
+    """`route_v41` for a text-only model built from a checkpoint that has a vision tower: vision keys ignored."""
+    return None if is_vision_key(key) else route_v41(key)
+
+
+def has_vision_weights(model_dir: str) -> bool:
+    """Whether the checkpoint in `model_dir` holds vision-encoder tensors (reads the headers only)."""
+    return any(is_vision_key(k) for k in _scan(model_dir))
 
 
 def canonical_name(key: str) -> str | None:

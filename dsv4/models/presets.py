@@ -4,6 +4,8 @@
 state-dict names, model.md section 10.1) and their shapes; the writer, the loader and the tests share it.
 `v41_tensor_shapes(cfg)` does the same for V4.1 in the layout HF-V41 `save_pretrained` writes (model.md 10.2, the
 golden checkpoint's key set): original names under `model.`, `lm_head.weight`, per-expert `w1/w2/w3`.
+`vision_tensor_shapes(vcfg, hidden)` lists the vision encoder's tensors (model.md 10.2 names, no prefix), which the
+presets of `VISION_PRESETS` add to the text tensors.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from dsv4.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
 from dsv4.models.config_v41 import IMAGE_TOKEN_ID
+from dsv4.models.vision import VisionConfig, vision_param_dtype
 
 # Tensors kept in float32 whatever the checkpoint dtype, as DeepSeek ships them and HF keeps them: the mHC
 # parameters, attention sinks, compressor position biases and the router bias are precision-critical.
@@ -159,15 +162,29 @@ _V41_VISION: dict[str, Any] = {
 }
 
 
-def _composite_v41(text: dict[str, Any]) -> dict[str, Any]:
+# tiny-v41-vl's vision tower: head_dim 16 (the 2D rope needs a multiple of 4), hidden 32 != the text's 64 and
+# intermediate 48, so no swapped axis goes unnoticed; a minimum of 84x84 pixels = 6x6 patches = a 2x2 aligner grid.
+_TINY_VISION: dict[str, Any] = {
+    **_V41_VISION,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "max_image_tokens": 64,
+    "min_pixels": 14 * 14 * 9 * 4,
+}
+
+
+def _composite_v41(text: dict[str, Any], vision: dict[str, Any] = _V41_VISION,
+                   image_token_id: int = IMAGE_TOKEN_ID) -> dict[str, Any]:
     """The released composite config.json layout (what HF-V41 reloads; its flat save does not round-trip)."""
     return {
         "model_type": "deepseek_v41",
         "architectures": ["DeepseekV41ForCausalLM"],
-        "image_token_id": IMAGE_TOKEN_ID,
+        "image_token_id": image_token_id,
         "tie_word_embeddings": False,
         "text_config": copy.deepcopy(text),
-        "vision_config": copy.deepcopy(_V41_VISION),
+        "vision_config": copy.deepcopy(vision),
     }
 
 
@@ -266,6 +283,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-v4": _TINY_V4,
     "tiny-v41": _composite_v41(_TINY_V41_TEXT),
     "tiny-v41-noengram": _composite_v41({**_TINY_V41_TEXT, "engram_layer_ids": []}),
+    # tiny-v41 plus a vision tower. The image token must embed, so the vocabulary grows by one id: the tokenizer's
+    # added placeholder `<｜deepseek_image｜>` (make_model writes it), which the config names as image_token_id.
+    "tiny-v41-vl": _composite_v41({**_TINY_V41_TEXT, "vocab_size": TOKENIZER_VOCAB_SIZE + 1}, vision=_TINY_VISION,
+                                  image_token_id=TOKENIZER_VOCAB_SIZE),
     "v4-flash-4l": _V4_FLASH_4L,
     "v41-flash-8l": _composite_v41(_V41_FLASH_8L_TEXT),
     "v41-flash-8l-noengram": _composite_v41({**_V41_FLASH_8L_TEXT, "engram_layer_ids": []}),
@@ -274,6 +295,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 # Presets written in bf16 by default and streamed tensor by tensor (per-chunk seeded draws, sharded safetensors):
 # they are several GB. The tiny presets keep float32 and their original single-generator draws.
 LARGE_PRESETS = frozenset({"v4-flash-4l", "v41-flash-8l", "v41-flash-8l-noengram"})
+
+# Presets whose checkpoint holds vision weights (the other V4.1 presets carry a `vision_config` but no tower), and
+# whose tokenizer holds the image placeholder as its last id (= image_token_id).
+VISION_PRESETS = frozenset({"tiny-v41-vl"})
 
 
 def preset_dtype(name: str) -> str:
@@ -295,21 +320,22 @@ def builtin_compressed_vocab_size() -> int:
 
 
 @functools.lru_cache(maxsize=4)
-def compressed_vocab_size(vocab_size: int) -> int:
+def compressed_vocab_size(vocab_size: int, image_token: bool = False) -> int:
     """Distinct keys of the engram compressed token map of the tokenizer make_model writes for `vocab_size` ids
-    (the built-in BPE, extended with synthetic words beyond 512 ids)."""
+    (the built-in BPE, extended with synthetic words beyond 512 ids; with `image_token`, the last id is the image
+    placeholder)."""
     from dsv4.make_model import synthetic_tokenizer  # lazy: make_model imports this module
     from dsv4.models.engram import build_compressed_token_map
 
-    return build_compressed_token_map(synthetic_tokenizer(vocab_size))[1]
+    return build_compressed_token_map(synthetic_tokenizer(vocab_size, image_token))[1]
 
 
-def _fill_engram_sizes(text: dict[str, Any]) -> None:
+def _fill_engram_sizes(text: dict[str, Any], image_token: bool = False) -> None:
     """Set the tokenizer-derived compressed vocab size and the hash layout's table rows (computed, not guessed:
     the engine refuses a compressed size that differs from its tokenizer's, and a table smaller than the layout)."""
     from dsv4.models.engram import EngramLayout
 
-    size = compressed_vocab_size(int(text["vocab_size"]))
+    size = compressed_vocab_size(int(text["vocab_size"]), image_token)
     text["engram_compressed_vocab_size"] = size
     layer_ids = list(text["engram_layer_ids"])
     layout = EngramLayout.from_config(layer_ids, text["engram_vocab_size"], text["engram_max_ngram_size"],
@@ -328,7 +354,7 @@ def preset_config(name: str, overrides: dict[str, Any] | None = None) -> dict[st
     text = text_config(config)
     text.update(copy.deepcopy(overrides or {}))
     if "engram_layer_ids" in text:
-        _fill_engram_sizes(text)
+        _fill_engram_sizes(text, image_token=name in VISION_PRESETS)
     return config
 
 
@@ -494,6 +520,37 @@ def v41_tensor_shapes(cfg: ModelConfig, dtype: str = "float32") -> dict[str, tup
 
     return {name: (shape, torch.float32 if name.endswith(_V41_FP32_SUFFIXES) else wdtype)
             for name, shape in shapes.items()}
+
+
+def vision_tensor_shapes(vcfg: VisionConfig, hidden_size: int, dtype: str = "float32"
+                         ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor of the V4.1 vision encoder under its model.md 10.2 name (the released checkpoint's, without a
+    prefix) -> (shape, on-disk dtype). `hidden_size` is the text model's. The ViT norm weights and the delimiter
+    vectors are float32 whatever `dtype`, as shipped."""
+    wdtype = torch_dtype(dtype)
+    D, I, H, r = vcfg.hidden_size, vcfg.intermediate_size, hidden_size, vcfg.downsample_ratio
+    shapes: dict[str, tuple[int, ...]] = {
+        "vision.patch_embed.proj.weight": (D, vcfg.patch_dim),
+        "vision.patch_embed.proj.bias": (D,),
+    }
+    for b in range(vcfg.num_hidden_layers):
+        p = f"vision.blocks.{b}."
+        shapes[p + "norm1.weight"] = (D,)
+        shapes[p + "attn.wqkv.weight"] = (3 * D, D)
+        shapes[p + "attn.wqkv.bias"] = (3 * D,)
+        shapes[p + "attn.wo.weight"] = (D, D)
+        shapes[p + "attn.wo.bias"] = (D,)
+        shapes[p + "norm2.weight"] = (D,)
+        shapes[p + "mlp.w1.weight"] = (2 * I, D)  # [gate | up]
+        shapes[p + "mlp.w2.weight"] = (D, I)
+    shapes["vision.norm.weight"] = (D,)
+    shapes["aligner.w1.weight"] = (H, D * r * r)
+    shapes["aligner.w1.bias"] = (H,)
+    shapes["aligner.w2.weight"] = (H, H)
+    shapes["aligner.w2.bias"] = (H,)
+    for name in ("image_start", "image_end", "image_newline"):
+        shapes[name] = (H,)
+    return {name: (shape, vision_param_dtype(name, wdtype)) for name, shape in shapes.items()}
 
 
 def tensor_shapes(cfg: ModelConfig, dtype: str = "float32") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
