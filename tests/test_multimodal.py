@@ -154,6 +154,7 @@ def test_server_image_url(vl_server: Server, model_dir: str) -> None:
                                           max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     offline = _llm(model_dir, 256).chat([{"role": "user", "content": content}], GREEDY)[0]
     assert resp.choices[0].message.content == offline.outputs[0].text
+    assert resp.usage.prompt_tokens == len(offline.prompt_token_ids)  # spans counted
     remote = [{"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}]
     with pytest.raises(openai.BadRequestError, match="data: image URLs"):
         client.chat.completions.create(model=model_dir, messages=[{"role": "user", "content": remote}], max_tokens=4)

@@ -235,9 +235,8 @@ class _Server:
             abort_all()  # no-op for finished requests; frees the rest if the client left or we were cancelled
         if finals is None:
             return Response(status_code=499)  # nobody reads this: the client is gone
-        prompt_lens = [len(job.prompt_ids) for job in jobs]
         return JSONResponse(fmt.response([job.prompt_text for job in jobs], finals, params.n,
-                                         usage_of(prompt_lens, finals)))
+                                         usage_of(finals)))
 
 
 # ---- waiting and streaming -------------------------------------------------------------------------------------
@@ -316,7 +315,7 @@ async def _stream_chunks(jobs: list[_Job], params: SamplingParams, fmt: Response
                     for chunk in fmt.stream_choice(index, o, progress[index], params, jobs[i].prompt_text):
                         yield _sse(chunk)
         if include_usage:
-            yield _sse(fmt.chunk([], usage=usage_of([len(j.prompt_ids) for j in jobs], list(finals.values()))))
+            yield _sse(fmt.chunk([], usage=usage_of(list(finals.values()))))
     except (EngineDeadError, RequestError) as e:  # the engine failed mid-stream: tell the client, then end
         yield _sse(APIError(500, str(e), type_="server_error").body())
     yield "data: [DONE]\n\n"

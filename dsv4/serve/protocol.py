@@ -225,9 +225,11 @@ def next_delta(o: CompletionOutput, p: ChoiceProgress, params: SamplingParams) -
     return text, start, end
 
 
-def usage_of(prompt_lens: list[int], finals: list[RequestOutput]) -> dict[str, Any]:
-    """Usage of finished requests (one per prompt), all their samples counted."""
-    return usage(sum(prompt_lens), sum(len(o.token_ids) for out in finals for o in out.outputs),
+def usage_of(finals: list[RequestOutput]) -> dict[str, Any]:
+    """Usage of finished requests (one per prompt), all their samples counted; prompt tokens as the engine ran
+    them (image placeholders expanded to their spans)."""
+    return usage(sum(len(out.prompt_token_ids) for out in finals),
+                 sum(len(o.token_ids) for out in finals for o in out.outputs),
                  sum(out.num_cached_tokens for out in finals))
 
 
