@@ -79,7 +79,6 @@ class DecodeMetadata:
     num_reqs: int
     num_padded: int
     positions: torch.Tensor  # [R] int64
-    valid: torch.Tensor  # [R] bool
     query_start_loc: torch.Tensor  # [R+1] int64 = arange (one token per row)
     window_slots: torch.Tensor  # [R, W] int64 (TRASH_SLOT where masked)
     window_mask: torch.Tensor  # [R, W] bool: key position in (pos - W, pos] and >= 0
@@ -97,7 +96,7 @@ class DecodeMetadataBuffers:
                  device: torch.device) -> None:
         self.groups, self.window, self.max_rows = groups, window, max_rows
         z = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-        self.positions, self.valid = z(max_rows), z(max_rows, dtype=torch.bool)
+        self.positions = z(max_rows)
         self.query_start_loc = torch.arange(max_rows + 1, dtype=torch.int64, device=device)
         self.window_slots, self.window_mask = z(max_rows, window), z(max_rows, window, dtype=torch.bool)
         self.write_slots, self.state_blocks = z(max_rows), z(max_rows)
@@ -111,7 +110,7 @@ class DecodeMetadataBuffers:
         """The first `num_padded` rows of every buffer (no writes): what a graph of that size reads."""
         P = num_padded
         return DecodeMetadata(
-            num_reqs=num_reqs, num_padded=P, positions=self.positions[:P], valid=self.valid[:P],
+            num_reqs=num_reqs, num_padded=P, positions=self.positions[:P],
             query_start_loc=self.query_start_loc[: P + 1], window_slots=self.window_slots[:P],
             window_mask=self.window_mask[:P], write_slots=self.write_slots[:P], state_blocks=self.state_blocks[:P],
             entry_slots={k: v[:P] for k, v in self.entry_slots.items()},
@@ -126,7 +125,6 @@ class DecodeMetadataBuffers:
         # padding rows first: no position, no visible key, every write to the trash slot
         for t in (self.positions, self.window_slots, self.write_slots, self.state_blocks):
             t[:P].zero_()
-        self.valid[:P] = False
         self.window_mask[:P] = False
         for g in self.compressed:
             for t in (self.entry_slots[g.name], self.n_entries[g.name], self.entry_write[g.name]):
@@ -134,7 +132,6 @@ class DecodeMetadataBuffers:
         if R == 0:
             return self.views(0, P)
         self.positions[:R] = positions[:R]
-        self.valid[:R] = True
         pos = self.positions[:R]
         win = next(g for g in self.groups if g.kind == "window")
         wpos = pos[:, None] - self._wrange  # [R, W]
