@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dsv4.engine.stop import stop_hold_back
 from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
-from dsv4.engine.multimodal import IMAGE_PLACEHOLDER
+from dsv4.engine.multimodal import split_chat_images
 from dsv4.sampling_params import SamplingParams, SamplingParamsError
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
@@ -125,28 +125,19 @@ class ChatCompletionRequest(_Request):
         """Messages with content parts joined into one string (the form chat templates expect), image parts
         replaced by the image placeholder; and the image data URLs in order. Remote URLs are refused: the server
         does not fetch arbitrary addresses."""
-        out, images = [], []
-        for i, m in enumerate(self.messages):
-            content = m.get("content")
-            if isinstance(content, list):
-                texts = []
-                for part in content:
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    if kind == "text":
-                        texts.append(str(part.get("text", "")))
-                    elif kind == "image_url":
-                        url = part.get("image_url")
-                        url = url.get("url") if isinstance(url, dict) else url
-                        if not isinstance(url, str) or not url.startswith("data:"):
-                            raise bad_request(f"messages[{i}]: only data: image URLs are accepted (the server does "
-                                              "not fetch remote images)", "messages")
-                        images.append(url)
-                        texts.append(IMAGE_PLACEHOLDER)
-                    else:
-                        raise bad_request(f"messages[{i}]: content parts of type {kind!r} are not supported",
-                                          "messages")
-                content = "".join(texts)
-            out.append({**m, "content": content if content is not None else ""})
+        messages = [{**m, "content": m.get("content") if m.get("content") is not None else ""} for m in self.messages]
+        for i, m in enumerate(messages):
+            if isinstance(m["content"], list) and not all(isinstance(p, dict) for p in m["content"]):
+                raise bad_request(f"messages[{i}]: content parts must be objects", "messages")
+            if isinstance(m["content"], list) and any(p.get("type") == "image" for p in m["content"]):
+                raise bad_request(f"messages[{i}]: use image_url content parts", "messages")
+        try:
+            out, images = split_chat_images(messages)
+        except ValueError as e:
+            raise bad_request(str(e), "messages") from None
+        if not all(isinstance(url, str) and url.startswith("data:") for url in images):
+            raise bad_request("only data: image URLs are accepted (the server does not fetch remote images)",
+                              "messages")
         return out, images
 
 
