@@ -54,6 +54,9 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     cudagraph_capture_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, ... up to max_num_seqs
     gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU the engine may use (weights, steps, KV)
+    # Vision-encoder CUDA graphs: opt-in until they have been run on a GPU (and their attention no longer builds
+    # an O(rows^2) mask over the whole padded budget)
+    encoder_cudagraphs: bool = False
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

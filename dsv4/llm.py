@@ -22,7 +22,8 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
                  block_size: int = 16, num_kv_blocks: int | None = None, seed: int = 0, enforce_eager: bool = False,
-                 cudagraph_capture_sizes: tuple[int, ...] | None = None, gpu_memory_utilization: float = 0.9) -> None:
+                 cudagraph_capture_sizes: tuple[int, ...] | None = None, gpu_memory_utilization: float = 0.9,
+                 encoder_cudagraphs: bool = False) -> None:
         if model is None:
             from dsv4.models.presets import default_model_dir
 
@@ -35,7 +36,8 @@ class LLM:
                                           max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                           block_size=block_size, num_kv_blocks=num_kv_blocks, seed=seed,
                                           enforce_eager=enforce_eager, cudagraph_capture_sizes=cudagraph_capture_sizes,
-                                          gpu_memory_utilization=gpu_memory_utilization)
+                                          gpu_memory_utilization=gpu_memory_utilization,
+                                          encoder_cudagraphs=encoder_cudagraphs)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],

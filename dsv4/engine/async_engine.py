@@ -274,3 +274,6 @@ class AsyncLLMEngine:
         sched = self.engine.scheduler
         self.metrics.on_scheduler_state(sched.num_running, sched.num_waiting, self.engine.kv_manager.usage(),
                                         sched.num_preemptions)
+        encoder_graphs = getattr(self.engine.runner.model, "encoder_graphs", None)  # V4.1 vision with graphs only
+        if encoder_graphs is not None:
+            self.metrics.on_encoder_graphs(encoder_graphs.hits, encoder_graphs.misses)

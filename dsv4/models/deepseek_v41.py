@@ -10,6 +10,7 @@ engram tables live outside the module in host memory (`HostTable`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,9 @@ from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_f
 from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, slots_of
 from dsv4.runtime.kv_cache import LayerKVCache
+
+if TYPE_CHECKING:  # type only: the runner builds the manager and sets `encoder_graphs`
+    from dsv4.runtime.encoder_cudagraphs import EncoderCudaGraphManager
 
 
 class RMSNormV41(nn.Module):
@@ -472,6 +476,9 @@ class DeepseekV41Model(nn.Module):
 class DeepseekV41ForCausalLM(nn.Module):
     """The V4.1 text model, its LM head, and the engram machinery (token map, layout, host tables)."""
 
+    # Set by the runner when it captured vision-encoder CUDA graphs (`ModelRunner.capture_graphs`); None: eager.
+    encoder_graphs: EncoderCudaGraphManager | None = None
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -549,10 +556,14 @@ class DeepseekV41ForCausalLM(nn.Module):
         return module(h, emb, is_image)
 
     def encode_images(self, images: list) -> list[tuple[int, torch.Tensor]]:
-        """(prompt offset, span embeddings [lh*(lw+1)+2, D]) of each ImageInput: one packed ViT pass."""
+        """(prompt offset, span embeddings [lh*(lw+1)+2, D]) of each ImageInput: one packed ViT pass, or packed
+        CUDA-graph replays when the runner set `encoder_graphs`."""
         if not hasattr(self, "vision_encoder"):
             raise ValueError("this checkpoint has no vision tower")
-        spans = self.vision_encoder(torch.cat([im.patches for im in images]), [im.vit_grid for im in images])
+        if self.encoder_graphs is not None:  # packed graph replays; eager for images larger than every budget
+            spans = self.encoder_graphs.encode([im.patches for im in images], [im.vit_grid for im in images])
+        else:
+            spans = self.vision_encoder(torch.cat([im.patches for im in images]), [im.vit_grid for im in images])
         return [(im.offset, span.to(self.lm_head.weight.dtype)) for im, span in zip(images, spans)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

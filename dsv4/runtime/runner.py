@@ -18,6 +18,7 @@ from dsv4.config import EngineConfig
 from dsv4.kv.spec import KVGroupSpec
 from dsv4.runtime.block_tables import BlockTables
 from dsv4.runtime.cudagraphs import CudaGraphManager, default_capture_sizes, round_capture_sizes
+from dsv4.runtime.encoder_cudagraphs import EncoderCudaGraphManager
 from dsv4.runtime.input_batch import InputBatch, InputBuffers
 from dsv4.runtime.kv_cache import allocate_kv_caches
 from dsv4.runtime.model_state import DeepseekV41ModelState, DefaultModelState
@@ -69,7 +70,16 @@ class ModelRunner:
         return True
 
     def capture_graphs(self) -> None:
-        """Capture the decode forward at every capture size (warm-up included); no-op when graphs are off."""
+        """Capture the vision encoder at every token budget (a V4.1 checkpoint with a vision tower) and the decode
+        forward at every capture size (warm-up included); no-op when graphs are off (CPU, enforce_eager)."""
+        if (self.device.type == "cuda" and not self.config.enforce_eager and self.config.encoder_cudagraphs
+                and hasattr(self.model, "vision_encoder")):
+            # the model's encode_images replays these; engram tables in host memory do not matter to the encoder
+            sc = self.config.scheduler
+            encoder_graphs = EncoderCudaGraphManager.from_limits(self.model.vision_encoder, sc.max_num_batched_tokens,
+                                                                 sc.max_model_len, self.device)
+            encoder_graphs.capture()
+            self.model.encoder_graphs = encoder_graphs
         if not self.graphs.enabled:
             return
         # The extra inputs (lookback window) are filled here, once: a fill inside `run` would be captured and

@@ -156,9 +156,16 @@ class EngineMetrics:
                              ITL_BUCKETS)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds",
                              "Histogram of end to end request latency in seconds.", E2E_BUCKETS)
+        # Vision-encoder CUDA graphs (runtime/encoder_cudagraphs.py), counted in images: a hit replayed a budget's
+        # graph, a miss ran eagerly while graphs were on (larger than every budget). Both stay 0 without graphs.
+        self.encoder_graph_hits = Counter("vllm:mm_encoder_cudagraph_hits_total",
+                                          "Images encoded by replaying a vision-encoder CUDA graph.")
+        self.encoder_graph_misses = Counter("vllm:mm_encoder_cudagraph_misses_total",
+                                            "Images encoded eagerly although vision-encoder CUDA graphs are on "
+                                            "(larger than every token budget).")
         self._all: list[_Metric] = [self.running, self.waiting, self.kv_usage, self.preemptions, self.prompt_tokens,
                                     self.generation_tokens, self.prefix_queries, self.prefix_hits, self.success,
-                                    self.ttft, self.itl, self.e2e]
+                                    self.ttft, self.itl, self.e2e, self.encoder_graph_hits, self.encoder_graph_misses]
 
     def on_scheduler_state(self, running: int, waiting: int, kv_usage: float, preemptions: int) -> None:
         """Gauges after an engine step (or after commands were applied while idle)."""
@@ -167,6 +174,12 @@ class EngineMetrics:
             self.waiting.set(waiting)
             self.kv_usage.set(kv_usage)
             self.preemptions.set_total(preemptions)
+
+    def on_encoder_graphs(self, hits: int, misses: int) -> None:
+        """Mirror the encoder-graph manager's hit and miss totals (it counts them itself)."""
+        with self.lock:
+            self.encoder_graph_hits.set_total(hits)
+            self.encoder_graph_misses.set_total(misses)
 
     def on_first_output(self, ttft: float, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         """A request's prompt is done and its first token out."""

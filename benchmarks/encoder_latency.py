@@ -1,0 +1,169 @@
+"""Vision-encoder latency: CUDA graphs (dsv4/runtime/encoder_cudagraphs.py) against the eager encoder, for 1, 4 and
+16 images of several sizes.
+
+    PYTHONPATH=. python benchmarks/encoder_latency.py --vision released \
+        --output-json benchmarks/results/$(date +%F)-h200-encoder-latency-released.json
+    PYTHONPATH=. python benchmarks/encoder_latency.py --vision tiny \
+        --output-json benchmarks/results/$(date +%F)-h200-encoder-latency-tiny.json
+
+`--vision tiny` is tiny-v41-vl's tower (2 layers, dim 32, text hidden 64); `released` has the released shapes
+(model.md 8.2: 32 layers, dim 1024, 16 heads, aligner into a 5120 text hidden). Weights are random (latency does not
+depend on them). Image sizes are pixel sizes planned by the image processor with the config's limits (min_pixels,
+max_image_tokens), so a size gives the vit grid and span a real image of that size gets.
+
+What is timed, per (size, count): one call that turns `count` preprocessed images (host float32 patches) into their
+span embeddings on the device, `torch.cuda.synchronize()` before and after, wall clock (host overhead included):
+- eager: `VisionEncoder.forward` (what `encode_images` runs with enforce_eager: one packed ViT pass, attention per
+  image, the aligner and the span assembly per image);
+- graphs: `EncoderCudaGraphManager.encode` (sorted greedy packing, one replay per batch, one gather per batch; images
+  larger than every budget run eagerly, reported as misses).
+Budgets follow the engine's limits (`--max-num-batched-tokens`, `--max-model-len`). The graph attention is a
+block-diagonal masked SDPA over the whole budget's rows, so large packed batches pay O(rows^2): the results show
+where graphs stop paying off. `--device cpu` smoke-tests the script (no graphs: the uncaptured stand-in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dsv4.models.image_processor import plan_image
+from dsv4.models.vision import VisionConfig, VisionEncoder, vision_param_dtype
+from dsv4.runtime.encoder_cudagraphs import EncoderCudaGraphManager, llm_grid_of, plan_batches, span_tokens
+
+VISIONS: dict[str, tuple[VisionConfig, int, list[str]]] = {
+    # (tower config, text hidden size, default pixel sizes)
+    "tiny": (VisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                          max_image_tokens=64, min_pixels=14 * 14 * 9 * 4), 64, ["84x84", "224x224", "448x448"]),
+    "released": (VisionConfig(), 5120, ["544x544", "1024x768", "1536x1536"]),
+}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def build_encoder(cfg: VisionConfig, hidden: int, dtype: torch.dtype, device: torch.device) -> VisionEncoder:
+    """A randomly initialised encoder on `device`, in `dtype` except the fp32-kept norms and delimiters."""
+    torch.manual_seed(0)
+    enc = VisionEncoder(cfg, hidden)
+    with torch.no_grad():
+        for name, p in enc.named_parameters():
+            if name.startswith("image_"):
+                p.normal_(0, 0.02)
+    enc = enc.to(device)
+    for name, p in enc.named_parameters():
+        p.data = p.data.to(vision_param_dtype(name, dtype))
+    return enc.eval()
+
+
+def image_grid(size: str, cfg: VisionConfig) -> tuple[int, int]:
+    """The vit grid of a `WxH` image under the config's image-processing limits."""
+    w, h = (int(v) for v in size.lower().split("x"))
+    plan = plan_image(w, h, patch_size=cfg.patch_size, downsample=cfg.downsample_ratio, min_pixels=cfg.min_pixels,
+                      max_n_token=cfg.max_image_tokens, max_wh_ratio=cfg.max_wh_ratio)
+    return plan.vit_grid
+
+
+def time_calls(fn: Callable[[], Any], sync: Callable[[], None], warmup: int, iters: int) -> dict[str, float]:
+    """Median, mean, p90, min of `iters` synchronized wall-clock calls, in milliseconds."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return {"median": statistics.median(times), "mean": statistics.fmean(times),
+            "p90": times[min(len(times) - 1, int(0.9 * len(times)))], "min": times[0]}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vision", choices=sorted(VISIONS), default="released")
+    ap.add_argument("--sizes", nargs="+", default=None, help="pixel sizes WxH (default: per --vision)")
+    ap.add_argument("--counts", nargs="+", type=int, default=[1, 4, 16])
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--output-json", default=None)
+    args = ap.parse_args(argv)
+
+    cfg, hidden, default_sizes = VISIONS[args.vision]
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    enc = build_encoder(cfg, hidden, DTYPES[args.dtype], device)
+    mgr = EncoderCudaGraphManager.from_limits(enc, args.max_num_batched_tokens, args.max_model_len, device)
+    capture_s, graph_bytes = 0.0, 0
+    if cuda:
+        sync()
+        before = torch.cuda.memory_reserved(device)
+        t0 = time.perf_counter()
+        mgr.capture()
+        capture_s = time.perf_counter() - t0
+        graph_bytes = torch.cuda.memory_reserved(device) - before
+
+    results = []
+    for size in args.sizes or default_sizes:
+        grid = image_grid(size, cfg)
+        tokens = span_tokens(*llm_grid_of(grid, cfg.downsample_ratio))
+        for count in args.counts:
+            gen = torch.Generator().manual_seed(count)
+            patches = [torch.rand(grid[0] * grid[1], cfg.patch_dim, generator=gen) * 2 - 1 for _ in range(count)]
+            grids = [grid] * count
+            with torch.inference_mode():
+                eager_out = enc(torch.cat(patches), grids)
+                graph_out = mgr.encode(patches, grids)
+                diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(eager_out, graph_out))
+                eager = time_calls(lambda: enc(torch.cat(patches), grids), sync, args.warmup, args.iters)
+                graphs = time_calls(lambda: mgr.encode(patches, grids), sync, args.warmup, args.iters)
+            # every call plans the same batches: hits and misses per call follow from the plan
+            batches = plan_batches([tokens] * count, mgr.budgets, mgr.max_batch_size)
+            results.append({
+                "size": size, "vit_grid": list(grid), "span_tokens": tokens, "images": count,
+                "batches": [{"budget": b.budget, "images": len(b.indices), "span_tokens": b.tokens} for b in batches],
+                "hits_per_call": sum(len(b.indices) for b in batches if b.budget is not None),
+                "misses_per_call": sum(len(b.indices) for b in batches if b.budget is None),
+                "eager_ms": eager, "graphs_ms": graphs, "speedup": eager["median"] / graphs["median"],
+                "max_abs_diff": diff,
+            })
+
+    report = {
+        "benchmark": "encoder_latency", "vision": args.vision, "vision_config": dataclasses.asdict(cfg),
+        "text_hidden": hidden, "dtype": args.dtype,
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
+        "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
+        "budgets": mgr.budgets, "max_batch_size": mgr.max_batch_size, "graphs_captured": sorted(mgr.graphs),
+        "capture_s": capture_s, "graph_memory_reserved_bytes": graph_bytes, "warmup": args.warmup,
+        "iters": args.iters, "results": results,
+    }
+    print(f"vision={args.vision} dtype={args.dtype} device={report['device']} budgets={mgr.budgets} "
+          f"max_batch_size={mgr.max_batch_size} capture={capture_s:.2f}s graph memory={graph_bytes / 2**20:.0f} MiB")
+    print("| size | vit grid | span | images | batches (budget x images) | eager ms | graphs ms | speedup | max diff |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        plan = ", ".join(f"{b['budget'] or 'eager'}x{b['images']}" for b in r["batches"])
+        print(f"| {r['size']} | {r['vit_grid'][0]}x{r['vit_grid'][1]} | {r['span_tokens']} | {r['images']} | {plan} "
+              f"| {r['eager_ms']['median']:.3f} | {r['graphs_ms']['median']:.3f} | {r['speedup']:.2f}x "
+              f"| {r['max_abs_diff']:.3g} |")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,348 @@
+"""CUDA graphs of the DeepSeek-V4.1 vision encoder (runtime.md 4.2-4.3): one graph per token budget.
+
+What a budget counts: LLM-side span tokens, `lh*(lw+1)+2` per image (the prompt positions the image takes: its aligner
+rows, a NEW_LINE per row, START and END). A batch of images fits budget B when its span tokens sum to at most B.
+Budgets are the powers of two in [64, min(max_num_batched_tokens, max_model_len)], the maximum always included.
+
+Every graph runs the same function (`EncoderCudaGraphManager.forward_buffers`) over persistent input buffers sized
+for its budget: B aligner rows and r^2 * B ViT patches (any batch of at most B span tokens has fewer rows, since
+a span holds more tokens than aligner rows), and `max_batch_size + 2` cu_seqlens slots. A batch is written into the
+buffers zero-padded; cu_seqlens gets ONE trailing padding sequence, so its last entry equals the buffer's rows: the
+rows past the real images form their own attention block and never mix with them, and a varlen kernel (which takes
+cu_seqlens[-1] as the number of rows it was given; fewer is undefined and gives NaN on FlashAttention) would accept
+the buffers unchanged. The graph's output is [aligner rows of the budget; START; NEW_LINE; END]; the spans of all
+images of a batch are assembled by ONE gather out of it, whose index is built on the host from the llm grids (no
+device value is read) and copied asynchronously. That gather allocates outside the graph's pool, so its result is a
+fresh tensor that later replays cannot clobber.
+
+Images are sorted by span tokens and packed greedily into batches of at most `max_batch_size` images and the largest
+budget; the smallest budget holding a batch is replayed. An image larger than every budget runs through the eager
+encoder (`VisionEncoder.forward`); such images count as misses, replayed images as hits.
+
+Cost: the graph-safe attention is one block-diagonal masked SDPA over all r^2 * B rows of the budget (a [rows, rows]
+mask and scores, padding included), where the eager path attends per image. Graphs pay off where launch overhead
+dominates (few or small images) and can lose on large packed batches; benchmarks/encoder_latency.py measures both.
+Graph memory (buffers, the pool) is not part of the KV-cache sizing profile.
+
+Refused configurations (`EncoderGraphError`): a device other than CUDA, a ViT attention module other than dsv4's
+`VisionAttention` (graphs need the attention to take cu_seqlens on the device and read nothing on the host; dsv4's
+does, through its block-diagonal masked SDPA, while a varlen kernel that takes `max_seqlen` or the boundaries as host
+values cannot be captured), and float8 tensors in the encoder (dsv4 has no static FP8 scales for the ViT, and
+dynamic scaling keeps host-side amax state; the loader dequantizes FP8 ViT weights, so this only guards hand-built
+towers). A host read that still slips into the capture is reported with the same advice.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dsv4.models.image_processor import IMAGE, IMAGE_END, IMAGE_NEW_LINE, span_types
+from dsv4.models.vision import Grid, VisionAttention, VisionEncoder, merge_index, vision_positions, vision_rope
+
+logger = logging.getLogger(__name__)
+
+MIN_BUDGET = 64  # comfortably above the smallest span (4 tokens, a 1x1 grid)
+
+
+class EncoderGraphError(ValueError):
+    """A configuration whose vision encoder cannot be captured in CUDA graphs."""
+
+
+# ---- pure planning (host only; testable without CUDA) ----------------------------------------------------------
+def span_tokens(lh: int, lw: int) -> int:
+    """Prompt positions of an lh x lw image span: lh rows of lw IMAGE + one NEW_LINE, then START and END."""
+    return lh * (lw + 1) + 2
+
+
+def llm_grid_of(grid: Grid, ratio: int) -> Grid:
+    """(lh, lw) aligner rows and columns of an (nh, nw) ViT grid."""
+    return -(-grid[0] // ratio), -(-grid[1] // ratio)
+
+
+def budget_range(max_num_batched_tokens: int, max_model_len: int, min_budget: int = MIN_BUDGET) -> tuple[int, int]:
+    """(smallest, largest) budget in span tokens: a batch never needs more than a step or a request can hold. When
+    the largest is below `min_budget`, both are the largest."""
+    hi = min(max_num_batched_tokens, max_model_len)
+    if hi < 1:
+        raise EncoderGraphError(f"the encoder budget limit must be positive, got {hi}")
+    return min(min_budget, hi), hi
+
+
+def token_budgets(lo: int, hi: int) -> list[int]:
+    """The powers of two in [lo, hi], and hi itself (so the largest batch a step allows has a graph); ascending."""
+    out, p = {hi}, 1
+    while p <= hi:
+        if p >= lo:
+            out.add(p)
+        p *= 2
+    return sorted(out)
+
+
+def default_max_batch_size(budgets: Sequence[int]) -> int:
+    """min(largest // smallest, smallest) (runtime.md 4.2): never above the smallest budget, so every dummy image of
+    a capture gets at least one aligner row."""
+    lo, hi = min(budgets), max(budgets)
+    return max(1, min(hi // lo, lo))
+
+
+@dataclass(frozen=True)
+class EncoderBatch:
+    """Images encoded together: their positions in the caller's list, their span tokens, and the budget whose graph
+    runs them (None: the eager encoder)."""
+
+    indices: tuple[int, ...]
+    tokens: int
+    budget: int | None
+
+
+def plan_batches(tokens: Sequence[int], budgets: Sequence[int], max_batch_size: int) -> list[EncoderBatch]:
+    """Sort the images by span tokens (ascending, ties by position) and pack them greedily: a batch closes when the
+    next image would exceed the largest budget or `max_batch_size` images. Each batch gets the smallest budget that
+    holds it; the images larger than every budget (last after sorting) form one eager batch."""
+    largest = max(budgets)
+    order = sorted(range(len(tokens)), key=lambda i: (tokens[i], i))
+    fits = [i for i in order if tokens[i] <= largest]
+    oversize = [i for i in order if tokens[i] > largest]
+    batches: list[EncoderBatch] = []
+    current: list[int] = []
+    total = 0
+    for i in fits:
+        if current and (total + tokens[i] > largest or len(current) == max_batch_size):
+            batches.append(EncoderBatch(tuple(current), total, min(b for b in budgets if b >= total)))
+            current, total = [], 0
+        current.append(i)
+        total += tokens[i]
+    if current:
+        batches.append(EncoderBatch(tuple(current), total, min(b for b in budgets if b >= total)))
+    if oversize:
+        batches.append(EncoderBatch(tuple(oversize), sum(tokens[i] for i in oversize), None))
+    return batches
+
+
+def capture_grids(budget: int, max_batch_size: int, ratio: int) -> list[Grid]:
+    """The dummy ViT grids a capture runs: `max_batch_size` images, each one aligner row tall (r x r*k patches),
+    whose aligner rows sum to exactly `budget` and patches to r^2 * budget: the buffers' sizes, which bound every
+    batch the budget admits."""
+    if not 1 <= max_batch_size <= budget:
+        raise EncoderGraphError(f"max_batch_size {max_batch_size} must be in [1, budget {budget}]: every dummy image "
+                                "needs at least one aligner row")
+    base, extra = divmod(budget, max_batch_size)
+    return [(ratio, ratio * (base + (i < extra))) for i in range(max_batch_size)]
+
+
+def padded_cu_seqlens(grids: Sequence[Grid], slots: int, rows: int) -> torch.Tensor:
+    """int32 [slots] image boundaries of a batch in a buffer of `rows` patches: the real prefix, then every further
+    entry = `rows`, i.e. one trailing padding sequence over the unused rows (empty when the batch fills the buffer),
+    so the last entry always equals the buffer's rows."""
+    sizes = [h * w for h, w in grids]
+    if len(sizes) + 2 > slots or sum(sizes) > rows:
+        raise ValueError(f"{len(sizes)} images of {sum(sizes)} patches do not fit {slots} slots / {rows} rows")
+    out = torch.full((slots,), rows, dtype=torch.int32)
+    out[: len(sizes) + 1] = torch.tensor([0] + sizes).cumsum(0)
+    return out
+
+
+def span_gather_index(llm_grids: Sequence[Grid], num_rows: int) -> torch.Tensor:
+    """int64 index of the spans of a batch (images in order, spans concatenated) into the encoder output
+    [aligner rows (`num_rows`, images in order); START; NEW_LINE; END]: IMAGE slots take the running aligner row,
+    the delimiters rows num_rows, num_rows+1, num_rows+2. Built from the grids alone: no device value is read."""
+    if not llm_grids:
+        return torch.zeros(0, dtype=torch.int64)
+    types = torch.cat([span_types(lh, lw) for lh, lw in llm_grids])
+    is_image = types == IMAGE
+    delimiter = num_rows + (types == IMAGE_NEW_LINE).long() + 2 * (types == IMAGE_END).long()
+    return torch.where(is_image, is_image.cumsum(0) - 1, delimiter)
+
+
+def check_capturable(encoder: VisionEncoder, device: torch.device) -> None:
+    """Raise EncoderGraphError naming why this encoder cannot be captured on `device` (see the module docstring)."""
+    if device.type != "cuda":
+        raise EncoderGraphError(f"vision-encoder CUDA graphs need a CUDA device, got {device}; set enforce_eager=True")
+    fp8 = [name for name, t in [*encoder.named_parameters(), *encoder.named_buffers()]
+           if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
+    if fp8:
+        raise EncoderGraphError(
+            f"vision-encoder CUDA graphs are incompatible with dynamic FP8 scaling of the ViT ({fp8[0]} is float8): "
+            "the amax history is host-side state that cannot be captured, and dsv4 has no static ViT scale file. "
+            "Load the ViT dequantized (the loader's default) or set enforce_eager=True.")
+    for i, block in enumerate(encoder.vision.blocks):
+        if type(block.attn) is not VisionAttention:
+            raise EncoderGraphError(
+                f"vision-encoder CUDA graphs are not supported with the ViT attention {type(block.attn).__name__} "
+                f"(block {i}): graphs need dsv4's VisionAttention, which takes cu_seqlens on the device (masked "
+                "SDPA); a backend that reads cu_seqlens or max_seqlen on the host cannot be captured. "
+                "Set enforce_eager=True.")
+
+
+# ---- the manager -----------------------------------------------------------------------------------------------
+class EncoderCudaGraphManager:
+    """Captures the vision encoder once per token budget and encodes images by packed replays.
+
+    The input buffers are shared by every budget (each graph reads a prefix of them), so they are sized for the
+    largest. Without captured graphs (CPU tests) a budget batch runs `forward_buffers` eagerly into a static output
+    buffer: the same computation and the same aliasing a replay has.
+    """
+
+    def __init__(self, encoder: VisionEncoder, budgets: Sequence[int], max_batch_size: int | None = None,
+                 device: torch.device | None = None) -> None:
+        if not budgets or min(budgets) < 1:
+            raise EncoderGraphError(f"token budgets must be positive, got {list(budgets)}")
+        self.encoder = encoder
+        self.budgets = sorted(set(budgets))
+        self.max_batch_size = default_max_batch_size(self.budgets) if max_batch_size is None else max_batch_size
+        if not 1 <= self.max_batch_size <= self.budgets[0]:
+            raise EncoderGraphError(f"max_batch_size {self.max_batch_size} must be in [1, smallest budget "
+                                    f"{self.budgets[0]}] (every dummy image of a capture needs an aligner row)")
+        self.device = device if device is not None else encoder.aligner.w1.weight.device
+        cfg = encoder.cfg
+        self.ratio = cfg.downsample_ratio
+        rows, patches = self.buffer_rows(self.budgets[-1])
+        dev = self.device
+        # patches stay float32 (as preprocessed): the tower casts them inside the graph, exactly as it does eagerly
+        self.patches = torch.zeros(patches, cfg.patch_dim, dtype=torch.float32, device=dev)
+        self.positions = torch.zeros(patches, 2, dtype=torch.int64, device=dev)  # rope is computed in the graph
+        self.cu_seqlens = torch.zeros(self.max_batch_size + 2, dtype=torch.int32, device=dev)
+        self.merge_idx = torch.zeros(rows, self.ratio ** 2, dtype=torch.int64, device=dev)
+        self.merge_mask = torch.zeros(rows, self.ratio ** 2, dtype=torch.bool, device=dev)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # static outputs of the uncaptured stand-in
+        self.pool = None
+        self.released = False
+        self.hits = 0  # images encoded by a budget's graph
+        self.misses = 0  # images encoded eagerly (larger than every budget)
+
+    @classmethod
+    def from_limits(cls, encoder: VisionEncoder, max_num_batched_tokens: int, max_model_len: int,
+                    device: torch.device | None = None, max_batch_size: int | None = None
+                    ) -> EncoderCudaGraphManager:
+        """A manager with the budgets of the engine's limits (`budget_range`, `token_budgets`)."""
+        return cls(encoder, token_budgets(*budget_range(max_num_batched_tokens, max_model_len)), max_batch_size,
+                   device)
+
+    def buffer_rows(self, budget: int) -> tuple[int, int]:
+        """(aligner rows, ViT patches) of a budget's buffers: B and r^2 * B."""
+        return budget, self.ratio ** 2 * budget
+
+    # ---- buffers and the captured function ------------------------------------------------------------------
+    def fill(self, budget: int, grids: Sequence[Grid], patches: Sequence[torch.Tensor] | None) -> None:
+        """Write a batch into the buffers of `budget`, zero-padded (`patches` None: all zero, for a capture). Host
+        metadata goes over in asynchronous copies; nothing here waits for the device."""
+        rows, num_patches = self.buffer_rows(budget)
+        n = sum(h * w for h, w in grids)
+        # Pinned staging: a large copy from pageable memory would stall the host until the stream reaches it.
+        pin = self.device.type == "cuda"
+        if patches:
+            staged = torch.empty(n, self.patches.shape[1], dtype=self.patches.dtype, pin_memory=pin)
+            torch.cat([p.reshape(h * w, -1).float() for p, (h, w) in zip(patches, grids)], out=staged)
+            self.patches[:n].copy_(staged, non_blocking=True)
+            self.patches[n:num_patches].zero_()
+        else:
+            self.patches[:num_patches].zero_()
+        positions = torch.zeros(num_patches, 2, dtype=torch.int64, pin_memory=pin)
+        positions[:n] = vision_positions(grids)
+        idx, inside = merge_index(grids, self.ratio)
+        merge_idx = torch.zeros(rows, self.ratio ** 2, dtype=torch.int64, pin_memory=pin)
+        merge_mask = torch.zeros(rows, self.ratio ** 2, dtype=torch.bool, pin_memory=pin)
+        merge_idx[: idx.shape[0]], merge_mask[: idx.shape[0]] = idx, inside
+        cu = padded_cu_seqlens(grids, self.cu_seqlens.numel(), num_patches)
+        self.positions[:num_patches].copy_(positions, non_blocking=True)
+        self.merge_idx[:rows].copy_(merge_idx, non_blocking=True)
+        self.merge_mask[:rows].copy_(merge_mask, non_blocking=True)
+        self.cu_seqlens.copy_(cu.pin_memory() if pin else cu, non_blocking=True)
+
+    def forward_buffers(self, budget: int) -> torch.Tensor:
+        """The function a graph captures: the encoder over the buffers of `budget` -> [B aligner rows; START;
+        NEW_LINE; END] in the weights' dtype. Reads device tensors only."""
+        enc, cfg = self.encoder, self.encoder.cfg
+        rows, num_patches = self.buffer_rows(budget)
+        cos, sin = vision_rope(self.positions[:num_patches], cfg.head_dim, cfg.rope_theta)
+        features = enc.vision.forward_packed(self.patches[:num_patches], cos, sin, self.cu_seqlens)
+        aligned = enc.aligner.forward_packed(features, self.merge_idx[:rows], self.merge_mask[:rows])
+        delimiters = torch.stack([enc.image_start, enc.image_newline, enc.image_end]).to(aligned.dtype)
+        return torch.cat([aligned, delimiters])
+
+    def run(self, budget: int) -> torch.Tensor:
+        """Replay the graph of `budget` (or its eager stand-in); returns the static output buffer, valid until the
+        next run."""
+        if budget in self.graphs:
+            graph, out = self.graphs[budget]
+            graph.replay()
+            return out
+        out = self.forward_buffers(budget)
+        static = self.outputs.get(budget)
+        if static is None:
+            static = self.outputs[budget] = torch.empty_like(out)
+        return static.copy_(out)
+
+    # ---- capture and encode ---------------------------------------------------------------------------------
+    def capture(self, warmups: int = 2) -> None:
+        """Capture every budget, largest first (smaller graphs reuse the shared pool's blocks), each from dummy
+        grids that fill it (`capture_grids`) after `warmups` eager runs."""
+        check_capturable(self.encoder, self.device)
+        self.pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for budget in reversed(self.budgets):
+                self.fill(budget, capture_grids(budget, self.max_batch_size, self.ratio), None)
+                for _ in range(warmups):  # kernels chosen and lazy allocations made outside the graph
+                    self.forward_buffers(budget)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        out = self.forward_buffers(budget)
+                except RuntimeError as e:
+                    raise EncoderGraphError(
+                        f"capturing the vision encoder at budget {budget} failed ({e}); the ViT most likely read a "
+                        "device value on the host (an attention backend that reads cu_seqlens or max_seqlen). "
+                        "Set enforce_eager=True.") from e
+                self.graphs[budget] = (graph, out)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d vision-encoder CUDA graphs (budgets %s span tokens, up to %d images each)",
+                    len(self.graphs), self.budgets, self.max_batch_size)
+
+    @torch.inference_mode()
+    def encode(self, patches: Sequence[torch.Tensor], vit_grids: Sequence[Grid]) -> list[torch.Tensor]:
+        """Span embeddings [lh*(lw+1)+2, hidden] (the weights' dtype) of every image, in input order; equal to
+        `VisionEncoder.forward` up to rounding. `patches[i]` holds image i's [nh*nw, 3*p*p] patches."""
+        grids = [(int(h), int(w)) for h, w in vit_grids]
+        if len(patches) != len(grids):
+            raise ValueError(f"{len(patches)} patch tensors for {len(grids)} grids")
+        patch_dim = self.encoder.cfg.patch_dim
+        for i, (p, (h, w)) in enumerate(zip(patches, grids)):
+            if h < 1 or w < 1 or p.shape[0] != h * w or p.numel() != h * w * patch_dim:
+                raise ValueError(f"image {i}: patches {list(p.shape)} do not fit grid {h}x{w} of {patch_dim}-value "
+                                 "patches")
+        if self.released:  # no graphs and no buffers any more: the plain eager encoder
+            return self.encoder(torch.cat(list(patches)), grids) if grids else []
+        llm_grids = [llm_grid_of(g, self.ratio) for g in grids]
+        out: list[torch.Tensor | None] = [None] * len(grids)
+        for batch in plan_batches([span_tokens(*g) for g in llm_grids], self.budgets, self.max_batch_size):
+            sel = list(batch.indices)
+            if batch.budget is None:
+                spans = self.encoder(torch.cat([patches[i] for i in sel]), [grids[i] for i in sel])
+                self.misses += len(sel)
+            else:
+                self.fill(batch.budget, [grids[i] for i in sel], [patches[i] for i in sel])
+                static = self.run(batch.budget)
+                index = span_gather_index([llm_grids[i] for i in sel], self.buffer_rows(batch.budget)[0])
+                if self.device.type == "cuda":
+                    index = index.pin_memory()
+                # one gather, allocated outside the graph pool: fresh memory no later replay writes
+                joined = static.index_select(0, index.to(self.device, non_blocking=True))
+                spans = list(joined.split([span_tokens(*llm_grids[i]) for i in sel]))
+                self.hits += len(sel)
+            for i, span in zip(sel, spans):
+                out[i] = span
+        return out  # type: ignore[return-value]  # every index was filled by exactly one batch
+
+    def release(self) -> None:
+        """Drop the graphs, their pool and the buffers; later `encode` calls run the eager encoder."""
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
+        self.patches = self.positions = self.cu_seqlens = self.merge_idx = self.merge_mask = None  # type: ignore
+        self.released = True

@@ -1,0 +1,285 @@
+"""Vision-encoder CUDA graphs, on the CPU (dsv4/runtime/encoder_cudagraphs.py): budgets, packing, the dummy capture
+grids, the cu_seqlens padding rule, the span gather index, and the replay-equivalent path (the function a graph
+captures, run eagerly over the same zero-padded buffers into a static output buffer) against the per-image eager
+encoder; the hook in encode_images and the /metrics counters. tests/gpu/test_encoder_cudagraphs_gpu.py replays real
+graphs."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch import nn
+
+import dsv4.models.vision as vision_mod
+from dsv4 import LLM, SamplingParams
+from dsv4.engine.async_engine import AsyncLLMEngine
+from dsv4.engine.multimodal import IMAGE_PLACEHOLDER
+from dsv4.make_model import make_model
+from dsv4.models.vision import VisionAttention, VisionConfig, VisionEncoder, block_diagonal_attention
+from dsv4.runtime.encoder_cudagraphs import (EncoderCudaGraphManager, EncoderGraphError, budget_range,
+                                             capture_grids, check_capturable, default_max_batch_size, llm_grid_of,
+                                             padded_cu_seqlens, plan_batches, span_gather_index, span_tokens,
+                                             token_budgets)
+from dsv4.serve.metrics import EngineMetrics
+
+TINY = VisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
+                    downsample_ratio=3, rope_theta=10000.0, max_image_tokens=64, min_pixels=7056)
+HIDDEN = 40
+R = TINY.downsample_ratio
+
+# (name, vit grids): budgets 64/128/256 with 4 images a batch (from_limits(256, 4096))
+CASES = [
+    ("one", [(7, 9)]),
+    ("odd", [(1, 1), (2, 5), (5, 2), (4, 7), (1, 13)]),
+    ("packed", [(6, 6), (3, 9), (9, 3), (4, 4)]),
+    ("more_than_batch", [(2 + i % 5, 3 + i % 4) for i in range(11)]),
+    ("oversize", [(60, 60)]),  # 20x20 aligner grid: 422 span tokens > 256
+    ("mixed", [(60, 60), (1, 1), (10, 17), (33, 47), (5, 5), (2, 2), (16, 16)]),
+]
+
+
+def _encoder(seed: int = 0) -> VisionEncoder:
+    """Random weights large enough that attention is far from uniform; non-trivial delimiters and norms."""
+    enc = VisionEncoder(TINY, HIDDEN)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in enc.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1 + 0.2 * noise if "norm" in name else 0.3 * noise)
+    return enc.eval()
+
+
+def _patches(grids: list[tuple[int, int]], seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.rand(h * w, TINY.patch_dim, generator=gen) * 2 - 1 for h, w in grids]
+
+
+@pytest.fixture(scope="module")
+def enc() -> VisionEncoder:
+    return _encoder()
+
+
+# ---- budgets and batch size -------------------------------------------------------------------------------------
+def test_budgets_and_batch_size() -> None:
+    assert budget_range(2048, 4096) == (64, 2048) and budget_range(8192, 1000) == (64, 1000)
+    assert budget_range(32, 4096) == (32, 32)  # below the minimum: one budget
+    assert token_budgets(64, 2048) == [64, 128, 256, 512, 1024, 2048]
+    assert token_budgets(64, 3000) == [64, 128, 256, 512, 1024, 2048, 3000]  # the max is always included
+    assert token_budgets(64, 64) == [64] and token_budgets(5, 5) == [5]
+    for hi in (1, 4, 37, 64, 65, 200, 2048, 4096, 100000):
+        budgets = token_budgets(*budget_range(hi, 10 ** 6))
+        mbs = default_max_batch_size(budgets)
+        assert 1 <= mbs <= min(budgets) and budgets[-1] == hi
+    assert default_max_batch_size([64, 128, 256]) == 4 and default_max_batch_size(token_budgets(64, 8192)) == 64
+
+
+def test_manager_refuses_a_batch_size_above_the_smallest_budget(enc: VisionEncoder) -> None:
+    with pytest.raises(EncoderGraphError, match="smallest budget"):
+        EncoderCudaGraphManager(enc, [64, 128], max_batch_size=65)
+    assert EncoderCudaGraphManager(enc, [64, 128], max_batch_size=64).max_batch_size == 64
+
+
+# ---- packing ----------------------------------------------------------------------------------------------------
+def test_packing_sorted_greedy() -> None:
+    budgets, mbs = [64, 128, 256], 4
+    tokens = [100, 4, 500, 30, 4, 60, 5, 257, 7, 8, 9, 6]
+    batches = plan_batches(tokens, budgets, mbs)
+    assert [b.indices for b in batches] == [(1, 4, 6, 11), (8, 9, 10, 3), (5, 0), (7, 2)]
+    assert [b.budget for b in batches] == [64, 64, 256, None]  # 257 and 500 exceed every budget: one eager batch
+    assert [b.tokens for b in batches] == [19, 54, 160, 757]
+
+
+def test_packing_properties() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        budgets = token_budgets(*budget_range(rng.choice([64, 100, 256, 2048]), 4096))
+        mbs = rng.randint(1, min(budgets))
+        tokens = [rng.choice([4, 5, 14, 62, 184, 496, 1000, 3000]) for _ in range(rng.randint(0, 40))]
+        batches = plan_batches(tokens, budgets, mbs)
+        assert sorted(i for b in batches for i in b.indices) == list(range(len(tokens)))
+        flat = [tokens[i] for b in batches for i in b.indices]
+        assert flat == sorted(flat)  # ascending, the eager batch last
+        for b in batches:
+            assert b.tokens == sum(tokens[i] for i in b.indices)
+            if b.budget is None:
+                assert all(tokens[i] > budgets[-1] for i in b.indices)
+            else:
+                assert len(b.indices) <= mbs and b.budget == min(x for x in budgets if x >= b.tokens)
+
+
+# ---- capture inputs and replay buffers --------------------------------------------------------------------------
+@pytest.mark.parametrize("budget,mbs", [(64, 16), (64, 64), (100, 7), (2048, 32), (5, 1)])
+def test_capture_grids_fill_the_budget(enc: VisionEncoder, budget: int, mbs: int) -> None:
+    grids = capture_grids(budget, mbs, R)
+    llm = [llm_grid_of(g, R) for g in grids]
+    assert len(grids) == mbs and all(lh == 1 and lw >= 1 for lh, lw in llm)
+    assert sum(lh * lw for lh, lw in llm) == budget  # aligner rows: exactly the budget
+    m = EncoderCudaGraphManager(enc, [budget], mbs)
+    assert m.buffer_rows(budget) == (budget, R * R * budget) == (sum(lh * lw for lh, lw in llm),
+                                                                 sum(h * w for h, w in grids))
+    with pytest.raises(EncoderGraphError, match="at least one aligner row"):
+        capture_grids(budget, budget + 1, R)
+
+
+def test_buffers_hold_every_batch_a_budget_admits() -> None:
+    """A batch of at most B span tokens has fewer than B aligner rows and r^2 * B patches."""
+    for lh in range(1, 12):
+        for lw in range(1, 12):
+            t = span_tokens(lh, lw)
+            assert lh * lw < t and (R * lh) * (R * lw) < R * R * t
+
+
+def test_cu_seqlens_padding_rule(enc: VisionEncoder) -> None:
+    grids = [(2, 5), (1, 1), (4, 3)]
+    cu = padded_cu_seqlens(grids, slots=6, rows=100)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 10, 11, 23, 100, 100]
+    assert padded_cu_seqlens([(10, 10)], 3, 100).tolist() == [0, 100, 100]  # full buffer: an empty padding block
+    with pytest.raises(ValueError):
+        padded_cu_seqlens(grids, slots=4, rows=100)  # no slot left for the padding sequence
+    m = EncoderCudaGraphManager.from_limits(enc, 256, 4096)
+    for budget in m.budgets:
+        rows, patches = m.buffer_rows(budget)
+        m.fill(budget, grids, _patches(grids, 0))
+        assert m.cu_seqlens[-1].item() == patches and m.cu_seqlens[:4].tolist() == [0, 10, 11, 23]
+        assert m.patches[23:patches].abs().sum() == 0 and m.positions[23:patches].abs().sum() == 0
+        assert not m.merge_mask[5:rows].any() and m.merge_mask[:5].any(dim=1).all()  # 2 + 1 + 2 aligner rows
+        m.fill(budget, capture_grids(budget, m.max_batch_size, R), None)  # the capture batch: no padding rows
+        assert m.cu_seqlens[-2].item() == m.cu_seqlens[-1].item() == patches and m.merge_mask[:rows].any(1).all()
+
+
+def test_span_gather_index_equals_span_embeddings(enc: VisionEncoder) -> None:
+    llm = [(1, 1), (2, 3), (4, 1), (3, 3)]
+    rows = [torch.randn(lh * lw, HIDDEN) for lh, lw in llm]
+    capacity = sum(lh * lw for lh, lw in llm) + 7  # padded rows past the real ones are never gathered
+    src = torch.cat([*rows, torch.full((7, HIDDEN), float("nan")),
+                     torch.stack([enc.image_start, enc.image_newline, enc.image_end]).detach()])
+    index = span_gather_index(llm, capacity)
+    assert index.dtype == torch.int64 and index.numel() == sum(span_tokens(*g) for g in llm)
+    spans = src[index].split([span_tokens(*g) for g in llm])
+    for span, r, (lh, lw) in zip(spans, rows, llm):
+        assert torch.equal(span, enc.span_embeddings(r, lh, lw).detach())
+    assert span_gather_index([], 10).numel() == 0
+
+
+# ---- the replay-equivalent path against the per-image eager encoder ---------------------------------------------
+@pytest.fixture(params=["host_bounds", "masked"])
+def attention(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """host_bounds: CPU cu_seqlens take the per-image path (the padding block included); masked: the block-diagonal
+    masked SDPA that a CUDA graph runs, forced on the CPU."""
+    if request.param == "masked":
+        monkeypatch.setattr(vision_mod, "varlen_attention", block_diagonal_attention)
+    return request.param
+
+
+@pytest.mark.parametrize("name,grids", CASES, ids=[c[0] for c in CASES])
+def test_replay_equivalent_equals_per_image_eager(enc: VisionEncoder, attention: str, name: str,
+                                                  grids: list[tuple[int, int]]) -> None:
+    m = EncoderCudaGraphManager.from_limits(enc, 256, 4096)
+    assert m.budgets == [64, 128, 256] and m.max_batch_size == 4
+    patches = _patches(grids, 1)
+    out = m.encode(patches, grids)
+    oversize = [g for g in grids if span_tokens(*llm_grid_of(g, R)) > 256]
+    assert (m.hits, m.misses) == (len(grids) - len(oversize), len(oversize))
+    with torch.no_grad():
+        for p, g, span in zip(patches, grids, out):
+            ref = enc(p, [g])[0]
+            assert span.shape == ref.shape == (span_tokens(*llm_grid_of(g, R)), HIDDEN)
+            torch.testing.assert_close(span, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_outputs_are_not_aliased_across_calls(enc: VisionEncoder) -> None:
+    m = EncoderCudaGraphManager.from_limits(enc, 256, 4096)
+    grids = [(4, 5), (3, 3)]
+    first = m.encode(_patches(grids, 1), grids)
+    kept = [s.clone() for s in first]
+    second = m.encode(_patches(grids, 2), grids)  # the same budget: the same static output buffer
+    static = m.outputs[64]
+    for a, b, k in zip(first, second, kept):
+        assert torch.equal(a, k) and not torch.equal(a, b)
+        assert a.untyped_storage().data_ptr() != static.untyped_storage().data_ptr()
+        assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+
+
+def test_empty_and_bad_inputs(enc: VisionEncoder) -> None:
+    m = EncoderCudaGraphManager.from_limits(enc, 256, 4096)
+    assert m.encode([], []) == []
+    with pytest.raises(ValueError, match="do not fit grid"):
+        m.encode([torch.zeros(5, TINY.patch_dim)], [(2, 3)])
+
+
+def test_release_falls_back_to_eager(enc: VisionEncoder) -> None:
+    m = EncoderCudaGraphManager.from_limits(enc, 256, 4096)
+    grids = [(4, 5), (60, 60)]
+    patches = _patches(grids, 3)
+    before = m.encode(patches, grids)
+    m.release()
+    assert not m.graphs and m.patches is None
+    after = m.encode(patches, grids)
+    for a, b in zip(before, after):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert (m.hits, m.misses) == (1, 1)  # counted before the release only
+
+
+# ---- refusals ---------------------------------------------------------------------------------------------------
+def test_refused_configurations(enc: VisionEncoder) -> None:
+    with pytest.raises(EncoderGraphError, match="need a CUDA device"):
+        check_capturable(enc, torch.device("cpu"))
+    with pytest.raises(EncoderGraphError, match="need a CUDA device"):
+        EncoderCudaGraphManager.from_limits(enc, 256, 4096).capture()
+    cuda = torch.device("cuda", 0)
+    check_capturable(enc, cuda)  # dsv4's own tower passes (only metadata is inspected)
+
+    fp8 = _encoder()
+    fp8.vision.blocks[0].attn.wqkv.weight = nn.Parameter(fp8.vision.blocks[0].attn.wqkv.weight.to(torch.float8_e4m3fn),
+                                                         requires_grad=False)
+    with pytest.raises(EncoderGraphError, match="dynamic FP8 scaling"):
+        check_capturable(fp8, cuda)
+
+    class HostVarlenAttention(VisionAttention):  # e.g. a varlen kernel taking max_seqlen as a host int
+        pass
+
+    host = _encoder()
+    host.vision.blocks[1].attn = HostVarlenAttention(TINY)
+    with pytest.raises(EncoderGraphError, match="HostVarlenAttention.*block 1.*host"):
+        check_capturable(host, cuda)
+
+
+# ---- the hook in encode_images and /metrics ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_model("tiny-v41-vl", str(tmp_path_factory.mktemp("vl") / "tiny-v41-vl"), seed=0)
+
+
+def _image(seed: int, w: int, h: int) -> Image.Image:
+    return Image.fromarray((np.random.RandomState(seed).rand(h, w, 3) * 255).astype("uint8"))
+
+
+def test_engine_hook_and_metrics(model_dir: str) -> None:
+    llm = LLM(model=model_dir, device="cpu", dtype="float32", max_model_len=256, max_num_batched_tokens=256)
+    model = llm.engine.runner.model
+    assert model.encoder_graphs is None  # CPU: the eager encoder is the default
+    prompt = {"prompt": f"a {IMAGE_PLACEHOLDER} b {IMAGE_PLACEHOLDER}",
+              "multi_modal_data": {"image": [_image(1, 90, 60), _image(2, 200, 50)]}}
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    eager = llm.generate([prompt], sp)[0].outputs[0]
+    # the replay-equivalent manager behind the same hook the runner sets on CUDA
+    model.encoder_graphs = EncoderCudaGraphManager.from_limits(model.vision_encoder, 256, 256)
+    graphs = llm.generate([prompt], sp)[0].outputs[0]
+    assert graphs.token_ids == eager.token_ids
+    for a, b in zip(eager.logprobs, graphs.logprobs):
+        for t in a:
+            assert abs(a[t].logprob - b[t].logprob) < 1e-4
+    assert model.encoder_graphs.hits == 2 and model.encoder_graphs.misses == 0
+
+    metrics = EngineMetrics("m")
+    text = metrics.render()
+    assert 'vllm:mm_encoder_cudagraph_hits_total{model_name="m"} 0.0' in text
+    AsyncLLMEngine(llm.engine, metrics)._record_state()  # what the engine thread does after every step
+    text = metrics.render()
+    assert 'vllm:mm_encoder_cudagraph_hits_total{model_name="m"} 2.0' in text
+    assert 'vllm:mm_encoder_cudagraph_misses_total{model_name="m"} 0.0' in text
+    assert "# TYPE vllm:mm_encoder_cudagraph_misses_total counter" in text
