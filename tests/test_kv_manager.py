@@ -138,3 +138,25 @@ def test_random_requests_never_share_blocks_and_free_all(seed: int) -> None:
     for rid in list(sizes):
         kv.free(rid)
     assert [p.num_free for p in kv.pools] == [p.capacity for p in kv.pools]
+
+
+def test_window_group_frees_blocks_behind_the_window() -> None:
+    """Blocks holding only positions before num_computed - W + 1 go back to the pool (as the null block in the
+    request's list); other groups keep growing; freeing everything afterwards returns every block once."""
+    W, bs = 8, 4
+    window = KVGroupSpec("window", WINDOW, (0,), bs, 1, 40, sliding_window=W)
+    comp = KVGroupSpec("compressed_2", COMPRESSED, (0,), bs, 2, 40)
+    kv = KVCacheManager((window, comp))
+    computed = 0
+    for step in (5, 7, 1, 1, 13, 1, 9):
+        assert kv.allocate_slots("a", computed + step, computed) is not None
+        computed += step
+        held = kv.get_block_ids("a")
+        first_needed = max(0, computed - step - W + 1)  # oldest key read by this step's first query
+        live = [i for i, b in enumerate(held[0]) if b != NULL_BLOCK]
+        assert live and live[0] == first_needed // bs and live == list(range(live[0], len(held[0])))
+        assert len(held[0]) == window.num_blocks_for(computed)
+        assert NULL_BLOCK not in held[1] and len(held[1]) == comp.num_blocks_for(computed)
+        assert kv.pools[0].num_free == kv.pools[0].capacity - len(live)
+    kv.free("a")
+    assert all(p.num_free == p.capacity for p in kv.pools)

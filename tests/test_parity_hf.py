@@ -127,7 +127,7 @@ def test_greedy_tokens_match_hf_chunked_and_batched(checkpoint: tuple, greedy_re
 def test_greedy_tokens_match_hf_under_preemption(checkpoint: tuple, greedy_refs: list) -> None:
     """A KV pool too small for all four requests: requests are preempted, recomputed, and still exact."""
     _, _, path, prompts = checkpoint
-    eng = _engine(path, block_size=8, num_kv_blocks=14)
+    eng = _engine(path, block_size=8, num_kv_blocks=8)
     assert _run_greedy(eng, prompts) == greedy_refs
     assert eng.scheduler.num_preemptions > 0
 

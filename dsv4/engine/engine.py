@@ -103,7 +103,7 @@ class LLMEngine:
                                      config.scheduler.max_num_seqs)
         self.runner = ModelRunner(config, model, self.groups, dtype)
         self.runner.capture_graphs()
-        self.kv_manager = KVCacheManager(self.groups)
+        self.kv_manager = KVCacheManager(self.groups, config.scheduler.max_num_batched_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.requests: dict[str, _UserRequest] = {}
         self._child_to_user: dict[str, str] = {}

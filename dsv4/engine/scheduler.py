@@ -118,7 +118,8 @@ class Scheduler:
             if n <= 0:  # nothing to compute (the runner sampled nothing last step); never schedule 0 tokens
                 i += 1
                 continue
-            while (new_blocks := self.kv_manager.allocate_slots(req.req_id, req.num_computed_tokens + n)) is None:
+            while (new_blocks := self.kv_manager.allocate_slots(req.req_id, req.num_computed_tokens + n,
+                                                                 req.num_computed_tokens)) is None:
                 victim = self.running.pop()  # always at index >= i: not scheduled yet this step
                 self._preempt(victim)
                 preempted = True
@@ -140,7 +141,7 @@ class Scheduler:
         ):
             req = self.waiting[0]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.kv_manager.allocate_slots(req.req_id, req.num_computed_tokens + n) is None:
+            if self.kv_manager.allocate_slots(req.req_id, req.num_computed_tokens + n, req.num_computed_tokens) is None:
                 break  # FIFO: later requests wait behind the head rather than overtake it
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING

@@ -1,33 +1,40 @@
 """KVCacheManager: one BlockPool per KV group, and each request's block list per group.
 
 A request's blocks grow with its computed tokens, in every group at once: a step either gets all the blocks it
-needs in all groups or none at all, so a failed allocation never leaves a request half-grown.
+needs in all groups or none at all, so a failed allocation never leaves a request half-grown. The window group
+also shrinks from the front: blocks that only hold positions older than every future query's window go back to
+the pool and become the null block in the request's list (the runner keeps the stale ids, which nothing reads:
+a query reads window positions (t - W, t] only).
 """
 
 from __future__ import annotations
 
 from dsv4.kv.block_pool import BlockPool
-from dsv4.kv.spec import WINDOW, KVGroupSpec
+from dsv4.kv.spec import NULL_BLOCK, WINDOW, KVGroupSpec
 
 
 class KVCacheManager:
     """Block allocation for the KV groups `groups` (pool sizes from `spec.num_blocks`)."""
 
-    def __init__(self, groups: tuple[KVGroupSpec, ...]) -> None:
+    def __init__(self, groups: tuple[KVGroupSpec, ...], max_chunk: int | None = None) -> None:
+        """`max_chunk`: the most tokens a request computes in one step (the scheduler's token budget); it bounds
+        the live blocks of a window group, so a long request fits a pool smaller than its whole length."""
         assert groups, "at least one KV group is needed"
-        self.groups = groups
+        self.groups, self.max_chunk = groups, max_chunk
         self.pools = tuple(BlockPool(g.num_blocks) for g in groups)
         # usage() reports the window group: it is the one that grows with every token, so it fills first.
         self._usage_group = next((i for i, g in enumerate(groups) if g.kind == WINDOW), 0)
         self._blocks: dict[str, tuple[list[int], ...]] = {}
 
-    def allocate_slots(self, req_id: str, num_tokens: int) -> tuple[list[int], ...] | None:
-        """Grow `req_id` to hold `num_tokens` computed tokens in every group.
+    def allocate_slots(self, req_id: str, num_tokens: int, num_computed: int = 0) -> tuple[list[int], ...] | None:
+        """Grow `req_id` to hold `num_tokens` computed tokens in every group (it has `num_computed` already).
 
         Returns the newly allocated block ids per group (possibly empty lists), or None, allocating nothing,
-        if any group lacks free blocks.
+        if any group lacks free blocks. Window blocks no query from `num_computed` on reads are freed first.
         """
         held = self._blocks.get(req_id)
+        if held is not None:
+            self._free_behind_window(held, num_computed)
         have = [len(b) for b in held] if held is not None else [0] * len(self.groups)
         need = [max(g.num_blocks_for(num_tokens) - h, 0) for g, h in zip(self.groups, have)]
         if any(n > pool.num_free for n, pool in zip(need, self.pools)):
@@ -40,13 +47,20 @@ class KVCacheManager:
             blocks.extend(add)
         return new  # type: ignore[return-value]
 
+    def _free_behind_window(self, held: tuple[list[int], ...], num_computed: int) -> None:
+        for g, pool, blocks in zip(self.groups, self.pools, held):
+            for i in range(min(g.first_live_block(num_computed), len(blocks))):
+                if blocks[i] != NULL_BLOCK:
+                    pool.free([blocks[i]])
+                    blocks[i] = NULL_BLOCK
+
     def free(self, req_id: str) -> None:
         """Release every block of `req_id` (no-op if it holds none)."""
         held = self._blocks.pop(req_id, None)
         if held is None:
             return
         for pool, blocks in zip(self.pools, held):
-            pool.free(blocks[::-1])  # tail first: see BlockPool.free
+            pool.free([b for b in blocks[::-1] if b != NULL_BLOCK])  # tail first: see BlockPool.free
 
     def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
         """A copy of the blocks `req_id` holds, one list per group (empty lists if none)."""
@@ -62,4 +76,12 @@ class KVCacheManager:
 
     def can_fit(self, num_tokens: int) -> bool:
         """Whether one request of `num_tokens` computed tokens fits in the empty pools."""
-        return all(g.num_blocks_for(num_tokens) <= pool.capacity for g, pool in zip(self.groups, self.pools))
+        return all(self._peak_blocks(g, num_tokens) <= pool.capacity for g, pool in zip(self.groups, self.pools))
+
+    def _peak_blocks(self, g: KVGroupSpec, num_tokens: int) -> int:
+        """The most blocks of `g` one request of `num_tokens` holds at once: all of them, except that a window
+        group only keeps the blocks of one step's windows (W - 1 older tokens plus one chunk, unaligned: +2)."""
+        need = g.num_blocks_for(num_tokens)
+        if g.kind == WINDOW and g.sliding_window > 0 and self.max_chunk is not None:
+            need = min(need, -(-(g.sliding_window - 1 + self.max_chunk) // g.block_size) + 2)
+        return need

@@ -35,6 +35,14 @@ class KVGroupSpec:
     num_blocks: int = 0  # pool size including the null block
     prefix_cacheable: bool = True
     prefix_replay_tokens: int = 0
+    sliding_window: int = 0  # window group: a token reads the W tokens up to itself, so older blocks are freed
+
+    def first_live_block(self, num_computed: int) -> int:
+        """Blocks before this one hold only positions no future query reads (those before num_computed - W + 1,
+        the oldest key of the next token's window): a window group frees them."""
+        if self.kind != WINDOW or self.sliding_window <= 0:
+            return 0
+        return max(0, num_computed - self.sliding_window + 1) // self.block_size
 
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks a request needs once `num_tokens` tokens have been computed."""
@@ -75,7 +83,8 @@ def make_kv_groups(model: ModelConfig, block_size: int, num_blocks: int, max_num
     """The KV groups of a model, with pool sizes derived from the window pool's `num_blocks`."""
     n = model.num_hidden_layers
     layouts = [layer_cache_layout(model, i) for i in range(n)]
-    groups = [KVGroupSpec("window", WINDOW, tuple(range(n)), block_size, 1, num_blocks)]
+    groups = [KVGroupSpec("window", WINDOW, tuple(range(n)), block_size, 1, num_blocks,
+                          sliding_window=model.sliding_window)]
     for r in sorted({lay.ratio for lay in layouts if lay.ratio > 0}):
         layers = tuple(i for i in range(n) if layouts[i].ratio == r)
         # a compressed block covers block_size*r tokens; +1 partially filled block per request of slack
