@@ -46,6 +46,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, help="longest prompt + completion, in tokens")
     gen.add_argument("--max-num-seqs", type=int, help="requests per batch")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    _add_gpu_args(gen)
 
     srv = sub.add_parser("serve", help="serve the OpenAI API (chat, completions, /metrics) over HTTP")
     srv.add_argument("--model", help="checkpoint directory (default: the built-in random tiny-v4 model)")
@@ -63,6 +64,7 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: room for max-num-seqs requests)")
     srv.add_argument("--seed", type=int, help="engine random seed")
     srv.add_argument("--log-level", default="info", help="debug | info | warning | error (default info)")
+    _add_gpu_args(srv)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     add_bench_serve_args(bench.add_parser("serve", help="load an OpenAI server; report TTFT, TPOT, ITL, E2EL"))
@@ -90,6 +92,18 @@ def _make_model(args: argparse.Namespace) -> None:
     print(f"wrote {args.preset} (seed {args.seed}, {dtype}) to {out}")
 
 
+_GPU_ARGS = ("enforce_eager", "gpu_memory_utilization", "encoder_cudagraphs")
+
+
+def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
+    """The GPU runtime knobs shared by `generate` and `serve` (vLLM's names)."""
+    parser.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    parser.add_argument("--gpu-memory-utilization", type=float,
+                        help="share of the GPU for weights, activations and the KV cache (default 0.9)")
+    parser.add_argument("--encoder-cudagraphs", action="store_true", default=None,
+                        help="CUDA graphs for the vision encoder (experimental)")
+
+
 def _generate(args: argparse.Namespace) -> None:
     if args.model is not None and not os.path.isdir(args.model):
         raise FileNotFoundError(f"--model {args.model!r} is not a directory")
@@ -106,7 +120,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     model = args.model or default_model_dir()
     engine_args: dict[str, Any] = {"model": model}
-    for name in ("dtype", "device", "max_model_len", "max_num_seqs", "seed"):
+    for name in ("dtype", "device", "max_model_len", "max_num_seqs", "seed") + _GPU_ARGS:
         if getattr(args, name) is not None:
             engine_args[name] = getattr(args, name)
     llm = LLM(**engine_args)
@@ -128,9 +142,9 @@ def _serve(args: argparse.Namespace) -> None:
     from dsv4.serve.api_server import run_server
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine_args = {name: getattr(args, name) for name in ("dtype", "device", "max_model_len", "max_num_seqs",
-                                                           "max_num_batched_tokens", "block_size", "num_kv_blocks",
-                                                           "seed") if getattr(args, name) is not None}
+    names = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
+             "num_kv_blocks", "seed") + _GPU_ARGS
+    engine_args = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     run_server(args.model, host=args.host, port=args.port, api_key=args.api_key,
                served_model_name=args.served_model_name, log_level=args.log_level.lower(), **engine_args)
 
