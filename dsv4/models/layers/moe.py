@@ -144,6 +144,7 @@ def routed_experts_fixed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tens
     g, u = gu.float().chunk(2, dim=-1) if weight_before_down else gu.chunk(2, dim=-1)
     if weight_before_down:
         h = (clamped_swiglu(g, u, limit) * wmat.t()[:, :, None]).to(x.dtype)
-        return torch.einsum("eti,edi->td", h, down).float()
+        # batched over experts, then summed: an einsum contracting (e, i) at once would copy all of `down`
+        return torch.bmm(h, down.transpose(1, 2)).float().sum(dim=0)
     y = torch.einsum("eti,edi->etd", clamped_swiglu(g, u, limit), down)
     return (y.float() * wmat.t()[:, :, None]).sum(dim=0)
