@@ -15,8 +15,11 @@ from dsv4.models.layers.rope import RotaryTable
 from dsv4.models.loader import VISION_MODULE, CheckpointError, load_into_module, param_dtype, route_v41
 from dsv4.models.vision import vision_param_dtype
 
-# V4.1 keeps only the mHC parameters, attention sinks and router biases in fp32 (its norms follow the model dtype).
-_V41_FP32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|attn_sink|gate\.bias(_vl)?)$")
+# V4.1 keeps the mHC parameters, attention sinks and router biases in fp32 (its norms follow the model dtype), and
+# here also the router and ratio-2 gate weights: the model computes with them in fp32 (model.md 5, 6), so storing
+# them in fp32 saves an upcast copy of each on every step (checkpoints ship them in bf16: the values are the same).
+_V41_FP32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|attn_sink|gate\.bias(_vl)?|ffn\.gate\.weight|"
+                       r"compressor\.wgate\.weight)$")
 
 
 def v41_param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
