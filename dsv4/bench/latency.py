@@ -17,7 +17,6 @@ import contextlib
 import argparse
 import gc
 import inspect
-import json
 import logging
 import math
 import platform
@@ -31,6 +30,7 @@ from typing import Any
 
 import torch
 
+from dsv4.bench import write_json
 from dsv4.models.config import CSA, ModelConfig, load_model_config
 from dsv4.models.presets import tensor_shapes
 
@@ -502,7 +502,5 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     res = run(args)
     print_result(res)
     if args.output_json:
-        with open(args.output_json, "w", encoding="utf-8") as fh:
-            json.dump(res, fh, indent=2)
-            fh.write("\n")
+        write_json(args.output_json, res)
     return res

@@ -9,12 +9,12 @@ kernel compilation), untimed.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
 import torch
 
+from dsv4.bench import write_json
 from dsv4.bench.latency import engine_knobs, environment, random_prompts, resolve_device_dtype, sync
 from dsv4.models.config import load_model_config
 
@@ -90,7 +90,5 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     res = run(args)
     print_result(res)
     if args.output_json:
-        with open(args.output_json, "w", encoding="utf-8") as fh:
-            json.dump(res, fh, indent=2)
-            fh.write("\n")
+        write_json(args.output_json, res)
     return res

@@ -133,6 +133,23 @@ def _get(raw: dict[str, Any], name: str, default: Any) -> Any:
     return default if value is None and default is not None else value
 
 
+# Scalar fields both DeepSeek-V4 and V4.1 configs carry: name -> (type, V4 default). V4.1 overrides some defaults.
+_SCALARS: dict[str, tuple[type, Any]] = {
+    "vocab_size": (int, 129280), "hidden_size": (int, 4096), "moe_intermediate_size": (int, 2048),
+    "num_attention_heads": (int, 64), "q_lora_rank": (int, 1024), "num_experts_per_tok": (int, 6),
+    "n_routed_experts": (int, 256), "n_shared_experts": (int, 1), "scoring_func": (str, "sqrtsoftplus"),
+    "norm_topk_prob": (bool, True), "routed_scaling_factor": (float, 1.5), "hc_mult": (int, 4),
+    "hc_sinkhorn_iters": (int, 20), "hc_eps": (float, 1e-6), "swiglu_limit": (float, 10.0),
+    "sliding_window": (int, 128), "o_groups": (int, 8), "o_lora_rank": (int, 1024), "index_n_heads": (int, 64),
+    "index_head_dim": (int, 128), "index_topk": (int, 512), "rms_norm_eps": (float, 1e-6),
+}
+
+
+def scalar_fields(raw: dict[str, Any], **defaults: Any) -> dict[str, Any]:
+    """The shared scalar fields of `raw`, typed, with the V4 defaults unless `defaults` overrides them."""
+    return {name: kind(_get(raw, name, defaults.get(name, default))) for name, (kind, default) in _SCALARS.items()}
+
+
 def _rope_from_dict(d: dict[str, Any], theta: float, dim: int, max_positions: int, where: str) -> RopeConfig:
     rope_type = d.get("rope_type", d.get("type", "default")) or "default"
     if rope_type not in ("default", "yarn"):
@@ -239,43 +256,24 @@ def parse_v4_config(raw: dict[str, Any]) -> ModelConfig:
 
     cfg = ModelConfig(
         model_type=model_type,
-        vocab_size=int(_get(raw, "vocab_size", 129280)),
-        hidden_size=int(_get(raw, "hidden_size", 4096)),
-        moe_intermediate_size=int(_get(raw, "moe_intermediate_size", _get(raw, "intermediate_size", 2048))),
         num_hidden_layers=n,
-        num_attention_heads=int(_get(raw, "num_attention_heads", 64)),
         head_dim=head_dim,
-        q_lora_rank=int(_get(raw, "q_lora_rank", 1024)),
         qk_rope_head_dim=rope_dim,
-        num_experts_per_tok=int(_get(raw, "num_experts_per_tok", 6)),
-        n_routed_experts=int(_get(raw, "n_routed_experts", _get(raw, "num_local_experts", 256))),
-        n_shared_experts=int(_get(raw, "n_shared_experts", 1)),
-        scoring_func=str(_get(raw, "scoring_func", "sqrtsoftplus")),
-        norm_topk_prob=bool(_get(raw, "norm_topk_prob", True)),
-        routed_scaling_factor=float(_get(raw, "routed_scaling_factor", 1.5)),
         max_position_embeddings=max_positions,
         rope_main=rope_main,
         rope_compress=rope_compress,
         layer_types=tuple(layer_types),
         compress_ratios=tuple(0 if t == SLIDING else rates[t] for t in layer_types),
         mlp_layer_types=tuple(mlp_types),
-        hc_mult=int(_get(raw, "hc_mult", 4)),
-        hc_sinkhorn_iters=int(_get(raw, "hc_sinkhorn_iters", 20)),
-        hc_eps=float(_get(raw, "hc_eps", 1e-6)),
-        swiglu_limit=float(_get(raw, "swiglu_limit", 10.0)),
-        sliding_window=int(_get(raw, "sliding_window", 128)),
-        o_groups=int(_get(raw, "o_groups", 8)),
-        o_lora_rank=int(_get(raw, "o_lora_rank", 1024)),
-        index_n_heads=int(_get(raw, "index_n_heads", 64)),
-        index_head_dim=int(_get(raw, "index_head_dim", 128)),
-        index_topk=int(_get(raw, "index_topk", 512)),
-        rms_norm_eps=float(_get(raw, "rms_norm_eps", 1e-6)),
         bos_token_id=raw.get("bos_token_id", 0),
         eos_token_ids=eos_ids,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         quantization_config=raw.get("quantization_config"),
+        # legacy aliases: intermediate_size, num_local_experts
+        **scalar_fields(raw, moe_intermediate_size=_get(raw, "intermediate_size", 2048),
+                        n_routed_experts=_get(raw, "num_local_experts", 256)),
     )
     validate(cfg)
     return cfg

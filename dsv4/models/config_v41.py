@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dsv4.models.config import MOE, ModelConfig, RopeConfig, _get, _require, _rope_from_dict, validate
+from dsv4.models.config import (MOE, ModelConfig, RopeConfig, _get, _require, _rope_from_dict, scalar_fields,
+                                validate)
 
 V41_KV_SOURCE = "shared_compressed_attention"
 RELEASED_RATIOS = [0, 0] + [2] * 18 + [1] * 20 + [0] * 3
@@ -174,37 +175,15 @@ def parse_v41_config(raw: dict[str, Any]) -> ModelConfig:
              "candidate_block_size and candidate_topk_blocks must be positive")
     cfg = ModelConfig(
         model_type="deepseek_v41",
-        vocab_size=int(_get(raw, "vocab_size", 129280)),
-        hidden_size=int(_get(raw, "hidden_size", 5120)),
-        moe_intermediate_size=int(_get(raw, "moe_intermediate_size", 2304)),
         num_hidden_layers=n,
-        num_attention_heads=int(_get(raw, "num_attention_heads", 64)),
         head_dim=head_dim,
-        q_lora_rank=int(_get(raw, "q_lora_rank", 1280)),
         qk_rope_head_dim=rope_dim,
-        num_experts_per_tok=int(_get(raw, "num_experts_per_tok", 6)),
-        n_routed_experts=int(_get(raw, "n_routed_experts", 384)),
-        n_shared_experts=int(_get(raw, "n_shared_experts", 1)),
-        scoring_func=str(_get(raw, "scoring_func", "sqrtsoftplus")),
-        norm_topk_prob=bool(_get(raw, "norm_topk_prob", True)),
-        routed_scaling_factor=float(_get(raw, "routed_scaling_factor", 1.5)),
         max_position_embeddings=max_positions,
         rope_main=rope_main,
         rope_compress=rope_compress,
         layer_types=tuple(V41_KV_SOURCE if i in kv_sources else "sliding_attention" for i in range(n)),
         compress_ratios=tuple(ratios),
         mlp_layer_types=(MOE,) * n,
-        hc_mult=int(_get(raw, "hc_mult", 4)),
-        hc_sinkhorn_iters=int(_get(raw, "hc_sinkhorn_iters", 20)),
-        hc_eps=float(_get(raw, "hc_eps", 1e-6)),
-        swiglu_limit=float(_get(raw, "swiglu_limit", 10.0)),
-        sliding_window=int(_get(raw, "sliding_window", 128)),
-        o_groups=int(_get(raw, "o_groups", 8)),
-        o_lora_rank=int(_get(raw, "o_lora_rank", 1024)),
-        index_n_heads=int(_get(raw, "index_n_heads", 32)),
-        index_head_dim=int(_get(raw, "index_head_dim", 128)),
-        index_topk=int(_get(raw, "index_topk", 512)),
-        rms_norm_eps=float(_get(raw, "rms_norm_eps", 1e-20)),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
         tie_word_embeddings=bool(top.get("tie_word_embeddings", False)),
@@ -212,6 +191,9 @@ def parse_v41_config(raw: dict[str, Any]) -> ModelConfig:
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         quantization_config=top.get("quantization_config", raw.get("quantization_config")),
         v41=schedule,
+        # V4.1-Flash defaults where they differ from V4's
+        **scalar_fields(raw, hidden_size=5120, moe_intermediate_size=2304, q_lora_rank=1280, n_routed_experts=384,
+                        index_n_heads=32, rms_norm_eps=1e-20),
     )
     validate(cfg)
     if kv_sources:

@@ -143,14 +143,11 @@ class _Route:
     half: int = 0  # gate_up_proj: 0 = gate (w1) rows, 1 = up (w3) rows
 
 
-def _route(key: str) -> _Route | None:
-    """Internal name of a (weight, not scale) checkpoint key; None for ignored (`mtp.*`) keys. Unknown keys come
-    back unchanged (with the `model.` prefix) so that they are reported as unexpected."""
-    bare = key[len("model."):] if key.startswith("model.") else key
-    if bare.startswith("mtp."):
-        return None
-    if bare in _TOP_LEVEL:
-        return _Route(_TOP_LEVEL[bare])
+def _split_layer(bare: str, top: dict[str, str], experts: str) -> _Route | tuple[str, str]:
+    """The route of a top-level key, of a non-layer key (kept, to be reported if unexpected) or of a per-expert
+    piece (packed under `experts`); else (internal layer prefix, layer-relative rest) for the caller to rename."""
+    if bare in top:
+        return _Route(top[bare])
     m = _LAYER_RE.match(bare)
     if m is None:
         return _Route(bare if bare.startswith("lm_head.") else "model." + bare)
@@ -158,7 +155,20 @@ def _route(key: str) -> _Route | None:
     e = _EXPERT_RE.match(rest)
     if e is not None:
         packed, half = _EXPERT_PART[e.group(2)]
-        return _Route(prefix + "mlp.experts." + packed, expert=int(e.group(1)), half=half)
+        return _Route(prefix + experts + packed, expert=int(e.group(1)), half=half)
+    return prefix, rest
+
+
+def _route(key: str) -> _Route | None:
+    """Internal name of a (weight, not scale) checkpoint key; None for ignored (`mtp.*`) keys. Unknown keys come
+    back unchanged (with the `model.` prefix) so that they are reported as unexpected."""
+    bare = key[len("model."):] if key.startswith("model.") else key
+    if bare.startswith("mtp."):
+        return None
+    split = _split_layer(bare, _TOP_LEVEL, "mlp.experts.")
+    if isinstance(split, _Route):
+        return split
+    prefix, rest = split
     if rest in _LAYER_PARAMS:
         return _Route(prefix + _LAYER_PARAMS[rest])
     module, _, leaf = rest.rpartition(".")
@@ -232,16 +242,10 @@ def route_v41(key: str) -> _Route | None:
         return None
     if _VISION_KEY.match(bare):
         return _Route(f"{VISION_MODULE}.{_vision_name(bare)}")
-    if bare in _V41_TOP:
-        return _Route(_V41_TOP[bare])
-    m = _LAYER_RE.match(bare)
-    if m is None:
-        return _Route(bare if bare.startswith("lm_head.") else "model." + bare)
-    prefix, rest = f"model.layers.{m.group(1)}.", m.group(2)
-    e = _EXPERT_RE.match(rest)
-    if e is not None:
-        packed, half = _EXPERT_PART[e.group(2)]
-        return _Route(prefix + "ffn.experts." + packed, expert=int(e.group(1)), half=half)
+    split = _split_layer(bare, _V41_TOP, "ffn.experts.")
+    if isinstance(split, _Route):
+        return split
+    prefix, rest = split
     for old, new in _V41_RENAMES:
         if rest.startswith(old):
             rest = new + rest[len(old):]
