@@ -114,6 +114,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         mgr.capture()
         capture_s = time.perf_counter() - t0
+        print(f"captured budgets {mgr.budgets} in {capture_s:.1f} s", flush=True)
         graph_bytes = torch.cuda.memory_reserved(device) - before
 
     results = []
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "eager_ms": eager, "graphs_ms": graphs, "speedup": eager["median"] / graphs["median"],
                 "max_abs_diff": diff,
             })
+            print(f"{size} x{count}: eager {eager['median']:.3f} ms, graphs {graphs['median']:.3f} ms", flush=True)
 
     report = {
         "benchmark": "encoder_latency", "vision": args.vision, "vision_config": dataclasses.asdict(cfg),

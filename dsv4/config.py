@@ -57,6 +57,9 @@ class EngineConfig:
     # Vision-encoder CUDA graphs: opt-in until they have been run on a GPU (and their attention no longer builds
     # an O(rows^2) mask over the whole padded budget)
     encoder_cudagraphs: bool = False
+    # torch.compile the fixed-shape decode forward before its graphs are captured (fuses the small elementwise
+    # ops between the Triton kernels and GEMMs); CUDA only, opt-in: compiling costs minutes at start-up
+    compile_decode: bool = False
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:

@@ -330,7 +330,7 @@ class PagedModel:
         ctx = len(self.ids)
         self.ids.append(token)
         bufs = DecodeMetadataBuffers(self.groups, 2, MAX_MODEL_LEN, self.model.cfg.sliding_window, "cpu")
-        dmd = bufs.build(1, 2, torch.tensor([ctx]), self.tables)
+        dmd = bufs.build_torch(1, 2, torch.tensor([ctx]), self.tables)
         hidden = self.model.forward_decode(torch.tensor([token, 0]), dmd, self.caches,
                                            lookback_token_ids=self._lookback(ctx, rows=2))
         return self.model.compute_logits(hidden[:1])

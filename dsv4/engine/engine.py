@@ -142,7 +142,8 @@ class LLMEngine:
                   max_num_seqs: int = 16, max_num_batched_tokens: int | None = None, block_size: int = 16,
                   num_kv_blocks: int | None = None, seed: int = 0, load_tokenizer: bool = True,
                   enforce_eager: bool = False, cudagraph_capture_sizes: tuple[int, ...] | None = None,
-                  gpu_memory_utilization: float = 0.9, encoder_cudagraphs: bool = False) -> "LLMEngine":
+                  gpu_memory_utilization: float = 0.9, encoder_cudagraphs: bool = False,
+                  compile_decode: bool = False) -> "LLMEngine":
         """Build an engine from a checkpoint directory and the usual knobs."""
         mc = load_model_config(model)
         max_model_len = max_model_len or min(mc.max_position_embeddings, 4096)
@@ -154,7 +155,7 @@ class LLMEngine:
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks),
             dtype=dtype, device=device, seed=seed, enforce_eager=enforce_eager,
             cudagraph_capture_sizes=cudagraph_capture_sizes, gpu_memory_utilization=gpu_memory_utilization,
-            encoder_cudagraphs=encoder_cudagraphs,
+            encoder_cudagraphs=encoder_cudagraphs, compile_decode=compile_decode,
         )
         tok = Tokenizer.from_dir(model) if load_tokenizer else None
         return cls(cfg, tok)

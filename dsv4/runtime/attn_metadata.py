@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4.kv.spec import KVGroupSpec
+from dsv4.ops import decode_metadata
 
 
 @dataclass
@@ -118,9 +119,31 @@ class DecodeMetadataBuffers:
             entry_write={k: v[:P] for k, v in self.entry_write.items()},
         )
 
-    def build(self, num_reqs: int, num_padded: int, positions: torch.Tensor,
-              block_tables: dict[str, torch.Tensor]) -> DecodeMetadata:
-        """Fill rows [0, num_padded) from the real rows' positions [num_reqs] and batch-order block tables."""
+    def build(self, num_reqs: int, num_padded: int, positions: torch.Tensor, idx_mapping: torch.Tensor,
+              tables: dict[str, torch.Tensor]) -> DecodeMetadata:
+        """Fill rows [0, num_padded) from the real rows' positions [num_reqs], their state rows `idx_mapping`
+        [num_reqs] and the state-row block tables (BlockTables.tables). Triton on CUDA (a few launches), the torch
+        reference elsewhere and for all-padding builds (capture, warm-up)."""
+        if positions.is_cuda and decode_metadata.triton is not None and num_reqs > 0:
+            return self._build_triton(num_reqs, num_padded, positions, idx_mapping, tables)
+        batch_tables = {name: t[idx_mapping[:num_reqs]] for name, t in tables.items()} if num_reqs else {}
+        return self.build_torch(num_reqs, num_padded, positions, batch_tables)
+
+    def _build_triton(self, R: int, P: int, positions: torch.Tensor, idx_mapping: torch.Tensor,
+                      tables: dict[str, torch.Tensor]) -> DecodeMetadata:
+        win = next(g for g in self.groups if g.kind == "window")
+        decode_metadata.build_window_metadata_triton(
+            R, P, positions, idx_mapping, tables[win.name], win.block_size, tables.get("compressor_state"),
+            self.positions, self.window_slots, self.window_mask, self.write_slots, self.state_blocks)
+        for g in self.compressed:
+            decode_metadata.build_compressed_metadata_triton(
+                R, P, self.positions, idx_mapping, tables[g.name], g.block_size, g.tokens_per_row,
+                self.entry_slots[g.name], self.n_entries[g.name], self.entry_write[g.name])
+        return self.views(R, P)
+
+    def build_torch(self, num_reqs: int, num_padded: int, positions: torch.Tensor,
+                    block_tables: dict[str, torch.Tensor]) -> DecodeMetadata:
+        """The reference build from batch-order block tables [num_reqs, max_blocks] (device ops only)."""
         R, P = num_reqs, num_padded
         # padding rows first: no position, no visible key, every write to the trash slot
         for t in (self.positions, self.window_slots, self.write_slots, self.state_blocks):

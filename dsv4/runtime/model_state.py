@@ -53,12 +53,11 @@ class DefaultModelState:
 
     def prepare_decode_attn(self, batch: InputBatch, block_tables: BlockTables, num_padded: int) -> DecodeMetadata:
         """Fixed-shape metadata of a uniform-decode step padded to `num_padded` rows (a graph size)."""
-        tables = block_tables.gather(batch.idx_mapping)
-        return self.decode.build(batch.num_reqs, num_padded, batch.positions, tables)
+        return self.decode.build(batch.num_reqs, num_padded, batch.positions, batch.idx_mapping, block_tables.tables)
 
     def prepare_dummy_decode_attn(self, num_padded: int) -> DecodeMetadata:
         """All-padding decode metadata of `num_padded` rows (graph capture, warm-up)."""
-        return self.decode.build(0, num_padded, self.decode.positions[:0], {})
+        return self.decode.build_torch(0, num_padded, self.decode.positions[:0], {})
 
     def prepare_inputs(self, batch: InputBatch, req_state: RequestState) -> dict[str, torch.Tensor]:
         """Extra model inputs beyond input_ids/positions (none for V4)."""

@@ -1,0 +1,127 @@
+"""Where a graph-mode decode step's time goes: whole engine step, the decode graph's replay alone, the host phases
+around it, and the kernels inside the graph.
+
+usage: PYTHONPATH=. python3 benchmarks/profile_graph.py MODEL_DIR [BATCH] [STEPS] [--compile]
+
+One capture size (BATCH).
+
+Prints (median over STEPS):
+- step: wall time of `LLMEngine.step()` for a uniform-decode step (sync on both sides);
+- replay: GPU time of the graph replay alone (CUDA events around back-to-back replays of the same graph);
+- host phases of one step, each timed with a device sync before it (so each number is that phase's own cost,
+  host work plus the kernels it launches): schedule, runner inputs + metadata, replay, logits + sampling,
+  scheduler/engine bookkeeping;
+- the kernels of one replay by GPU time (torch profiler; kernels inside a graph are listed when the CUPTI in use
+  reports them).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dsv4.engine.engine import LLMEngine
+from dsv4.sampling_params import SamplingParams
+
+
+def _timed(fn: Callable[..., Any], name: str, acc: dict[str, list[float]]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn(*args, **kwargs)
+        torch.cuda.synchronize()
+        acc[name].append((time.perf_counter() - t0) * 1e3)
+        return out
+    return wrapper
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    model, batch = args[0], int(args[1]) if len(args) > 1 else 1
+    steps = int(args[2]) if len(args) > 2 else 20
+    compile_decode = "--compile" in sys.argv
+    t0 = time.perf_counter()
+    eng = LLMEngine.from_args(model, dtype="bfloat16", device="cuda", max_model_len=1024, max_num_seqs=batch,
+                              max_num_batched_tokens=max(2048, 512 * batch), load_tokenizer=False,
+                              cudagraph_capture_sizes=(batch,), compile_decode=compile_decode)
+    print(f"engine start-up {time.perf_counter() - t0:.1f} s (compile_decode={compile_decode})")
+    g = torch.Generator().manual_seed(0)
+    for i in range(batch):
+        ids = torch.randint(10, eng.config.model.vocab_size, (512,), generator=g).tolist()
+        eng.add_request(ids, SamplingParams(temperature=0, max_tokens=4 * steps + 64, ignore_eos=True),
+                        request_id=str(i))
+    for _ in range(4):
+        eng.step()
+    runner = eng.runner
+    # 1. whole steps
+    walls = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.step()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+    # 2. the graph alone
+    P = runner.graphs.padded_size(batch)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = []
+    for _ in range(steps):
+        start.record()
+        runner.graphs.replay(P)
+        end.record()
+        end.synchronize()
+        reps.append(start.elapsed_time(end))
+    # 3. host phases (each synced: own cost)
+    acc: dict[str, list[float]] = defaultdict(list)
+    sched = eng.scheduler
+    orig = {"schedule": sched.schedule, "execute": runner.execute}
+    sched.schedule = _timed(sched.schedule, "schedule", acc)
+    ms = runner.model_state
+    ms.prepare_decode_attn = _timed(ms.prepare_decode_attn, "decode metadata", acc)
+    ms.prepare_inputs = _timed(ms.prepare_inputs, "model inputs", acc)
+    runner.graphs.replay = _timed(runner.graphs.replay, "graph replay", acc)
+    runner.model.compute_logits = _timed(runner.model.compute_logits, "logits", acc)
+    sampler_call = runner.sampler.__call__
+    runner.sampler = _SamplerProxy(_timed(sampler_call, "sampler", acc))
+    runner.execute = _timed(runner.execute, "execute (all)", acc)
+    step_t = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.step()
+        torch.cuda.synchronize()
+        step_t.append((time.perf_counter() - t0) * 1e3)
+    sched.schedule = orig["schedule"]
+    print(f"{model} batch {batch} (graph size {P}), median over {steps}:")
+    print(f"  engine step (unsynced inside)  {statistics.median(walls):8.3f} ms")
+    print(f"  graph replay alone (events)    {statistics.median(reps):8.3f} ms")
+    print(f"  engine step with synced phases {statistics.median(step_t):8.3f} ms")
+    for k, v in acc.items():
+        print(f"    {k:28s} {statistics.median(v):8.3f} ms")
+    # 4. kernels in one replay
+    del runner.graphs.replay
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            runner.graphs.replay(P)
+        torch.cuda.synchronize()
+    print("kernels of 5 replays:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
+
+
+class _SamplerProxy:
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+if __name__ == "__main__":
+    main()
