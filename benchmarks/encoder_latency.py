@@ -17,9 +17,11 @@ span embeddings on the device, `torch.cuda.synchronize()` before and after, wall
   image, the aligner and the span assembly per image);
 - graphs: `EncoderCudaGraphManager.encode` (sorted greedy packing, one replay per batch, one gather per batch; images
   larger than every budget run eagerly, reported as misses).
-Budgets follow the engine's limits (`--max-num-batched-tokens`, `--max-model-len`). The graph attention is a
-block-diagonal masked SDPA over the whole budget's rows, so large packed batches pay O(rows^2): the results show
-where graphs stop paying off. `--device cpu` smoke-tests the script (no graphs: the uncaptured stand-in).
+Budgets follow the engine's limits (`--max-num-batched-tokens`, `--max-model-len`). The graph attention is the
+Triton varlen flash-attention kernel over the whole budget's rows: O(sum of len^2) per image plus the padding
+sequence's len^2 (the budget's unused rows, attended as one sequence), so graphs pay for padding the eager path never
+runs: the results show where that outweighs the saved launches. `--device cpu` smoke-tests the script (no graphs: the
+uncaptured stand-in).
 """
 
 from __future__ import annotations

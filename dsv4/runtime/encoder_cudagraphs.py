@@ -19,9 +19,12 @@ Images are sorted by span tokens and packed greedily into batches of at most `ma
 budget; the smallest budget holding a batch is replayed. An image larger than every budget runs through the eager
 encoder (`VisionEncoder.forward`); such images count as misses, replayed images as hits.
 
-Cost: the graph-safe attention is one block-diagonal masked SDPA over all r^2 * B rows of the budget (a [rows, rows]
-mask and scores, padding included), where the eager path attends per image. Graphs pay off where launch overhead
-dominates (few or small images) and can lose on large packed batches; benchmarks/encoder_latency.py measures both.
+Cost: the graph-safe attention is the Triton varlen flash-attention kernel (dsv4/ops/varlen_attention.py) over all
+r^2 * B rows of the budget: work O(sum of len^2) over the images AND the padding sequence (a nearly empty batch in a
+large budget still pays for its padding block squared, as one sequence), plus a little for query blocks straddling
+an image boundary; memory O(rows). The eager path attends per image and skips the padding. Off CUDA (or without
+triton) the device path falls back to the block-diagonal masked SDPA reference, O(rows^2). Graphs pay off where
+launch overhead dominates; benchmarks/encoder_latency.py measures both.
 Graph memory (buffers, the pool) is not part of the KV-cache sizing profile.
 
 Refused configurations (`EncoderGraphError`): a device other than CUDA, a ViT attention module other than dsv4's

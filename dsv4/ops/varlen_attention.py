@@ -1,0 +1,156 @@
+"""Packed variable-length, non-causal attention (the ViT's): a Triton flash-attention forward over device cu_seqlens.
+
+q, k, v [rows, H, Dh] hold several sequences back to back; `cu_seqlens` int [S+1] (on the device) marks their
+boundaries and rows past `cu_seqlens[-1]` form one more sequence (the CUDA-graph padding rule of
+`block_diagonal_attention`, the torch reference in dsv4/models/vision.py). Every row attends to all rows of its own
+sequence and to no other: softmax(q k^T * scale) v per sequence, logits and softmax sums in fp32, output in q's dtype.
+
+Why this shape of kernel: the vision encoder's CUDA graphs (dsv4/runtime/encoder_cudagraphs.py) capture the
+attention, so nothing here may read a device value on the host: no max_seqlen, no per-sequence grid. The grid is
+fixed by shapes alone, (cdiv(rows, BLOCK_M), H), and every program finds its key range on the device:
+- a per-row sequence id comes from one `torch.searchsorted` (capturable, O(rows)), the same rule the reference uses;
+- each program takes BLOCK_M consecutive query rows; row r attends to keys [lo_r, hi_r) (its sequence's bounds, read
+  from cu_seqlens through its id), and the program loops over key tiles of [min lo, max hi) with an online softmax,
+  masking per (row, key) with the row's own bounds. A block inside one sequence walks exactly that sequence; a block
+  that straddles a boundary walks the union of the sequences it touches (rows of one sequence see the others' keys
+  as -inf). The loop bounds are loaded in the kernel, so one captured graph serves any boundaries.
+Cost: O(sum over sequences of len^2) work, plus at most the neighbouring sequences' keys for the few blocks that
+straddle a boundary; memory O(rows) (no [rows, rows] mask or score matrix, unlike the reference).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use the torch reference (dsv4.models.vision.block_diagonal_attention)
+    triton = None
+
+HAS_TRITON = triton is not None  # for dispatchers that take the torch reference without it
+
+# Tile sizes for the GPU (Dh = 64 at the released shapes): 128 query rows share every K/V tile they load, and the
+# [BLOCK_M, BLOCK_N] fp32 scores of 8 warps stay in registers. Not tuned on hardware yet; callers may override.
+BLOCK_M = 128
+BLOCK_N = 64
+NUM_WARPS = 8
+NUM_STAGES = 2
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when kernels are defined, as triton does
+
+if triton is not None:
+
+    @triton.jit
+    def _dot(a, b, LOWP: tl.constexpr, UPCAST: tl.constexpr):
+        """a @ b with fp32 accumulation. bf16/fp16 tiles go to the tensor cores as they are; fp32 tiles use exact
+        fp32 products (tf32 would cost ~1e-3 relative, more than the fp32 reference allows). The CPU interpreter
+        multiplies bf16 tiles as raw integer bits, so there (UPCAST) low-precision tiles go through fp32: the same
+        numbers, since bf16/fp16 products are exact in fp32."""
+        if LOWP:
+            if UPCAST:
+                return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            else:
+                return tl.dot(a, b)
+        else:
+            return tl.dot(a, b, input_precision="ieee")
+
+    @triton.jit
+    def _varlen_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, cu_ptr, n_rows, n_seqs, qk_scale,
+                           sq_r, sq_h, sk_r, sk_h, sv_r, sv_h, so_r, so_h,
+                           D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           LOWP: tl.constexpr, UPCAST: tl.constexpr):
+        h = tl.program_id(1)
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rm = rows < n_rows
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        # Row r's keys: [cu[sid], cu[sid + 1]), where sequence 0 starts at row 0 whatever cu[0] says and the extra
+        # sequence past cu[-1] (sid == n_seqs) ends at n_rows (the reference's rule). hi is clamped to n_rows so a
+        # malformed cu_seqlens cannot make the kernel read past k/v. Rows past n_rows get an empty range.
+        sid = tl.load(seq_ptr + rows, mask=rm, other=0)
+        lo = tl.load(cu_ptr + sid, mask=rm & (sid > 0), other=0).to(tl.int32)
+        hi = tl.load(cu_ptr + sid + 1, mask=rm & (sid < n_seqs), other=n_rows).to(tl.int32)
+        hi = tl.minimum(hi, n_rows)
+        lo = tl.where(rm, lo, n_rows)
+        hi = tl.where(rm, hi, 0)
+        # The union of the rows' ranges: contiguous, as consecutive rows have non-decreasing sequence ids.
+        k_start = tl.min(lo, axis=0)
+        k_end = tl.max(hi, axis=0)
+
+        rows64 = rows.to(tl.int64)  # rows * row stride can pass 2^31 elements on large packed batches
+        q = tl.load(q_ptr + rows64[:, None] * sq_r + h * sq_h + d[None, :], mask=rm[:, None] & dm[None, :],
+                    other=0.0)
+        # A finite start for the running max: a row whose first tiles are all another sequence's keys (a block
+        # straddling a boundary) then gets alpha = exp2(0) = 1 and p = exp2(-inf) = 0 instead of -inf - -inf = nan.
+        m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for n0 in range(k_start, k_end, BLOCK_N):
+            kn = n0 + tl.arange(0, BLOCK_N)
+            km = kn < k_end
+            kn64 = kn.to(tl.int64)
+            k = tl.load(k_ptr + kn64[:, None] * sk_r + h * sk_h + d[None, :], mask=km[:, None] & dm[None, :],
+                        other=0.0)
+            v = tl.load(v_ptr + kn64[:, None] * sv_r + h * sv_h + d[None, :], mask=km[:, None] & dm[None, :],
+                        other=0.0)
+            # scale * log2(e) folded into one multiply of the fp32 logits (exp2 is the native instruction); q is
+            # not pre-scaled, since rounding q * scale back to bf16 would add an error the reference does not have
+            s = _dot(q, tl.trans(k), LOWP, UPCAST) * qk_scale
+            # Every tile gets the full (row, key) mask: a key tile inside the union may belong to another sequence
+            # for some of the block's rows. Keys past k_end lie outside every row's range, so this also hides them.
+            vis = (kn[None, :] >= lo[:, None]) & (kn[None, :] < hi[:, None])
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            # p is rounded to v's dtype for the tensor cores (FlashAttention's numerics); its sum l_i stays fp32
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, LOWP, UPCAST)
+            m_i = m_new
+        # A valid row always sees itself, so l_i > 0 there; only rows past n_rows (never stored) can have 0.
+        l_i = tl.where(l_i > 0, l_i, 1.0)
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + rows64[:, None] * so_r + h * so_h + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=rm[:, None] & dm[None, :])
+
+
+def row_sequence_ids(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
+    """int32 [rows]: the sequence of every packed row, the number of boundaries cu_seqlens[1:] at or below it (rows
+    past cu_seqlens[-1] get S, the extra sequence). Built on cu_seqlens' device with no host read (capturable)."""
+    idx = torch.arange(rows, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), idx, right=True, out_int32=True)
+
+
+def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                            scale: float | None = None, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
+                            num_warps: int = NUM_WARPS, num_stages: int = NUM_STAGES) -> torch.Tensor:
+    """Attention within each packed sequence (see the module docstring). q/k/v [rows, H, Dh] with any row and head
+    strides (a non-contiguous last dim is copied), cu_seqlens int32/int64 [S+1] on q's device; scale defaults to
+    Dh ** -0.5. Returns a new contiguous [rows, H, Dh] tensor in q's dtype. Block sizes must be powers of two >= 16
+    (tl.dot's smallest tile)."""
+    assert triton is not None, "triton is not installed"
+    assert q.dim() == 3 and k.shape == q.shape and v.shape == q.shape, (q.shape, k.shape, v.shape)
+    assert cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 1, cu_seqlens.shape
+    assert cu_seqlens.device == q.device, (cu_seqlens.device, q.device)
+    for b in (block_m, block_n):
+        assert b >= 16 and b & (b - 1) == 0, f"block sizes must be powers of two >= 16, got {b}"
+    rows, heads, dh = q.shape
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = torch.empty(rows, heads, dh, dtype=q.dtype, device=q.device)
+    if rows == 0 or heads == 0 or dh == 0:
+        return out
+    cu = cu_seqlens.contiguous()
+    seq = row_sequence_ids(cu, rows)
+    scale = dh ** -0.5 if scale is None else float(scale)
+    lowp = q.dtype in (torch.bfloat16, torch.float16)
+    # k/v follow q's dtype: tl.dot needs both operands of one type, and the ViT produces all three together
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    _varlen_fwd_kernel[(triton.cdiv(rows, block_m), heads)](
+        q, k, v, out, seq, cu, rows, cu.numel() - 1, scale * 1.4426950408889634,  # log2(e)
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        D=dh, BLOCK_D=max(16, triton.next_power_of_2(dh)), BLOCK_M=block_m, BLOCK_N=block_n, LOWP=lowp,
+        UPCAST=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
+    return out

@@ -1,0 +1,97 @@
+"""The packed varlen attention kernel (dsv4/ops/varlen_attention.py) against per-image attention in fp64, on small
+random inputs under TRITON_INTERPRET=1 (the CPU interpreter; each check runs in a subprocess because the flag is read
+when kernels are defined). Blocks of 16 rows / keys, so that short inputs still straddle blocks and boundaries."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dsv4.ops.varlen_attention import row_sequence_ids
+
+
+def _interpret(code: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
+
+
+# (cu_seqlens, rows): rows > cu_seqlens[-1] makes the rows past it one more sequence
+CASES = [
+    ([0, 37], 37),  # one sequence, not a multiple of the block
+    ([0, 1, 2, 19, 20, 53, 53, 70], 70),  # many short ones, lengths 1, an empty one, boundaries inside blocks
+    ([0, 16, 48, 61, 64], 64),  # block-aligned boundaries, then a trailing padding sequence (the graph layout)
+    ([0, 23, 23], 23),  # a full buffer: the trailing padding sequence is empty
+    ([0, 20, 33], 45),  # cu_seqlens[-1] < rows: rows 33..44 are a sequence of their own
+    ([0], 9),  # no boundary at all: every row is the extra sequence
+]
+
+
+def test_row_sequence_ids() -> None:
+    cu = torch.tensor([0, 1, 2, 19, 20, 53, 53, 70], dtype=torch.int32)
+    ids = row_sequence_ids(cu, 75)
+    assert ids.dtype == torch.int32
+    assert ids[:3].tolist() == [0, 1, 2] and ids[18].item() == 2 and ids[19].item() == 3
+    assert ids[52].item() == 4 and ids[53].item() == 6 and ids[70:].tolist() == [7] * 5  # 7 = S, the extra one
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
+def test_varlen_kernel_matches_per_image(dtype: str, tol: float) -> None:
+    _interpret(f"""
+        import torch
+        from dsv4.models.vision import per_image_attention
+        from dsv4.ops.varlen_attention import varlen_attention_triton
+        g = torch.Generator().manual_seed(0)
+        worst = 0.0
+        for i, (cu, rows) in enumerate({CASES!r}):
+            for H, D in ((1, 16), (3, 32), (2, 16)):
+                # q, k scaled up: sharper softmax, so a wrong mask or a wrong rescale shows
+                q, k = ((torch.randn(rows, H, D, generator=g) * 2).to(torch.{dtype}) for _ in range(2))
+                v = torch.randn(rows, H, D, generator=g).to(torch.{dtype})
+                if i % 2:  # strided inputs: q/k/v as views of one fused [rows, 3, H, D] buffer (the ViT's wqkv)
+                    qkv = torch.stack((q, k, v), 1)
+                    q, k, v = qkv.unbind(1)
+                bounds = cu + ([rows] if cu[-1] < rows else [])
+                ref = per_image_attention(q.double(), k.double(), v.double(), bounds)
+                got = varlen_attention_triton(q, k, v, torch.tensor(cu, dtype=torch.int32), block_m=16, block_n=16)
+                assert got.dtype == q.dtype and got.shape == q.shape and got.is_contiguous()
+                err = (got.double() - ref).abs().max().item()
+                assert torch.allclose(got.double(), ref, rtol={tol}, atol={tol}), (cu, rows, H, D, err)
+                worst = max(worst, err)
+                # attending across the boundaries would differ: the masking is doing something
+                if len(set(bounds)) > 2 and {dtype!r} == "float32":  # two non-empty sequences or more
+                    full = per_image_attention(q.double(), k.double(), v.double(), [0, rows])
+                    assert (full - ref).abs().max() > 1e-2
+        print("worst", worst)
+        print("ok")
+    """)
+
+
+def test_varlen_kernel_other_blocks_and_scale() -> None:
+    # Larger blocks than the sequences (one program spans them all), int64 cu_seqlens, head_dim 24 (padded to 32
+    # in the kernel), an explicit scale, fp16.
+    _interpret("""
+        import torch
+        import torch.nn.functional as F
+        from dsv4.ops.varlen_attention import varlen_attention_triton
+        g = torch.Generator().manual_seed(1)
+        cu, rows, H, D, scale = [0, 5, 12, 30], 33, 2, 24, 0.3
+        for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 5e-3)):
+            q, k, v = (torch.randn(rows, H, D, generator=g).to(dtype) for _ in range(3))
+            bounds = cu + [rows]
+            ref = torch.cat([F.scaled_dot_product_attention(*(t[a:b].double().transpose(0, 1) for t in (q, k, v)),
+                                                            scale=scale).transpose(0, 1)
+                             for a, b in zip(bounds[:-1], bounds[1:])])
+            for bm, bn in ((64, 32), (16, 64)):
+                got = varlen_attention_triton(q, k, v, torch.tensor(cu), scale=scale, block_m=bm, block_n=bn)
+                err = (got.double() - ref).abs().max()
+                assert torch.allclose(got.double(), ref, rtol=tol, atol=tol), (dtype, bm, bn, err)
+        print("ok")
+    """)
+
