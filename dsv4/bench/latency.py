@@ -313,6 +313,10 @@ def build_engine(args: argparse.Namespace, device: str, dtype: str) -> tuple[Any
         "block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks, "seed": args.seed,
         "load_tokenizer": args.detokenize,  # ids in, ids out: detokenization is host work outside the floor
     }
+    if args.cudagraph_capture_sizes:
+        kwargs["cudagraph_capture_sizes"] = tuple(args.cudagraph_capture_sizes)
+    if args.compile_decode:
+        kwargs["compile_decode"] = True
     knobs, ignored = engine_knobs(LLMEngine.from_args, args.enforce_eager, args.gpu_memory_utilization)
     engine = LLMEngine.from_args(args.model, **kwargs, **knobs)
     return engine, {"engine_kwargs": {**kwargs, **knobs}, "ignored_engine_kwargs": ignored}
@@ -396,6 +400,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu | cuda | cuda:N (default: cuda if available)")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (when the engine has them)")
     parser.add_argument("--gpu-memory-utilization", type=float, help="passed to the engine when it supports it")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="torch.compile the decode forward before capturing its graphs (start-up: minutes)")
+    parser.add_argument("--cudagraph-capture-sizes", type=int, nargs="+",
+                        help="decode graph sizes (default: the engine's, 1, 2, 4, 8, 16, ... up to the batch)")
     parser.add_argument("--num-iters-warmup", type=int, default=1, help="untimed batches first (default 1)")
     parser.add_argument("--num-iters", type=int, default=3, help="timed batches (default 3)")
     parser.add_argument("--max-model-len", type=int, help="default: input-len + output-len")

@@ -263,7 +263,8 @@ class LLMEngine:
                 user_id = self._child_to_user.get(req.req_id)
                 if user_id is None:
                     continue
-                child = next(c for c in self.requests[user_id].children if c.request is req)
+                children = self.requests[user_id].children
+                child = children[0] if len(children) == 1 else next(c for c in children if c.request is req)
                 self._on_new_tokens(child, logprobs.get(req.req_id))
                 touched.add(user_id)
         outputs = []

@@ -131,6 +131,9 @@ class Scheduler:
             cached.new_block_ids.append(new_blocks if any(new_blocks) else None)
             cached.num_computed_tokens.append(req.num_computed_tokens)
             num_scheduled[req.req_id] = n
+            # As vLLM: count the tokens as computed now, so the next schedule() sees where each request will be
+            # (a request scheduled here is never preempted later in this step: victims come from the tail).
+            req.num_computed_tokens += n
             budget -= n
             i += 1
 
@@ -156,11 +159,8 @@ class Scheduler:
                 images=req.images,
             ))
             num_scheduled[req.req_id] = n
+            req.num_computed_tokens += n
             budget -= n
-
-        # As vLLM: count the tokens as computed now, so the next schedule() sees where each request will be.
-        for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
 
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(
@@ -194,15 +194,17 @@ class Scheduler:
     def _check_stop(self, req: Request) -> tuple[RequestStatus, int | None] | None:
         # Called after each appended token: (status, stop_reason) if the request must end now.
         sp = req.sampling_params
-        token = req.output_token_ids[-1]
-        if req.num_output_tokens >= sp.min_tokens:
+        out = req.output_token_ids
+        num_out = len(out)  # req.num_output_tokens, without the property calls (this runs per token)
+        token = out[-1]
+        if num_out >= sp.min_tokens:
             if token in sp.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED, token
             if not sp.ignore_eos and token in req.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED, None
-        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+        if sp.max_tokens is not None and num_out >= sp.max_tokens:
             return RequestStatus.FINISHED_LENGTH, None
-        if req.num_tokens >= self.max_len:
+        if len(req.prompt_token_ids) + num_out >= self.max_len:  # req.num_tokens
             return RequestStatus.FINISHED_LENGTH, None
         return None
 

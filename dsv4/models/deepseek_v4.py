@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
-from dsv4.models.layers.attention import (QUERY_BLOCK, grouped_projection, sink_attention, sink_attention_rows,
-                                          window_keys, write_slots)
+from dsv4.models.layers.attention import QUERY_BLOCK, grouped_projection, sink_attention, window_keys, write_slots
 from dsv4.models.layers.compress import closing_windows, roll_ring, window_rows
 from dsv4.models.layers.mhc import HyperConnection, HyperHead, collapse, expand
 from dsv4.models.layers.moe import MoE
 from dsv4.models.layers.norm import RMSNorm, unweighted_rms_norm
 from dsv4.models.layers.rope import RotaryTable
+from dsv4.ops.decode_attention import decode_sink_attention
 from dsv4.ops.rope import apply_rope
 from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, slots_of
@@ -236,7 +236,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
         cache.window[dmd.write_slots] = kv.to(cache.window.dtype)
-        keys, mask = cache.window[dmd.window_slots], dmd.window_mask
+        sources = [(cache.window, dmd.window_slots, dmd.window_mask)]
         if self.compressor is not None:
             group = f"compressed_{self.ratio}"
             write = dmd.entry_write[group]
@@ -248,12 +248,12 @@ class Attention(nn.Module):
                                        cache.index_ring_gate, write)
                 qi, iw = indexer.queries(x, qr, cos, sin)
                 picks = indexer.select_decode(qi, iw, cache.index_keys[eslots], n)
-                ckeys, cmask = cache.compressed[eslots.gather(1, picks.clamp(min=0))], picks >= 0
+                cslots, cmask = eslots.gather(1, picks.clamp(min=0)), picks >= 0
             else:  # HCA: every visible entry
-                ckeys = cache.compressed[eslots]
+                cslots = eslots
                 cmask = torch.arange(eslots.shape[1], device=x.device)[None, :] < n[:, None]
-            keys, mask = torch.cat([keys, ckeys], dim=1), torch.cat([mask, cmask], dim=1)
-        out = sink_attention_rows(q, keys, mask, self.sinks, self.head_dim ** -0.5)
+            sources.append((cache.compressed, cslots, cmask))
+        out = decode_sink_attention(q, sources, self.sinks, self.head_dim ** -0.5)
         out = apply_rope(out, cos, sin, inverse=True)
         return self.o_b_proj(grouped_projection(out, self.o_a_proj.weight, self.o_groups))
 

@@ -18,14 +18,15 @@ from torch import nn
 
 from dsv4.models.config import ModelConfig
 from dsv4.models.engram import Engram, EngramLayout, HostTable, engram_hash
-from dsv4.models.layers.attention import (QUERY_BLOCK, grouped_projection, sink_attention, sink_attention_rows,
-                                          window_keys, write_slots)
+from dsv4.models.layers.attention import QUERY_BLOCK, grouped_projection, sink_attention, window_keys, write_slots
 from dsv4.models.layers.compress import closing_windows, roll_ring, window_rows
 from dsv4.models.layers.mhc import hc_mixes
 from dsv4.models.vision import VisionEncoder
 from dsv4.models.layers.moe import clamped_swiglu, routed_experts_fixed, score
 from dsv4.models.layers.rope import RotaryTable
+from dsv4.ops.decode_attention import decode_sink_attention
 from dsv4.ops.rope import apply_rope
+from dsv4.ops.rmsnorm import rms_norm_v41_triton, triton
 from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant
 from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, slots_of
@@ -45,6 +46,8 @@ class RMSNormV41(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and triton is not None:  # one fused launch, the same rounding steps as below
+            return rms_norm_v41_triton(x, self.weight, self.eps)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
@@ -322,7 +325,7 @@ class AttentionV41(nn.Module):
         q = apply_rope(self.wq_b(qr).view(R, self.n_heads, self.head_dim), cos, sin)
         kv = fp8_fake_quant(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
         cache.window[dmd.write_slots] = kv.to(cache.window.dtype)
-        keys, mask = cache.window[dmd.window_slots], dmd.window_mask
+        sources = [(cache.window, dmd.window_slots, dmd.window_mask)]
         if self.ratio > 0:
             src = caches[self.kv_source]
             group = f"compressed_{self.ratio}"
@@ -333,10 +336,8 @@ class AttentionV41(nn.Module):
                 qi, iw = self.indexer.queries(x, qr, cos, sin)
                 self._select_decode(step, qi, iw, src.index_keys[eslots], n)
             picks = step.topk_decode
-            ckeys = src.compressed[eslots.gather(1, picks.clamp(min=0))]
-            keys = torch.cat([keys, ckeys], dim=1)
-            mask = torch.cat([mask, picks >= 0], dim=1)
-        out = sink_attention_rows(q, keys, mask, self.attn_sink, self.head_dim ** -0.5)
+            sources.append((src.compressed, eslots.gather(1, picks.clamp(min=0)), picks >= 0))
+        out = decode_sink_attention(q, sources, self.attn_sink, self.head_dim ** -0.5)
         out = apply_rope(out, cos, sin, inverse=True)
         return self.wo_b(grouped_projection(out, self.wo_a.weight, self.o_groups))
 

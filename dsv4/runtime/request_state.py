@@ -10,8 +10,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dsv4.runtime.sampler import plain_greedy_from
 from dsv4.sampling_params import SamplingParams
 from dsv4.step import NewRequestData
+
+_NEVER = np.iinfo(np.int64).max
 
 
 class RequestState:
@@ -30,6 +33,12 @@ class RequestState:
         self.sampling_params: list[SamplingParams | None] = [None] * max_num_reqs
         self.prompt_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
         self.output_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]
+        # Per row: the output count from which its params sample by a plain argmax of the raw logits
+        # (sampler.plain_greedy_from; _NEVER if they never do), and how many active rows are not plain greedy
+        # now, or only after min_tokens outputs: with both counts 0 a step needs no per-row check.
+        self.greedy_from = np.full(max_num_reqs, _NEVER, dtype=np.int64)
+        self._num_never_greedy = 0
+        self._num_greedy_later = 0
 
     def add_request(self, new: NewRequestData) -> int:
         """Take a free row (re-adding an id replaces its old row entirely) and write its known tokens."""
@@ -48,7 +57,17 @@ class RequestState:
         self.sampling_params[row] = new.sampling_params
         self.prompt_ids[row] = list(new.prompt_token_ids)
         self.output_ids[row] = list(new.output_token_ids)
+        start = plain_greedy_from(new.sampling_params)
+        self.greedy_from[row] = _NEVER if start is None else start
+        self._count_greedy(row, +1)
         return row
+
+    def _count_greedy(self, row: int, delta: int) -> None:
+        start = self.greedy_from[row]
+        if start == _NEVER:
+            self._num_never_greedy += delta
+        elif start > 0:
+            self._num_greedy_later += delta
 
     def remove_request(self, req_id: str) -> int | None:
         """Return the row to the free list; None if the id is unknown (e.g. finished before it ever ran)."""
@@ -56,15 +75,31 @@ class RequestState:
         if row is None:
             return None
         self.row_to_req_id[row] = None
+        self._count_greedy(row, -1)
+        self.greedy_from[row] = _NEVER
         self.sampling_params[row] = None
         self.prompt_ids[row], self.output_ids[row] = [], []
         self.free_rows.append(row)
         return row
 
-    def append_sampled(self, rows: torch.Tensor, rows_np: np.ndarray, tokens: torch.Tensor) -> None:
-        """Write sampled tokens into the device history at each row's next position (no host sync)."""
-        cols = torch.from_numpy(self.num_tokens[rows_np]).to(self.device)
-        self.token_history[rows, cols] = tokens
+    def all_plain_greedy(self, rows_np: np.ndarray) -> bool:
+        """Whether every row of `rows_np` (active rows, about to sample) samples by a plain argmax of the raw
+        logits this step (`sampler.greedy_sample` gives exactly the Sampler's tokens): O(1) when every active
+        request is plain greedy from its first token."""
+        if self._num_never_greedy == 0 and self._num_greedy_later == 0:
+            return True
+        num_out = self.num_tokens[rows_np] - self.prompt_len[rows_np]  # == len(self.output_ids[row])
+        return bool((self.greedy_from[rows_np] <= num_out).all())
+
+    def append_sampled(self, rows_np: np.ndarray, tokens: torch.Tensor, index: torch.Tensor | None = None) -> None:
+        """Write sampled tokens into the device history at each row's next position (no host sync).
+
+        `index`: the flat history indices `row * max_model_len + num_tokens[row]` of `rows_np`, already on the
+        device (InputBatch.append_index); computed and copied here when None.
+        """
+        if index is None:
+            index = torch.from_numpy(rows_np * self.max_model_len + self.num_tokens[rows_np]).to(self.device)
+        self.token_history.view(-1).index_copy_(0, index, tokens)
         self.num_tokens[rows_np] += 1
 
     @property

@@ -23,7 +23,7 @@ from dsv4.runtime.input_batch import InputBatch, InputBuffers
 from dsv4.runtime.kv_cache import allocate_kv_caches
 from dsv4.runtime.model_state import DeepseekV41ModelState, DefaultModelState
 from dsv4.runtime.request_state import RequestState
-from dsv4.runtime.sampler import Sampler, SamplingTensors
+from dsv4.runtime.sampler import Sampler, SamplingTensors, greedy_sample
 from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
@@ -154,20 +154,27 @@ class ModelRunner:
         sampled_lists: list[list[int]] = [[] for _ in req_ids]
         logprob_lists: list[list[TokenLogprobs] | None] = [None] * len(req_ids)
         if len(sample_rows):
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            # every token samples (a decode): logits_indices is arange(T), so no gather is needed
+            sel = hidden[: batch.num_tokens] if len(sample_rows) == batch.num_tokens else hidden[batch.logits_indices]
+            logits = self.model.compute_logits(sel)
             srows = rows[sample_rows]
-            st = SamplingTensors.build(
-                [rs.sampling_params[r] for r in srows], [rs.prompt_ids[r] for r in srows],
-                [rs.output_ids[r] for r in srows], self.vocab_size, self.device, self.eos_token_ids)
-            tokens, lps = self.sampler(logits, st)
-            rs.append_sampled(torch.from_numpy(srows).to(self.device), srows, tokens)
+            if rs.all_plain_greedy(srows):  # every row takes the argmax of its raw logits: no SamplingTensors
+                tokens, lps = greedy_sample(logits), None
+            else:
+                st = SamplingTensors.build(
+                    [rs.sampling_params[r] for r in srows], [rs.prompt_ids[r] for r in srows],
+                    [rs.output_ids[r] for r in srows], self.vocab_size, self.device, self.eos_token_ids)
+                tokens, lps = self.sampler(logits, st)
+            rs.append_sampled(srows, tokens, batch.append_index)
             token_list = tokens.tolist()
-            lp_list = lps.tolist() if lps is not None else [None] * len(srows)
-            for i, b in enumerate(sample_rows):
-                sampled_lists[b] = [token_list[i]]
-                rs.output_ids[srows[i]].append(token_list[i])
-                if lp_list[i] is not None:
-                    logprob_lists[b] = [lp_list[i]]
+            output_ids = rs.output_ids
+            for b, r, t in zip(sample_rows.tolist(), srows.tolist(), token_list):
+                sampled_lists[b] = [t]
+                output_ids[r].append(t)
+            if lps is not None:
+                for b, lp in zip(sample_rows.tolist(), lps.tolist()):
+                    if lp is not None:
+                        logprob_lists[b] = [lp]
         return RunnerOutput(req_ids, sampled_lists, logprob_lists)
 
     def _image_rows(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor] | None:

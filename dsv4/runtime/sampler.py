@@ -11,6 +11,10 @@ data (`SamplingTensors.build`) and calls `Sampler()(logits, tensors)`:
 `argmax(probs / q)` with `q ~ Exp(1)` draws from `probs` exactly (the exponential race), needs no renormalisation,
 and lets a seeded row draw its own noise from a generator seeded by (seed, number of output tokens): its token then
 depends only on its own logits and history, never on the batch it landed in or on a preemption.
+
+Fast path: a row whose params are "plain greedy" (`plain_greedy_from`) samples `argmax(raw logits)` whatever
+else is in its SamplingParams; when every row of a step is, the runner skips `SamplingTensors.build` and the
+Sampler and calls `greedy_sample` (the same argmax, on the same float32 values).
 """
 
 from __future__ import annotations
@@ -48,6 +52,33 @@ def _flat_tokens(
     row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), counts)
     tokens = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
     return row_idx.to(device), tokens.to(device)
+
+
+def plain_greedy_from(sp: SamplingParams) -> int | None:
+    """The number of output tokens from which a row with params `sp` samples the argmax of its raw logits, as
+    `greedy_sample` computes it; None if it never does.
+
+    Every SamplingParams feature the Sampler reads (see `SamplingTensors.build`), for a greedy row:
+    - temperature, top_k, top_p, min_p, seed: not read (greedy rows take the argmax before any filter or noise);
+    - logit_bias, repetition/frequency/presence penalties: change the logits -> never plain;
+    - logprobs: computed from the logits -> never plain (the fast path returns none);
+    - min_tokens: bans stop/eos ids while fewer than `min_tokens` outputs exist -> plain from `min_tokens` on;
+    - stop_token_ids, ignore_eos: only read through the min_tokens ban.
+    """
+    if (not sp.greedy or sp.logprobs is not None or sp.logit_bias or sp.repetition_penalty != 1.0
+            or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0):
+        return None
+    return sp.min_tokens
+
+
+def greedy_sample(logits: torch.Tensor) -> torch.Tensor:
+    """Token ids [R] int64 = argmax over float32 logits [R, V], lowest index on ties: exactly what `Sampler` returns
+    for rows that are all plain greedy (it takes the argmax of a float32 copy of the logits)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [R, V], got {tuple(logits.shape)}")
+    if logits.dtype != torch.float32:
+        logits = logits.to(torch.float32)
+    return logits.argmax(dim=-1)
 
 
 @dataclass

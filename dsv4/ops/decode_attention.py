@@ -1,0 +1,233 @@
+"""Sink attention of the decode step (one query per row) as flash-decoding: torch reference and Triton.
+
+q [R, H, D] attends, in one softmax with a per-head sink logit that has no value row, over the keys of 1 or 2
+sources (the sliding window and the compressed entries), each a (cache [N, D], slots [R, L] int64, mask [R, L]
+bool) triple: row r sees cache[slots[r, j]] where mask[r, j]. K = V (MQA: one latent per key, shared by every
+head). The result equals `sink_attention_rows` on the concatenated gathered keys: logits and sums in fp32,
+output in q's dtype; a row with no visible key puts all weight on the sink, i.e. outputs 0.
+
+The Triton path reads the keys in place through the slots (the reference gathers them into a temporary, casts it
+to fp32 and needs a cat, two einsums and a softmax: several launches and three copies of the keys). A first
+kernel runs over (row, head block, split of one source's key range): batch 1 must still fill the GPU, so the key
+range is split and each split leaves its partial max / sum / weighted values in an fp32 workspace; a second small
+kernel merges the splits with the sink. Split counts come from tensor shapes only (no host sync: the decode step
+is captured in a CUDA graph).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Sequence
+
+import torch
+
+from dsv4.models.layers.attention import sink_attention_rows
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use the torch reference
+    triton = None
+
+Source = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (cache [N, D], slots [R, L] int64, mask [R, L] bool)
+
+BLOCK_H = 16  # heads per program: they share every key tile it loads (MQA); 16 is the smallest tl.dot M
+BLOCK_N = 32  # keys per tile
+MIN_SPLIT_TILES = 2  # a split covers at least this many tiles, so the workspace stays smaller than the keys
+PROGRAMS_PER_SM = 2  # splits are added until (rows x head blocks x splits) reaches this many programs per SM
+# Measured on an H200 (graph replay, H 64, D 512, W 128, top-k 512): BLOCK_H 16 x BLOCK_N 32 with 8 warps was
+# within ~10% of the best of a 16/32/64 x 16/32/64 x 4/8-warp sweep at every batch (1, 32, 128); stages made no
+# difference (the slot-indexed loads are not pipelined). BLOCK_H 64 spills: its fp32 accumulator is 128 KB.
+SPLIT_WARPS = 8
+SPLIT_STAGES = 2
+
+
+def decode_sink_attention_torch(q: torch.Tensor, sources: Sequence[Source], sinks: torch.Tensor,
+                                scale: float) -> torch.Tensor:
+    """Reference: gather every source's keys, concatenate, `sink_attention_rows`."""
+    keys = [cache[slots] for cache, slots, _ in sources]
+    masks = [mask for _, _, mask in sources]
+    if len(sources) > 1:
+        k, m = torch.cat(keys, dim=1), torch.cat(masks, dim=1)
+    else:
+        k, m = keys[0], masks[0]
+    return sink_attention_rows(q, k, m, sinks, scale)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _bf16_dot(a, b, UPCAST: tl.constexpr):
+        """a @ b of bf16 tiles with fp32 accumulation. The CPU interpreter multiplies bf16 tiles as their raw
+        uint16 bits, so there (UPCAST) the tiles go through fp32 first: the same numbers, as bf16 x bf16 products
+        are exact in fp32."""
+        if UPCAST:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+
+    @triton.jit
+    def _source_partial(q, cache_ptr, c_stride, slots_ptr, vis_ptr, L, start, chunk, scale, d, dm,
+                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr,
+                        UPCAST: tl.constexpr):
+        """Online softmax over keys [start, min(start + chunk, L)) of one row of one source: running max m,
+        sum l and unnormalised values acc of BLOCK_H heads. Masked keys are never loaded (their slots may be
+        anything) and get logit -inf, like the reference's masked_fill."""
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        end = tl.minimum(start + chunk, L)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            vis = tl.load(vis_ptr + n, mask=n < end, other=0) != 0
+            slot = tl.load(slots_ptr + n, mask=vis, other=0).to(tl.int64)
+            k = tl.load(cache_ptr + slot[:, None] * c_stride + d[None, :], mask=vis[:, None] & dm[None, :],
+                        other=0.0)
+            if TC:
+                # bf16 x bf16 products are exact in fp32 and accumulate in fp32: the reference's fp32 logits
+                s = _bf16_dot(q, tl.trans(k), UPCAST)
+            else:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            s = tl.where(vis[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # nothing visible yet: subtract 0, not -inf (-inf - -inf is nan); every p is then exp(-inf) = 0
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if TC:
+                # p in two bf16 halves (hi + residual): ~16 mantissa bits, near the reference's fp32 probabilities
+                # at tensor-core speed; one bf16 p alone would round every weight to 8 significant bits
+                p_hi = p.to(tl.bfloat16)
+                p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
+                pv = _bf16_dot(p_hi, k, UPCAST) + _bf16_dot(p_lo, k, UPCAST)
+            else:
+                pv = tl.dot(p, k.to(tl.float32), input_precision="ieee")
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _split_kernel(q_ptr, sq_r, sq_h, c1_ptr, c1_stride, s1_ptr, s1_stride, v1_ptr, v1_stride, L1,
+                      c2_ptr, c2_stride, s2_ptr, s2_stride, v2_ptr, v2_stride, L2, S1, S, chunk, H, scale,
+                      ws_m, ws_l, ws_acc, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+                      BLOCK_N: tl.constexpr, TC: tl.constexpr, UPCAST: tl.constexpr):
+        r = tl.program_id(0)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        split = tl.program_id(2)  # splits [0, S1) cover source 1, [S1, S) source 2
+        hm = heads < H
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        q = tl.load(q_ptr + r * sq_r + heads[:, None] * sq_h + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
+        if TC:
+            q = q.to(tl.bfloat16)
+        else:
+            q = q.to(tl.float32)
+        # one call per branch (not a pointer picked per branch): the two caches may differ in dtype
+        if split < S1:
+            m_i, l_i, acc = _source_partial(q, c1_ptr, c1_stride, s1_ptr + r * s1_stride, v1_ptr + r * v1_stride,
+                                            L1, split * chunk, chunk, scale, d, dm, BLOCK_H, BLOCK_D, BLOCK_N, TC,
+                                            UPCAST)
+        else:
+            m_i, l_i, acc = _source_partial(q, c2_ptr, c2_stride, s2_ptr + r * s2_stride, v2_ptr + r * v2_stride,
+                                            L2, (split - S1) * chunk, chunk, scale, d, dm, BLOCK_H, BLOCK_D,
+                                            BLOCK_N, TC, UPCAST)
+        base = (r * S + split) * H + heads
+        tl.store(ws_m + base, m_i, mask=hm)
+        tl.store(ws_l + base, l_i, mask=hm)
+        tl.store(ws_acc + base[:, None] * D + d[None, :], acc, mask=hm[:, None] & dm[None, :])
+
+    @triton.jit
+    def _combine_kernel(ws_m, ws_l, ws_acc, sinks_ptr, out_ptr, so_r, so_h, S, H, D: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        s_idx = tl.arange(0, BLOCK_S)
+        sm = s_idx < S
+        m = tl.load(ws_m + (r * S + s_idx) * H + h, mask=sm, other=float("-inf"))
+        sink = tl.load(sinks_ptr + h).to(tl.float32)
+        big = tl.maximum(tl.max(m, axis=0), sink)  # the reference's max over keys and sink
+        l = tl.load(ws_l + (r * S + s_idx) * H + h, mask=sm, other=0.0)
+        denom = tl.sum(tl.exp(m - big) * l, axis=0) + tl.exp(sink - big)
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for s in range(0, S):
+            w = tl.exp(tl.load(ws_m + (r * S + s) * H + h) - big)  # a split with no visible key: exp(-inf) = 0
+            acc += w * tl.load(ws_acc + ((r * S + s) * H + h) * D + d, mask=dm, other=0.0)
+        tl.store(out_ptr + r * so_r + h * so_h + d, (acc / denom).to(out_ptr.dtype.element_ty), mask=dm)
+
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when kernels are defined, as triton does
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_splits(R: int, H: int, lengths: Sequence[int], sm_count: int,
+                  chunk: int | None = None) -> tuple[int, list[int]]:
+    """(keys per split, splits per source) from shapes only. Enough splits that rows x head blocks x splits
+    reaches PROGRAMS_PER_SM per SM, but each split at least MIN_SPLIT_TILES tiles (more splits: more workspace
+    traffic and a longer merge for little gain). `chunk` (a multiple of BLOCK_N) overrides, for tests."""
+    if chunk is None:
+        tiles = sum(triton.cdiv(L, BLOCK_N) for L in lengths)
+        want = triton.cdiv(PROGRAMS_PER_SM * sm_count, max(1, R * triton.cdiv(H, BLOCK_H)))
+        chunk = max(MIN_SPLIT_TILES, triton.cdiv(tiles, want)) * BLOCK_N
+    assert chunk > 0 and chunk % BLOCK_N == 0, chunk
+    splits = [triton.cdiv(L, chunk) for L in lengths]
+    if sum(splits) == 0:  # no key at all: one empty split (max -inf, sum 0), so the merge sees only the sink
+        splits[0] = 1
+    return chunk, splits
+
+
+def decode_sink_attention_triton(q: torch.Tensor, sources: Sequence[Source], sinks: torch.Tensor, scale: float,
+                                 chunk: int | None = None) -> torch.Tensor:
+    """The same in two launches: split partials into an fp32 workspace, then the merge with the sink."""
+    assert triton is not None, "triton is not installed"
+    assert 1 <= len(sources) <= 2, len(sources)
+    R, H, D = q.shape
+    out = torch.empty_like(q)
+    if R == 0 or H == 0:
+        return out
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    srcs = []
+    for cache, slots, mask in sources:
+        assert cache.dim() == 2 and cache.shape[1] == D and cache.stride(1) == 1, (cache.shape, cache.stride())
+        # slots/mask are small (R x L): a copy is cheap; the cache is read in place
+        slots = slots if slots.stride(-1) == 1 else slots.contiguous()
+        mask = (mask if mask.stride(-1) == 1 else mask.contiguous()).view(torch.uint8)
+        srcs.append((cache, slots, mask))
+    lengths = [s.shape[1] for _, s, _ in srcs]
+    if len(srcs) == 1:  # the second source: the first again, with no keys and no splits
+        srcs.append(srcs[0])
+        lengths.append(0)
+    sm = _sm_count(q.device) if q.is_cuda else 4
+    chunk, (S1, S2) = decode_splits(R, H, lengths, sm, chunk)
+    S = S1 + S2
+    ws_m = torch.empty(R, S, H, dtype=torch.float32, device=q.device)
+    ws_l = torch.empty_like(ws_m)
+    ws_acc = torch.empty(R, S, H, D, dtype=torch.float32, device=q.device)
+    (c1, s1, v1), (c2, s2, v2) = srcs
+    tc = q.dtype == torch.bfloat16 and c1.dtype == torch.bfloat16 and c2.dtype == torch.bfloat16
+    block_d = max(16, triton.next_power_of_2(D))
+    warps = SPLIT_WARPS if block_d >= 256 else 4  # the [BLOCK_H, BLOCK_D] fp32 accumulator lives in registers
+    _split_kernel[(R, triton.cdiv(H, BLOCK_H), S)](
+        q, q.stride(0), q.stride(1), c1, c1.stride(0), s1, s1.stride(0), v1, v1.stride(0), lengths[0],
+        c2, c2.stride(0), s2, s2.stride(0), v2, v2.stride(0), lengths[1], S1, S, chunk, H, float(scale),
+        ws_m, ws_l, ws_acc, D=D, BLOCK_H=BLOCK_H, BLOCK_D=block_d, BLOCK_N=BLOCK_N, TC=tc,
+        UPCAST=_INTERPRET, num_warps=warps, num_stages=SPLIT_STAGES)
+    _combine_kernel[(R, H)](ws_m, ws_l, ws_acc, sinks.contiguous(), out, out.stride(0), out.stride(1), S, H, D=D,
+                            BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(S)))
+    return out
+
+
+def decode_sink_attention(q: torch.Tensor, sources: Sequence[Source], sinks: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """Triton on CUDA, torch elsewhere (and for caches whose rows are not contiguous)."""
+    if q.is_cuda and triton is not None and all(c.stride(-1) == 1 for c, _, _ in sources):
+        return decode_sink_attention_triton(q, sources, sinks, scale)
+    return decode_sink_attention_torch(q, sources, sinks, scale)

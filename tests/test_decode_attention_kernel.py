@@ -1,0 +1,114 @@
+"""The flash-decoding sink attention kernel against `sink_attention_rows` on the gathered keys, on small random
+inputs under TRITON_INTERPRET=1 (the CPU interpreter; each check runs in a subprocess because the flag is read
+when kernels are defined)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+
+def _interpret(code: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
+
+
+# Shared by the checks: random caches, shuffled slots, masks with a fully masked row (row 0, when R > 1: every key
+# of both sources hidden) and a row whose window alone is masked; the reference on the gathered, concatenated keys.
+_SETUP = """
+    import torch
+    from dsv4.models.layers.attention import sink_attention_rows
+    from dsv4.ops.decode_attention import decode_sink_attention_triton
+
+    def case(g, R, H, D, W, L2, dtype, two=True):
+        N = 3 * (W + L2) + 7
+        window, comp = torch.randn(N, D, generator=g).to(dtype), (torch.randn(N, D, generator=g) * 2).to(dtype)
+        q = (torch.randn(R, H, D, generator=g) * 3).to(dtype)
+        sinks = torch.randn(H, generator=g) * 2
+        ws = torch.stack([torch.randperm(N, generator=g)[:W] for _ in range(R)])
+        cs = torch.stack([torch.randperm(N, generator=g)[:L2] for _ in range(R)])
+        wm, cm = torch.rand(R, W, generator=g) < 0.7, torch.rand(R, L2, generator=g) < 0.6
+        if R > 1:
+            wm[0], cm[0] = False, False  # no visible key: the reference puts all weight on the sink -> 0
+            wm[1] = False  # only compressed keys
+        ws = ws.masked_fill(~wm, -1)  # masked slots may be anything (PAD_SLOT here): never read
+        sources = [(window, ws, wm), (comp, cs, cm)] if two else [(window, ws, wm)]
+        keys = torch.cat([c[s.clamp(min=0)] for c, s, _ in sources], dim=1)
+        mask = torch.cat([m for _, _, m in sources], dim=1)
+        ref = sink_attention_rows(q, keys, mask, sinks, D ** -0.5)
+        return q, sources, sinks, mask, ref
+"""
+
+
+@pytest.mark.parametrize("dtype,tol", [("torch.float32", 1e-5), ("torch.bfloat16", 2e-2)])
+def test_decode_attention_matches_reference(dtype: str, tol: float) -> None:
+    _interpret(_SETUP + f"""
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for R in (1, 3):
+        for H in (2, 8):
+            for D in (16, 64):
+                for L2 in (0, 5, 24):
+                    for chunk in (None, 32):
+                        q, sources, sinks, mask, ref = case(g, R, H, D, 8, L2, {dtype})
+                        got = decode_sink_attention_triton(q, sources, sinks, D ** -0.5, chunk=chunk)
+                        assert got.shape == ref.shape and got.dtype == ref.dtype
+                        assert torch.allclose(got.float(), ref.float(), rtol={tol}, atol={tol}), \\
+                            (R, H, D, L2, (got.float() - ref.float()).abs().max())
+                        assert torch.equal(got[~mask.any(1)], torch.zeros_like(got[~mask.any(1)]))
+                        assert ref.abs().max() > 0.05  # a real signal, not all sink
+                        worst = max(worst, (got.float() - ref.float()).abs().max().item())
+    print("max abs err", worst)
+    print("ok")
+    """)
+
+
+def test_decode_attention_splits_and_one_source() -> None:
+    """Several splits per source (chunk 32 over 70 / 100 keys) merge like one pass; a single source; and the
+    split count derived from shapes."""
+    _interpret(_SETUP + """
+    from dsv4.ops.decode_attention import decode_splits
+    g = torch.Generator().manual_seed(1)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for R, H, D, W, L2 in ((2, 4, 32, 70, 100), (1, 16, 16, 40, 33)):
+            q, sources, sinks, mask, ref = case(g, R, H, D, W, L2, dtype)
+            for chunk in (32, 64, None):
+                got = decode_sink_attention_triton(q, sources, sinks, D ** -0.5, chunk=chunk)
+                assert torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol), (chunk, (got - ref).abs().max())
+            q, sources, sinks, mask, ref = case(g, R, H, D, W, 0, dtype, two=False)
+            got = decode_sink_attention_triton(q, sources, sinks, D ** -0.5, chunk=32)
+            assert torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol)
+    # no key at all (two empty sources): one empty split, output 0 (the sink takes every weight)
+    q = torch.randn(2, 4, 16, generator=g)
+    empty = (torch.randn(5, 16, generator=g), torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.bool))
+    assert torch.equal(decode_sink_attention_triton(q, [empty, empty], torch.randn(4, generator=g), 0.25),
+                       torch.zeros_like(q))
+    assert decode_splits(1, 64, [128, 512], 132) == (64, [2, 8])  # batch 1: many splits to fill the GPU
+    assert decode_splits(32, 64, [128, 512], 132) == (224, [1, 3])  # a full batch: few
+    assert decode_splits(1, 64, [128, 8], 132) == (64, [2, 1])  # never under MIN_SPLIT_TILES tiles a split
+    print("ok")
+    """)
+
+
+def test_dispatch_uses_torch_on_cpu() -> None:
+    """On CPU tensors the entry point is the reference exactly (the model's CPU decode path is unchanged)."""
+    import torch
+
+    from dsv4.models.layers.attention import sink_attention_rows
+    from dsv4.ops.decode_attention import decode_sink_attention
+
+    g = torch.Generator().manual_seed(2)
+    cache, comp = torch.randn(20, 8, generator=g), torch.randn(9, 8, generator=g)
+    q, sinks = torch.randn(3, 2, 8, generator=g), torch.randn(2, generator=g)
+    ws, cs = torch.randint(0, 20, (3, 4), generator=g), torch.randint(0, 9, (3, 5), generator=g)
+    wm, cm = torch.rand(3, 4, generator=g) < 0.5, torch.rand(3, 5, generator=g) < 0.5
+    ref = sink_attention_rows(q, torch.cat([cache[ws], comp[cs]], 1), torch.cat([wm, cm], 1), sinks, 0.3)
+    assert torch.equal(decode_sink_attention(q, [(cache, ws, wm), (comp, cs, cm)], sinks, 0.3), ref)
+    assert torch.equal(decode_sink_attention(q, [(cache, ws, wm)], sinks, 0.3),
+                       sink_attention_rows(q, cache[ws], wm, sinks, 0.3))
