@@ -325,3 +325,19 @@ def test_bench_throughput_end_to_end(tiny_v41: str, tmp_path: Path, capsys: pyte
 def test_bench_rejects_bad_lengths(tiny_v4: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "latency", "--model", tiny_v4, "--output-len", "1", "--device", "cpu"]) == 2
     assert "--output-len >= 2" in capsys.readouterr().err
+
+
+def test_command_line_reproduces_list_and_flag_options() -> None:
+    """The recorded command parses back to the same options (lists as separate words, flags bare)."""
+    import argparse
+
+    from dsv4.bench.latency import add_cli_args, command_line
+
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    argv = ["--model", "/m", "--batch-size", "4", "--cudagraph-capture-sizes", "1", "4", "--compile-decode"]
+    args = parser.parse_args(argv)
+    line = command_line(args)
+    assert "--cudagraph-capture-sizes 1 4" in line and "--compile-decode" in line and "[" not in line
+    again = parser.parse_args(line.split()[1:])
+    assert vars(again) == vars(args)

@@ -169,7 +169,7 @@ def test_span_gather_index_equals_span_embeddings(enc: VisionEncoder) -> None:
 @pytest.fixture(params=["host_bounds", "masked"])
 def attention(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """host_bounds: CPU cu_seqlens take the per-image path (the padding block included); masked: the block-diagonal
-    masked SDPA that a CUDA graph runs, forced on the CPU."""
+    masked SDPA, the device-side reference of the Triton varlen kernel a CUDA graph runs, forced on the CPU."""
     if request.param == "masked":
         monkeypatch.setattr(vision_mod, "varlen_attention", block_diagonal_attention)
     return request.param

@@ -205,7 +205,9 @@ def command_line(args: argparse.Namespace) -> str:
         if key in ("command", "bench_command") or value is None or value is False:
             continue
         words.append(f"--{key.replace('_', '-')}")
-        if value is not True:
+        if isinstance(value, (list, tuple)):
+            words.extend(str(v) for v in value)
+        elif value is not True:
             words.append(str(value))
     return " ".join(words)
 

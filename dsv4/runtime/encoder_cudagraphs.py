@@ -29,8 +29,8 @@ Graph memory (buffers, the pool) is not part of the KV-cache sizing profile.
 
 Refused configurations (`EncoderGraphError`): a device other than CUDA, a ViT attention module other than dsv4's
 `VisionAttention` (graphs need the attention to take cu_seqlens on the device and read nothing on the host; dsv4's
-does, through its block-diagonal masked SDPA, while a varlen kernel that takes `max_seqlen` or the boundaries as host
-values cannot be captured), and float8 tensors in the encoder (dsv4 has no static FP8 scales for the ViT, and
+does, through its Triton varlen kernel that loads the boundaries on the device, while a varlen kernel that takes
+`max_seqlen` or the boundaries as host values cannot be captured), and float8 tensors in the encoder (dsv4 has no static FP8 scales for the ViT, and
 dynamic scaling keeps host-side amax state; the loader dequantizes FP8 ViT weights, so this only guards hand-built
 towers). A host read that still slips into the capture is reported with the same advice.
 """
@@ -176,8 +176,8 @@ def check_capturable(encoder: VisionEncoder, device: torch.device) -> None:
         if type(block.attn) is not VisionAttention:
             raise EncoderGraphError(
                 f"vision-encoder CUDA graphs are not supported with the ViT attention {type(block.attn).__name__} "
-                f"(block {i}): graphs need dsv4's VisionAttention, which takes cu_seqlens on the device (masked "
-                "SDPA); a backend that reads cu_seqlens or max_seqlen on the host cannot be captured. "
+                f"(block {i}): graphs need dsv4's VisionAttention, which takes cu_seqlens on the device (Triton "
+                "varlen kernel); a backend that reads cu_seqlens or max_seqlen on the host cannot be captured. "
                 "Set enforce_eager=True.")
 
 
