@@ -199,8 +199,15 @@ def per_image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound
     """Full bidirectional attention over each packed image [bounds[i], bounds[i+1]), one SDPA call per image.
     q/k/v [n, heads, d] -> [n, heads, d]."""
     scale = q.shape[-1] ** -0.5
-    outs = [F.scaled_dot_product_attention(q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
-                                           scale=scale).transpose(0, 1)
+
+    def heads_first(t: torch.Tensor) -> torch.Tensor:
+        # [1, heads, n, d]: SDPA's fused (flash, memory-efficient) kernels take 4-D inputs only; a 3-D call falls
+        # back to the math kernel, which materialises the n x n scores: the likely cause of the ~22 TFLOP/s eager
+        # encoder measured on an H200 (benchmarks/results/2026-11-30-h200), not re-measured yet
+        return t.transpose(0, 1).unsqueeze(0)
+
+    outs = [F.scaled_dot_product_attention(heads_first(q[a:b]), heads_first(k[a:b]), heads_first(v[a:b]),
+                                           scale=scale)[0].transpose(0, 1)
             for a, b in zip(bounds[:-1], bounds[1:])]
     return torch.cat(outs) if outs else q[:0].clone()
 
@@ -212,8 +219,8 @@ def block_diagonal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     rows = torch.arange(q.shape[0], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
     image = torch.searchsorted(cu_seqlens[1:].contiguous(), rows, right=True)  # image index of every row
     mask = image[:, None] == image[None, :]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
-                                         scale=q.shape[-1] ** -0.5)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         attn_mask=mask, scale=q.shape[-1] ** -0.5)[0]  # 4-D: see per_image_attention
     return out.transpose(0, 1)
 
 
