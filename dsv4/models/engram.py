@@ -136,14 +136,18 @@ class EngramLayout:
 
     def tensors(self, layer_id: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(multipliers [N], primes [N-1, H], offsets [(N-1)*H]) as int64 tensors on `device`, cached."""
-        if layer_id not in self.multipliers:
+        # the cache hit touches no numpy array: torch.compile traces this lookup (the warm-up filled the cache)
+        key = (layer_id, str(torch.device(device)))
+        cached = self._device_cache.get(key)
+        if cached is not None:
+            return cached
+        if layer_id not in self.layer_ids:
             raise KeyError(f"{layer_id} is not an Engram layer id {list(self.layer_ids)} (pass the model layer id, "
                            "not its position in engram_layer_ids)")
-        key = (layer_id, str(torch.device(device)))
-        if key not in self._device_cache:
-            self._device_cache[key] = tuple(torch.from_numpy(a).to(device) for a in (
-                self.multipliers[layer_id], self.primes[layer_id], self.offsets[layer_id]))
-        return self._device_cache[key]
+        # copies, never views of the numpy arrays (torch.compile cannot guard on a numpy-backed tensor)
+        cached = self._device_cache[key] = tuple(torch.tensor(a, dtype=torch.int64, device=device) for a in (
+            self.multipliers[layer_id], self.primes[layer_id], self.offsets[layer_id]))
+        return cached
 
 
 # ---- hashing ---------------------------------------------------------------------------------------------------

@@ -85,15 +85,20 @@ class ModelRunner:
         # The extra inputs (lookback window) are filled here, once: a fill inside `run` would be captured and
         # replayed over the real inputs. All-padding metadata: captures write only the trash slots.
         largest = self.graphs.capture_sizes[-1]
-        forward = self.model.forward_decode
-        if self.config.compile_decode:
-            # one compiled variant per capture size (static shapes); each is compiled in the warm-up runs
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
-                                                        2 * len(self.graphs.capture_sizes))
-            forward = torch.compile(forward, dynamic=False)
         extra = self.model_state.prepare_dummy_inputs(largest, largest)
         self.model_state.prepare_dummy_decode_attn(largest)
         self.buffers.input_ids.zero_()
+        forward = self.model.forward_decode
+        if self.config.compile_decode:
+            # one eager pass first fills lazy caches (engram hash tensors, rope tables) outside the trace; then one
+            # compiled variant per capture size (static shapes: the Triton wrappers size their grids and splits
+            # from the batch on the host), each compiled in its first warm-up run
+            with torch.inference_mode():
+                forward(self.buffers.input_ids[:largest], self.model_state.decode.views(largest, largest),
+                        self.kv_caches, **extra)
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
+                                                        2 * len(self.graphs.capture_sizes))
+            forward = torch.compile(forward, dynamic=False)
 
         def run(size: int) -> torch.Tensor:
             inputs = {k: v[:size] for k, v in extra.items()}
