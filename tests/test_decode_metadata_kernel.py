@@ -21,6 +21,7 @@ def test_decode_metadata_kernels_match_torch_build() -> None:
             (8, 8, [(128, 2)], True, 300, 5, 8),
             (5, 3, [], False, 40, 1, 1),
             (16, 4, [(4, 3)], True, 97, 7, 7),
+            (6, 4, [(4, 2), (2, 4), (8, 2), (3, 1), (1, 4)], True, 64, 3, 5),  # more groups than one launch fills
         ]:
             groups = [KVGroupSpec("window", WINDOW, (0,), wbs, 1, 100, sliding_window=W)]
             groups += [KVGroupSpec(f"compressed_{r}", COMPRESSED, (0,), bs, r, 100) for r, bs in comp]
@@ -58,6 +59,6 @@ def test_decode_metadata_kernels_match_torch_build() -> None:
                         n = int(a.n_entries[name][r])
                         assert torch.equal(a.entry_slots[name][r, :n], b.entry_slots[name][r, :n]), (name, r)
                 checked += 1
-        assert checked == 16
+        assert checked == 20
         print("ok")
     """)

@@ -132,13 +132,12 @@ class DecodeMetadataBuffers:
     def _build_triton(self, R: int, P: int, positions: torch.Tensor, idx_mapping: torch.Tensor,
                       tables: dict[str, torch.Tensor]) -> DecodeMetadata:
         win = next(g for g in self.groups if g.kind == "window")
-        decode_metadata.build_window_metadata_triton(
+        targets = [decode_metadata.CompressedTarget(tables[g.name], g.block_size, g.tokens_per_row,
+                                                    self.entry_slots[g.name], self.n_entries[g.name],
+                                                    self.entry_write[g.name]) for g in self.compressed]
+        decode_metadata.build_decode_metadata_triton(
             R, P, positions, idx_mapping, tables[win.name], win.block_size, tables.get("compressor_state"),
-            self.positions, self.window_slots, self.window_mask, self.write_slots, self.state_blocks)
-        for g in self.compressed:
-            decode_metadata.build_compressed_metadata_triton(
-                R, P, self.positions, idx_mapping, tables[g.name], g.block_size, g.tokens_per_row,
-                self.entry_slots[g.name], self.n_entries[g.name], self.entry_write[g.name])
+            self.positions, self.window_slots, self.window_mask, self.write_slots, self.state_blocks, targets)
         return self.views(R, P)
 
     def build_torch(self, num_reqs: int, num_padded: int, positions: torch.Tensor,
