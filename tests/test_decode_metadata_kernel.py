@@ -6,7 +6,7 @@ reader uses."""
 
 from __future__ import annotations
 
-from tests.test_kernels_interpret import _interpret
+from test_kernels_interpret import _interpret
 
 
 def test_decode_metadata_kernels_match_torch_build() -> None:
