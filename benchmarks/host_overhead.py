@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4.engine.engine import LLMEngine
 from dsv4.make_model import make_model
-from dsv4.sampling_params import SamplingParams
+from dsv4.sampling_params import RequestOutputKind, SamplingParams
 
 
 class _OpCounter(TorchDispatchMode):
@@ -49,7 +49,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def build(model_dir: str, batch: int, prompt_len: int, max_tokens: int, device: str) -> LLMEngine:
+def build(model_dir: str, batch: int, prompt_len: int, max_tokens: int, device: str,
+          output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> LLMEngine:
     eng = LLMEngine.from_args(model_dir, device=device, max_model_len=1024, max_num_seqs=max(batch, 1),
                               max_num_batched_tokens=max(2048, batch * prompt_len), block_size=16,
                               load_tokenizer=False, enforce_eager=True)
@@ -57,8 +58,8 @@ def build(model_dir: str, batch: int, prompt_len: int, max_tokens: int, device: 
     vocab = eng.config.model.vocab_size
     for i in range(batch):
         ids = torch.randint(10, vocab, (prompt_len,), generator=g).tolist()
-        eng.add_request(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
-                        request_id=str(i))
+        eng.add_request(ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                            output_kind=output_kind), request_id=str(i))
     return eng
 
 
@@ -81,8 +82,9 @@ def stub_decode(eng: LLMEngine, batch: int) -> None:
     runner._decode = _decode
 
 
-def measure(model_dir: str, batch: int, steps: int, prompt_len: int, device: str, top: int) -> dict:
-    eng = build(model_dir, batch, prompt_len, max_tokens=steps * 3 + 50, device=device)
+def measure(model_dir: str, batch: int, steps: int, prompt_len: int, device: str, top: int,
+            output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> dict:
+    eng = build(model_dir, batch, prompt_len, max_tokens=steps * 3 + 50, device=device, output_kind=output_kind)
     prefill(eng)
     stub_decode(eng, batch)
     for _ in range(10):  # warm-up
@@ -133,6 +135,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--profile-top", type=int, default=20)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--output-kind", choices=[k.name.lower() for k in RequestOutputKind], default="cumulative",
+                    help="what step() returns per request (LLM.generate uses final_only)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
@@ -140,7 +144,8 @@ def main() -> None:
         for b in args.batch:
             if args.check:
                 print(f"batch {b}: tokens hash {check(model_dir, b, args.device)}")
-            r = measure(model_dir, b, args.steps, args.prompt_len, args.device, args.profile_top)
+            r = measure(model_dir, b, args.steps, args.prompt_len, args.device, args.profile_top,
+                        RequestOutputKind[args.output_kind.upper()])
             print(f"\n==== batch {b}: host step {r['median_ms']:.3f} ms median, {r['mean_ms']:.3f} ms mean; "
                   f"{r['aten_ops']} aten ops/step")
             print("ops:", dict(r["ops"].most_common()))

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsv4.sampling_params import SamplingParams
+from dsv4.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput"]
 __version__ = "0.1.0"
 
 

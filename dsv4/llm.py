@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -11,7 +12,7 @@ from tqdm import tqdm
 from dsv4.engine.engine import LLMEngine
 from dsv4.engine.multimodal import split_chat_images
 from dsv4.outputs import RequestOutput
-from dsv4.sampling_params import SamplingParams
+from dsv4.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -57,6 +58,9 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        # only finished outputs are returned: the engine builds none before (as vLLM's LLM does)
+        final = {id(sp): dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params}
+        params = [final[id(sp)] for sp in params]
         ids = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):

@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(IntEnum):
+    """What `LLMEngine.step()` returns for a request (vLLM's names and values): CUMULATIVE, every step, all tokens
+    and text so far; DELTA, every step, only what is new since the last output; FINAL_ONLY, nothing until it has
+    finished, then everything (what `LLM.generate` uses: no per-step copy of growing outputs)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class SamplingParamsError(ValueError):
@@ -33,6 +44,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # filled in by the engine
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
 
@@ -85,6 +97,8 @@ class SamplingParams:
             raise bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be non-negative integers")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "must be a RequestOutputKind")
         if self.logit_bias is not None:
             for k, v in self.logit_bias.items():
                 if not isinstance(k, int) or k < 0 or not -100.0 <= float(v) <= 100.0:

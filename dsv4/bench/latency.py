@@ -327,12 +327,15 @@ def build_engine(args: argparse.Namespace, device: str, dtype: str) -> tuple[Any
 def run_batch(engine: Any, prompts: list[list[int]], output_len: int, device: torch.device, tag: str
               ) -> tuple[list[StepTime], list[list[int]]]:
     """Submit the batch, step the engine until it drains; return every step's time and the output tokens."""
-    from dsv4.sampling_params import SamplingParams
+    from dsv4.sampling_params import RequestOutputKind, SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    # DELTA outputs: each step returns only the new tokens (what a streaming server asks for), so the timed step
+    # does not copy every request's growing token list (CUMULATIVE) on the host
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
     ids = [engine.add_request(p, params, request_id=f"{tag}-{k}") for k, p in enumerate(prompts)]
     produced = dict.fromkeys(ids, 0)
-    tokens: dict[str, list[int]] = {}
+    tokens: dict[str, list[int]] = {r: [] for r in ids}
     alive = set(ids)
     steps: list[StepTime] = []
     while engine.has_unfinished_requests():
@@ -345,10 +348,10 @@ def run_batch(engine: Any, prompts: list[list[int]], output_len: int, device: to
         sync(device)
         steps.append(StepTime(time.perf_counter() - t0, decode, running))
         for out in outputs:
-            produced[out.request_id] = len(out.outputs[0].token_ids)
+            tokens[out.request_id].extend(out.outputs[0].token_ids)
+            produced[out.request_id] = len(tokens[out.request_id])
             if out.finished:
                 alive.discard(out.request_id)
-                tokens[out.request_id] = list(out.outputs[0].token_ids)
     return steps, [tokens[r] for r in ids]
 
 

@@ -19,7 +19,7 @@ from dsv4.config import CacheConfig, EngineConfig, SchedulerConfig
 from dsv4.engine.multimodal import expand_image_spans, process_images
 from dsv4.engine.request import Request
 from dsv4.engine.scheduler import Scheduler
-from dsv4.engine.stop import check_stop_strings
+from dsv4.engine.stop import check_stop_strings, stop_hold_back
 from dsv4.kv.manager import KVCacheManager
 from dsv4.kv.spec import make_kv_groups
 from dsv4.models.build import build_model
@@ -27,7 +27,7 @@ from dsv4.models.config import ConfigError, ModelConfig, load_model_config
 from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
 from dsv4.runtime.kv_cache import kv_cache_bytes
 from dsv4.runtime.runner import ModelRunner
-from dsv4.sampling_params import SamplingParams, SamplingParamsError
+from dsv4.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from dsv4.step import TokenLogprobs
 from dsv4.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -52,6 +52,10 @@ class _Child:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_seen: int = 0  # output tokens already turned into text
+    # DELTA outputs: how much of the tokens, text and logprobs earlier outputs carried
+    tokens_out: int = 0
+    text_out: int = 0
+    logprobs_out: int = 0
 
 
 @dataclass
@@ -62,6 +66,7 @@ class _UserRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[_Child]
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
 
@@ -234,7 +239,7 @@ class LLMEngine:
             raise RequestError(str(e)) from None
         for c in children:
             self._child_to_user[c.request.req_id] = request_id
-        self.requests[request_id] = _UserRequest(request_id, text, list(prompt_ids), children)
+        self.requests[request_id] = _UserRequest(request_id, text, list(prompt_ids), children, params.output_kind)
         return request_id
 
     def abort_request(self, request_ids: list[str]) -> None:
@@ -273,9 +278,10 @@ class LLMEngine:
             user = self.requests[user_id]
             if user.first_token_time is None:
                 user.first_token_time = now
-            out = self._make_output(user)
-            outputs.append(out)
-            if out.finished:
+            finished = all(c.finish_reason is not None for c in user.children)
+            if finished or user.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._make_output(user, finished))
+            if finished:
                 del self.requests[user_id]
                 for c in user.children:
                     self._child_to_user.pop(c.request.req_id, None)
@@ -314,17 +320,36 @@ class LLMEngine:
         d[lp.token_id] = Logprob(lp.logprob, rank=lp.rank, decoded_token=text(lp.token_id))
         return d
 
-    def _make_output(self, user: _UserRequest) -> RequestOutput:
-        outs = [CompletionOutput(index=i, text=c.text, token_ids=list(c.request.output_token_ids),
-                                 cumulative_logprob=c.cumulative_logprob,
-                                 logprobs=list(c.logprobs) if c.logprobs is not None else None,
-                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-                for i, c in enumerate(user.children)]
-        finished = all(c.finish_reason is not None for c in user.children)
+    def _make_output(self, user: _UserRequest, finished: bool) -> RequestOutput:
+        if user.output_kind == RequestOutputKind.DELTA:
+            outs = [self._delta(i, c) for i, c in enumerate(user.children)]
+        else:
+            outs = [CompletionOutput(index=i, text=c.text, token_ids=list(c.request.output_token_ids),
+                                     cumulative_logprob=c.cumulative_logprob,
+                                     logprobs=list(c.logprobs) if c.logprobs is not None else None,
+                                     finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                    for i, c in enumerate(user.children)]
         metrics = {"arrival_time": user.arrival_time}
         if user.first_token_time is not None:
             metrics["first_token_time"] = user.first_token_time
         return RequestOutput(user.request_id, user.prompt, user.prompt_token_ids, outs, finished, metrics=metrics)
+
+    @staticmethod
+    def _delta(index: int, c: _Child) -> CompletionOutput:
+        """What sample `c` produced since its last output. Until it finishes, the text withholds a tail that may
+        be the start of a stop string (`stop_hold_back`): text once sent cannot be taken back."""
+        tokens = c.request.output_token_ids
+        text_end = len(c.text)
+        if c.finish_reason is None:
+            sp = c.request.sampling_params
+            text_end = max(c.text_out, text_end - stop_hold_back(c.text, sp.stop, sp.include_stop_str_in_output))
+        out = CompletionOutput(index=index, text=c.text[c.text_out:text_end], token_ids=list(tokens[c.tokens_out:]),
+                               cumulative_logprob=c.cumulative_logprob,
+                               logprobs=c.logprobs[c.logprobs_out:] if c.logprobs is not None else None,
+                               finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+        c.tokens_out, c.text_out = len(tokens), text_end
+        c.logprobs_out = len(c.logprobs) if c.logprobs is not None else 0
+        return out
 
 
 def _params_fields(p: SamplingParams) -> dict:
