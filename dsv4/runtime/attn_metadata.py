@@ -180,3 +180,62 @@ def _table_slots(tables: torch.Tensor, rows: torch.Tensor, block_size: int) -> t
     map to the null block (masked by the caller)."""
     blk = (rows // block_size).clamp(max=tables.shape[1] - 1)
     return tables.gather(1, blk).long() * block_size + rows % block_size
+
+
+@dataclass
+class TokenKeySlots:
+    """The keys each query token of a prefill or mixed step may see, as cache slots (one row per token): the
+    decode metadata's layout, so those steps attend with the same fixed-width ops as a decode step instead of a
+    loop over requests and query blocks.
+
+    Token t at position p sees window keys (p - W, p] (`window_slots` [T, W], masked where the position is < 0)
+    and, per compressed group g, entries e < n_g[t] = (p + 1) div ratio (`entry_slots[g]` [T, M_g] with M_g the
+    largest n_g of the step, masked beyond each token's n_g). Keys written by this step at later positions are in
+    the cache already but never visible to earlier tokens.
+    """
+
+    positions: torch.Tensor  # [T] int64
+    window_slots: torch.Tensor  # [T, W] int64 (TRASH_SLOT where masked)
+    window_mask: torch.Tensor  # [T, W] bool
+    entry_slots: dict[str, torch.Tensor]  # [T, M_g] int64 (0 beyond n)
+    n_entries: dict[str, torch.Tensor]  # [T] int64
+
+    def rows(self, a: int, b: int) -> "TokenKeySlots":
+        """Tokens [a, b): row chunks bound the memory of the keys gathered per token."""
+        return TokenKeySlots(self.positions[a:b], self.window_slots[a:b], self.window_mask[a:b],
+                             {k: v[a:b] for k, v in self.entry_slots.items()},
+                             {k: v[a:b] for k, v in self.n_entries.items()})
+
+
+def token_key_slots(md: AttnMetadata, window: int) -> TokenKeySlots:
+    """Per-token key slots of a step from its batch-order block tables (device ops; the sizes come from the host
+    copies of the per-request counts, as everything on this eager path may)."""
+    qsl, ctx = md.query_start_loc_cpu, md.context_lens_cpu
+    dev = md.positions.device
+    counts = torch.tensor([qsl[r + 1] - qsl[r] for r in range(md.num_reqs)], device=dev)
+    req = torch.repeat_interleave(torch.arange(md.num_reqs, device=dev), counts, output_size=md.num_tokens)
+    pos = md.positions
+    win = md.groups["window"]
+    wpos = pos[:, None] - torch.arange(window - 1, -1, -1, device=dev)  # pos-W+1 .. pos
+    ok = wpos >= 0
+    wslots = _token_table_slots(md.block_tables[win.name], req, wpos.clamp(min=0), win.block_size)
+    entry_slots, n_entries = {}, {}
+    for g in md.groups.values():
+        if g.kind != "compressed":
+            continue
+        r = g.tokens_per_row
+        width = max([(ctx[i] + qsl[i + 1] - qsl[i]) // r for i in range(md.num_reqs)], default=0)
+        n = (pos + 1) // r
+        e = torch.arange(width, device=dev).expand(md.num_tokens, -1)
+        slots = _token_table_slots(md.block_tables[g.name], req, e, g.block_size)
+        entry_slots[g.name] = slots.masked_fill(e >= n[:, None], 0)
+        n_entries[g.name] = n
+    return TokenKeySlots(pos, wslots.masked_fill(~ok, TRASH_SLOT), ok, entry_slots, n_entries)
+
+
+def _token_table_slots(tables: torch.Tensor, req: torch.Tensor, rows: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slot of logical row rows[t, j] through the table of token t's request (tables [R, max_blocks] in batch
+    order, req [T]); indexes the table in place (no [T, max_blocks] copy). Rows beyond the table map to its last
+    column (masked by the caller)."""
+    blk = (rows // block_size).clamp(max=tables.shape[1] - 1)
+    return tables[req[:, None], blk].long() * block_size + rows % block_size

@@ -1,0 +1,47 @@
+"""Per-token key slots of a prefill / mixed step (`token_key_slots`) against a per-request, per-token
+transcription with `slots_of`: random block tables, chunks that start mid-request, positions below the window,
+several groups and block sizes."""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4.kv.spec import COMPRESSED, STATE, WINDOW, KVGroupSpec
+from dsv4.runtime.attn_metadata import TRASH_SLOT, build_attn_metadata, slots_of, token_key_slots
+
+
+def test_token_key_slots_match_per_request_slots() -> None:
+    g = torch.Generator().manual_seed(0)
+    for W, wbs, comp in [(6, 4, [(4, 2), (2, 4)]), (8, 8, [(128, 2)]), (5, 3, [])]:
+        groups = [KVGroupSpec("window", WINDOW, (0,), wbs, 1, 200, sliding_window=W)]
+        groups += [KVGroupSpec(f"compressed_{r}", COMPRESSED, (0,), bs, r, 200) for r, bs in comp]
+        groups.append(KVGroupSpec("compressor_state", STATE, (0,), 8, 1, 9, prefix_cacheable=False))
+        for trial in range(5):
+            R = int(torch.randint(1, 5, (1,), generator=g))
+            ctx = torch.randint(0, 300, (R,), generator=g).tolist()
+            lens = torch.randint(1, 40, (R,), generator=g).tolist()
+            if trial == 0:
+                ctx[0] = 0  # a fresh prompt: its first tokens see fewer than W keys and no entry
+            qsl = [0]
+            for n in lens:
+                qsl.append(qsl[-1] + n)
+            positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, lens)])
+            tables = {grp.name: torch.randint(1, 199, (R, 400), generator=g, dtype=torch.int32) for grp in groups}
+            md = build_attn_metadata(R, qsl, ctx, positions, tuple(groups), tables, positions)
+            ts = token_key_slots(md, W)
+            for r in range(R):
+                for t in range(qsl[r], qsl[r + 1]):
+                    p = int(positions[t])
+                    kpos = torch.arange(p - W + 1, p + 1)
+                    ok = kpos >= 0
+                    want = torch.where(ok, slots_of(tables["window"][r], kpos.clamp(min=0), wbs), TRASH_SLOT)
+                    assert torch.equal(ts.window_mask[t], ok) and torch.equal(ts.window_slots[t], want), (r, t)
+                    for ratio, bs in comp:
+                        name = f"compressed_{ratio}"
+                        n = (p + 1) // ratio
+                        assert int(ts.n_entries[name][t]) == n
+                        got = ts.entry_slots[name][t]
+                        assert got.shape[0] >= n and torch.equal(got[:n], slots_of(tables[name][r], torch.arange(n), bs))
+                        assert (got[n:] == 0).all()
+            sub = ts.rows(1, 3)
+            assert torch.equal(sub.window_slots, ts.window_slots[1:3]) and sub.positions.shape[0] == min(2, len(positions) - 1)
