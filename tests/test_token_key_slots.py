@@ -45,3 +45,23 @@ def test_token_key_slots_match_per_request_slots() -> None:
                         assert (got[n:] == 0).all()
             sub = ts.rows(1, 3)
             assert torch.equal(sub.window_slots, ts.window_slots[1:3]) and sub.positions.shape[0] == min(2, len(positions) - 1)
+
+
+def test_row_chunks_cover_rows_within_both_limits() -> None:
+    from dsv4.runtime.attn_metadata import ROW_CHUNK_ELEMS, row_chunks
+
+    for rows, cap, per_row in [(0, 256, 10), (1, 256, 10), (1000, 256, 10), (1000, 256, ROW_CHUNK_ELEMS // 16),
+                               (7, 3, 1), (5, 256, 4 * ROW_CHUNK_ELEMS)]:
+        chunks = row_chunks(rows, cap, per_row)
+        assert [a for a, _ in chunks] == list(range(0, rows, chunks[0][1] - chunks[0][0])) if chunks else rows == 0
+        assert (chunks[-1][1] if chunks else 0) == rows
+        for a, b in chunks:
+            assert 1 <= b - a <= cap and ((b - a) * per_row <= ROW_CHUNK_ELEMS or b - a == 1)
+    assert len(row_chunks(1000, 256, ROW_CHUNK_ELEMS // 16)) == 63  # 16 rows per chunk
+
+
+def test_token_key_slots_built_once_per_step() -> None:
+    groups = (KVGroupSpec("window", WINDOW, (0,), 4, 1, 50, sliding_window=6),)
+    pos = torch.arange(5)
+    md = build_attn_metadata(1, [0, 5], [0], pos, groups, {"window": torch.ones(1, 8, dtype=torch.int32)}, pos)
+    assert token_key_slots(md, 6) is token_key_slots(md, 6)

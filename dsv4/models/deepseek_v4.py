@@ -2,8 +2,10 @@
 attention over a paged cache, hash-routed and top-k MoE.
 
 Parameter names are those of transformers' DeepseekV4ForCausalLM, so an HF state dict maps one to one.
-This is the reference (torch) path: the attention loops over the step's requests and over query blocks, so
-memory stays O(tokens * (block + window + entries)) and prefill never builds an O(S^2) mask.
+This is the reference (torch) path. Prefill and mixed steps attend like a decode step, one row per query token
+over that token's own window and compressed-entry slots (`token_key_slots`), in chunks of CHUNK tokens: a fixed
+number of ops per chunk instead of a loop over requests and query blocks, memory O(CHUNK * (window + entries)),
+and never an O(S^2) mask.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
-from dsv4.models.layers.attention import QUERY_BLOCK, grouped_projection, sink_attention, window_keys, write_slots
+from dsv4.models.layers.attention import grouped_projection, write_slots
 from dsv4.models.layers.compress import closing_windows, roll_ring, window_rows
 from dsv4.models.layers.mhc import HyperConnection, HyperHead, collapse, expand
 from dsv4.models.layers.moe import MoE
@@ -22,8 +24,11 @@ from dsv4.models.layers.rope import RotaryTable
 from dsv4.ops.decode_attention import decode_sink_attention
 from dsv4.ops.rope import apply_rope
 from dsv4.ops.topk import stable_topk
-from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, slots_of
+from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, row_chunks, slots_of, token_key_slots
 from dsv4.runtime.kv_cache import LayerKVCache
+
+CHUNK = 256  # at most this many query tokens per prefill attention chunk (row_chunks takes fewer for wide rows)
+
 
 class Compressor(nn.Module):
     """Gated softmax pooling of every `ratio` tokens into one entry (HCA), or of two overlapping series
@@ -125,21 +130,9 @@ class Indexer(Compressor):
         w = self.scorer.weights_proj(x).float() * self.n_heads ** -0.5
         return qi.float(), w
 
-    def select(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, qpos: torch.Tensor) -> torch.Tensor:
-        """0/-inf bias [Q, n] over the n entries: the top-k visible entries of each query (ties -> lowest)."""
-        scores = torch.relu(torch.einsum("qhd,nd->qhn", qi, keys.float())) * self.head_dim ** -0.5
-        scores = (scores * w.unsqueeze(-1)).sum(dim=1)
-        n = keys.shape[0]
-        visible = torch.arange(n, device=qi.device)[None, :] < ((qpos + 1) // self.ratio)[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        picks = stable_topk(scores, min(self.topk, n))
-        picked = torch.zeros_like(visible).scatter_(1, picks, True) & visible  # never scatter -inf picks
-        bias = torch.full(scores.shape, float("-inf"), device=qi.device)
-        return bias.masked_fill(picked, 0.0)
-
-
     def select_decode(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-        """Decode form of `select`: top-k entry ids [R, K] of each row over its own entries (-1 = none)."""
+        """Top-k entry ids [R, K] of each query row over its own entries keys [R, M, d], of which the first n[r]
+        are visible (ties -> lowest id; -1 = none: fewer than K visible)."""
         scores = torch.relu(torch.einsum("rhd,rnd->rhn", qi, keys.float())) * self.head_dim ** -0.5
         scores = (scores * w.unsqueeze(-1)).sum(dim=1)
         visible = torch.arange(keys.shape[1], device=qi.device)[None, :] < n[:, None]
@@ -185,7 +178,6 @@ class Attention(nn.Module):
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
         write_slots(cache.window, md.window_slot_mapping, kv)
 
-        comp_table = None
         qi = iw = None
         if self.compressor is not None:
             group = md.groups[f"compressed_{self.ratio}"]
@@ -199,30 +191,19 @@ class Attention(nn.Module):
                                    comp_table, comp_bs, state)
                 qi, iw = indexer.queries(x, qr, cos, sin)
 
-        win_group = md.groups["window"]
-        win_table, win_bs = md.block_tables["window"], win_group.block_size
-        out = torch.empty_like(q)
-        qsl, ctx = md.query_start_loc_cpu, md.context_lens_cpu
-        for r in range(md.num_reqs):
-            for b0 in range(qsl[r], qsl[r + 1], QUERY_BLOCK):
-                b1 = min(b0 + QUERY_BLOCK, qsl[r + 1])
-                qpos = md.positions[b0:b1]
-                keys, bias = window_keys(cache.window, win_table[r], win_bs, qpos, self.window)
-                if comp_table is not None:
-                    n = (ctx[r] + b1 - qsl[r]) // self.ratio  # entries visible to the block's last query
-                    if n > 0:
-                        ent = torch.arange(n, device=x.device)
-                        ckeys = cache.compressed[slots_of(comp_table[r], ent, comp_bs)]
-                        if self.kind == CSA:
-                            ikeys = cache.index_keys[slots_of(comp_table[r], ent, comp_bs)]
-                            cbias = self.compressor.indexer.select(qi[b0:b1], iw[b0:b1], ikeys, qpos)
-                        else:
-                            vis = ent[None, :] < ((qpos + 1) // self.ratio)[:, None]
-                            cbias = torch.zeros(vis.shape, device=x.device).masked_fill(~vis, float("-inf"))
-                        keys = torch.cat([keys, ckeys], dim=0)
-                        bias = torch.cat([bias, cbias], dim=1)
-                out[b0:b1] = sink_attention(q[b0:b1], keys, bias, self.sinks, self.head_dim ** -0.5)
-
+        # Keys this step writes at later positions are in the cache already; each row's window / entry mask
+        # keeps them invisible to earlier tokens. Chunks bound the gathered keys ([rows, W + M, D] on the
+        # torch path, CSA's indexer keys [rows, M, index_head_dim]); one chunk needs no concatenation.
+        ts = token_key_slots(md, self.window)
+        width = ts.entry_slots[f"compressed_{self.ratio}"].shape[1] if self.compressor is not None else 0
+        per_row = (self.window + width) * self.head_dim + (width * self.cfg.index_head_dim if qi is not None else 0)
+        outs = []
+        for a, b in row_chunks(T, CHUNK, per_row):
+            rows = ts.rows(a, b)
+            outs.append(self._attend_rows(q[a:b], None if qi is None else qi[a:b], None if iw is None else iw[a:b],
+                                          rows.window_slots, rows.window_mask, rows.entry_slots, rows.n_entries,
+                                          cache))
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
         out = apply_rope(out, cos, sin, inverse=True)  # V carried rope: undo it at the query position
         return self.o_b_proj(grouped_projection(out, self.o_a_proj.weight, self.o_groups))
 
@@ -236,26 +217,43 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
         kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
         cache.window[dmd.write_slots] = kv.to(cache.window.dtype)
-        sources = [(cache.window, dmd.window_slots, dmd.window_mask)]
+        qi = iw = None
         if self.compressor is not None:
-            group = f"compressed_{self.ratio}"
-            write = dmd.entry_write[group]
+            write = dmd.entry_write[f"compressed_{self.ratio}"]
             self.compressor.forward_decode(x, dmd, self.rope, cache.compressed, cache.ring_kv, cache.ring_gate, write)
-            eslots, n = dmd.entry_slots[group], dmd.n_entries[group]
             if self.kind == CSA:
                 indexer = self.compressor.indexer
                 indexer.forward_decode(x, dmd, self.rope, cache.index_keys, cache.index_ring_kv,
                                        cache.index_ring_gate, write)
                 qi, iw = indexer.queries(x, qr, cos, sin)
-                picks = indexer.select_decode(qi, iw, cache.index_keys[eslots], n)
+        out = self._attend_rows(q, qi, iw, dmd.window_slots, dmd.window_mask, dmd.entry_slots, dmd.n_entries, cache)
+        out = apply_rope(out, cos, sin, inverse=True)
+        return self.o_b_proj(grouped_projection(out, self.o_a_proj.weight, self.o_groups))
+
+
+    def _attend_rows(self, q: torch.Tensor, qi: torch.Tensor | None, iw: torch.Tensor | None,
+                     window_slots: torch.Tensor, window_mask: torch.Tensor, entry_slots: dict[str, torch.Tensor],
+                     n_entries: dict[str, torch.Tensor], cache: LayerKVCache) -> torch.Tensor:
+        """Attention of query rows q [R, H, D] over their own keys, after this step's cache writes: the window
+        slots [R, W] where window_mask, plus (CSA / HCA) the first n_entries[g][r] of entry_slots[g] [R, M] of
+        this layer's group g (CSA: the indexer's top-k of them, from qi [R, IH, d] / iw [R, IH]). The one
+        implementation of both paths (a decode step's rows; a prefill / mixed step's token rows), so they cannot
+        drift. Entries past a row's n are invisible; their slots are 0 (a valid slot), so gathers stay in range.
+        Fixed-shape ops only: the decode path is captured in CUDA graphs."""
+        sources = [(cache.window, window_slots, window_mask)]
+        group = f"compressed_{self.ratio}"
+        # no entry in the step at all (M = 0, short prompts): nothing to add (a shape, so no host sync)
+        if self.compressor is not None and entry_slots[group].shape[1] > 0:
+            eslots, n = entry_slots[group], n_entries[group]
+            if self.kind == CSA:
+                assert qi is not None and iw is not None
+                picks = self.compressor.indexer.select_decode(qi, iw, cache.index_keys[eslots], n)
                 cslots, cmask = eslots.gather(1, picks.clamp(min=0)), picks >= 0
             else:  # HCA: every visible entry
                 cslots = eslots
-                cmask = torch.arange(eslots.shape[1], device=x.device)[None, :] < n[:, None]
+                cmask = torch.arange(eslots.shape[1], device=q.device)[None, :] < n[:, None]
             sources.append((cache.compressed, cslots, cmask))
-        out = decode_sink_attention(q, sources, self.sinks, self.head_dim ** -0.5)
-        out = apply_rope(out, cos, sin, inverse=True)
-        return self.o_b_proj(grouped_projection(out, self.o_a_proj.weight, self.o_groups))
+        return decode_sink_attention(q, sources, self.sinks, self.head_dim ** -0.5)
 
 
 class DecoderLayer(nn.Module):

@@ -9,7 +9,7 @@ engram tables live outside the module in host memory (`HostTable`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,7 +18,7 @@ from torch import nn
 
 from dsv4.models.config import ModelConfig
 from dsv4.models.engram import Engram, EngramLayout, HostTable, engram_hash
-from dsv4.models.layers.attention import QUERY_BLOCK, grouped_projection, sink_attention, window_keys, write_slots
+from dsv4.models.layers.attention import grouped_projection, write_slots
 from dsv4.models.layers.compress import closing_windows, roll_ring, window_rows
 from dsv4.models.layers.mhc import hc_mixes
 from dsv4.models.vision import VisionEncoder
@@ -29,7 +29,8 @@ from dsv4.ops.rope import apply_rope
 from dsv4.ops.rmsnorm import rms_norm_v41_triton, triton
 from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant
 from dsv4.ops.topk import stable_topk
-from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, slots_of
+from dsv4.runtime.attn_metadata import (AttnMetadata, DecodeMetadata, TokenKeySlots, row_chunks, slots_of,
+                                        token_key_slots)
 from dsv4.runtime.kv_cache import LayerKVCache
 
 if TYPE_CHECKING:  # type only: the runner builds the manager and sets `encoder_graphs`
@@ -65,13 +66,14 @@ def expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Ten
 
 @dataclass
 class StepState:
-    """What layers publish to later layers within one forward: per request, the top-k picks of the latest
-    index source ([T_r, K] entry ids, -1 = none) and the candidate source's kept blocks ([T_r, C], -1 = none)."""
+    """What layers publish to later layers within one forward, one row per query (a token of a prefill / mixed
+    step, a request of a decode step): the top-k picks of the latest index source ([rows, K] entry ids of its
+    group, -1 = none) and the candidate source's kept blocks ([rows, C], -1 = none). `keys`: the per-token key
+    slots of a prefill / mixed step, built by its first layer (the decode path has them in DecodeMetadata)."""
 
-    topk: list[torch.Tensor | None] = field(default_factory=list)
-    candidates: list[torch.Tensor | None] = field(default_factory=list)
-    topk_decode: torch.Tensor | None = None  # decode path: [R, K] for all rows at once
-    candidates_decode: torch.Tensor | None = None
+    topk: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
+    keys: TokenKeySlots | None = None
 
 
 class Compressor(nn.Module):
@@ -140,14 +142,6 @@ class Indexer(nn.Module):
         q = fp4_fake_quant_ue8m0(apply_rope(q, cos, sin))
         return q.float(), self.weights_proj(x).float() * self.n_heads ** -0.5
 
-    def scores(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, qpos: torch.Tensor,
-               ratio: int) -> torch.Tensor:
-        """[Q, n] fp32 scores; entries a query cannot see yet (e >= (t+1) div ratio) are -inf."""
-        s = torch.relu(torch.einsum("qhd,nd->qhn", q, keys.float())) * self.head_dim ** -0.5
-        s = (s * w.unsqueeze(-1)).sum(dim=1)
-        visible = torch.arange(keys.shape[0], device=q.device)[None, :] < ((qpos + 1) // ratio)[:, None]
-        return s.masked_fill(~visible, float("-inf"))
-
 
 def candidate_blocks(scores: torch.Tensor, qpos: torch.Tensor, ratio: int, block: int, keep: int) -> torch.Tensor:
     """The candidate source's per-query pre-selection: block scores = max over `block` entries, the block of
@@ -164,16 +158,17 @@ def candidate_blocks(scores: torch.Tensor, qpos: torch.Tensor, ratio: int, block
     return F.pad(picks, (0, keep - picks.shape[1]), value=-1)  # always `keep` columns
 
 
-def picks_to_bias(picks: torch.Tensor, n: int) -> torch.Tensor:
-    """[Q, K] entry ids (-1 = none) -> [Q, n] 0/-inf bias over the group's first n entries."""
-    ok = (picks >= 0) & (picks < n)
-    sel = torch.zeros(picks.shape[0], n + 1, dtype=torch.bool, device=picks.device)
-    sel.scatter_(1, torch.where(ok, picks, torch.full_like(picks, n)), True)
-    return torch.zeros(sel.shape, device=picks.device).masked_fill(~sel, float("-inf"))[:, :n]
-
-
 class AttentionV41(nn.Module):
-    """Shared-KV MQA with sinks over the FP8 window ++ the group's FP4 compressed entries picked by top-k."""
+    """Shared-KV MQA with sinks over the FP8 window ++ the group's FP4 compressed entries picked by top-k.
+
+    Both forwards attend row by row, each row one query with its own key slots: a token of a prefill / mixed step
+    (`forward`, rows from `token_key_slots`, in chunks of CHUNK rows) or a request of a uniform decode step
+    (`forward_decode`, rows from DecodeMetadata, fixed shapes for CUDA graphs). The projections, the selection and
+    the attention over those rows are the same methods on both paths."""
+
+    # Token rows attended at once on the prefill path: bounds what is gathered per row, the keys [rows, W + K, D]
+    # and, on an index source, the index keys [rows, M, index_head_dim] of every entry of the group.
+    CHUNK = 256
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -203,6 +198,7 @@ class AttentionV41(nn.Module):
         if self.is_index_source:
             self.indexer = Indexer(cfg, owns_keys=self.is_kv_source)
 
+    # ---- prefill / mixed step: token rows --------------------------------------------------------------------
     def _publish_entries(self, x: torch.Tensor, md: AttnMetadata, cache: LayerKVCache) -> None:
         """KV source: write this step's completed entries (FP4 compressed KV, FP4 indexer keys) to its caches."""
         group = md.groups[f"compressed_{self.ratio}"]
@@ -217,67 +213,39 @@ class AttentionV41(nn.Module):
             write_slots(cache.index_keys, slots, self.indexer.keys(lat, cos, sin))
 
     def forward(self, x: torch.Tensor, md: AttnMetadata, caches: list[LayerKVCache], step: StepState) -> torch.Tensor:
+        """Any step (prefill, chunked prefill, mixed): one row per token, attended in chunks of CHUNK rows."""
         T = x.shape[0]
         cache = caches[self.layer]
         cos, sin = self.rope(md.positions)
-        qr = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), cos, sin)
-        kv = fp8_fake_quant(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
+        q, qr, kv = self._project(x, cos, sin)
         write_slots(cache.window, md.window_slot_mapping, kv)
-
-        src = caches[self.kv_source] if self.kv_source is not None else None
         if self.is_kv_source:
             self._publish_entries(x, md, cache)
+        if step.keys is None:  # the same for every layer of the step (token_key_slots also caches it on md)
+            step.keys = token_key_slots(md, self.window)
+        qi, iw = self.indexer.queries(x, qr, cos, sin) if self.is_index_source else (None, None)
+        outs: list[torch.Tensor] = []
+        topk: list[torch.Tensor | None] = []
+        cands: list[torch.Tensor | None] = []
+        # chunks see the picks of the earlier layers by row range; this layer's are published after the loop
+        width = step.keys.entry_slots[f"compressed_{self.ratio}"].shape[1] if self.ratio > 0 else 0
+        # gathered per row: window + picked keys, and on an index source every entry's indexer key
+        per_row = (self.window + (self.cfg.index_topk if self.ratio > 0 else 0)) * self.head_dim
+        per_row += width * self.cfg.index_head_dim if self.is_index_source else 0
+        for a, b in row_chunks(T, self.CHUNK, per_row):
+            o, t, c = self._attend_rows(q[a:b], self._row_slice(qi, a, b), self._row_slice(iw, a, b), caches,
+                                        step.keys.rows(a, b), self._row_slice(step.topk, a, b),
+                                        self._row_slice(step.candidates, a, b))
+            outs.append(o)
+            topk.append(t)
+            cands.append(c)
         if self.is_index_source:
-            qi, iw = self.indexer.queries(x, qr, cos, sin)
-            step.topk = [None] * md.num_reqs
-            if self.is_candidate:
-                step.candidates = [None] * md.num_reqs
-        comp_group = md.groups[f"compressed_{self.ratio}"] if self.ratio > 0 else None
-        sched = self.cfg.v41
+            step.topk = self._join_rows(topk)
+        if self.is_candidate:
+            step.candidates = self._join_rows(cands)
+        return self._output(self._join_rows(outs), cos, sin)
 
-        win_group = md.groups["window"]
-        win_table = md.block_tables["window"]
-        out = torch.empty_like(q)
-        qsl = md.query_start_loc_cpu
-        for r in range(md.num_reqs):
-            t0, t1 = qsl[r], qsl[r + 1]
-            if t0 == t1:
-                continue
-            ckeys = ikeys = None
-            n_all = 0
-            if comp_group is not None:
-                n_all = md.seq_len(r) // self.ratio  # the group's entries after this step
-                if n_all > 0:
-                    ent = torch.arange(n_all, device=x.device)
-                    slots = slots_of(md.block_tables[comp_group.name][r], ent, comp_group.block_size)
-                    ckeys = src.compressed[slots]
-                    if self.is_index_source:
-                        ikeys = src.index_keys[slots]
-                if self.is_index_source:
-                    k = min(self.indexer.topk, max(n_all, 1))
-                    step.topk[r] = torch.full((t1 - t0, k), -1, dtype=torch.long, device=x.device)
-                    if self.is_candidate:
-                        c = sched.candidate_topk_blocks
-                        step.candidates[r] = torch.full((t1 - t0, c), -1, dtype=torch.long, device=x.device)
-            for b0 in range(t0, t1, QUERY_BLOCK):
-                b1 = min(b0 + QUERY_BLOCK, t1)
-                qpos = md.positions[b0:b1]
-                keys, bias = window_keys(cache.window, win_table[r], win_group.block_size, qpos, self.window)
-                if ckeys is not None:
-                    if self.is_index_source:
-                        self._select(step, r, b0 - t0, b1 - t0, qi[b0:b1], iw[b0:b1], ikeys, qpos)
-                    picks = step.topk[r][b0 - t0:b1 - t0] if step.topk and step.topk[r] is not None else None
-                    cbias = (picks_to_bias(picks, n_all) if picks is not None else
-                             torch.full((b1 - b0, n_all), float("-inf"), device=x.device))
-                    keys = torch.cat([keys, ckeys], dim=0)
-                    bias = torch.cat([bias, cbias], dim=1)
-                out[b0:b1] = sink_attention(q[b0:b1], keys, bias, self.attn_sink, self.head_dim ** -0.5)
-
-        out = apply_rope(out, cos, sin, inverse=True)
-        return self.wo_b(grouped_projection(out, self.wo_a.weight, self.o_groups))
-
-    # ---- uniform decode (fixed shapes, capturable) --------------------------------------------------------------
+    # ---- uniform decode: request rows (fixed shapes, capturable) ---------------------------------------------
     def _publish_decode(self, x: torch.Tensor, dmd: DecodeMetadata, cache: LayerKVCache) -> None:
         """KV source, one token per row: roll the open pair (ratio 2) and write the entry the token completes."""
         pos = dmd.positions
@@ -298,66 +266,90 @@ class AttentionV41(nn.Module):
         cache.compressed[slots] = fp4_fake_quant_e4m3(apply_rope(latent, cos, sin)).to(cache.compressed.dtype)
         cache.index_keys[slots] = self.indexer.keys(latent, cos, sin).to(cache.index_keys.dtype)
 
-    def _select_decode(self, step: StepState, qi: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor,
-                       n: torch.Tensor) -> None:
-        """Top-k picks [R, K] of every row over its group's entries (candidate pool applied where it must be)."""
+    def forward_decode(self, x: torch.Tensor, dmd: DecodeMetadata, caches: list[LayerKVCache],
+                       step: StepState) -> torch.Tensor:
+        """A uniform decode step: one row per (padded) request, fixed shapes and no host sync."""
+        cache = caches[self.layer]
+        cos, sin = self.rope(dmd.positions)
+        q, qr, kv = self._project(x, cos, sin)
+        cache.window[dmd.write_slots] = kv.to(cache.window.dtype)
+        if self.is_kv_source:
+            self._publish_decode(x, dmd, cache)
+        qi, iw = self.indexer.queries(x, qr, cos, sin) if self.is_index_source else (None, None)
+        out, step.topk, step.candidates = self._attend_rows(q, qi, iw, caches, dmd, step.topk, step.candidates)
+        return self._output(out, cos, sin)
+
+    # ---- shared by both paths ----------------------------------------------------------------------------------
+    def _project(self, x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Roped queries [T, H, D], the query latent qr (the indexer's input) and the FP8 key/value latent [T, D]."""
+        qr = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim), cos, sin)
+        kv = fp8_fake_quant(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
+        return q, qr, kv
+
+    def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The attention output back to the hidden size: inverse rope (keys are roped values), grouped wo_a, wo_b."""
+        out = apply_rope(out, cos, sin, inverse=True)
+        return self.wo_b(grouped_projection(out, self.wo_a.weight, self.o_groups))
+
+    def _attend_rows(self, q: torch.Tensor, qi: torch.Tensor | None, iw: torch.Tensor | None,
+                     caches: list[LayerKVCache], keys: TokenKeySlots | DecodeMetadata, topk: torch.Tensor | None,
+                     candidates: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Sink attention of query rows q [R, H, D] over their window keys and, on a compressed layer, the entries
+        of their top-k picks; an index source picks them here from its indexer queries qi / weights iw. `topk` /
+        `candidates`: the rows' picks / candidate blocks published by earlier layers (None: none yet). Returns the
+        output [R, H, D] and the rows' picks / candidate blocks after this layer (None where there are none)."""
+        sources = [(caches[self.layer].window, keys.window_slots, keys.window_mask)]
+        if self.ratio > 0:
+            group = f"compressed_{self.ratio}"
+            eslots, n = keys.entry_slots[group], keys.n_entries[group]  # [R, M], [R]
+            if eslots.shape[1] == 0:
+                # no sequence of the step has a whole group yet (decode rows always have M > 0): the window alone;
+                # an index source publishes no picks, as the later layers of its group have no entry either
+                topk = candidates = None
+            else:
+                src = caches[self.kv_source]
+                if self.is_index_source:
+                    topk, candidates = self._select(qi, iw, src.index_keys[eslots], n, candidates)
+                sources.append((src.compressed, eslots.gather(1, topk.clamp(min=0)), topk >= 0))
+        out = decode_sink_attention(q, sources, self.attn_sink, self.head_dim ** -0.5)
+        return out, topk, candidates
+
+    def _select(self, qi: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor, n: torch.Tensor,
+                candidates: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Top-k picks [R, K] of every row over its group's entries: index keys ikeys [R, M, d], of which the row
+        sees e < n[row]; -1 for picks without a finite score (fewer visible entries than K). The candidate source
+        also returns its kept blocks [R, C]; a later index source picks only inside `candidates` (the pool)."""
         sched = self.cfg.v41
         s = torch.relu(torch.einsum("rhd,rmd->rhm", qi, ikeys.float())) * self.indexer.head_dim ** -0.5
         s = (s * iw.unsqueeze(-1)).sum(dim=1)
         visible = torch.arange(s.shape[1], device=s.device)[None, :] < n[:, None]
         s = s.masked_fill(~visible, float("-inf"))
         if self.is_candidate:
-            step.candidates_decode = candidate_blocks(s, n * self.ratio - 1, self.ratio, sched.candidate_block_size,
-                                                      sched.candidate_topk_blocks)
-        elif self.uses_candidates and step.candidates_decode is not None:
+            # the newest visible entry is n - 1, i.e. the row's position in candidate_blocks' terms is n*ratio - 1
+            candidates = candidate_blocks(s, n * self.ratio - 1, self.ratio, sched.candidate_block_size,
+                                          sched.candidate_topk_blocks)
+        elif self.uses_candidates and candidates is not None:
             entry_block = torch.arange(s.shape[1], device=s.device) // sched.candidate_block_size
-            in_pool = (entry_block[None, None, :] == step.candidates_decode[:, :, None]).any(dim=1)
+            in_pool = (entry_block[None, None, :] == candidates[:, :, None]).any(dim=1)
             s = s.masked_fill(~in_pool, float("-inf"))
         picks = stable_topk(s, min(self.indexer.topk, s.shape[1]))
-        step.topk_decode = torch.where(s.gather(1, picks) > float("-inf"), picks, torch.full_like(picks, -1))
+        picks = torch.where(s.gather(1, picks) > float("-inf"), picks, torch.full_like(picks, -1))
+        return picks, candidates
 
-    def forward_decode(self, x: torch.Tensor, dmd: DecodeMetadata, caches: list[LayerKVCache],
-                       step: StepState) -> torch.Tensor:
-        R = x.shape[0]
-        cache = caches[self.layer]
-        cos, sin = self.rope(dmd.positions)
-        qr = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(qr).view(R, self.n_heads, self.head_dim), cos, sin)
-        kv = fp8_fake_quant(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
-        cache.window[dmd.write_slots] = kv.to(cache.window.dtype)
-        sources = [(cache.window, dmd.window_slots, dmd.window_mask)]
-        if self.ratio > 0:
-            src = caches[self.kv_source]
-            group = f"compressed_{self.ratio}"
-            if self.is_kv_source:
-                self._publish_decode(x, dmd, cache)
-            eslots, n = dmd.entry_slots[group], dmd.n_entries[group]
-            if self.is_index_source:
-                qi, iw = self.indexer.queries(x, qr, cos, sin)
-                self._select_decode(step, qi, iw, src.index_keys[eslots], n)
-            picks = step.topk_decode
-            sources.append((src.compressed, eslots.gather(1, picks.clamp(min=0)), picks >= 0))
-        out = decode_sink_attention(q, sources, self.attn_sink, self.head_dim ** -0.5)
-        out = apply_rope(out, cos, sin, inverse=True)
-        return self.wo_b(grouped_projection(out, self.wo_a.weight, self.o_groups))
+    @staticmethod
+    def _row_slice(t: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
+        """Rows [a, b) of a per-row tensor (None stays None)."""
+        return None if t is None else t[a:b]
 
-    def _select(self, step: StepState, r: int, a: int, b: int, qi: torch.Tensor, iw: torch.Tensor,
-                ikeys: torch.Tensor, qpos: torch.Tensor) -> None:
-        """Publish the top-k picks of queries [a, b) of request r (and, on the candidate source, its blocks)."""
-        sched = self.cfg.v41
-        s = self.indexer.scores(qi, iw, ikeys, qpos, self.ratio)
-        if self.is_candidate:
-            step.candidates[r][a:b] = candidate_blocks(s, qpos, self.ratio, sched.candidate_block_size,
-                                                       sched.candidate_topk_blocks)
-        elif self.uses_candidates and step.candidates and step.candidates[r] is not None:
-            blocks = step.candidates[r][a:b]
-            entry_block = torch.arange(s.shape[1], device=s.device) // sched.candidate_block_size
-            in_pool = (entry_block[None, None, :] == blocks[:, :, None]).any(dim=1)
-            s = s.masked_fill(~in_pool, float("-inf"))
-        k = step.topk[r].shape[1]
-        picks = stable_topk(s, min(k, s.shape[1]))
-        picks = torch.where(s.gather(1, picks) > float("-inf"), picks, torch.full_like(picks, -1))  # no -inf picks
-        step.topk[r][a:b, : picks.shape[1]] = picks
+    @staticmethod
+    def _join_rows(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """The chunks' rows back in one tensor; a single chunk (the common case) is returned as is, no copy."""
+        if parts[0] is None:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 class MoEV41(nn.Module):

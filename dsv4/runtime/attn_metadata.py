@@ -6,7 +6,7 @@ then passed to the model's forward (never imported by it as global state).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -31,6 +31,8 @@ class AttnMetadata:
     groups: dict[str, KVGroupSpec]
     block_tables: dict[str, torch.Tensor]  # group name -> [R, max_blocks] int32, batch order
     window_slot_mapping: torch.Tensor  # [T] int64, PAD_SLOT for tokens that write nothing
+    # token_key_slots of this step by window, built by the first layer that asks (the same for every layer)
+    key_slots: dict[int, "TokenKeySlots"] = field(default_factory=dict)
 
     def seq_len(self, r: int) -> int:
         return self.context_lens_cpu[r] + self.query_start_loc_cpu[r + 1] - self.query_start_loc_cpu[r]
@@ -207,9 +209,28 @@ class TokenKeySlots:
                              {k: v[a:b] for k, v in self.n_entries.items()})
 
 
+# What the keys gathered for one chunk of token rows may take, in elements (256 MB in fp32): the torch path gathers
+# [rows, W + M, head_dim] keys and an index source [rows, M, index_head_dim] indexer keys, M growing with the
+# context (at 128K tokens and ratio 4, M = 32K: 16 rows per chunk instead of a 2 GB gather at 256 rows).
+ROW_CHUNK_ELEMS = 1 << 26
+
+
+def row_chunks(num_rows: int, max_rows: int, elems_per_row: int) -> list[tuple[int, int]]:
+    """[a, b) ranges covering num_rows rows, each at most max_rows rows and ROW_CHUNK_ELEMS / elems_per_row."""
+    step = max(1, min(max_rows, ROW_CHUNK_ELEMS // max(1, elems_per_row)))
+    return [(a, min(a + step, num_rows)) for a in range(0, num_rows, step)]
+
+
 def token_key_slots(md: AttnMetadata, window: int) -> TokenKeySlots:
     """Per-token key slots of a step from its batch-order block tables (device ops; the sizes come from the host
-    copies of the per-request counts, as everything on this eager path may)."""
+    copies of the per-request counts, as everything on this eager path may). Built once per step and window."""
+    cached = md.key_slots.get(window)
+    if cached is None:
+        cached = md.key_slots[window] = _build_token_key_slots(md, window)
+    return cached
+
+
+def _build_token_key_slots(md: AttnMetadata, window: int) -> TokenKeySlots:
     qsl, ctx = md.query_start_loc_cpu, md.context_lens_cpu
     dev = md.positions.device
     counts = torch.tensor([qsl[r + 1] - qsl[r] for r in range(md.num_reqs)], device=dev)
