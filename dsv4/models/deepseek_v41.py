@@ -10,8 +10,9 @@ engram tables live outside the module in host memory (`HostTable`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,7 +20,6 @@ from torch import nn
 from dsv4.models.config import ModelConfig
 from dsv4.models.engram import Engram, EngramLayout, HostTable, engram_hash
 from dsv4.models.layers.attention import grouped_projection, write_slots
-from dsv4.models.layers.compress import closing_windows, roll_ring, window_rows
 from dsv4.models.layers.mhc import hc_mixes
 from dsv4.models.vision import VisionEncoder
 from dsv4.models.layers.moe import clamped_swiglu, routed_experts_fixed, score
@@ -29,8 +29,7 @@ from dsv4.ops.rope import apply_rope
 from dsv4.ops.rmsnorm import rms_norm_v41_triton, triton
 from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant
 from dsv4.ops.topk import stable_topk
-from dsv4.runtime.attn_metadata import (AttnMetadata, DecodeMetadata, TokenKeySlots, row_chunks, slots_of,
-                                        token_key_slots)
+from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, TokenKeySlots, row_chunks, token_key_slots
 from dsv4.runtime.kv_cache import LayerKVCache
 
 if TYPE_CHECKING:  # type only: the runner builds the manager and sets `encoder_graphs`
@@ -76,6 +75,21 @@ class StepState:
     keys: TokenKeySlots | None = None
 
 
+class StepEntries(NamedTuple):
+    """The entries that complete in a prefill / mixed step, one row each: batch index of the request [N], entry id
+    [N] (int64, on the model's device) and pre-rope latent [N, head_dim]."""
+
+    req: torch.Tensor
+    entry: torch.Tensor
+    latent: torch.Tensor
+
+
+def _pack(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """Host index arrays to the device in one copy (one op however many arrays), split back into views."""
+    flat = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device)
+    return list(flat.split([len(a) for a in parts]))
+
+
 class Compressor(nn.Module):
     """KV-source compressor: ratio 2 = gated softmax pooling of aligned pairs (fp32, no position bias), ratio 1 =
     one projected latent per token. Produces the pre-rope latent of every entry that completes this step."""
@@ -88,34 +102,68 @@ class Compressor(nn.Module):
             self.wgate = nn.Linear(hidden, head_dim, bias=False)
         self.norm = RMSNormV41(head_dim, eps)
 
-    def forward(self, x: torch.Tensor, md: AttnMetadata, cache: LayerKVCache, state_blocks: torch.Tensor
-                ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per request: (entry ids [n], latents [n, head_dim]) of the entries that complete in this step."""
-        qsl, ctx = md.query_start_loc_cpu, md.context_lens_cpu
-        out = []
-        if self.ratio == 1:
-            lat = self.norm(self.wkv(x))
-            for r in range(md.num_reqs):
-                out.append((md.positions[qsl[r]:qsl[r + 1]], lat[qsl[r]:qsl[r + 1]]))
-            return out
+    # the pieces both paths share (forward: a step's token rows, AttentionV41._publish_decode: one row per request)
+    def latent(self, x: torch.Tensor) -> torch.Tensor:
+        """Ratio 1: every token's entry latent, in the model dtype."""
+        return self.norm(self.wkv(x))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ratio > 1: raw (kv, gate) rows in fp32 (the pooling runs in fp32 from the projections on)."""
+        xf = x.float()
+        return F.linear(xf, self.wkv.weight.float()), F.linear(xf, self.wgate.weight.float())
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Windows [N, ratio, D] of fp32 rows -> latents [N, D]: softmax of the gates over each window (fp32),
+        weighted sum, cast to the model dtype, norm."""
+        return self.norm((kv * gate.softmax(dim=1)).sum(dim=1).to(dtype))
+
+    def forward(self, x: torch.Tensor, md: AttnMetadata, cache: LayerKVCache,
+                state_blocks: torch.Tensor | None) -> StepEntries:
+        """The entries that complete in this step, all requests at once, and (ratio > 1) the ring rolled forward.
+
+        Which tokens close a window, where each window row comes from and which rows the ring keeps depend only
+        on the host copies of the batch layout, so they are computed on the host (no device sync, no loop over
+        requests on the device) and copied over in one op; the device work is a fixed number of ops per step."""
         m = self.ratio
-        kv_all = F.linear(x.float(), self.wkv.weight.float())
-        gate_all = F.linear(x.float(), self.wgate.weight.float())
-        for r in range(md.num_reqs):
-            t0, t1 = qsl[r], qsl[r + 1]
-            p0, blk = ctx[r], int(state_blocks[r])
-            kv, gate = kv_all[t0:t1], gate_all[t0:t1]
-            w = closing_windows(p0, p0 + (t1 - t0), m, x.device)
-            if w.numel() > 0:
-                ext_kv, ext_gate, base = window_rows(kv, gate, cache.ring_kv, cache.ring_gate, blk, p0)
-                rows = w[:, None] * m + torch.arange(m, device=x.device) - base
-                pooled = (ext_kv[rows] * ext_gate[rows].softmax(dim=1)).sum(dim=1)
-                out.append((w, self.norm(pooled.to(x.dtype))))
-            else:
-                out.append((w, x.new_zeros(0, self.wkv.weight.shape[0])))
-            if t1 > t0:
-                roll_ring(cache.ring_kv, cache.ring_gate, blk, kv, gate, p0)
-        return out
+        qsl = np.asarray(md.query_start_loc_cpu, dtype=np.int64)
+        n = np.diff(qsl)
+        req = np.repeat(np.arange(md.num_reqs, dtype=np.int64), n)  # token -> its request (batch order)
+        off = np.arange(int(qsl[-1]), dtype=np.int64) - qsl[:-1][req]  # token's offset in its request's chunk
+        # = md.positions, which the runner builds as context length + offset in the chunk
+        pos = np.asarray(md.context_lens_cpu, dtype=np.int64)[req] + off
+        if m == 1:
+            ereq, ent = _pack([req, pos], x.device)
+            return StepEntries(ereq, ent, self.latent(x))
+        cap = cache.ring_kv.shape[1]
+        close = np.flatnonzero((pos + 1) % m == 0)  # tokens that close the window [pos - m + 1, pos]
+        # row j of a window is position pos - m + 1 + j: this step's token t - m + 1 + j when it lies in the
+        # request's chunk, else the ring slot (position % cap) the previous step left it in. Windows are aligned,
+        # so their first position is >= 0: never a position before the sequence.
+        back = np.arange(m, dtype=np.int64) - (m - 1)
+        in_chunk = (off[close, None] + back >= 0).reshape(-1)
+        tok = np.where(in_chunk, (close[:, None] + back).reshape(-1), 0)
+        slot = ((pos[close, None] + back) % cap).reshape(-1)
+        roll = np.flatnonzero(off >= n[req] - cap)  # each request's last `cap` tokens: the next step's ring
+        N, K = len(close), len(roll)
+        reqs, ent, tok_d, in_chunk_d, slot_d, roll_d, rslot = _pack(
+            [req[np.concatenate([close, roll])], (pos[close] + 1) // m - 1, tok, in_chunk, slot, roll,
+             pos[roll] % cap], x.device)
+        kv, gate = self.project(x)
+        blk = state_blocks[reqs].long()  # the ring blocks of the windows' reads and of the roll's writes, one gather
+        ereq, eblk, rblk = reqs[:N], blk[:N], blk[N:]
+        if N > 0:
+            # the ring is read before the roll below overwrites it
+            rows = (eblk[:, None], slot_d.view(N, m))
+            take = in_chunk_d.view(N, m, 1).bool()
+            wkv = torch.where(take, kv[tok_d.view(N, m)], cache.ring_kv[rows].to(kv.dtype))
+            wgate = torch.where(take, gate[tok_d.view(N, m)], cache.ring_gate[rows].to(gate.dtype))
+            lat = self.pool(wkv, wgate, x.dtype)
+        else:
+            lat = x.new_zeros(0, self.wkv.weight.shape[0])
+        if K > 0:
+            cache.ring_kv[rblk, rslot] = kv[roll_d].to(cache.ring_kv.dtype)
+            cache.ring_gate[rblk, rslot] = gate[roll_d].to(cache.ring_gate.dtype)
+        return StepEntries(ereq, ent, lat)
 
 
 class Indexer(nn.Module):
@@ -200,17 +248,16 @@ class AttentionV41(nn.Module):
 
     # ---- prefill / mixed step: token rows --------------------------------------------------------------------
     def _publish_entries(self, x: torch.Tensor, md: AttnMetadata, cache: LayerKVCache) -> None:
-        """KV source: write this step's completed entries (FP4 compressed KV, FP4 indexer keys) to its caches."""
+        """KV source: write this step's completed entries (FP4 compressed KV, FP4 indexer keys) to its caches, all
+        requests at once."""
         group = md.groups[f"compressed_{self.ratio}"]
-        table = md.block_tables[group.name]
         state = md.block_tables["compressor_state"][:, 0] if "compressor_state" in md.block_tables else None
-        for r, (ent, lat) in enumerate(self.compressor(x, md, cache, state)):
-            if ent.numel() == 0:
-                continue
-            cos, sin = self.rope(ent * self.ratio)  # an entry sits at its group's first token
-            slots = slots_of(table[r], ent, group.block_size)
-            write_slots(cache.compressed, slots, fp4_fake_quant_e4m3(apply_rope(lat, cos, sin)))
-            write_slots(cache.index_keys, slots, self.indexer.keys(lat, cos, sin))
+        req, ent, latent = self.compressor(x, md, cache, state)
+        if ent.numel() == 0:  # a host-known shape: no window closes in this step
+            return
+        bs = group.block_size
+        slots = md.block_tables[group.name][req, ent // bs].long() * bs + ent % bs  # through each request's table
+        self._write_entries(cache, latent, ent, slots)
 
     def forward(self, x: torch.Tensor, md: AttnMetadata, caches: list[LayerKVCache], step: StepState) -> torch.Tensor:
         """Any step (prefill, chunked prefill, mixed): one row per token, attended in chunks of CHUNK rows."""
@@ -248,23 +295,19 @@ class AttentionV41(nn.Module):
     # ---- uniform decode: request rows (fixed shapes, capturable) ---------------------------------------------
     def _publish_decode(self, x: torch.Tensor, dmd: DecodeMetadata, cache: LayerKVCache) -> None:
         """KV source, one token per row: roll the open pair (ratio 2) and write the entry the token completes."""
-        pos = dmd.positions
+        pos, c = dmd.positions, self.compressor
         if self.ratio == 1:
-            latent, ent = self.compressor.norm(self.compressor.wkv(x)), pos
+            latent, ent = c.latent(x), pos
         else:
-            c = self.compressor
-            kv = F.linear(x.float(), c.wkv.weight.float())
-            gate = F.linear(x.float(), c.wgate.weight.float())
+            kv, gate = c.project(x)
             blk, slot = dmd.state_blocks, pos % self.ratio
             cache.ring_kv[blk, slot] = kv
             cache.ring_gate[blk, slot] = gate
-            # ring rows are positions in order once the pair closes (slot 0 = even, slot 1 = odd position)
-            pooled = (cache.ring_kv[blk] * cache.ring_gate[blk].softmax(dim=1)).sum(dim=1)
-            latent, ent = c.norm(pooled.to(x.dtype)), ((pos + 1) // self.ratio - 1).clamp(min=0)
-        cos, sin = self.rope(ent * self.ratio)
-        slots = dmd.entry_write[f"compressed_{self.ratio}"]
-        cache.compressed[slots] = fp4_fake_quant_e4m3(apply_rope(latent, cos, sin)).to(cache.compressed.dtype)
-        cache.index_keys[slots] = self.indexer.keys(latent, cos, sin).to(cache.index_keys.dtype)
+            # ring rows are positions in order once the pair closes (slot 0 = even, slot 1 = odd position); every
+            # row pools (fixed shapes), and a row whose pair is still open writes to TRASH_SLOT (entry_write)
+            latent = c.pool(cache.ring_kv[blk], cache.ring_gate[blk], x.dtype)
+            ent = ((pos + 1) // self.ratio - 1).clamp(min=0)
+        self._write_entries(cache, latent, ent, dmd.entry_write[f"compressed_{self.ratio}"])
 
     def forward_decode(self, x: torch.Tensor, dmd: DecodeMetadata, caches: list[LayerKVCache],
                        step: StepState) -> torch.Tensor:
@@ -280,6 +323,14 @@ class AttentionV41(nn.Module):
         return self._output(out, cos, sin)
 
     # ---- shared by both paths ----------------------------------------------------------------------------------
+    def _write_entries(self, cache: LayerKVCache, latent: torch.Tensor, ent: torch.Tensor,
+                       slots: torch.Tensor) -> None:
+        """Entries ent [N] from their pre-rope latents [N, D] into their cache slots [N], one write per cache: the
+        FP4 compressed KV (roped at the entry's first token, ent * ratio) and the FP4 indexer keys."""
+        cos, sin = self.rope(ent * self.ratio)
+        cache.compressed[slots] = fp4_fake_quant_e4m3(apply_rope(latent, cos, sin)).to(cache.compressed.dtype)
+        cache.index_keys[slots] = self.indexer.keys(latent, cos, sin).to(cache.index_keys.dtype)
+
     def _project(self, x: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Roped queries [T, H, D], the query latent qr (the indexer's input) and the FP8 key/value latent [T, D]."""
