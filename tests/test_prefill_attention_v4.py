@@ -21,29 +21,9 @@ from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import AttnMetadata, slots_of
 from dsv4.runtime.kv_cache import LayerKVCache
 from dsv4.sampling_params import SamplingParams
+from loop_reference import QUERY_BLOCK, sink_attention, window_keys
 
 # ---- the old loop, verbatim (window_keys / sink_attention / Indexer.select as they were) ----------------------
-
-QUERY_BLOCK = 128
-
-
-def window_keys(cache: torch.Tensor, table_row: torch.Tensor, block_size: int, qpos: torch.Tensor,
-                window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    p0, p1 = int(qpos[0]), int(qpos[-1]) + 1
-    kpos = torch.arange(max(0, p0 - window + 1), p1, device=qpos.device)
-    keys = cache[slots_of(table_row, kpos, block_size)]
-    seen = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)
-    return keys, torch.zeros(seen.shape, device=qpos.device).masked_fill(~seen, float("-inf"))
-
-
-def sink_attention(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    logits = torch.einsum("qhd,ld->hql", q.float(), k.float()) * scale + bias.unsqueeze(0)
-    sink = sinks.float().view(-1, 1, 1).expand(-1, logits.shape[1], 1)
-    logits = torch.cat([logits, sink], dim=-1)
-    probs = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
-    return torch.einsum("hql,ld->qhd", probs, k.float()).to(q.dtype)
-
 
 def select(indexer: v4.Indexer, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
            qpos: torch.Tensor) -> torch.Tensor:

@@ -27,34 +27,7 @@ from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import AttnMetadata, slots_of
 from dsv4.runtime.kv_cache import LayerKVCache
 from dsv4.sampling_params import SamplingParams
-
-# ---- the attention helpers of the old loop, verbatim (removed from dsv4/models/layers/attention.py) ------------
-QUERY_BLOCK = 128
-
-
-def window_keys(cache: torch.Tensor, table_row: torch.Tensor, block_size: int, qpos: torch.Tensor,
-                window: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Window keys of a block of consecutive query positions `qpos` of one request, and their 0/-inf bias:
-    query t sees keys (t - window, t]. Only positions [qpos[0] - window + 1, qpos[-1]] are read."""
-    p0, p1 = int(qpos[0]), int(qpos[-1]) + 1
-    kpos = torch.arange(max(0, p0 - window + 1), p1, device=qpos.device)
-    keys = cache[slots_of(table_row, kpos, block_size)]
-    seen = (kpos[None, :] <= qpos[:, None]) & (kpos[None, :] > qpos[:, None] - window)
-    return keys, torch.zeros(seen.shape, device=qpos.device).masked_fill(~seen, float("-inf"))
-
-
-def sink_attention(q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    """One softmax over keys plus a per-head sink logit that has no value row.
-
-    q [Q, H, D], k [L, D] (K = V, shared by all heads), bias [Q, L] (0 or -inf) -> [Q, H, D].
-    A query whose keys are all masked gets weight only on the sink, i.e. a zero output.
-    """
-    logits = torch.einsum("qhd,ld->hql", q.float(), k.float()) * scale + bias.unsqueeze(0)
-    sink = sinks.float().view(-1, 1, 1).expand(-1, logits.shape[1], 1)
-    logits = torch.cat([logits, sink], dim=-1)
-    probs = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
-    return torch.einsum("hql,ld->qhd", probs, k.float()).to(q.dtype)
+from loop_reference import QUERY_BLOCK, sink_attention, window_keys
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "deepseek-v41-tiny")
 

@@ -19,34 +19,9 @@ from dsv4.models.layers.rope import RotaryTable
 from dsv4.ops.rope import apply_rope
 from dsv4.runtime.attn_metadata import AttnMetadata, slots_of
 from dsv4.sampling_params import SamplingParams
+from loop_reference import closing_windows, roll_ring, window_rows
 
-# ---- the old loop, verbatim (window_rows / closing_windows / roll_ring as they were) --------------------------
-
-
-def window_rows(kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: int,
-                p0: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    cap = ring_kv.shape[1]
-    past = torch.arange(p0 - cap, p0, device=kv.device)
-    idx = past.remainder(cap)
-    ext_kv = torch.cat([ring_kv[blk, idx].to(kv.dtype), kv], dim=0)
-    ext_gate = torch.cat([ring_gate[blk, idx].to(gate.dtype), gate], dim=0)
-    neg = past < 0
-    ext_kv[:cap][neg] = 0
-    ext_gate[:cap][neg] = float("-inf")
-    return ext_kv, ext_gate, p0 - cap
-
-
-def closing_windows(p0: int, p1: int, ratio: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(p0 // ratio, p1 // ratio, device=device)
-
-
-def roll_ring(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: int, kv: torch.Tensor, gate: torch.Tensor,
-              p0: int) -> None:
-    cap = ring_kv.shape[1]
-    p1 = p0 + kv.shape[0]
-    keep = torch.arange(max(p0, p1 - cap), p1, device=kv.device)
-    ring_kv[blk, keep.remainder(cap)] = kv[keep - p0].to(ring_kv.dtype)
-    ring_gate[blk, keep.remainder(cap)] = gate[keep - p0].to(ring_gate.dtype)
+# ---- the old loop, verbatim (its ring helpers: tests/loop_reference.py) -----------------------------------------
 
 
 def old_forward(self: v4.Compressor, x: torch.Tensor, md: AttnMetadata, rope: RotaryTable, out_cache: torch.Tensor,

@@ -24,6 +24,7 @@ from dsv4.ops.rope import apply_rope
 from dsv4.runtime.attn_metadata import AttnMetadata, slots_of
 from dsv4.runtime.kv_cache import LayerKVCache
 from dsv4.sampling_params import SamplingParams
+from loop_reference import roll_ring, window_rows
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "deepseek-v41-tiny")
 CACHE_FIELDS = ("compressed", "index_keys", "ring_kv", "ring_gate")
@@ -31,28 +32,6 @@ CACHE_FIELDS = ("compressed", "index_keys", "ring_kv", "ring_gate")
 
 # ---- the reference: the per-request loop (transcribed from the implementation it replaced, with the ring helpers
 # of dsv4/models/layers/compress.py it called) -----------------------------------------------------------------------
-def old_window_rows(kv: torch.Tensor, gate: torch.Tensor, ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: int,
-                    p0: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    cap = ring_kv.shape[1]
-    past = torch.arange(p0 - cap, p0, device=kv.device)
-    idx = past.remainder(cap)
-    ext_kv = torch.cat([ring_kv[blk, idx].to(kv.dtype), kv], dim=0)
-    ext_gate = torch.cat([ring_gate[blk, idx].to(gate.dtype), gate], dim=0)
-    neg = past < 0
-    ext_kv[:cap][neg] = 0
-    ext_gate[:cap][neg] = float("-inf")
-    return ext_kv, ext_gate, p0 - cap
-
-
-def old_roll_ring(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: int, kv: torch.Tensor, gate: torch.Tensor,
-                  p0: int) -> None:
-    cap = ring_kv.shape[1]
-    p1 = p0 + kv.shape[0]
-    keep = torch.arange(max(p0, p1 - cap), p1, device=kv.device)
-    ring_kv[blk, keep.remainder(cap)] = kv[keep - p0].to(ring_kv.dtype)
-    ring_gate[blk, keep.remainder(cap)] = gate[keep - p0].to(ring_gate.dtype)
-
-
 def old_compressor_forward(c: Compressor, x: torch.Tensor, md: AttnMetadata, cache: LayerKVCache,
                            state_blocks: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     qsl, ctx = md.query_start_loc_cpu, md.context_lens_cpu
@@ -71,14 +50,14 @@ def old_compressor_forward(c: Compressor, x: torch.Tensor, md: AttnMetadata, cac
         kv, gate = kv_all[t0:t1], gate_all[t0:t1]
         w = torch.arange(p0 // m, (p0 + (t1 - t0)) // m, device=x.device)
         if w.numel() > 0:
-            ext_kv, ext_gate, base = old_window_rows(kv, gate, cache.ring_kv, cache.ring_gate, blk, p0)
+            ext_kv, ext_gate, base = window_rows(kv, gate, cache.ring_kv, cache.ring_gate, blk, p0)
             rows = w[:, None] * m + torch.arange(m, device=x.device) - base
             pooled = (ext_kv[rows] * ext_gate[rows].softmax(dim=1)).sum(dim=1)
             out.append((w, c.norm(pooled.to(x.dtype))))
         else:
             out.append((w, x.new_zeros(0, c.wkv.weight.shape[0])))
         if t1 > t0:
-            old_roll_ring(cache.ring_kv, cache.ring_gate, blk, kv, gate, p0)
+            roll_ring(cache.ring_kv, cache.ring_gate, blk, kv, gate, p0)
     return out
 
 
