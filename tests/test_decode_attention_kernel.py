@@ -4,19 +4,8 @@ when kernels are defined)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
-
-
-def _interpret(code: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
+from test_kernels_interpret import _interpret
 
 
 # Shared by the checks: random caches, shuffled slots, masks with a fully masked row (row 0, when R > 1: every key

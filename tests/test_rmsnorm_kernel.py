@@ -12,19 +12,8 @@ x and an fp32 weight within 2^-6 relative, its normalised value having been roun
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
-
-
-def _interpret(code: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
+from test_kernels_interpret import _interpret
 
 
 # shared by every check: the three (reference, kernel) pairs and an ulp distance

@@ -4,22 +4,11 @@ when kernels are defined). Blocks of 16 rows / keys, so that short inputs still 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
+from test_kernels_interpret import _interpret
 import torch
 
 from dsv4.ops.varlen_attention import row_sequence_ids
-
-
-def _interpret(code: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
 
 
 # (cu_seqlens, rows): rows > cu_seqlens[-1] makes the rows past it one more sequence
