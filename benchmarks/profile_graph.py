@@ -42,6 +42,18 @@ def _timed(fn: Callable[..., Any], name: str, acc: dict[str, list[float]]) -> Ca
     return wrapper
 
 
+def _step_times(eng: LLMEngine, steps: int) -> list[float]:
+    """Wall time (ms) of `steps` engine steps, a device sync on both sides of each."""
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     model, batch = args[0], int(args[1]) if len(args) > 1 else 1
@@ -61,13 +73,7 @@ def main() -> None:
         eng.step()
     runner = eng.runner
     # 1. whole steps
-    walls = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        eng.step()
-        torch.cuda.synchronize()
-        walls.append((time.perf_counter() - t0) * 1e3)
+    walls = _step_times(eng, steps)
     # 2. the graph alone
     P = runner.graphs.padded_size(batch)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -81,7 +87,7 @@ def main() -> None:
     # 3. host phases (each synced: own cost)
     acc: dict[str, list[float]] = defaultdict(list)
     sched = eng.scheduler
-    orig = {"schedule": sched.schedule, "execute": runner.execute}
+    orig_schedule = sched.schedule
     sched.schedule = _timed(sched.schedule, "schedule", acc)
     ms = runner.model_state
     ms.prepare_decode_attn = _timed(ms.prepare_decode_attn, "decode metadata", acc)
@@ -91,14 +97,8 @@ def main() -> None:
     sampler_call = runner.sampler.__call__
     runner.sampler = _SamplerProxy(_timed(sampler_call, "sampler", acc))
     runner.execute = _timed(runner.execute, "execute (all)", acc)
-    step_t = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        eng.step()
-        torch.cuda.synchronize()
-        step_t.append((time.perf_counter() - t0) * 1e3)
-    sched.schedule = orig["schedule"]
+    step_t = _step_times(eng, steps)
+    sched.schedule = orig_schedule
     print(f"{model} batch {batch} (graph size {P}), median over {steps}:")
     print(f"  engine step (unsynced inside)  {statistics.median(walls):8.3f} ms")
     print(f"  graph replay alone (events)    {statistics.median(reps):8.3f} ms")

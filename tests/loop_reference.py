@@ -1,11 +1,14 @@
-"""The per-request, per-query-block helpers of the prefill loops that token-row attention and the vectorized
-compressors replaced, kept verbatim as the references of tests/test_prefill_*.py (one copy for all of them)."""
+"""What tests/test_prefill_*.py share: the per-request, per-query-block helpers of the prefill loops that token-row
+attention and the vectorized compressors replaced (verbatim: the references), and the engine runs they check."""
 
 from __future__ import annotations
 
 import torch
+from hf_reference import make_prompt
 
+from dsv4.engine.engine import LLMEngine
 from dsv4.runtime.attn_metadata import slots_of
+from dsv4.sampling_params import SamplingParams
 
 QUERY_BLOCK = 128  # queries per attention block of the old loop
 
@@ -57,3 +60,32 @@ def roll_ring(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: int, kv: torc
     keep = torch.arange(max(p0, p1 - cap), p1, device=kv.device)
     ring_kv[blk, keep.remainder(cap)] = kv[keep - p0].to(ring_kv.dtype)
     ring_gate[blk, keep.remainder(cap)] = gate[keep - p0].to(ring_gate.dtype)
+
+
+def run_waves(eng: LLMEngine, waves: list[list[int]], max_tokens: int, seed: int) -> None:
+    """Each wave of random prompts (lengths) is added two steps after the previous one, so steps mix prefill
+    chunks with decodes; then run to completion (greedy, no EOS)."""
+    V = eng.config.model.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    n = 0
+    for wave in waves:
+        for length in wave:
+            eng.add_request(torch.randint(3, V - 1, (length,), generator=g).tolist(), params, request_id=str(n))
+            n += 1
+        for _ in range(2):
+            eng.step()
+    while eng.has_unfinished_requests():
+        eng.step()
+
+
+def run_prompts(path: str, lens: list[int], budget: int, max_tokens: int, seed: int) -> None:
+    """An engine on checkpoint `path` (block size 8, token budget `budget`) runs prompts of the given lengths
+    (`hf_reference.make_prompt`, ids 3..255) to completion, greedy: chunked prefills mixed with decodes."""
+    eng = LLMEngine.from_args(path, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=budget, block_size=8,
+                              load_tokenizer=False)
+    for i, n in enumerate(lens):
+        eng.add_request(make_prompt(n, seed=seed + i, vocab_size=256, low=3)[0].tolist(),
+                        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), request_id=str(i))
+    while eng.has_unfinished_requests():
+        eng.step()

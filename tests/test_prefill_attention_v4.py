@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import build_hf_model, make_prompt, save_hf_model, tiny_config
+from hf_reference import build_hf_model, save_hf_model, tiny_config
 
 import dsv4.models.deepseek_v4 as v4
-from dsv4.engine.engine import LLMEngine
 from dsv4.models.config import CSA
 from dsv4.models.layers.attention import grouped_projection, write_slots
 from dsv4.models.layers.norm import unweighted_rms_norm
@@ -20,8 +19,7 @@ from dsv4.ops.rope import apply_rope
 from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import AttnMetadata, slots_of
 from dsv4.runtime.kv_cache import LayerKVCache
-from dsv4.sampling_params import SamplingParams
-from loop_reference import QUERY_BLOCK, sink_attention, window_keys
+from loop_reference import QUERY_BLOCK, run_prompts, sink_attention, window_keys
 
 # ---- the old loop, verbatim (window_keys / sink_attention / Indexer.select as they were) ----------------------
 
@@ -140,13 +138,7 @@ def test_prefill_attention_equals_old_loop(tiny_v4: str, budget: int, lens: tupl
         return got
 
     monkeypatch.setattr(v4.Attention, "forward", checked)
-    eng = LLMEngine.from_args(tiny_v4, max_model_len=512, max_num_seqs=4, max_num_batched_tokens=budget,
-                              block_size=8, load_tokenizer=False)
-    for i, n in enumerate(lens):
-        eng.add_request(make_prompt(n, seed=50 + i, vocab_size=256, low=3)[0].tolist(),
-                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), request_id=str(i))
-    while eng.has_unfinished_requests():
-        eng.step()
+    run_prompts(tiny_v4, lens, budget, max_tokens=6, seed=50)
 
     assert diffs and max(diffs) < 1e-5, max(diffs)
     assert seen["mid_prompt"] and seen["mixed"], seen

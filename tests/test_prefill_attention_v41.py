@@ -26,8 +26,7 @@ from dsv4.ops.rope import apply_rope
 from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import AttnMetadata, slots_of
 from dsv4.runtime.kv_cache import LayerKVCache
-from dsv4.sampling_params import SamplingParams
-from loop_reference import QUERY_BLOCK, sink_attention, window_keys
+from loop_reference import QUERY_BLOCK, run_waves, sink_attention, window_keys
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "deepseek-v41-tiny")
 
@@ -215,27 +214,11 @@ def _engine(budget: int, max_model_len: int = 128) -> LLMEngine:
                                block_size=8, load_tokenizer=False)
 
 
-def _run(eng: LLMEngine, waves: list[list[int]], max_tokens: int = 5, seed: int = 0) -> None:
-    """Each wave of prompts (lengths) is added two steps after the previous one: mixed prefill / decode steps."""
-    V = eng.config.model.vocab_size
-    g = torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    n = 0
-    for wave in waves:
-        for length in wave:
-            eng.add_request(torch.randint(3, V - 1, (length,), generator=g).tolist(), params, request_id=str(n))
-            n += 1
-        for _ in range(2):
-            eng.step()
-    while eng.has_unfinished_requests():
-        eng.step()
-
-
 @pytest.mark.parametrize("budget", [7, 23])
 def test_chunked_prefill_mixed_with_decodes(monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
     rec = Recorder()
     _install_check(monkeypatch, rec)
-    _run(_engine(budget), [[1], [13, 30], [5, 40, 2]], seed=budget)
+    run_waves(_engine(budget), [[1], [13, 30], [5, 40, 2]], max_tokens=5, seed=budget)
     assert rec.calls > 0 and rec.max_diff < 1e-5
 
 
@@ -253,7 +236,7 @@ def test_steps_longer_than_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     rec = Recorder()
     _install_check(monkeypatch, rec)
     # budget 300: step 1 = prompt 0's 0..299 (two chunks); step 2 = its 300..599 (mid-prompt, > CHUNK) + others
-    _run(_engine(300, max_model_len=1024), [[700], [20, 3]], max_tokens=3, seed=1)
+    run_waves(_engine(300, max_model_len=1024), [[700], [20, 3]], max_tokens=3, seed=1)
     assert rec.max_rows > AttentionV41.CHUNK and rec.mid_prompt_long and rec.multi_chunk_picks
     assert rec.max_diff < 1e-5
 
@@ -263,5 +246,5 @@ def test_many_small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(AttentionV41, "CHUNK", 5)
     rec = Recorder()
     _install_check(monkeypatch, rec)
-    _run(_engine(23), [[17, 9], [30]], seed=2)
+    run_waves(_engine(23), [[17, 9], [30]], max_tokens=5, seed=2)
     assert rec.multi_chunk_picks and rec.max_diff < 1e-5

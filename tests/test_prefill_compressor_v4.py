@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import build_hf_model, make_prompt, save_hf_model, tiny_config
+from hf_reference import build_hf_model, save_hf_model, tiny_config
 
 import dsv4.models.deepseek_v4 as v4
-from dsv4.engine.engine import LLMEngine
 from dsv4.models.layers.attention import write_slots
 from dsv4.models.layers.rope import RotaryTable
 from dsv4.ops.rope import apply_rope
 from dsv4.runtime.attn_metadata import AttnMetadata, slots_of
-from dsv4.sampling_params import SamplingParams
-from loop_reference import closing_windows, roll_ring, window_rows
+from loop_reference import closing_windows, roll_ring, run_prompts, window_rows
 
 # ---- the old loop, verbatim (its ring helpers: tests/loop_reference.py) -----------------------------------------
 
@@ -102,13 +100,7 @@ def test_prefill_compressor_equals_old_loop(models: dict[tuple[int, int], str], 
         seen["short"] |= any(c > 0 and p == 0 and c < L for c, p in zip(counts, ctx))
 
     monkeypatch.setattr(v4.Compressor, "forward", checked)
-    eng = LLMEngine.from_args(models[ratios], max_model_len=512, max_num_seqs=4, max_num_batched_tokens=budget,
-                              block_size=8, load_tokenizer=False)
-    for i, n in enumerate(lens):
-        eng.add_request(make_prompt(n, seed=70 + i, vocab_size=256, low=3)[0].tolist(),
-                        SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), request_id=str(i))
-    while eng.has_unfinished_requests():
-        eng.step()
+    run_prompts(models[ratios], lens, budget, max_tokens=9, seed=70)
 
     assert diffs and max(diffs) < 1e-6, max(diffs)
     assert seen["compressor"] > 0 and seen["indexer"] > 0, seen

@@ -23,8 +23,7 @@ from dsv4.ops.fake_quant import fp4_fake_quant_e4m3
 from dsv4.ops.rope import apply_rope
 from dsv4.runtime.attn_metadata import AttnMetadata, slots_of
 from dsv4.runtime.kv_cache import LayerKVCache
-from dsv4.sampling_params import SamplingParams
-from loop_reference import roll_ring, window_rows
+from loop_reference import roll_ring, run_waves, window_rows
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "deepseek-v41-tiny")
 CACHE_FIELDS = ("compressed", "index_keys", "ring_kv", "ring_gate")
@@ -121,28 +120,12 @@ def _install_check(monkeypatch: pytest.MonkeyPatch, rec: Recorder) -> None:
     monkeypatch.setattr(AttentionV41, "_publish_entries", checked)
 
 
-def _run(eng: LLMEngine, waves: list[list[int]], max_tokens: int, seed: int) -> None:
-    """Each wave of prompts (lengths) is added two steps after the previous one: mixed prefill / decode steps."""
-    V = eng.config.model.vocab_size
-    g = torch.Generator().manual_seed(seed)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    n = 0
-    for wave in waves:
-        for length in wave:
-            eng.add_request(torch.randint(3, V - 1, (length,), generator=g).tolist(), params, request_id=str(n))
-            n += 1
-        for _ in range(2):
-            eng.step()
-    while eng.has_unfinished_requests():
-        eng.step()
-
-
 @pytest.mark.parametrize("budget", [7, 23])
 def test_publish_matches_per_request_loop(monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
     eng = LLMEngine.from_args(GOLDEN, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=budget, block_size=8,
                               load_tokenizer=False)
     rec = Recorder()
     _install_check(monkeypatch, rec)
-    _run(eng, [[1], [13, 30], [5, 40, 2], [9, 16]], max_tokens=5, seed=budget)
+    run_waves(eng, [[1], [13, 30], [5, 40, 2], [9, 16]], max_tokens=5, seed=budget)
     assert rec.calls[1] > 0 and rec.calls[2] > 0 and rec.max_diff < 1e-6
     assert rec.ring_reads > 0 and rec.even_starts > 0 and rec.mixed > 0, vars(rec)

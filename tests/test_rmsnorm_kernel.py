@@ -12,51 +12,18 @@ x and an fp32 weight within 2^-6 relative, its normalised value having been roun
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from test_kernels_interpret import _interpret
 
 
-# shared by every check: the three (reference, kernel) pairs and an ulp distance
-_PRELUDE = """
+# every check runs in a subprocess (TRITON_INTERPRET is read when kernels are defined) with tests/rmsnorm_checks.py
+_PRELUDE = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
 import torch
-from dsv4.models.deepseek_v41 import RMSNormV41
-from dsv4.models.layers.norm import rms_norm_torch, unweighted_rms_norm_torch
-from dsv4.ops.rmsnorm import rms_norm_triton, rms_norm_v41_triton, unweighted_rms_norm_triton
-
-def v41_ref(x, w, eps):
-    m = RMSNormV41(w.shape[0], eps)
-    m.weight.data = w
-    return m(x)  # CPU tensor: the torch path of the forward
-
-def pairs(x, w, eps):
-    yield "weighted", rms_norm_torch(x, w.float(), eps), rms_norm_triton(x, w.float(), eps)
-    yield "unweighted", unweighted_rms_norm_torch(x, eps), unweighted_rms_norm_triton(x, eps)
-    yield "v41", v41_ref(x, w.to(x.dtype), eps), rms_norm_v41_triton(x, w.to(x.dtype), eps)
-    if x.dtype != torch.float32:  # an fp32 weight: the product (and output) is fp32
-        yield "v41_w32", v41_ref(x, w, eps), rms_norm_v41_triton(x, w, eps)
-
-def ulps(a, b):
-    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
-    bits = {torch.float32: (torch.int32, 31), torch.bfloat16: (torch.int16, 15)}[a.dtype]
-    def ordered(t):  # sign-magnitude bits -> integers in the order of the values
-        i = t.contiguous().view(bits[0]).long()
-        return torch.where(i < 0, -(i & (2 ** bits[1] - 1)), i)
-    return (ordered(a) - ordered(b)).abs()
-
-BOUND = {(torch.float32, "weighted"): 8, (torch.float32, "unweighted"): 8, (torch.float32, "v41"): 8,
-         (torch.bfloat16, "weighted"): 1, (torch.bfloat16, "unweighted"): 2, (torch.bfloat16, "v41"): 2}
-
-def check_close(name, dtype, ref, got, rows):
-    assert ref.dtype == got.dtype and ref.shape == got.shape, (name, ref.dtype, got.dtype)
-    if name == "v41_w32":  # the normalised value went through bf16: a flip there is 2^-8..2^-7 relative
-        assert torch.allclose(got, ref, rtol=2 ** -6, atol=0), name
-    else:
-        assert ulps(ref, got).max() <= BOUND[dtype, name], (name, dtype, int(ulps(ref, got).max()))
-    if rows >= 32:  # only the rows whose statistic came out different differ
-        assert (ref == got).float().mean() > 0.5, (name, dtype, (ref == got).float().mean())
-
-def grid(shape, g, scale=1.0):
-    return torch.randint(-16, 17, shape, generator=g).float() / 8 * scale
+from rmsnorm_checks import check_close, grid, pairs, ulps
 """
 
 

@@ -4,7 +4,7 @@ order) must match bit for bit; Gaussian inputs within the docstring's ulp bound 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -12,49 +12,9 @@ import torch
 import dsv4.models.deepseek_v41 as v41_mod
 import dsv4.models.layers.norm as norm_mod
 from dsv4.models.deepseek_v41 import RMSNormV41
-from dsv4.models.layers.norm import RMSNorm, rms_norm_torch, unweighted_rms_norm, unweighted_rms_norm_torch
+from dsv4.models.layers.norm import RMSNorm, unweighted_rms_norm, unweighted_rms_norm_torch
 from dsv4.ops.rmsnorm import rms_norm_triton, rms_norm_v41_triton, unweighted_rms_norm_triton
-
-BOUND = {(torch.float32, "weighted"): 8, (torch.float32, "unweighted"): 8, (torch.float32, "v41"): 8,
-         (torch.bfloat16, "weighted"): 1, (torch.bfloat16, "unweighted"): 2, (torch.bfloat16, "v41"): 2}
-
-
-def v41_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
-
-
-def pairs(x: torch.Tensor, w: torch.Tensor, eps: float) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-    yield "weighted", rms_norm_torch(x, w.float(), eps), rms_norm_triton(x, w.float(), eps)
-    yield "unweighted", unweighted_rms_norm_torch(x, eps), unweighted_rms_norm_triton(x, eps)
-    yield "v41", v41_ref(x, w.to(x.dtype), eps), rms_norm_v41_triton(x, w.to(x.dtype), eps)
-    if x.dtype != torch.float32:  # an fp32 weight: the product (and output) is fp32
-        yield "v41_w32", v41_ref(x, w, eps), rms_norm_v41_triton(x, w, eps)
-
-
-def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
-    it, sign = {torch.float32: (torch.int32, 31), torch.bfloat16: (torch.int16, 15)}[a.dtype]
-
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        i = t.contiguous().view(it).long()
-        return torch.where(i < 0, -(i & (2 ** sign - 1)), i)
-    return (ordered(a) - ordered(b)).abs()
-
-
-def check_close(name: str, dtype: torch.dtype, ref: torch.Tensor, got: torch.Tensor, rows: int) -> None:
-    assert ref.dtype == got.dtype and ref.shape == got.shape, (name, ref.dtype, got.dtype)
-    if name == "v41_w32":  # the normalised value went through bf16: a flip there is 2^-8..2^-7 relative
-        assert torch.allclose(got, ref, rtol=2 ** -6, atol=0), name
-    else:
-        assert ulps(ref, got).max() <= BOUND[dtype, name], (name, dtype, int(ulps(ref, got).max()))
-    if rows >= 32:  # only the rows whose statistic came out different differ
-        assert (ref == got).float().mean() > 0.5, (name, dtype, (ref == got).float().mean())
-
-
-def grid(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-    return torch.randint(-16, 17, shape, generator=g, device="cuda").float() / 8
-
+from rmsnorm_checks import check_close, grid, pairs, ulps
 
 @pytest.mark.parametrize("rows", [1, 32, 4096])
 @pytest.mark.parametrize("D", [512, 1280, 4096, 5120, 7168])
