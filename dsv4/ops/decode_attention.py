@@ -114,6 +114,8 @@ if triton is not None:
                       ws_m, ws_l, ws_acc, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
                       BLOCK_N: tl.constexpr, TC: tl.constexpr, UPCAST: tl.constexpr):
         r = tl.program_id(0)
+        # torch.compile hands float arguments to user kernels as fp64: keep the math (and loop-carried values) fp32
+        scale = tl.cast(scale, tl.float32)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         split = tl.program_id(2)  # splits [0, S1) cover source 1, [S1, S) source 2
         hm = heads < H

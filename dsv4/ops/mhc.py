@@ -44,6 +44,8 @@ if triton is not None:
     def _hc_post_kernel(m_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, iters, hc_eps,
                         N: tl.constexpr, W: tl.constexpr):
         t = tl.program_id(0)
+        # torch.compile hands float arguments to user kernels as fp64: keep the math (and loop-carried values) fp32
+        hc_eps = tl.cast(hc_eps, tl.float32)
         row = m_ptr + t * W
         i = tl.arange(0, N)
         s_pre = tl.load(scale_ptr)

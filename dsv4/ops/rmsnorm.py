@@ -58,6 +58,9 @@ if triton is not None:
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, x_stride, eps, inv_d, D: tl.constexpr, MODE: tl.constexpr,
                          ROWS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+        # torch.compile hands float arguments to user kernels as fp64: keep the math (and loop-carried values) fp32
+        eps = tl.cast(eps, tl.float32)
+        inv_d = tl.cast(inv_d, tl.float32)
         # one program = ROWS rows x D channels; a row is read twice (statistic, then output), chunk by chunk
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         rmask = rows < n_rows

@@ -63,6 +63,8 @@ if triton is not None:
                            D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            LOWP: tl.constexpr, UPCAST: tl.constexpr):
         h = tl.program_id(1)
+        # torch.compile hands float arguments to user kernels as fp64: keep the math (and loop-carried values) fp32
+        qk_scale = tl.cast(qk_scale, tl.float32)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rm = rows < n_rows
         d = tl.arange(0, BLOCK_D)
