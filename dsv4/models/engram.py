@@ -167,7 +167,9 @@ def engram_tokens(comp_ids: torch.Tensor, query_start_loc: torch.Tensor, lookbac
     num_tokens, n = comp_ids.shape[0], lookback.shape[1] + 1
     t = torch.arange(num_tokens, device=device)
     qsl = query_start_loc.to(device=device, dtype=torch.int64)
-    req = torch.searchsorted(qsl[1:], t, right=True)  # request of each token, without a host sync
+    # request of each token, without a host sync: how many chunks end at or before it (searchsorted's rule;
+    # inductor's CUDA lowering of searchsorted over the offset view qsl[1:] went out of bounds under compile)
+    req = (qsl[None, 1:] <= t[:, None]).sum(dim=1)
     local = t - qsl[req]  # index inside its chunk
     s = torch.arange(n, device=device)
     in_chunk = s[None, :] <= local[:, None]  # [T, N]
