@@ -92,7 +92,7 @@ def _make_model(args: argparse.Namespace) -> None:
     print(f"wrote {args.preset} (seed {args.seed}, {dtype}) to {out}")
 
 
-_GPU_ARGS = ("enforce_eager", "gpu_memory_utilization", "encoder_cudagraphs", "compile_decode")
+_GPU_ARGS = ("enforce_eager", "gpu_memory_utilization", "encoder_cudagraphs", "compile_decode", "async_scheduling")
 
 
 def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +105,9 @@ def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-decode", action="store_true", default=None,
                         help="torch.compile the decode forward before capturing its CUDA graphs (faster decode; "
                              "adds about 30-60 s per distinct graph size to start-up)")
+    parser.add_argument("--async-scheduling", action="store_true", default=None,
+                        help="schedule and launch each step before the previous step's tokens reach the host "
+                             "(hides host work behind GPU work; outputs arrive one step later)")
 
 
 def _generate(args: argparse.Namespace) -> None:

@@ -16,6 +16,10 @@ class SchedulerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
+    # Overlap scheduling (vLLM's --async-scheduling): step k+1 is scheduled and launched before step k's sampled
+    # tokens reach the host, so the host work of a step hides behind the previous step's GPU work. Outputs arrive
+    # one step later, and a request that stops computes one discarded token.
+    async_scheduling: bool = False
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:

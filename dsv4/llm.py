@@ -24,7 +24,8 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
                  block_size: int = 16, num_kv_blocks: int | None = None, seed: int = 0, enforce_eager: bool = False,
                  cudagraph_capture_sizes: tuple[int, ...] | None = None, gpu_memory_utilization: float = 0.9,
-                 encoder_cudagraphs: bool = False, compile_decode: bool = False) -> None:
+                 encoder_cudagraphs: bool = False, compile_decode: bool = False,
+                 async_scheduling: bool = False) -> None:
         if model is None:
             from dsv4.models.presets import default_model_dir
 
@@ -38,7 +39,8 @@ class LLM:
                                           block_size=block_size, num_kv_blocks=num_kv_blocks, seed=seed,
                                           enforce_eager=enforce_eager, cudagraph_capture_sizes=cudagraph_capture_sizes,
                                           gpu_memory_utilization=gpu_memory_utilization,
-                                          encoder_cudagraphs=encoder_cudagraphs, compile_decode=compile_decode)
+                                          encoder_cudagraphs=encoder_cudagraphs, compile_decode=compile_decode,
+                                          async_scheduling=async_scheduling)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],

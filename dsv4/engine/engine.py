@@ -26,9 +26,9 @@ from dsv4.models.build import build_model
 from dsv4.models.config import ConfigError, ModelConfig, load_model_config
 from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
 from dsv4.runtime.kv_cache import kv_cache_bytes
-from dsv4.runtime.runner import ModelRunner
+from dsv4.runtime.runner import ModelRunner, PendingOutput
 from dsv4.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
-from dsv4.step import TokenLogprobs
+from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
 from dsv4.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -113,6 +113,8 @@ class LLMEngine:
         self.requests: dict[str, _UserRequest] = {}
         self._child_to_user: dict[str, str] = {}
         self._ids = itertools.count()
+        # async scheduling: the launched step whose tokens are still on their way (its SchedulerOutput with them)
+        self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
 
     def _size_kv_pool(self, model: torch.nn.Module, dtype: torch.dtype) -> int:
         """Profile a worst-case step on a minimal pool, then give the KV cache what `gpu_memory_utilization`
@@ -148,7 +150,7 @@ class LLMEngine:
                   num_kv_blocks: int | None = None, seed: int = 0, load_tokenizer: bool = True,
                   enforce_eager: bool = False, cudagraph_capture_sizes: tuple[int, ...] | None = None,
                   gpu_memory_utilization: float = 0.9, encoder_cudagraphs: bool = False,
-                  compile_decode: bool = False) -> "LLMEngine":
+                  compile_decode: bool = False, async_scheduling: bool = False) -> "LLMEngine":
         """Build an engine from a checkpoint directory and the usual knobs."""
         mc = load_model_config(model)
         max_model_len = max_model_len or min(mc.max_position_embeddings, 4096)
@@ -156,7 +158,7 @@ class LLMEngine:
         cfg = EngineConfig(
             model_dir=model, model=mc,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
-                                      max_model_len=max_model_len),
+                                      max_model_len=max_model_len, async_scheduling=async_scheduling),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks),
             dtype=dtype, device=device, seed=seed, enforce_eager=enforce_eager,
             cudagraph_capture_sizes=cudagraph_capture_sizes, gpu_memory_utilization=gpu_memory_utilization,
@@ -254,24 +256,36 @@ class LLMEngine:
                 self._child_to_user.pop(cid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self._in_flight is not None
 
     # ---- stepping ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; return the outputs of requests that progressed or finished."""
+        """Run one scheduler step; return the outputs of requests that progressed or finished. With async
+        scheduling the step is launched first and the outputs are those of the step before it."""
         so = self.scheduler.schedule()
+        work = bool(so.num_scheduled_tokens or so.finished_req_ids)
+        if not self.config.scheduler.async_scheduling:
+            return self._outputs(self._apply_output(so, self.runner.execute(so)) if work else set())
+        pending = self.runner.execute_async(so) if work else None
+        landed, self._in_flight = self._in_flight, (so, pending) if pending is not None else None
+        return self._outputs(self._apply_output(landed[0], landed[1].result()) if landed else set())
+
+    def _apply_output(self, so: SchedulerOutput, ro: RunnerOutput) -> set[str]:
+        """Hand a step's tokens to the scheduler (stops, lengths) and to the requests' children; returns the
+        user requests that changed."""
         touched: set[str] = set()
-        if so.num_scheduled_tokens or so.finished_req_ids:
-            ro = self.runner.execute(so)
-            logprobs = dict(zip(ro.req_ids, ro.logprobs))
-            for req in self.scheduler.update_from_output(so, ro):
-                user_id = self._child_to_user.get(req.req_id)
-                if user_id is None:
-                    continue
-                children = self.requests[user_id].children
-                child = children[0] if len(children) == 1 else next(c for c in children if c.request is req)
-                self._on_new_tokens(child, logprobs.get(req.req_id))
-                touched.add(user_id)
+        logprobs = dict(zip(ro.req_ids, ro.logprobs))
+        for req in self.scheduler.update_from_output(so, ro):
+            user_id = self._child_to_user.get(req.req_id)
+            if user_id is None:
+                continue
+            children = self.requests[user_id].children
+            child = children[0] if len(children) == 1 else next(c for c in children if c.request is req)
+            self._on_new_tokens(child, logprobs.get(req.req_id))
+            touched.add(user_id)
+        return touched
+
+    def _outputs(self, touched: set[str]) -> list[RequestOutput]:
         outputs = []
         now = time.monotonic()
         for user_id in touched:

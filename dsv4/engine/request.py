@@ -50,6 +50,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Async scheduling: tokens that launched steps will sample but whose values the host does not know yet. The
+    # scheduler plans with num_tokens + num_output_placeholders; update_from_output turns them into tokens.
+    num_output_placeholders: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
     images: list[Any] | None = None  # ImageInput per image span of the prompt

@@ -11,6 +11,14 @@ capacity is the most tokens ONE request can hold in the empty pools. A request r
 "length"; a prompt of `max_len` tokens or more is rejected by `add_request` (it would leave no room for a single
 generated token). So every request alone always fits the pools, the head of the running queue can always grow
 by preempting the others, and a small pool cannot deadlock.
+
+Async scheduling (`SchedulerConfig.async_scheduling`). The engine schedules and launches step k+1 before step k's
+sampled tokens reach the host. A step that will sample a token for a request adds a placeholder to it
+(`Request.num_output_placeholders`); the next schedule treats placeholders as known tokens (the runner reads their
+values from the device history), and update_from_output replaces them with the real tokens one step later. A
+request whose placeholders already reach max_tokens or the length limit is not scheduled again (it finishes when
+they land); one that stops on a token computes one more token, which is discarded with the request. A preempted
+request is re-admitted only once its placeholders have landed, so its new row starts from the known tokens.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = scheduler_config
         self.kv_manager = kv_manager
+        self.async_scheduling = scheduler_config.async_scheduling
         self.max_len = _largest_fitting(kv_manager, scheduler_config.max_model_len)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
@@ -114,8 +123,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:  # nothing to compute (the runner sampled nothing last step); never schedule 0 tokens
+            n = min(self._num_planned(req) - req.num_computed_tokens, budget)
+            # nothing to compute (the runner sampled nothing last step; never schedule 0 tokens), or in-flight
+            # tokens will end the request by length: computing past them would be wasted (or past max_len)
+            if n <= 0 or self._ends_by_length_in_flight(req):
                 i += 1
                 continue
             while (new_blocks := self.kv_manager.allocate_slots(req.req_id, req.num_computed_tokens + n,
@@ -134,6 +145,7 @@ class Scheduler:
             # As vLLM: count the tokens as computed now, so the next schedule() sees where each request will be
             # (a request scheduled here is never preempted later in this step: victims come from the tail).
             req.num_computed_tokens += n
+            self._add_placeholder(req)
             budget -= n
             i += 1
 
@@ -143,6 +155,8 @@ class Scheduler:
             not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
+            if req.num_output_placeholders:
+                break  # preempted while a step sampled for it: re-admit once that token has landed
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if self.kv_manager.allocate_slots(req.req_id, req.num_computed_tokens + n, req.num_computed_tokens) is None:
                 break  # FIFO: later requests wait behind the head rather than overtake it
@@ -160,6 +174,7 @@ class Scheduler:
             ))
             num_scheduled[req.req_id] = n
             req.num_computed_tokens += n
+            self._add_placeholder(req)
             budget -= n
 
         finished, self._finished_ids = self._finished_ids, set()
@@ -179,7 +194,12 @@ class Scheduler:
             if not tokens or req is None:  # a partial prefill, or aborted after it was scheduled
                 continue
             assert req_id in scheduler_output.num_scheduled_tokens, f"{req_id} sampled but was not scheduled"
-            assert req.num_computed_tokens == req.num_tokens, f"{req_id} sampled before its prefill completed"
+            if self.async_scheduling:
+                # later steps may already be scheduled past these tokens (or the request preempted since)
+                req.num_output_placeholders -= len(tokens)
+                assert req.num_output_placeholders >= 0, f"{req_id}: more tokens than placeholders"
+            else:
+                assert req.num_computed_tokens == req.num_tokens, f"{req_id} sampled before its prefill completed"
             for token in tokens:
                 req.output_token_ids.append(token)
                 stop = self._check_stop(req)
@@ -190,6 +210,25 @@ class Scheduler:
         return changed
 
     # ---- internals -------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _num_planned(req: Request) -> int:
+        # tokens the next step may compute up to: the known ones plus those in-flight steps will sample
+        return req.num_tokens + req.num_output_placeholders
+
+    def _add_placeholder(self, req: Request) -> None:
+        # async: a chunk that reaches the request's last planned token makes the runner sample one more
+        if self.async_scheduling and req.num_computed_tokens == self._num_planned(req):
+            req.num_output_placeholders += 1
+
+    def _ends_by_length_in_flight(self, req: Request) -> bool:
+        # the tokens still in flight end the request with "length" whatever their values
+        p = req.num_output_placeholders
+        if p == 0:
+            return False
+        max_tokens = req.sampling_params.max_tokens
+        return ((max_tokens is not None and req.num_output_tokens + p >= max_tokens)
+                or req.num_tokens + p >= self.max_len)
 
     def _check_stop(self, req: Request) -> tuple[RequestStatus, int | None] | None:
         # Called after each appended token: (status, stop_reason) if the request must end now.

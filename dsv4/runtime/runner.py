@@ -4,6 +4,10 @@ Per step (runtime.md 1.8): apply the request deltas to the stable rows, order th
 the persistent input buffers from the device token history, let the model state build the attention metadata
 and extra inputs, run the forward, sample the rows whose known tokens are all computed, append the sampled
 tokens to the device history.
+
+`execute_async` returns a `PendingOutput` as soon as the step is launched: its tokens are copied to the host on
+the side (a non-blocking copy and an event), so the engine can schedule and launch the next step before waiting
+for them (async scheduling); `execute` is the same and waits at once.
 """
 
 from __future__ import annotations
@@ -23,10 +27,54 @@ from dsv4.runtime.input_batch import InputBatch, InputBuffers
 from dsv4.runtime.kv_cache import allocate_kv_caches
 from dsv4.runtime.model_state import DeepseekV41ModelState, DefaultModelState
 from dsv4.runtime.request_state import RequestState
-from dsv4.runtime.sampler import Sampler, SamplingTensors, greedy_sample
+from dsv4.runtime.sampler import SampledLogprobs, Sampler, SamplingTensors, greedy_sample, needs_output_values
 from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
 
 logger = logging.getLogger(__name__)
+
+
+class PendingOutput:
+    """The sampled tokens (and logprobs) of a launched step, on their way to the host.
+
+    `result()` waits for this step only (an event recorded after its copies, not a stream sync, so later steps
+    keep running), appends the tokens to the host mirrors of rows that still belong to their request, and returns
+    the RunnerOutput; later calls return the same object."""
+
+    def __init__(self, runner: "ModelRunner", req_ids: list[str], sample_rows: np.ndarray,
+                 tokens: torch.Tensor | None, lps: SampledLogprobs | None) -> None:
+        self._runner, self._req_ids, self._sample_rows = runner, req_ids, sample_rows
+        self._result: RunnerOutput | None = None
+        self._event: torch.cuda.Event | None = None
+        if tokens is not None and tokens.is_cuda:
+            # pinned host copies (non_blocking from CUDA allocates them pinned), ordered after the sampling
+            tokens = tokens.to("cpu", non_blocking=True)
+            lps = lps.to_host(non_blocking=True) if lps is not None else None
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._tokens, self._lps = tokens, lps
+
+    def result(self) -> RunnerOutput:
+        if self._result is not None:
+            return self._result
+        if self._event is not None:
+            self._event.synchronize()
+        req_ids = self._req_ids
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs: list[list[TokenLogprobs] | None] = [None] * len(req_ids)
+        if self._tokens is not None:
+            rs = self._runner.req_state
+            for b, t in zip(self._sample_rows.tolist(), self._tokens.tolist()):
+                sampled[b] = [t]
+                row = rs.req_id_to_row.get(req_ids[b])
+                if row is not None:  # finished or preempted since: the scheduler keeps the token, if any
+                    rs.output_ids[row].append(t)
+            if self._lps is not None:
+                for b, lp in zip(self._sample_rows.tolist(), self._lps.tolist()):
+                    if lp is not None:
+                        logprobs[b] = [lp]
+        self._result = RunnerOutput(req_ids, sampled, logprobs)
+        self._runner._forget(self)
+        return self._result
 
 
 class ModelRunner:
@@ -60,6 +108,8 @@ class ModelRunner:
         self.graphs = CudaGraphManager(sizes, enabled=use_graphs)
         # encoder outputs per request, computed once at admission: [(prompt offset, span embeddings)]
         self.image_spans: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        # launched steps whose tokens the host has not read yet, oldest first (async scheduling)
+        self._unresolved: list[PendingOutput] = []
 
     def _graph_safe(self) -> bool:
         """Graphs need every input on the device: engram tables resident in host memory are not."""
@@ -128,16 +178,26 @@ class ModelRunner:
             self.req_state.num_computed[row] = computed
 
     # ---- one step ------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
-        """Run one step; rows whose chunk ends at their last known token get a sampled token."""
+        """Run one step and wait for its tokens."""
+        return self.execute_async(so).result()
+
+    def _forget(self, pending: PendingOutput) -> None:
+        if pending in self._unresolved:
+            self._unresolved.remove(pending)
+
+    @torch.inference_mode()
+    def execute_async(self, so: SchedulerOutput) -> PendingOutput:
+        """Launch one step; rows whose chunk ends at their last planned token get a sampled token. The host knows
+        how many tokens every row has at once (the next step's inputs come from the device history); their values
+        come with the returned PendingOutput."""
         self._apply_deltas(so)
         rs = self.req_state
         # decodes first (builders split decodes from prefills), then by query length; stable
         req_ids = sorted(so.num_scheduled_tokens, key=lambda r: (so.num_scheduled_tokens[r] != 1,
                                                                    so.num_scheduled_tokens[r]))
         if not req_ids:
-            return RunnerOutput([], [], [])
+            return PendingOutput(self, [], np.zeros(0, dtype=np.int64), None, None)
         rows = np.array([rs.req_id_to_row[r] for r in req_ids], dtype=np.int64)
         sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
         computed = rs.num_computed[rows].copy()
@@ -156,8 +216,7 @@ class ModelRunner:
             hidden = self.model(batch.input_ids, md, self.kv_caches, **extra)
         rs.num_computed[rows] = computed + sched
 
-        sampled_lists: list[list[int]] = [[] for _ in req_ids]
-        logprob_lists: list[list[TokenLogprobs] | None] = [None] * len(req_ids)
+        tokens = lps = None
         if len(sample_rows):
             # every token samples (a decode): logits_indices is arange(T), so no gather is needed
             sel = hidden[: batch.num_tokens] if len(sample_rows) == batch.num_tokens else hidden[batch.logits_indices]
@@ -166,21 +225,20 @@ class ModelRunner:
             if rs.all_plain_greedy(srows):  # every row takes the argmax of its raw logits: no SamplingTensors
                 tokens, lps = greedy_sample(logits), None
             else:
+                params = [rs.sampling_params[r] for r in srows]
+                if self._unresolved and any(needs_output_values(p) for p in params):
+                    for pending in list(self._unresolved):  # penalties read the output tokens, not just their count
+                        pending.result()
                 st = SamplingTensors.build(
-                    [rs.sampling_params[r] for r in srows], [rs.prompt_ids[r] for r in srows],
-                    [rs.output_ids[r] for r in srows], self.vocab_size, self.device, self.eos_token_ids)
+                    params, [rs.prompt_ids[r] for r in srows], [rs.output_ids[r] for r in srows], self.vocab_size,
+                    self.device, self.eos_token_ids,
+                    num_output_tokens=(rs.num_tokens[srows] - rs.prompt_len[srows]).tolist())
                 tokens, lps = self.sampler(logits, st)
             rs.append_sampled(srows, tokens, batch.append_index)
-            token_list = tokens.tolist()
-            output_ids = rs.output_ids
-            for b, r, t in zip(sample_rows.tolist(), srows.tolist(), token_list):
-                sampled_lists[b] = [t]
-                output_ids[r].append(t)
-            if lps is not None:
-                for b, lp in zip(sample_rows.tolist(), lps.tolist()):
-                    if lp is not None:
-                        logprob_lists[b] = [lp]
-        return RunnerOutput(req_ids, sampled_lists, logprob_lists)
+        pending = PendingOutput(self, req_ids, sample_rows, tokens, lps)
+        if tokens is not None:
+            self._unresolved.append(pending)
+        return pending
 
     def _image_rows(self, batch: InputBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(token indices in the batch, span embeddings) of the image-span positions this step computes."""

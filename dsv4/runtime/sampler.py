@@ -20,7 +20,7 @@ Sampler and calls `greedy_sample` (the same argmax, on the same float32 values).
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -52,6 +52,11 @@ def _flat_tokens(
     row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), counts)
     tokens = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
     return row_idx.to(device), tokens.to(device)
+
+
+def needs_output_values(sp: SamplingParams) -> bool:
+    """Whether sampling reads the output tokens themselves (the penalties), not only how many there are."""
+    return sp.repetition_penalty != 1.0 or sp.frequency_penalty != 0.0 or sp.presence_penalty != 0.0
 
 
 def plain_greedy_from(sp: SamplingParams) -> int | None:
@@ -118,12 +123,15 @@ class SamplingTensors:
         vocab_size: int,
         device: torch.device | str,
         eos_token_ids: Collection[int] = (),
+        num_output_tokens: Sequence[int] | None = None,
     ) -> SamplingTensors:
         """Build the tensors for one step.
 
         Row i samples the next token of a sequence with `params[i]`, whose tokens so far are `prompt_token_ids[i]`
         followed by `output_token_ids[i]` (lists, numpy arrays or CPU tensors). Only `len(output_token_ids[i])` is
-        read unless the row has a penalty; `prompt_token_ids[i]` is read only for a repetition penalty. For n > 1,
+        read unless the row has a penalty; `prompt_token_ids[i]` is read only for a repetition penalty.
+        `num_output_tokens[i]`, when given, replaces that length (async scheduling: the runner knows how many tokens
+        a row has before their values reach `output_token_ids`, which then only penalised rows read). For n > 1,
         each sample is its own row and must carry its own seed (vLLM gives child `index` the seed `seed + index`).
 
         `eos_token_ids` are banned, with each row's `stop_token_ids` and `_all_stop_token_ids`, while the row has
@@ -147,7 +155,7 @@ class SamplingTensors:
         seeded: list[tuple[int, int]] = []
         for i, sp in enumerate(params):
             g = sp.greedy
-            num_out = len(output_token_ids[i])
+            num_out = len(output_token_ids[i]) if num_output_tokens is None else num_output_tokens[i]
             greedy.append(g)
             k = vocab_size if g or sp.top_k <= 0 else min(sp.top_k, vocab_size)
             top_k.append(k)
@@ -287,6 +295,14 @@ class SampledLogprobs:
     top_token_ids: torch.Tensor  # [A, K] int64, K = max num_logprobs
     top_logprobs: torch.Tensor  # [A, K] float32
     num_rows: int  # R
+
+    def to_host(self, non_blocking: bool = False) -> SampledLogprobs:
+        """The same on the CPU (non_blocking from CUDA: pinned copies, valid once the stream passes them)."""
+        def host(t: torch.Tensor) -> torch.Tensor:
+            return t.to("cpu", non_blocking=non_blocking)
+        return replace(self, token_ids=host(self.token_ids), logprobs=host(self.logprobs),
+                                   ranks=host(self.ranks), top_token_ids=host(self.top_token_ids),
+                                   top_logprobs=host(self.top_logprobs))
 
     def tolist(self) -> list[TokenLogprobs | None]:
         """One entry per batch row: TokenLogprobs for rows that asked, None for the rest."""
