@@ -80,8 +80,8 @@ def test_expert_gemv_kernel_matches_torch() -> None:
 def test_fake_quant_kernel_is_bit_exact() -> None:
     _interpret("""
         import torch
-        from dsv4.ops.fake_quant import (FP4_E4M3, FP4_UE8M0, FP8_UE8M0, fake_quant_triton, fp4_fake_quant_e4m3,
-                                         fp4_fake_quant_ue8m0, fp8_fake_quant)
+        from dsv4.ops.fake_quant import (FP4_E4M3, FP4_UE8M0, FP8_UE8M0, fake_quant_triton,
+                                         fp4_fake_quant_e4m3_torch, fp4_fake_quant_ue8m0_torch, fp8_fake_quant_torch)
         g = torch.Generator().manual_seed(3)
         cases = [torch.randn(7, 64, generator=g), torch.randn(3, 4, 128, generator=g) * 100,
                  torch.randn(5, 32, generator=g) * 1e-5, torch.zeros(2, 32),
@@ -95,8 +95,8 @@ def test_fake_quant_kernel_is_bit_exact() -> None:
         blocks = torch.cat([torch.full((mids.shape[0], 1), 448.0), mids], dim=1)
         cases += [blocks, -blocks, blocks * 2.0**-20]
         for x in cases:
-            for fn, mode, block in ((fp8_fake_quant, FP8_UE8M0, 32), (fp4_fake_quant_ue8m0, FP4_UE8M0, 32),
-                                    (fp4_fake_quant_e4m3, FP4_E4M3, 16)):
+            for fn, mode, block in ((fp8_fake_quant_torch, FP8_UE8M0, 32),
+                                    (fp4_fake_quant_ue8m0_torch, FP4_UE8M0, 32), (fp4_fake_quant_e4m3_torch, FP4_E4M3, 16)):
                 ref, got = fn(x, block), fake_quant_triton(x, mode, block)
                 assert torch.equal(ref, got), (fn.__name__, (ref - got).abs().max(), x.abs().max())
         print("ok")

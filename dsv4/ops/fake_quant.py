@@ -8,9 +8,11 @@ power-of-two scales taken from the fp32 exponent bits of `amax * fp32(1/max)` (a
 not a division), round-to-nearest-even casts, and one cast back to the input dtype at the end.
 Each function returns its input unchanged when the last dim is not a multiple of the block (as the reference does).
 `fake_quant_triton` is the same arithmetic in one Triton launch (integer-bit scales, RNE by magic-number addition,
-division with round-to-nearest), bit-exact under the interpreter. It is not dispatched on CUDA yet: its first GPU
-run gave +0 where e4m3 keeps -0 (fixed since, not yet re-run on a GPU), and it saved nothing measurable at the
-Flash shapes (V4.1 batch 1: 7.38 vs 7.28 ms), so the torch path stays until both are checked.
+division with round-to-nearest), bit-exact under the interpreter. The public functions (`fp8_fake_quant`, ...)
+take it on CUDA: the torch path is ~30 elementwise kernels per call, and a V4.1 decode step makes 2-4 calls per
+layer, each kernel 1-2 us of a graph replay. (Its first GPU run gave +0 where e4m3 keeps -0; fixed since, and
+tests/gpu compares the bits, sign of zero included. An early A/B, before the other decode kernels, measured no
+difference at V4.1 batch 1: 7.38 vs 7.28 ms, when host work still dominated the step.)
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def _amax(xb: torch.Tensor) -> torch.Tensor:
     return xb.abs().amax(dim=-1, keepdim=True)
 
 
-def fp8_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+def fp8_fake_quant_torch(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """FP8 e4m3 fake quant with a power-of-two (ue8m0) scale per `block` channels of the last dim (window KV)."""
     if x.shape[-1] % block != 0:
         return x
@@ -70,7 +72,7 @@ def _fp4_apply(xb: torch.Tensor, scale: torch.Tensor, shape: torch.Size, dtype: 
     return (q * scale).reshape(shape).to(dtype)
 
 
-def fp4_fake_quant_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+def fp4_fake_quant_ue8m0_torch(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """FP4 e2m1 fake quant with a power-of-two scale per `block` channels (indexer queries and keys)."""
     if x.shape[-1] % block != 0:
         return x
@@ -81,7 +83,7 @@ def fp4_fake_quant_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return _fp4_apply(xb, scale, x.shape, x.dtype)
 
 
-def fp4_fake_quant_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+def fp4_fake_quant_e4m3_torch(x: torch.Tensor, block: int = 16) -> torch.Tensor:
     """FP4 e2m1 fake quant with an e4m3 scale per `block` channels (compressed KV entries)."""
     if x.shape[-1] % block != 0:
         return x
@@ -164,3 +166,26 @@ def fake_quant_triton(x: torch.Tensor, mode: int, block: int) -> torch.Tensor:
         nb = 64
         _fake_quant_kernel[(triton.cdiv(n, nb),)](x, out, n, MODE=mode, BLOCK=block, NB=nb)
     return out
+
+
+# ---- dispatch: Triton on CUDA, torch elsewhere -----------------------------------------------------------------
+def _dispatch(x: torch.Tensor, mode: int, block: int) -> torch.Tensor | None:
+    return fake_quant_triton(x, mode, block) if x.is_cuda and triton is not None else None
+
+
+def fp8_fake_quant(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """FP8 e4m3 fake quant, power-of-two scale per `block` channels (window KV)."""
+    out = _dispatch(x, FP8_UE8M0, block)
+    return out if out is not None else fp8_fake_quant_torch(x, block)
+
+
+def fp4_fake_quant_ue8m0(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """FP4 e2m1 fake quant, power-of-two scale per `block` channels (indexer queries and keys)."""
+    out = _dispatch(x, FP4_UE8M0, block)
+    return out if out is not None else fp4_fake_quant_ue8m0_torch(x, block)
+
+
+def fp4_fake_quant_e4m3(x: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """FP4 e2m1 fake quant, e4m3 scale per `block` channels (compressed KV entries)."""
+    out = _dispatch(x, FP4_E4M3, block)
+    return out if out is not None else fp4_fake_quant_e4m3_torch(x, block)

@@ -42,3 +42,32 @@ def test_expert_gemv(dtype: torch.dtype) -> None:
     ref, got = expert_gemv_torch(x, w, idx, k).float(), expert_gemv_triton(x, w, idx, k).float()
     rel = ((ref - got).norm() / ref.norm()).item()
     assert rel < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_quant_bits(dtype: torch.dtype) -> None:
+    """The Triton fake quant (what fp8_fake_quant & co. dispatch to on CUDA) equals the torch path on the GPU bit
+    for bit, the sign of zero included: random values at the V4.1 shapes, tiny and huge blocks, zeros, e2m1 ties
+    and every e4m3 midpoint."""
+    from dsv4.ops.fake_quant import (FP4_E4M3, FP4_UE8M0, FP8_UE8M0, fake_quant_triton, fp4_fake_quant_e4m3_torch,
+                                     fp4_fake_quant_ue8m0_torch, fp8_fake_quant_torch)
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    cases = [torch.randn(64, 512, device="cuda", generator=g), torch.randn(32, 64, 128, device="cuda", generator=g),
+             torch.randn(7, 64, device="cuda", generator=g) * 100, torch.randn(5, 32, device="cuda", generator=g) * 1e-5,
+             torch.zeros(2, 32, device="cuda"), -torch.zeros(2, 32, device="cuda"),
+             (torch.randint(-24, 25, (4, 64), device="cuda", generator=g) * 0.25).float()]
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = torch.unique(grid[torch.isfinite(grid) & (grid >= 0)])
+    mids = (grid[1:] + grid[:-1]) / 2
+    mids = torch.cat([mids, mids.new_zeros((-len(mids)) % 31)]).view(-1, 31)
+    blocks = torch.cat([torch.full((mids.shape[0], 1), 448.0), mids], dim=1).cuda()
+    cases += [blocks, -blocks, blocks * 2.0**-20]
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for x in cases:
+        x = x.to(dtype)
+        for fn, mode, block in ((fp8_fake_quant_torch, FP8_UE8M0, 32), (fp4_fake_quant_ue8m0_torch, FP4_UE8M0, 32),
+                                (fp4_fake_quant_e4m3_torch, FP4_E4M3, 16)):
+            ref, got = fn(x, block), fake_quant_triton(x, mode, block)
+            assert got.dtype == ref.dtype and got.shape == ref.shape
+            assert torch.equal(ref.view(bits), got.view(bits)), (fn.__name__, (ref.float() - got.float()).abs().max())

@@ -1,0 +1,110 @@
+"""Kernels one decode forward launches, counted on the CPU: a device-independent proxy for the small-kernel tail
+of a FULL decode graph (each GPU kernel there costs 1-3 us even when it moves a few bytes).
+
+usage: PYTHONPATH=. python3 benchmarks/decode_ops.py MODEL_DIR [BATCH] [--lines N]
+
+Runs `forward_decode` on all-padding metadata (what graph capture runs) under a dispatch mode that counts non-view
+aten ops. The functions that dispatch to a Triton kernel on CUDA count as ONE op each (their CPU reference inside
+is not counted), so the total approximates the kernels of a CUDA replay without torch.compile. Prints the total,
+the count per op name, and the source lines that launch the most ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dsv4.engine.engine import LLMEngine
+from dsv4.models import deepseek_v41
+from dsv4.models.layers import norm
+from dsv4.ops import decode_attention, fake_quant, lookback, mhc, moe, rope
+
+_VIEWS = {"view", "slice", "select", "unsqueeze", "squeeze", "expand", "t", "transpose", "permute", "reshape",
+          "as_strided", "detach", "alias", "_unsafe_view", "unbind", "split", "split_with_sizes", "chunk", "narrow",
+          "flatten", "unflatten", "view_as", "expand_as", "movedim"}
+# the dispatchers that take a Triton kernel on CUDA: one launch each there
+_KERNELS = [(mhc, "hc_post"), (rope, "apply_rope"), (moe, "expert_gemv"), (decode_attention, "decode_sink_attention"),
+            (norm, "rms_norm"), (norm, "unweighted_rms_norm"), (lookback, "gather_lookback"),
+            (fake_quant, "fp8_fake_quant"), (fake_quant, "fp4_fake_quant_ue8m0"), (fake_quant, "fp4_fake_quant_e4m3")]
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused = 0
+        self.ops: collections.Counter[str] = collections.Counter()
+        self.lines: collections.Counter[tuple[str, str]] = collections.Counter()
+
+    def kernel(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            if self.paused == 0:
+                self._count(f"triton:{name}")
+            self.paused += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.paused -= 1
+        return wrapped
+
+    def _count(self, name: str) -> None:
+        self.ops[name] += 1
+        frames = [f for f in traceback.extract_stack() if "/dsv4/" in f.filename and "decode_ops" not in f.filename]
+        where = " <- ".join(f"{f.filename.split('/dsv4/')[-1]}:{f.lineno}" for f in frames[-2:][::-1])
+        self.lines[(name, where)] += 1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = func.overloadpacket.__name__
+        if self.paused == 0 and name not in _VIEWS:
+            self._count(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _patch(counter: _Counter) -> None:
+    """Route every module-level reference to a kernel dispatcher through the counter (they are imported by name
+    into the model modules), and the V4.1 RMSNorm, whose Triton branch is inline."""
+    for owner, name in _KERNELS:
+        original = getattr(owner, name)
+        wrapped = counter.kernel(name, original)
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith("dsv4") and getattr(mod, name, None) is original:
+                setattr(mod, name, wrapped)
+    cls = deepseek_v41.RMSNormV41
+    cls.forward = counter.kernel("rms_norm_v41", cls.forward)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("batch", type=int, nargs="?", default=1)
+    ap.add_argument("--lines", type=int, default=40)
+    args = ap.parse_args()
+    P = args.batch
+    eng = LLMEngine.from_args(args.model, max_model_len=96, max_num_seqs=P, load_tokenizer=False)
+    r = eng.runner
+    extra = r.model_state.prepare_dummy_inputs(P, P)
+    r.model_state.prepare_dummy_decode_attn(P)
+    md = r.model_state.decode.views(P, P)
+    counter = _Counter()
+    _patch(counter)
+    with torch.inference_mode():
+        r.model.forward_decode(r.buffers.input_ids[:P], md, r.kv_caches, **extra)  # lazy caches outside the count
+        with counter:
+            r.model.forward_decode(r.buffers.input_ids[:P], md, r.kv_caches, **extra)
+    layers = len(r.model.model.layers)
+    total = sum(counter.ops.values())
+    print(f"{args.model}: batch {P}, {layers} layers, {total} kernels per decode forward ({total / layers:.0f} per layer)")
+    print("by op:", ", ".join(f"{k} {v}" for k, v in counter.ops.most_common()))
+    print("most launching lines:")
+    for (name, where), n in counter.lines.most_common(args.lines):
+        print(f"  {n:5d} {name:28s} {where}")
+
+
+if __name__ == "__main__":
+    main()
