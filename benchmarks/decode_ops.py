@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dsv4.engine.engine import LLMEngine
 from dsv4.models import deepseek_v41
 from dsv4.models.layers import norm
-from dsv4.ops import decode_attention, fake_quant, lookback, mhc, moe, rope
+from dsv4.ops import decode_attention, fake_quant, lookback, mhc, mhc_streams, moe, rope
 
 _VIEWS = {"view", "slice", "select", "unsqueeze", "squeeze", "expand", "t", "transpose", "permute", "reshape",
           "as_strided", "detach", "alias", "_unsafe_view", "unbind", "split", "split_with_sizes", "chunk", "narrow",
@@ -32,7 +32,8 @@ _VIEWS = {"view", "slice", "select", "unsqueeze", "squeeze", "expand", "t", "tra
 # the dispatchers that take a Triton kernel on CUDA: one launch each there
 _KERNELS = [(mhc, "hc_post"), (rope, "apply_rope"), (moe, "expert_gemv"), (decode_attention, "decode_sink_attention"),
             (norm, "rms_norm"), (norm, "unweighted_rms_norm"), (lookback, "gather_lookback"),
-            (fake_quant, "fp8_fake_quant"), (fake_quant, "fp4_fake_quant_ue8m0"), (fake_quant, "fp4_fake_quant_e4m3")]
+            (fake_quant, "fp8_fake_quant"), (fake_quant, "fp4_fake_quant_ue8m0"), (fake_quant, "fp4_fake_quant_e4m3"),
+            (mhc_streams, "collapse"), (mhc_streams, "expand")]
 
 
 class _Counter(TorchDispatchMode):
@@ -67,14 +68,16 @@ class _Counter(TorchDispatchMode):
 
 
 def _patch(counter: _Counter) -> None:
-    """Route every module-level reference to a kernel dispatcher through the counter (they are imported by name
-    into the model modules), and the V4.1 RMSNorm, whose Triton branch is inline."""
+    """Route every module-level reference to a kernel dispatcher through the counter (they are imported, maybe
+    under another name, into the model modules), and the V4.1 RMSNorm, whose Triton branch is inline."""
     for owner, name in _KERNELS:
         original = getattr(owner, name)
         wrapped = counter.kernel(name, original)
         for mod in list(sys.modules.values()):
-            if getattr(mod, "__name__", "").startswith("dsv4") and getattr(mod, name, None) is original:
-                setattr(mod, name, wrapped)
+            if getattr(mod, "__name__", "").startswith("dsv4"):
+                for attr, value in list(vars(mod).items()):
+                    if value is original:
+                        setattr(mod, attr, wrapped)
     cls = deepseek_v41.RMSNormV41
     cls.forward = counter.kernel("rms_norm_v41", cls.forward)
 

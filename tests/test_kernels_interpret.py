@@ -101,3 +101,38 @@ def test_fake_quant_kernel_is_bit_exact() -> None:
                 assert torch.equal(ref, got), (fn.__name__, (ref - got).abs().max(), x.abs().max())
         print("ok")
     """)
+
+
+def test_mhc_collapse_and_expand_kernels_match_torch() -> None:
+    """Both numerics of expand and the collapse, fp32 and bf16 streams, N = 1, 2, 4, D not a power of two, no
+    tokens, against the torch references. The N terms may be summed in another order: the fp32 sums may differ by
+    a few fp32 roundings of the terms' magnitude, which the final cast can turn into one ulp of the stream dtype;
+    in bf16 nearly every element is bit-equal."""
+    _interpret("""
+        import torch
+        from dsv4.ops.mhc_streams import collapse_torch, collapse_triton, expand_torch, expand_triton
+        g = torch.Generator().manual_seed(0)
+
+        def close(ref, got, mag, dtype):
+            ulp = 2.0 ** -23 if dtype == torch.float32 else 2.0 ** -7
+            r, o = ref.float(), got.float()
+            assert ref.dtype == got.dtype == dtype and ref.shape == got.shape
+            bound = r.abs() * ulp + mag * 4 * 2.0 ** -23 + 1e-30
+            assert ((r - o).abs() <= bound).all(), ((r - o).abs() / bound).max()
+            if dtype != torch.float32 and r.numel():  # fp32 keeps the reordering bits; bf16 rounds them off
+                assert (r != o).float().mean() < 0.01, (r != o).float().mean()
+
+        for dtype in (torch.float32, torch.bfloat16):
+            for T, N, D in ((3, 4, 100), (1, 2, 64), (5, 1, 33), (0, 4, 16), (2, 4, 2048)):
+                h = torch.randn(T, N, D, generator=g).to(dtype)
+                y = torch.randn(T, D, generator=g).to(dtype)
+                pre = torch.rand(T, N, generator=g) + 0.1
+                post = 2 * torch.rand(T, N, generator=g)
+                comb = torch.softmax(torch.randn(T, N, N, generator=g), dim=-1)
+                hf = h.float().abs()
+                close(collapse_torch(h, pre), collapse_triton(h, pre), (pre[..., None] * hf).sum(1), dtype)
+                mag = post[..., None] * y.float().abs()[:, None] + torch.matmul(comb.transpose(-1, -2), hf)
+                for fp32 in (True, False):
+                    close(expand_torch(y, h, post, comb, fp32), expand_triton(y, h, post, comb, fp32), mag, dtype)
+        print("ok")
+    """)

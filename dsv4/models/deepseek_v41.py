@@ -21,6 +21,8 @@ from dsv4.models.config import ModelConfig
 from dsv4.models.engram import Engram, EngramLayout, HostTable, engram_hash
 from dsv4.models.layers.attention import grouped_projection, write_slots
 from dsv4.models.layers.mhc import hc_mixes
+from dsv4.ops.mhc_streams import collapse
+from dsv4.ops.mhc_streams import expand as expand_streams
 from dsv4.models.vision import VisionEncoder
 from dsv4.models.layers.moe import clamped_swiglu, routed_experts_fixed, score
 from dsv4.models.layers.rope import RotaryTable
@@ -52,15 +54,10 @@ class RMSNormV41(nn.Module):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
 
 
-def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """sum_j pre_j h_j in fp32, cast to the stream dtype."""
-    return (pre.unsqueeze(-1) * h.float()).sum(dim=1).to(h.dtype)
-
-
 def expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """h'_k = post_k y + sum_j comb[j, k] h_j, in fp32 (V4.1 numerics), cast to the stream dtype."""
-    out = post.unsqueeze(-1) * y.float().unsqueeze(1) + torch.matmul(comb.transpose(-1, -2), h.float())
-    return out.to(h.dtype)
+    """h'_k = post_k y + sum_j comb[j, k] h_j, in fp32 (V4.1 numerics), cast to the stream dtype (`collapse`, sum_j
+    pre_j h_j in fp32, is V4's: dsv4.ops.mhc_streams')."""
+    return expand_streams(y, h, post, comb, fp32=True)
 
 
 @dataclass

@@ -40,13 +40,13 @@ except ImportError:  # CPU-only installs use the torch reference
 MODE_WEIGHTED, MODE_UNWEIGHTED, MODE_V41 = 0, 1, 2
 _MAX_BLOCK = 8192  # widest chunk of a row held in registers; longer rows (mHC's 4 * hidden) loop over chunks
 _ROW_ELEMS = 2048  # small D: pack rows into one program up to this many elements
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as triton does
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as triton does
 
 
 if triton is not None:
 
     @triton.jit
-    def _cast(y, dt: tl.constexpr, INTERPRET: tl.constexpr):
+    def cast_rne(y, dt: tl.constexpr, INTERPRET: tl.constexpr):
         """fp32 -> dt with round-to-nearest-even. The compiled cast is RNE already; the interpreter truncates
         fp32 -> bf16, so there the low 16 bits are rounded off by hand first (finite values only)."""
         if INTERPRET and dt == tl.bfloat16:
@@ -88,11 +88,11 @@ if triton is not None:
                 w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
                 y = w * (xf * r)
             elif MODE == 1:  # x * r.to(x.dtype): an exact fp32 product of two x.dtype values, rounded once
-                y = xf * _cast(r, dt, INTERPRET).to(tl.float32)
+                y = xf * cast_rne(r, dt, INTERPRET).to(tl.float32)
             else:  # (xf * r).to(x.dtype) * w, rounded to promote(x.dtype, w.dtype)
                 w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-                y = _cast(xf * r, dt, INTERPRET).to(tl.float32) * w
-            tl.store(orow + cols[None, :], _cast(y, odt, INTERPRET), mask=m)
+                y = cast_rne(xf * r, dt, INTERPRET).to(tl.float32) * w
+            tl.store(orow + cols[None, :], cast_rne(y, odt, INTERPRET), mask=m)
 
 
 def _rms_norm_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, mode: int,
@@ -113,7 +113,7 @@ def _rms_norm_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, m
     num_warps = min(16, max(1, rows_per_prog * block // 512))
     _rms_norm_kernel[(triton.cdiv(n_rows, rows_per_prog),)](
         x2, w, out, n_rows, x2.stride(0), eps, 1.0 / D, D=D, MODE=mode, ROWS=rows_per_prog, BLOCK=block,
-        INTERPRET=_INTERPRET, num_warps=num_warps, enable_fp_fusion=False)
+        INTERPRET=INTERPRET, num_warps=num_warps, enable_fp_fusion=False)
     return out
 
 

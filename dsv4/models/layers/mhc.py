@@ -8,6 +8,8 @@ from torch import nn
 
 from dsv4.models.layers.norm import unweighted_rms_norm
 from dsv4.ops.mhc import hc_post
+from dsv4.ops.mhc_streams import collapse
+from dsv4.ops.mhc_streams import expand as expand_streams
 
 
 class HyperConnection(nn.Module):
@@ -34,15 +36,10 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
     return hc_post(F.linear(flat, fn.float()), base, scale, n, iters, hc_eps)
 
 
-def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    """sum_j pre_j * h_j in fp32, cast to the stream dtype: [T, N, D] -> [T, D]."""
-    return (pre.unsqueeze(-1) * h).sum(dim=1).to(h.dtype)
-
-
 def expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """h'_k = post_k * y + sum_j comb[j, k] * h_j, in the stream dtype (HF-V4 numerics)."""
-    dt = h.dtype
-    return post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), h)
+    """h'_k = post_k * y + sum_j comb[j, k] * h_j, in the stream dtype (HF-V4 numerics; `collapse` is
+    dsv4.ops.mhc_streams')."""
+    return expand_streams(y, h, post, comb, fp32=False)
 
 
 class HyperHead(nn.Module):

@@ -1,0 +1,131 @@
+"""mHC stream collapse and expand around a sublayer, one launch each on CUDA (model.md section 3).
+
+collapse: x[t] = sum_j pre[t, j] * h[t, j] in fp32, cast to the stream dtype ([T, N, D] -> [T, D]). V4 and V4.1
+agree here (V4's fp32 `pre` promotes the product).
+expand: h'[t, k] = post[t, k] * y[t] + sum_j comb[t, j, k] * h[t, j] ([T, D], [T, N, D] -> [T, N, D]), in one of
+two numerics:
+- fp32 (V4.1): every term in fp32, one cast to the stream dtype at the end;
+- stream dtype (V4, transformers' numerics): post and comb are cast to the stream dtype first; post * y is rounded
+  to it, the mix is a matmul in it (fp32 accumulation, one rounding), and their sum is rounded again.
+
+The torch references take 4 (collapse) and 6 (expand) kernels, twice per layer; in a decode graph each is 1-2 us
+whatever its size. The kernels round every product and add the N terms in order j = 0..N-1 in fp32 (no FMA
+contraction, like torch's separate multiply and sum kernels); torch's reduction (and the matmul) may add the same
+terms in another order, so the fp32 sums can differ in their last bits, which the final cast to bf16 can turn into
+one ulp where they straddle a rounding boundary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use the torch references
+    triton = None
+
+
+def collapse_torch(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Reference: h [T, N, D] (stream dtype), pre [T, N] fp32 -> [T, D] in h's dtype."""
+    return (pre.unsqueeze(-1) * h.float()).sum(dim=1).to(h.dtype)
+
+
+def expand_torch(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                 fp32: bool) -> torch.Tensor:
+    """Reference: y [T, D], h [T, N, D] (stream dtype), post [T, N], comb [T, N, N] fp32 -> [T, N, D] in h's dtype."""
+    if fp32:
+        out = post.unsqueeze(-1) * y.float().unsqueeze(1) + torch.matmul(comb.transpose(-1, -2), h.float())
+        return out.to(h.dtype)
+    dt = h.dtype
+    return post.to(dt).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), h)
+
+
+if triton is not None:
+    from dsv4.ops.rmsnorm import INTERPRET, cast_rne  # the interpreter's fp32 -> bf16 cast truncates
+
+    @triton.jit
+    def _collapse_kernel(h_ptr, pre_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        dm = d < D
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for j in tl.static_range(N):
+            p = tl.load(pre_ptr + t * N + j)
+            acc += p * tl.load(h_ptr + (t * N + j) * D + d, mask=dm, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * D + d, cast_rne(acc, out_ptr.dtype.element_ty, INTERPRET), mask=dm)
+
+    @triton.jit
+    def _expand_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, D, N: tl.constexpr, FP32: tl.constexpr,
+                       BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        dm = d < D
+        k = tl.arange(0, N)
+        dt = out_ptr.dtype.element_ty
+        y = tl.load(y_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
+        post = tl.load(post_ptr + t * N + k)
+        if not FP32:
+            post = cast_rne(post, dt, INTERPRET).to(tl.float32)
+        a = post[:, None] * y[None, :]  # [N, BLOCK_D], output stream k by channel
+        if not FP32:
+            a = cast_rne(a, dt, INTERPRET).to(tl.float32)
+        mix = tl.zeros([N, BLOCK_D], dtype=tl.float32)
+        for j in tl.static_range(N):
+            c = tl.load(comb_ptr + (t * N + j) * N + k)  # comb[t, j, :]: stream j's weight in every output k
+            if not FP32:
+                c = cast_rne(c, dt, INTERPRET).to(tl.float32)
+            hj = tl.load(h_ptr + (t * N + j) * D + d, mask=dm, other=0.0).to(tl.float32)
+            mix += c[:, None] * hj[None, :]
+        if not FP32:
+            mix = cast_rne(mix, dt, INTERPRET).to(tl.float32)
+        offs = (t * N + k[:, None]) * D + d[None, :]
+        tl.store(out_ptr + offs, cast_rne(a + mix, dt, INTERPRET), mask=dm[None, :])
+
+
+def _block_d(D: int) -> int:
+    return min(1024, triton.next_power_of_2(D))
+
+
+def collapse_triton(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """The same in one launch (N a power of two)."""
+    assert triton is not None, "triton is not installed"
+    T, N, D = h.shape
+    h, pre = h.contiguous(), pre.float().contiguous()
+    out = torch.empty(T, D, dtype=h.dtype, device=h.device)
+    if T:
+        bd = _block_d(D)
+        _collapse_kernel[(T, triton.cdiv(D, bd))](h, pre, out, D, N=N, BLOCK_D=bd, INTERPRET=INTERPRET,
+                                                  enable_fp_fusion=False)
+    return out
+
+
+def expand_triton(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                  fp32: bool) -> torch.Tensor:
+    """The same in one launch (N a power of two)."""
+    assert triton is not None, "triton is not installed"
+    T, N, D = h.shape
+    y, h = y.contiguous(), h.contiguous()
+    post, comb = post.float().contiguous(), comb.float().contiguous()
+    out = torch.empty(T, N, D, dtype=h.dtype, device=h.device)
+    if T:
+        bd = _block_d(D)
+        _expand_kernel[(T, triton.cdiv(D, bd))](y, h, post, comb, out, D, N=N, FP32=fp32, BLOCK_D=bd,
+                                                INTERPRET=INTERPRET, enable_fp_fusion=False)
+    return out
+
+
+def _use_triton(h: torch.Tensor) -> bool:
+    n = h.shape[1]
+    return h.is_cuda and triton is not None and n & (n - 1) == 0
+
+
+def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """Triton on CUDA, torch elsewhere."""
+    return collapse_triton(h, pre) if _use_triton(h) else collapse_torch(h, pre)
+
+
+def expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fp32: bool) -> torch.Tensor:
+    """Triton on CUDA, torch elsewhere."""
+    return expand_triton(y, h, post, comb, fp32) if _use_triton(h) else expand_torch(y, h, post, comb, fp32)
