@@ -25,6 +25,7 @@ from dsv4.ops.mhc_streams import collapse
 from dsv4.ops.mhc_streams import expand as expand_streams
 from dsv4.models.vision import VisionEncoder
 from dsv4.models.layers.moe import clamped_swiglu, routed_experts_fixed, score
+from dsv4.ops.swiglu import swiglu
 from dsv4.models.layers.rope import RotaryTable
 from dsv4.ops.decode_attention import decode_sink_attention
 from dsv4.ops.rope import apply_rope
@@ -458,7 +459,7 @@ class MoEV41(nn.Module):
         out = routed_experts_fixed(x, weights, idx, self.experts.gate_up_proj, self.experts.down_proj, self.limit,
                                    weight_before_down=True)
         se = self.shared_experts
-        h = clamped_swiglu(se.w1(x).float(), se.w3(x).float(), self.limit).to(x.dtype)
+        h = swiglu(se.w1(x), se.w3(x), self.limit, fp32=True)
         return (out + se.w2(h).float()).to(x.dtype)
 
 

@@ -99,3 +99,20 @@ def test_mhc_collapse_expand(dtype: torch.dtype, T: int, D: int) -> None:
         assert ((r - o).abs() <= r.abs() * ulp + m * 4 * 2.0 ** -23 + 1e-30).all()
         if dtype == torch.bfloat16:
             assert (r != o).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R,I", [(1, 2048), (6, 2048), (192, 1536), (5, 100)])
+def test_swiglu_bits(dtype: torch.dtype, R: int, I: int) -> None:
+    """The fused clamped SwiGLU gives torch's CUDA bits: the same silu formula (accurate expf, IEEE division),
+    every product rounded, both numerics, with and without the row weight, on strided halves of one row."""
+    from dsv4.ops.swiglu import swiglu_torch, swiglu_triton
+
+    g = torch.Generator(device="cuda").manual_seed(R * I)
+    gu = (torch.randn(R, 2 * I, device="cuda", generator=g) * 6).to(dtype)
+    gate, up = gu[:, :I], gu[:, I:]
+    w = torch.rand(R, device="cuda", generator=g)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for weight, fp32 in ((None, True), (w, True), (None, False)):
+        ref, got = swiglu_torch(gate, up, 10.0, weight, fp32), swiglu_triton(gate, up, 10.0, weight, fp32)
+        assert torch.equal(ref.view(bits), got.view(bits)), (weight is not None, fp32, (ref - got).abs().max())

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.ops.moe import expert_gemv
+from dsv4.ops.swiglu import clamped_swiglu, swiglu
 from dsv4.ops.topk import stable_topk
 
 
@@ -17,11 +18,6 @@ def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     if scoring_func == "sigmoid":
         return torch.sigmoid(logits)
     return torch.softmax(logits, dim=-1)
-
-
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """silu(min(gate, L)) * clamp(up, -L, L)."""
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 class SharedExpert(nn.Module):
@@ -35,7 +31,7 @@ class SharedExpert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit, fp32=False))
 
 
 class Router(nn.Module):
@@ -127,24 +123,24 @@ def routed_experts_fixed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tens
     """
     T, k = idx.shape
     E = gate_up.shape[0]
+    inter = down.shape[2]
     if T * k <= E:
         flat = idx.flatten()
         gu = expert_gemv(x, gate_up, flat, k)  # [T*k, 2I]
-        g, u = gu.float().chunk(2, dim=-1) if weight_before_down else gu.chunk(2, dim=-1)
-        w = weights.flatten()[:, None]
+        g, u = gu[:, :inter], gu[:, inter:]
         if weight_before_down:
-            h = (clamped_swiglu(g, u, limit) * w).to(x.dtype)
+            h = swiglu(g, u, limit, weights.flatten(), fp32=True)
             y = expert_gemv(h, down, flat, 1).float()
         else:
-            h = clamped_swiglu(g, u, limit)
-            y = (expert_gemv(h, down, flat, 1) * w).float()
+            h = swiglu(g, u, limit, fp32=False)
+            y = (expert_gemv(h, down, flat, 1) * weights.flatten()[:, None]).float()
         return y.view(T, k, -1).sum(dim=1)
     wmat = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx, weights.float())
-    gu = torch.einsum("td,efd->etf", x, gate_up)  # [E, T, 2I]
-    g, u = gu.float().chunk(2, dim=-1) if weight_before_down else gu.chunk(2, dim=-1)
+    gu = torch.einsum("td,efd->etf", x, gate_up).reshape(E * T, 2 * inter)  # expert-major rows
+    g, u = gu[:, :inter], gu[:, inter:]
     if weight_before_down:
-        h = (clamped_swiglu(g, u, limit) * wmat.t()[:, :, None]).to(x.dtype)
+        h = swiglu(g, u, limit, wmat.t().reshape(E * T), fp32=True).view(E, T, inter)
         # batched over experts, then summed: an einsum contracting (e, i) at once would copy all of `down`
         return torch.bmm(h, down.transpose(1, 2)).float().sum(dim=0)
-    y = torch.einsum("eti,edi->etd", clamped_swiglu(g, u, limit), down)
+    y = torch.einsum("eti,edi->etd", swiglu(g, u, limit, fp32=False).view(E, T, inter), down)
     return (y.float() * wmat.t()[:, :, None]).sum(dim=0)
