@@ -1,0 +1,68 @@
+"""The engine on the CUDA dispatch path, interpreted on the CPU: every function that takes a Triton kernel on CUDA
+is pointed at its Triton version (run by TRITON_INTERPRET=1), and the golden V4.1 checkpoint must still give the
+reference's greedy tokens, with a second request batched beside it (decode steps through forward_decode, prefill
+and mixed steps through the token-row path). The per-kernel tests compare each kernel to its reference alone; this
+one catches what only shows in the model: wrong strides, dtypes or arguments at a call site."""
+
+from __future__ import annotations
+
+from test_kernels_interpret import _interpret
+
+
+def test_golden_v41_on_the_triton_path() -> None:
+    _interpret("""
+        import json, os, sys
+        import torch
+        from dsv4.engine.engine import LLMEngine
+        from dsv4.models import deepseek_v41
+        from dsv4.ops import (decode_attention, decode_metadata, fake_quant, lookback, mhc, mhc_streams, moe, rmsnorm,
+                              rope, swiglu)
+        from dsv4.models.layers import norm
+        from dsv4.runtime import attn_metadata
+        from dsv4.sampling_params import SamplingParams
+
+        fq = fake_quant
+        swaps = {
+            mhc.hc_post: mhc.hc_post_triton, rope.apply_rope: rope.apply_rope_triton,
+            moe.expert_gemv: moe.expert_gemv_triton,
+            decode_attention.decode_sink_attention: decode_attention.decode_sink_attention_triton,
+            norm.rms_norm: rmsnorm.rms_norm_triton, norm.unweighted_rms_norm: rmsnorm.unweighted_rms_norm_triton,
+            lookback.gather_lookback: lookback.gather_lookback_triton,
+            fq.fp8_fake_quant: lambda x, block=32: fq.fake_quant_triton(x, fq.FP8_UE8M0, block),
+            fq.fp4_fake_quant_ue8m0: lambda x, block=32: fq.fake_quant_triton(x, fq.FP4_UE8M0, block),
+            fq.fp4_fake_quant_e4m3: lambda x, block=16: fq.fake_quant_triton(x, fq.FP4_E4M3, block),
+            mhc_streams.collapse: mhc_streams.collapse_triton, mhc_streams.expand: mhc_streams.expand_triton,
+            swiglu.swiglu: swiglu.swiglu_triton,
+        }
+        used = set()
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "__name__", "").startswith("dsv4"):
+                for attr, value in list(vars(mod).items()):
+                    if callable(value) and value in swaps and not attr.endswith("_torch"):
+                        setattr(mod, attr, swaps[value])
+                        used.add(value)
+        assert len(used) == len(swaps), [f for f in swaps if f not in used]
+        deepseek_v41.RMSNormV41.forward = lambda self, x: rmsnorm.rms_norm_v41_triton(x, self.weight, self.eps)
+        buffers = attn_metadata.DecodeMetadataBuffers
+        plain_build = buffers.build
+        def build(self, num_reqs, num_padded, positions, idx_mapping, tables):
+            if num_reqs == 0:
+                return plain_build(self, num_reqs, num_padded, positions, idx_mapping, tables)
+            return self._build_triton(num_reqs, num_padded, positions, idx_mapping, tables)
+        buffers.build = build
+
+        golden = os.path.join("tests", "data", "deepseek-v41-tiny")
+        exp = json.load(open(os.path.join(golden, "expected.json")))
+        eng = LLMEngine.from_args(golden, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=12,
+                                  load_tokenizer=False)
+        ids = exp["prompt_token_ids"]
+        eng.add_request(ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), request_id="golden")
+        eng.add_request(ids[:9], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), request_id="other")
+        done = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        assert done["golden"] == exp["greedy_token_ids"], (done["golden"], exp["greedy_token_ids"])
+        print("ok")
+    """)
