@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dsv4.engine.engine import LLMEngine
 from dsv4.models import deepseek_v41
 from dsv4.models.layers import norm
-from dsv4.ops import decode_attention, fake_quant, lookback, mhc, mhc_streams, moe, rope, swiglu
+from dsv4.ops import decode_attention, fake_quant, lookback, mhc, mhc_streams, moe, rope, router, swiglu
 
 _VIEWS = {"view", "slice", "select", "unsqueeze", "squeeze", "expand", "t", "transpose", "permute", "reshape",
           "as_strided", "detach", "alias", "_unsafe_view", "unbind", "split", "split_with_sizes", "chunk", "narrow",
@@ -33,7 +33,7 @@ _VIEWS = {"view", "slice", "select", "unsqueeze", "squeeze", "expand", "t", "tra
 _KERNELS = [(mhc, "hc_post"), (rope, "apply_rope"), (moe, "expert_gemv"), (decode_attention, "decode_sink_attention"),
             (norm, "rms_norm"), (norm, "unweighted_rms_norm"), (lookback, "gather_lookback"),
             (fake_quant, "fp8_fake_quant"), (fake_quant, "fp4_fake_quant_ue8m0"), (fake_quant, "fp4_fake_quant_e4m3"),
-            (mhc_streams, "collapse"), (mhc_streams, "expand"), (swiglu, "swiglu")]
+            (mhc_streams, "collapse"), (mhc_streams, "expand"), (swiglu, "swiglu"), (router, "route")]
 
 
 class _Counter(TorchDispatchMode):

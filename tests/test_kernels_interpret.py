@@ -162,3 +162,31 @@ def test_swiglu_kernel_matches_torch() -> None:
                         assert (r != o).float().mean() < 0.01, (r != o).float().mean()
         print("ok")
     """)
+
+
+def test_router_kernel_matches_torch() -> None:
+    """Both scorings, k = 1, 6 and 8, expert counts not a power of two, image and text tokens (two biases), exact
+    ties between experts (the lowest id wins), a gate temperature: the same experts as the torch reference and
+    weights within a few fp32 ulps (the CPU divides by the temperature where the kernel multiplies by its inverse,
+    as torch does on CUDA)."""
+    _interpret("""
+        import torch
+        from dsv4.ops.router import route_torch, route_triton
+        g = torch.Generator().manual_seed(2)
+        for scoring in ("sqrtsoftplus", "sigmoid"):
+            for T, E, k in ((5, 16, 6), (3, 60, 8), (4, 9, 1), (0, 16, 2)):
+                logits = torch.randn(T, E, generator=g) * 4
+                if T > 1:
+                    logits[1, 3] = logits[1, 7] = 30.0  # a tie above softplus' threshold
+                    logits[0, 2] = logits[0, 5] = logits[0].max() + 1
+                bias, bias_vl = torch.randn(E, generator=g) * 0.1, torch.randn(E, generator=g) * 0.1
+                if T > 1:
+                    bias[[2, 3, 5, 7]] = bias_vl[[2, 3, 5, 7]] = 0.0
+                is_image = torch.rand(T, generator=g) < 0.5
+                for temp in (1.0, 1.3):
+                    w0, i0 = route_torch(logits, bias, bias_vl, is_image, temp, scoring, k, 1.5)
+                    w1, i1 = route_triton(logits, bias, bias_vl, is_image, temp, scoring, k, 1.5)
+                    assert torch.equal(i0, i1), (scoring, T, E, k, i0, i1)
+                    assert w1.dtype == torch.float32 and torch.allclose(w0, w1, rtol=4e-7, atol=0), (w0 - w1).abs().max()
+        print("ok")
+    """)

@@ -15,8 +15,8 @@ def test_golden_v41_on_the_triton_path() -> None:
         import torch
         from dsv4.engine.engine import LLMEngine
         from dsv4.models import deepseek_v41
-        from dsv4.ops import (decode_attention, decode_metadata, fake_quant, lookback, mhc, mhc_streams, moe, rmsnorm,
-                              rope, swiglu)
+        from dsv4.ops import (decode_attention, fake_quant, lookback, mhc, mhc_streams, moe, rmsnorm, rope, router,
+                              swiglu)
         from dsv4.models.layers import norm
         from dsv4.runtime import attn_metadata
         from dsv4.sampling_params import SamplingParams
@@ -32,7 +32,7 @@ def test_golden_v41_on_the_triton_path() -> None:
             fq.fp4_fake_quant_ue8m0: lambda x, block=32: fq.fake_quant_triton(x, fq.FP4_UE8M0, block),
             fq.fp4_fake_quant_e4m3: lambda x, block=16: fq.fake_quant_triton(x, fq.FP4_E4M3, block),
             mhc_streams.collapse: mhc_streams.collapse_triton, mhc_streams.expand: mhc_streams.expand_triton,
-            swiglu.swiglu: swiglu.swiglu_triton,
+            swiglu.swiglu: swiglu.swiglu_triton, router.route: router.route_triton,
         }
         used = set()
         for mod in list(sys.modules.values()):

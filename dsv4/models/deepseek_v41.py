@@ -24,7 +24,8 @@ from dsv4.models.layers.mhc import hc_mixes
 from dsv4.ops.mhc_streams import collapse
 from dsv4.ops.mhc_streams import expand as expand_streams
 from dsv4.models.vision import VisionEncoder
-from dsv4.models.layers.moe import clamped_swiglu, routed_experts_fixed, score
+from dsv4.models.layers.moe import clamped_swiglu, routed_experts_fixed
+from dsv4.ops.router import route
 from dsv4.ops.swiglu import swiglu
 from dsv4.models.layers.rope import RotaryTable
 from dsv4.ops.decode_attention import decode_sink_attention
@@ -424,13 +425,9 @@ class MoEV41(nn.Module):
         self.shared_experts.w3 = nn.Linear(D, I, bias=False)
 
     def route(self, x: torch.Tensor, is_image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        s = score(F.linear(x.float(), self.gate.weight.float()) / self.gate_temp, self.scoring_func)
-        bias = torch.where(is_image[:, None], self.gate.bias_vl.float(), self.gate.bias.float())
-        idx = stable_topk(s + bias, self.top_k)
-        w = s.gather(1, idx)
-        if self.top_k > 1:
-            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * self.routed_scaling_factor, idx
+        logits = F.linear(x.float(), self.gate.weight.float())
+        return route(logits, self.gate.bias, self.gate.bias_vl, is_image, self.gate_temp, self.scoring_func,
+                     self.top_k, self.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
         weights, idx = self.route(x, is_image)

@@ -116,3 +116,23 @@ def test_swiglu_bits(dtype: torch.dtype, R: int, I: int) -> None:
     for weight, fp32 in ((None, True), (w, True), (None, False)):
         ref, got = swiglu_torch(gate, up, 10.0, weight, fp32), swiglu_triton(gate, up, 10.0, weight, fp32)
         assert torch.equal(ref.view(bits), got.view(bits)), (weight is not None, fp32, (ref - got).abs().max())
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid"])
+@pytest.mark.parametrize("T,E,k", [(1, 64, 6), (32, 64, 6), (64, 256, 8), (7, 9, 1)])
+def test_router_matches_torch(scoring: str, T: int, E: int, k: int) -> None:
+    """The fused V4.1 routing picks exactly torch's experts on the GPU (its scores follow torch's CUDA arithmetic,
+    ties to the lowest id) and its weights agree to an fp32 ulp or two (the normalising sum's order)."""
+    from dsv4.ops.router import route_torch, route_triton
+
+    g = torch.Generator(device="cuda").manual_seed(T * E + k)
+    logits = torch.randn(T, E, device="cuda", generator=g) * 4
+    logits[0, 1] = logits[0, 4] = logits[0].max() + 1  # an exact tie at the top
+    bias, bias_vl = (torch.randn(E, device="cuda", generator=g) * 0.1 for _ in range(2))
+    bias[[1, 4]] = bias_vl[[1, 4]] = 0.0
+    is_image = torch.rand(T, device="cuda", generator=g) < 0.5
+    for temp in (1.0, 1.3):
+        w0, i0 = route_torch(logits, bias, bias_vl, is_image, temp, scoring, k, 1.5)
+        w1, i1 = route_triton(logits, bias, bias_vl, is_image, temp, scoring, k, 1.5)
+        assert torch.equal(i0, i1)
+        assert torch.allclose(w0, w1, rtol=3e-7, atol=0), (w0 - w1).abs().max()

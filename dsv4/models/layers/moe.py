@@ -7,17 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.ops.moe import expert_gemv
+from dsv4.ops.router import score
 from dsv4.ops.swiglu import clamped_swiglu, swiglu
 from dsv4.ops.topk import stable_topk
-
-
-def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
-    """Router activation: sqrt(softplus(x)) for V4; softmax and sigmoid are accepted too."""
-    if scoring_func == "sqrtsoftplus":
-        return torch.sqrt(F.softplus(logits))
-    if scoring_func == "sigmoid":
-        return torch.sigmoid(logits)
-    return torch.softmax(logits, dim=-1)
 
 
 class SharedExpert(nn.Module):

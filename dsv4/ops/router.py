@@ -1,0 +1,125 @@
+"""DeepSeek-V4.1's MoE routing after the gate projection, as one launch on CUDA (model.md section 4).
+
+From the fp32 gate logits [T, E]: scores s = act(logits / gate_temp) (sqrt(softplus) or sigmoid), the selection
+bias of the token's kind (images use `bias_vl`) added for the choice only, the top-k experts of s + bias (ties to
+the lowest expert id, `stable_topk`), their unbiased scores normalised to sum 1 (when k > 1) and scaled by
+`routed_scaling_factor`. Returns (weights [T, k] fp32, expert ids [T, k] int64).
+
+The torch expression is ~12 kernels per layer (division, activation, bias select and add, a stable sort, gather,
+sum, division, scale); the kernel does one token per program with the E scores in registers and picks the k experts
+by k rounds of max. It follows torch's CUDA arithmetic so that the CHOICE is identical: division by the Python
+scalar gate_temp is a multiply by fp32(1 / gate_temp) there (torch's CUDA division by a CPU scalar), softplus is
+log1p(expf(x)) below its threshold 20, sqrt and sigmoid's division are IEEE-rounded, expf and log1pf are libdevice's.
+The weights' normalising sum adds the k scores in order, which torch may not: they can differ by an fp32 ulp.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dsv4.ops.topk import stable_topk
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # CPU-only installs use the torch reference
+    triton = None
+
+SCORING = {"sqrtsoftplus": 0, "sigmoid": 1}  # the activations the kernel implements (softmax: torch only)
+
+
+def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    """Router activation: sqrt(softplus(x)) for V4; softmax and sigmoid are accepted too."""
+    if scoring_func == "sqrtsoftplus":
+        return torch.sqrt(F.softplus(logits))
+    if scoring_func == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.softmax(logits, dim=-1)
+
+
+def route_torch(logits: torch.Tensor, bias: torch.Tensor, bias_vl: torch.Tensor, is_image: torch.Tensor,
+                gate_temp: float, scoring_func: str, top_k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: logits [T, E] fp32, bias / bias_vl [E], is_image [T] bool."""
+    s = score(logits / gate_temp, scoring_func)
+    b = torch.where(is_image[:, None], bias_vl.float(), bias.float())
+    idx = stable_topk(s + b, top_k)
+    w = s.gather(1, idx)
+    if top_k > 1:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scale, idx
+
+
+if triton is not None:
+    from dsv4.ops.rmsnorm import INTERPRET
+
+    @triton.jit
+    def _route_kernel(logit_ptr, bias_ptr, bias_vl_ptr, img_ptr, w_ptr, idx_ptr, E, inv_temp, scale,
+                      K: tl.constexpr, KB: tl.constexpr, BLOCK_E: tl.constexpr, SCORING: tl.constexpr,
+                      INTERPRET: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BLOCK_E)
+        em = e < E
+        inv_temp = tl.cast(inv_temp, tl.float32)  # torch.compile hands float arguments over as fp64
+        scale = tl.cast(scale, tl.float32)
+        x = tl.load(logit_ptr + t * E + e, mask=em, other=0.0) * inv_temp
+        if INTERPRET:  # no libdevice in the interpreter
+            ex = tl.exp(x)
+            exn = tl.exp(-x)
+        else:
+            ex = libdevice.exp(x)
+            exn = libdevice.exp(-x)
+        if SCORING == 0:
+            if INTERPRET:
+                sp = tl.log(1.0 + ex)
+            else:
+                sp = libdevice.log1p(ex)
+            s = tl.sqrt_rn(tl.where(x > 20.0, x, sp))
+        else:
+            s = tl.math.div_rn(tl.full([BLOCK_E], 1.0, tl.float32), 1.0 + exn)
+        img = tl.load(img_ptr + t) != 0
+        b = tl.where(img, tl.load(bias_vl_ptr + e, mask=em, other=0.0), tl.load(bias_ptr + e, mask=em, other=0.0))
+        v = tl.where(em, s + b, float("-inf"))
+        kk = tl.arange(0, KB)
+        picks = tl.zeros([KB], dtype=tl.int64)
+        ws = tl.zeros([KB], dtype=tl.float32)
+        total = 0.0
+        for k in tl.static_range(K):
+            m = tl.max(v, axis=0)
+            i = tl.min(tl.where(v == m, e, BLOCK_E), axis=0)  # the lowest expert id among the maxima
+            si = tl.sum(tl.where(e == i, s, 0.0), axis=0)
+            picks = tl.where(kk == k, i.to(tl.int64), picks)
+            ws = tl.where(kk == k, si, ws)
+            total += si
+            v = tl.where(e == i, float("-inf"), v)
+        if K > 1:
+            ws = tl.math.div_rn(ws, tl.zeros([KB], dtype=tl.float32) + (total + 1e-20))
+        km = kk < K
+        tl.store(w_ptr + t * K + kk, ws * scale, mask=km)
+        tl.store(idx_ptr + t * K + kk, picks, mask=km)
+
+
+def route_triton(logits: torch.Tensor, bias: torch.Tensor, bias_vl: torch.Tensor, is_image: torch.Tensor,
+                 gate_temp: float, scoring_func: str, top_k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same in one launch (scoring sqrtsoftplus or sigmoid)."""
+    assert triton is not None, "triton is not installed"
+    T, E = logits.shape
+    w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T:
+        # fp32(1 / gate_temp), as torch's CUDA division by a Python scalar computes it
+        inv_temp = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(gate_temp, dtype=torch.float32))
+        _route_kernel[(T,)](logits.float().contiguous(), bias.float().contiguous(), bias_vl.float().contiguous(),
+                            is_image.to(torch.uint8).contiguous(), w, idx, E, inv_temp, float(scale), K=top_k,
+                            KB=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
+                            SCORING=SCORING[scoring_func], INTERPRET=INTERPRET, enable_fp_fusion=False)
+    return w, idx
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, bias_vl: torch.Tensor, is_image: torch.Tensor,
+          gate_temp: float, scoring_func: str, top_k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton on CUDA (sqrtsoftplus / sigmoid scoring), torch elsewhere."""
+    if logits.is_cuda and triton is not None and scoring_func in SCORING:
+        return route_triton(logits, bias, bias_vl, is_image, gate_temp, scoring_func, top_k, scale)
+    return route_torch(logits, bias, bias_vl, is_image, gate_temp, scoring_func, top_k, scale)
