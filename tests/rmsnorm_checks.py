@@ -12,7 +12,8 @@ from dsv4.models.layers.norm import rms_norm_torch, unweighted_rms_norm_torch
 from dsv4.ops.rmsnorm import rms_norm_triton, rms_norm_v41_triton, unweighted_rms_norm_triton
 
 BOUND = {(torch.float32, "weighted"): 8, (torch.float32, "unweighted"): 8, (torch.float32, "v41"): 8,
-         (torch.bfloat16, "weighted"): 1, (torch.bfloat16, "unweighted"): 2, (torch.bfloat16, "v41"): 2}
+         (torch.bfloat16, "weighted"): 1, (torch.bfloat16, "unweighted"): 2, (torch.bfloat16, "v41"): 2,
+         (torch.bfloat16, "unweighted_fp32"): 8}  # bf16 in, fp32 out: fp32 ulps
 
 
 def v41_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,6 +29,9 @@ def pairs(x: torch.Tensor, w: torch.Tensor, eps: float) -> Iterator[tuple[str, t
     yield "v41", v41_ref(x, w.to(x.dtype), eps), rms_norm_v41_triton(x, w.to(x.dtype), eps)
     if x.dtype != torch.float32:  # an fp32 weight: the product (and output) is fp32
         yield "v41_w32", v41_ref(x, w, eps), rms_norm_v41_triton(x, w, eps)
+        # mHC: the streams normalised in fp32 straight from bf16 (no upcast copy first)
+        yield "unweighted_fp32", unweighted_rms_norm_torch(x.float(), eps), unweighted_rms_norm_triton(x, eps,
+                                                                                                   torch.float32)
 
 
 def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -87,8 +87,8 @@ if triton is not None:
             if MODE == 0:  # (w.float() * (xf * r)).to(x.dtype)
                 w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
                 y = w * (xf * r)
-            elif MODE == 1:  # x * r.to(x.dtype): an exact fp32 product of two x.dtype values, rounded once
-                y = xf * cast_rne(r, dt, INTERPRET).to(tl.float32)
+            elif MODE == 1:  # x * r.to(x.dtype), x upcast to the output dtype first (the same when they agree)
+                y = xf * cast_rne(r, odt, INTERPRET).to(tl.float32)
             else:  # (xf * r).to(x.dtype) * w, rounded to promote(x.dtype, w.dtype)
                 w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
                 y = cast_rne(xf * r, dt, INTERPRET).to(tl.float32) * w
@@ -122,9 +122,10 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return _rms_norm_launch(x, weight, eps, MODE_WEIGHTED, x.dtype)
 
 
-def unweighted_rms_norm_triton(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """`unweighted_rms_norm` in one launch."""
-    return _rms_norm_launch(x, None, eps, MODE_UNWEIGHTED, x.dtype)
+def unweighted_rms_norm_triton(x: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`unweighted_rms_norm` in one launch; with `out_dtype` fp32, `unweighted_rms_norm(x.float(), eps)` without
+    the upcast copy (mHC normalises the bf16 streams in fp32)."""
+    return _rms_norm_launch(x, None, eps, MODE_UNWEIGHTED, out_dtype or x.dtype)
 
 
 def rms_norm_v41_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.models.layers.norm import unweighted_rms_norm
+from dsv4.models.layers.norm import unweighted_rms_norm_fp32
 from dsv4.ops.mhc import hc_post
 from dsv4.ops.mhc_streams import collapse
 from dsv4.ops.mhc_streams import expand as expand_streams
@@ -32,7 +32,7 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch
              norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre, post, comb) of one site from its input streams h [T, N, D], all in fp32 (model.md section 3)."""
     n = h.shape[1]
-    flat = unweighted_rms_norm(h.flatten(1).float(), norm_eps)
+    flat = unweighted_rms_norm_fp32(h.flatten(1), norm_eps)
     return hc_post(F.linear(flat, fn.float()), base, scale, n, iters, hc_eps)
 
 
@@ -53,6 +53,6 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(h.flatten(1).float(), self.norm_eps)
+        flat = unweighted_rms_norm_fp32(h.flatten(1), self.norm_eps)
         pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
         return collapse(h, pre + self.hc_eps)

@@ -35,6 +35,13 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return unweighted_rms_norm_torch(x, eps)
 
 
+def unweighted_rms_norm_fp32(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """unweighted_rms_norm(x.float(), eps); on CUDA one launch that reads x as it is (no fp32 copy first)."""
+    if x.is_cuda and triton is not None:
+        return unweighted_rms_norm_triton(x, eps, torch.float32)
+    return unweighted_rms_norm_torch(x.float(), eps)
+
+
 class RMSNorm(nn.Module):
     """Weighted RMSNorm; the weight is kept in fp32 whatever the model dtype."""
 
