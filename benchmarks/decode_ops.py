@@ -31,7 +31,8 @@ _VIEWS = {"view", "slice", "select", "unsqueeze", "squeeze", "expand", "t", "tra
           "flatten", "unflatten", "view_as", "expand_as", "movedim"}
 # the dispatchers that take a Triton kernel on CUDA: one launch each there
 _KERNELS = [(mhc, "hc_post"), (rope, "apply_rope"), (moe, "expert_gemv"), (decode_attention, "decode_sink_attention"),
-            (norm, "rms_norm"), (norm, "unweighted_rms_norm"), (lookback, "gather_lookback"),
+            (norm, "rms_norm"), (norm, "unweighted_rms_norm"), (norm, "unweighted_rms_norm_fp32"),
+            (lookback, "gather_lookback"),
             (fake_quant, "fp8_fake_quant"), (fake_quant, "fp4_fake_quant_ue8m0"), (fake_quant, "fp4_fake_quant_e4m3"),
             (mhc_streams, "collapse"), (mhc_streams, "expand"), (swiglu, "swiglu"), (router, "route")]
 

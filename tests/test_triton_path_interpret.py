@@ -27,6 +27,7 @@ def test_golden_v41_on_the_triton_path() -> None:
             moe.expert_gemv: moe.expert_gemv_triton,
             decode_attention.decode_sink_attention: decode_attention.decode_sink_attention_triton,
             norm.rms_norm: rmsnorm.rms_norm_triton, norm.unweighted_rms_norm: rmsnorm.unweighted_rms_norm_triton,
+            norm.unweighted_rms_norm_fp32: lambda x, eps: rmsnorm.unweighted_rms_norm_triton(x, eps, torch.float32),
             lookback.gather_lookback: lookback.gather_lookback_triton,
             fq.fp8_fake_quant: lambda x, block=32: fq.fake_quant_triton(x, fq.FP8_UE8M0, block),
             fq.fp4_fake_quant_ue8m0: lambda x, block=32: fq.fake_quant_triton(x, fq.FP4_UE8M0, block),
