@@ -38,7 +38,6 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = scheduler_config
         self.kv_manager = kv_manager
-        self.async_scheduling = scheduler_config.async_scheduling
         self.max_len = _largest_fitting(kv_manager, scheduler_config.max_model_len)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
@@ -194,7 +193,7 @@ class Scheduler:
             if not tokens or req is None:  # a partial prefill, or aborted after it was scheduled
                 continue
             assert req_id in scheduler_output.num_scheduled_tokens, f"{req_id} sampled but was not scheduled"
-            if self.async_scheduling:
+            if self.config.async_scheduling:
                 # later steps may already be scheduled past these tokens (or the request preempted since)
                 req.num_output_placeholders -= len(tokens)
                 assert req.num_output_placeholders >= 0, f"{req_id}: more tokens than placeholders"
@@ -218,7 +217,7 @@ class Scheduler:
 
     def _add_placeholder(self, req: Request) -> None:
         # async: a chunk that reaches the request's last planned token makes the runner sample one more
-        if self.async_scheduling and req.num_computed_tokens == self._num_planned(req):
+        if self.config.async_scheduling and req.num_computed_tokens == self._num_planned(req):
             req.num_output_placeholders += 1
 
     def _ends_by_length_in_flight(self, req: Request) -> bool:

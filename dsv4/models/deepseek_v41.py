@@ -21,17 +21,17 @@ from dsv4.models.config import ModelConfig
 from dsv4.models.engram import Engram, EngramLayout, HostTable, engram_hash
 from dsv4.models.layers.attention import grouped_projection, write_slots
 from dsv4.models.layers.mhc import hc_mixes
+from dsv4.models.layers.moe import clamped_swiglu, routed_experts_fixed
+from dsv4.models.layers.rope import RotaryTable
+from dsv4.models.vision import VisionEncoder
+from dsv4.ops.decode_attention import decode_sink_attention
+from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant
 from dsv4.ops.mhc_streams import collapse
 from dsv4.ops.mhc_streams import expand as expand_streams
-from dsv4.models.vision import VisionEncoder
-from dsv4.models.layers.moe import clamped_swiglu, routed_experts_fixed
+from dsv4.ops.rmsnorm import rms_norm_v41_triton, triton
+from dsv4.ops.rope import apply_rope
 from dsv4.ops.router import route
 from dsv4.ops.swiglu import swiglu
-from dsv4.models.layers.rope import RotaryTable
-from dsv4.ops.decode_attention import decode_sink_attention
-from dsv4.ops.rope import apply_rope
-from dsv4.ops.rmsnorm import rms_norm_v41_triton, triton
-from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant
 from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, TokenKeySlots, row_chunks, token_key_slots
 from dsv4.runtime.kv_cache import LayerKVCache
