@@ -24,7 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dsv4.engine.engine import LLMEngine
 from dsv4.models import deepseek_v41
 from dsv4.models.layers import norm
-from dsv4.ops import decode_attention, fake_quant, lookback, mhc, mhc_streams, moe, rope, router, swiglu
+from dsv4.ops import (compress_pool, decode_attention, fake_quant, lookback, mhc, mhc_streams, moe, rope, router,
+                      swiglu)
 
 _VIEWS = {"view", "slice", "select", "unsqueeze", "squeeze", "expand", "t", "transpose", "permute", "reshape",
           "as_strided", "detach", "alias", "_unsafe_view", "unbind", "split", "split_with_sizes", "chunk", "narrow",
@@ -34,7 +35,8 @@ _KERNELS = [(mhc, "hc_post"), (rope, "apply_rope"), (moe, "expert_gemv"), (decod
             (norm, "rms_norm"), (norm, "unweighted_rms_norm"), (norm, "unweighted_rms_norm_fp32"),
             (lookback, "gather_lookback"),
             (fake_quant, "fp8_fake_quant"), (fake_quant, "fp4_fake_quant_ue8m0"), (fake_quant, "fp4_fake_quant_e4m3"),
-            (mhc_streams, "collapse"), (mhc_streams, "expand"), (swiglu, "swiglu"), (router, "route")]
+            (mhc_streams, "collapse"), (mhc_streams, "expand"), (swiglu, "swiglu"), (router, "route"),
+            (compress_pool, "pool_decode")]
 
 
 class _Counter(TorchDispatchMode):

@@ -1,22 +1,25 @@
 """The engine on the CUDA dispatch path, interpreted on the CPU: every function that takes a Triton kernel on CUDA
-is pointed at its Triton version (run by TRITON_INTERPRET=1), and the golden V4.1 checkpoint must still give the
-reference's greedy tokens, with a second request batched beside it (decode steps through forward_decode, prefill
-and mixed steps through the token-row path). The per-kernel tests compare each kernel to its reference alone; this
-one catches what only shows in the model: wrong strides, dtypes or arguments at a call site."""
+is pointed at its Triton version (run by TRITON_INTERPRET=1). The golden V4.1 checkpoint must still give the
+reference's greedy tokens, and a tiny V4 the tokens of the torch path, each with a second request batched beside
+it (decode steps through forward_decode, prefill and mixed steps through the token-row path). The per-kernel tests
+compare each kernel to its reference alone; this one catches what only shows in the model: wrong strides, dtypes or
+arguments at a call site."""
 
 from __future__ import annotations
 
 from test_kernels_interpret import _interpret
 
 
-def test_golden_v41_on_the_triton_path() -> None:
+def test_golden_v41_and_v4_on_the_triton_path() -> None:
     _interpret("""
         import json, os, sys
         import torch
+        sys.path.insert(0, "tests")
+        from hf_reference import build_hf_model, make_prompt, save_hf_model, tiny_config
         from dsv4.engine.engine import LLMEngine
         from dsv4.models import deepseek_v41
-        from dsv4.ops import (decode_attention, fake_quant, lookback, mhc, mhc_streams, moe, rmsnorm, rope, router,
-                              swiglu)
+        from dsv4.ops import (compress_pool, decode_attention, fake_quant, lookback, mhc, mhc_streams, moe, rmsnorm,
+                              rope, router, swiglu)
         from dsv4.models.layers import norm
         from dsv4.runtime import attn_metadata
         from dsv4.sampling_params import SamplingParams
@@ -34,7 +37,26 @@ def test_golden_v41_on_the_triton_path() -> None:
             fq.fp4_fake_quant_e4m3: lambda x, block=16: fq.fake_quant_triton(x, fq.FP4_E4M3, block),
             mhc_streams.collapse: mhc_streams.collapse_triton, mhc_streams.expand: mhc_streams.expand_triton,
             swiglu.swiglu: swiglu.swiglu_triton, router.route: router.route_triton,
+            compress_pool.pool_decode: compress_pool.pool_decode_triton,
         }
+        def greedy(path, prompts, max_tokens, **kw):
+            eng = LLMEngine.from_args(path, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=12,
+                                      load_tokenizer=False, **kw)
+            for i, (p, n) in enumerate(zip(prompts, max_tokens)):
+                eng.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), request_id=str(i))
+            done = {}
+            while eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.finished:
+                        done[out.request_id] = out.outputs[0].token_ids
+            return [done[str(i)] for i in range(len(prompts))]
+
+        raw = tiny_config(sliding_window=6, compress_rates={"compressed_sparse_attention": 2,
+                                                             "heavily_compressed_attention": 4}, index_topk=3)
+        v4 = save_hf_model(build_hf_model(raw), "/tmp/dsv4-triton-path-v4")
+        v4_prompts = [make_prompt(n, seed=70 + n, vocab_size=256, low=3)[0].tolist() for n in (23, 9)]
+        v4_torch = greedy(v4, v4_prompts, (12, 8))
+
         used = set()
         for mod in list(sys.modules.values()):
             if getattr(mod, "__name__", "").startswith("dsv4"):
@@ -54,16 +76,9 @@ def test_golden_v41_on_the_triton_path() -> None:
 
         golden = os.path.join("tests", "data", "deepseek-v41-tiny")
         exp = json.load(open(os.path.join(golden, "expected.json")))
-        eng = LLMEngine.from_args(golden, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=12,
-                                  load_tokenizer=False)
         ids = exp["prompt_token_ids"]
-        eng.add_request(ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), request_id="golden")
-        eng.add_request(ids[:9], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), request_id="other")
-        done = {}
-        while eng.has_unfinished_requests():
-            for out in eng.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
-        assert done["golden"] == exp["greedy_token_ids"], (done["golden"], exp["greedy_token_ids"])
+        got = greedy(golden, [ids, ids[:9]], (16, 10))
+        assert got[0] == exp["greedy_token_ids"], (got[0], exp["greedy_token_ids"])
+        assert greedy(v4, v4_prompts, (12, 8)) == v4_torch
         print("ok")
     """)

@@ -20,6 +20,7 @@ from dsv4.models.layers.mhc import HyperConnection, HyperHead, collapse, expand
 from dsv4.models.layers.moe import MoE
 from dsv4.models.layers.norm import RMSNorm, unweighted_rms_norm
 from dsv4.models.layers.rope import RotaryTable
+from dsv4.ops.compress_pool import pool_decode, pool_rows
 from dsv4.ops.decode_attention import decode_sink_attention
 from dsv4.ops.rope import apply_rope
 from dsv4.ops.topk import stable_topk
@@ -107,28 +108,19 @@ class Compressor(nn.Module):
         pos, blk = dmd.positions, dmd.state_blocks
         ring_kv[blk, pos % cap] = self.kv_proj(x).to(ring_kv.dtype)
         ring_gate[blk, pos % cap] = self.gate_proj(x).to(ring_gate.dtype)
-        src = pos[:, None] - cap + 1 + torch.arange(cap, device=x.device)  # positions of the ring's rows, in order
-        kv = ring_kv[blk[:, None], src % cap].to(x.dtype)
-        gate = ring_gate[blk[:, None], src % cap].to(x.dtype)
-        before = (src < 0)[..., None]
-        kv = kv.masked_fill(before, 0)
-        gate = gate.masked_fill(before, float("-inf"))
-        entry = self._pool(kv, gate, rope, ((pos + 1) // m - 1).clamp(min=0) * m)
+        pooled = pool_decode(ring_kv, ring_gate, blk, pos, self.position_bias, m, self.overlap, x.dtype)
+        entry = self._norm_rope(pooled, rope, ((pos + 1) // m - 1).clamp(min=0) * m)
         out_cache[entry_write] = entry.to(out_cache.dtype)
 
     def _pool(self, kv: torch.Tensor, gate: torch.Tensor, rope: RotaryTable,
               start: torch.Tensor) -> torch.Tensor:
         """Entries [N, dim] of N windows from their raw rows kv / gate [N, L, coff*dim] in position order (masked
-        rows: kv 0, gate -inf), roped at the windows' first positions `start` [N]. The one pooling of both paths,
-        so prefill and decode cannot drift."""
-        m, dim = self.ratio, self.dim
-        if self.overlap:  # Ca of the previous window, Cb of this one
-            kv_w = torch.cat([kv[:, :m, :dim], kv[:, m:, dim:]], dim=1)
-            gate_w = torch.cat([gate[:, :m, :dim] + self.position_bias[:, :dim],
-                                gate[:, m:, dim:] + self.position_bias[:, dim:]], dim=1)
-        else:
-            kv_w, gate_w = kv, gate + self.position_bias
-        pooled = (kv_w * gate_w.softmax(dim=1, dtype=torch.float32).to(kv_w.dtype)).sum(dim=1)
+        rows: kv 0, gate -inf), roped at the windows' first positions `start` [N]. Prefill pools with `pool_rows`;
+        decode with `pool_decode`, whose torch reference is the same `pool_rows`, so the paths cannot drift."""
+        return self._norm_rope(pool_rows(kv, gate, self.position_bias, self.ratio, self.dim, self.overlap), rope, start)
+
+    def _norm_rope(self, pooled: torch.Tensor, rope: RotaryTable, start: torch.Tensor) -> torch.Tensor:
+        """The compressed entries from pooled rows [N, dim]: kv_norm, then rope at the windows' first positions."""
         cos, sin = rope(start)
         return apply_rope(self.kv_norm(pooled), cos, sin)
 

@@ -136,3 +136,28 @@ def test_router_matches_torch(scoring: str, T: int, E: int, k: int) -> None:
         w1, i1 = route_triton(logits, bias, bias_vl, is_image, temp, scoring, k, 1.5)
         assert torch.equal(i0, i1)
         assert torch.allclose(w0, w1, rtol=3e-7, atol=0), (w0 - w1).abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m,overlap,dim", [(4, True, 512), (128, False, 512), (4, True, 128)])
+def test_compressor_decode_pool(dtype: torch.dtype, m: int, overlap: bool, dim: int) -> None:
+    """V4's decode pooling kernel against the torch path on the GPU, with early rows (masked ring rows) and many
+    state blocks: within one ulp of the stream dtype, and nearly every element equal."""
+    from dsv4.ops.compress_pool import pool_decode_torch, pool_decode_triton
+
+    g = torch.Generator(device="cuda").manual_seed(m + dim)
+    cap, coff, blocks, R = (2 * m if overlap else m), (2 if overlap else 1), 70, 64
+    ring_kv = torch.randn(blocks, cap, coff * dim, device="cuda", generator=g).to(dtype)
+    ring_gate = torch.randn(blocks, cap, coff * dim, device="cuda", generator=g) * 2
+    pb = torch.randn(m, coff * dim, device="cuda", generator=g)
+    pos = torch.randint(0, 4 * cap, (R,), device="cuda", generator=g)
+    pos[:4] = torch.tensor([0, 1, cap - 1, cap], device="cuda")
+    blk = torch.randperm(blocks, device="cuda", generator=g)[:R]
+    ref = pool_decode_torch(ring_kv, ring_gate, blk, pos, pb, m, overlap, dtype)
+    got = pool_decode_triton(ring_kv, ring_gate, blk, pos, pb, m, overlap, dtype)
+    assert ref.dtype == got.dtype and ref.shape == got.shape
+    r, o = ref.float(), got.float()
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
+    assert ((r - o).abs() <= r.abs() * ulp + ring_kv.float().abs().amax() * 2.0 ** -22).all()
+    if dtype == torch.bfloat16:
+        assert (r != o).float().mean() < 0.05

@@ -1,0 +1,128 @@
+"""DeepSeek-V4's compressor pooling in a decode step, one launch on CUDA (model.md section 2).
+
+Each decode row pools the `cap` newest raw rows of its ring (positions pos - cap + 1 .. pos, the newest pushed
+already) into one entry: rows before the sequence start are masked (kv 0, gate -inf); for the overlapping (CSA)
+compressor, the older m rows give the first `dim` channels of their raw rows (Ca) and the newer m rows the last
+`dim` (Cb); the gates get the position bias; softmax over the rows in fp32, the weights cast to the stream dtype,
+and the weighted rows summed (HF-V4 numerics: the ring rows are read in the stream dtype, products and sum rounded
+to it). Returns the pooled entries [R, dim] before the compressor's norm and rope.
+
+The torch reference is ~25 small kernels per compressor and step (index arithmetic, two gathers, masks, bias adds,
+softmax, casts, product, sum). The kernel computes each channel's softmax over the rows in registers: the max and
+the weights as torch's CUDA softmax does (expf of x - max, IEEE division by the sum), but its sums (softmax
+denominator, weighted sum) may add in another order, so an entry can differ by one ulp of the stream dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # CPU-only installs use the torch reference
+    triton = None
+
+
+def pool_decode_torch(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torch.Tensor, pos: torch.Tensor,
+                      position_bias: torch.Tensor, ratio: int, overlap: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Reference: ring_kv / ring_gate [blocks, cap, coff*dim], blk / pos [R] -> pooled [R, dim] in `dtype`."""
+    m, cap = ratio, ring_kv.shape[1]
+    dim = ring_kv.shape[2] // (2 if overlap else 1)
+    src = pos[:, None] - cap + 1 + torch.arange(cap, device=pos.device)  # positions of the ring's rows, in order
+    kv = ring_kv[blk[:, None], src % cap].to(dtype)
+    gate = ring_gate[blk[:, None], src % cap].to(dtype)
+    before = (src < 0)[..., None]
+    kv = kv.masked_fill(before, 0)
+    gate = gate.masked_fill(before, float("-inf"))
+    return pool_rows(kv, gate, position_bias, m, dim, overlap)
+
+
+def pool_rows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, ratio: int, dim: int,
+              overlap: bool) -> torch.Tensor:
+    """Entries [N, dim] of N windows from their raw rows kv / gate [N, L, coff*dim] in position order (masked rows:
+    kv 0, gate -inf): the softmax pooling both the prefill and the decode paths use."""
+    m = ratio
+    if overlap:  # Ca of the previous window, Cb of this one
+        kv_w = torch.cat([kv[:, :m, :dim], kv[:, m:, dim:]], dim=1)
+        gate_w = torch.cat([gate[:, :m, :dim] + position_bias[:, :dim],
+                            gate[:, m:, dim:] + position_bias[:, dim:]], dim=1)
+    else:
+        kv_w, gate_w = kv, gate + position_bias
+    return (kv_w * gate_w.softmax(dim=1, dtype=torch.float32).to(kv_w.dtype)).sum(dim=1)
+
+
+if triton is not None:
+    from dsv4.ops.rmsnorm import INTERPRET, cast_rne  # the interpreter's fp32 -> bf16 cast truncates
+
+    @triton.jit
+    def _pool_decode_kernel(kv_ptr, gate_ptr, blk_ptr, pos_ptr, pb_ptr, out_ptr, cap, dim, ring_stride_b,
+                            ring_stride_r, M: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_L: tl.constexpr,
+                            BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+        cm = c < dim
+        k = tl.arange(0, BLOCK_L)  # ring row in position order: position pos - cap + 1 + k
+        km = k < cap
+        dt = out_ptr.dtype.element_ty
+        blk = tl.load(blk_ptr + r).to(tl.int64)
+        pos = tl.load(pos_ptr + r).to(tl.int64)
+        p = pos - cap + 1 + k
+        slot = ((p % cap) + cap) % cap  # python's modulo for p < 0
+        if OVERLAP:  # rows [0, M): first dim channels (Ca); rows [M, 2M): last dim channels (Cb)
+            ch = tl.where(k >= M, dim, 0)
+            pb_row = tl.where(k >= M, k - M, k)
+        else:
+            ch = tl.zeros([BLOCK_L], dtype=tl.int32)
+            pb_row = k
+        valid = km & (p >= 0)
+        m2 = valid[:, None] & cm[None, :]
+        off = blk * ring_stride_b + slot[:, None] * ring_stride_r + (ch[:, None] + c[None, :])
+        kv = tl.load(kv_ptr + off, mask=m2, other=0.0)
+        g = tl.load(gate_ptr + off, mask=m2, other=0.0)
+        # the reference reads the ring rows in the stream dtype
+        kv = cast_rne(kv.to(tl.float32), dt, INTERPRET).to(tl.float32)
+        g = cast_rne(g.to(tl.float32), dt, INTERPRET).to(tl.float32)
+        pb_cols = (2 * dim) if OVERLAP else dim
+        pb = tl.load(pb_ptr + pb_row[:, None] * pb_cols + ch[:, None] + c[None, :], mask=km[:, None] & cm[None, :],
+                     other=0.0).to(tl.float32)
+        g = tl.where(m2, g + pb, float("-inf"))
+        mx = tl.max(g, axis=0)  # the newest row is always valid (p = pos >= 0): mx is finite
+        if INTERPRET:  # no libdevice in the interpreter
+            e = tl.exp(g - mx[None, :])
+        else:  # torch's softmax calls expf
+            e = libdevice.exp(g - mx[None, :])
+        e = tl.where(m2, e, 0.0)
+        w = tl.math.div_rn(e, tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32) + tl.sum(e, axis=0)[None, :])
+        w = cast_rne(w, dt, INTERPRET).to(tl.float32)
+        prod = cast_rne(kv * w, dt, INTERPRET).to(tl.float32)
+        pooled = tl.sum(prod, axis=0)
+        tl.store(out_ptr + r * dim + c, cast_rne(pooled, dt, INTERPRET), mask=cm)
+
+
+def pool_decode_triton(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torch.Tensor, pos: torch.Tensor,
+                       position_bias: torch.Tensor, ratio: int, overlap: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The same in one launch (rings with contiguous rows, the same strides for kv and gate)."""
+    assert triton is not None, "triton is not installed"
+    assert ring_kv.shape == ring_gate.shape and ring_kv.stride() == ring_gate.stride()
+    R, cap = pos.shape[0], ring_kv.shape[1]
+    dim = ring_kv.shape[2] // (2 if overlap else 1)
+    out = torch.empty(R, dim, dtype=dtype, device=pos.device)
+    if R:
+        block_l = triton.next_power_of_2(cap)
+        block_d = max(16, min(triton.next_power_of_2(dim), 4096 // block_l))
+        _pool_decode_kernel[(R, triton.cdiv(dim, block_d))](
+            ring_kv, ring_gate, blk.contiguous(), pos.contiguous(), position_bias.float().contiguous(), out, cap,
+            dim, ring_kv.stride(0), ring_kv.stride(1), M=ratio, OVERLAP=overlap, BLOCK_L=block_l, BLOCK_D=block_d,
+            INTERPRET=INTERPRET, enable_fp_fusion=False)
+    return out
+
+
+def pool_decode(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torch.Tensor, pos: torch.Tensor,
+                position_bias: torch.Tensor, ratio: int, overlap: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Triton on CUDA, torch elsewhere."""
+    if (pos.is_cuda and triton is not None and ring_kv.stride(2) == 1 and ring_kv.stride() == ring_gate.stride()
+            and ring_kv.shape == ring_gate.shape):
+        return pool_decode_triton(ring_kv, ring_gate, blk, pos, position_bias, ratio, overlap, dtype)
+    return pool_decode_torch(ring_kv, ring_gate, blk, pos, position_bias, ratio, overlap, dtype)
