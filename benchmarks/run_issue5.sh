@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Issue 5's GPU measurements in three device calls of at most ~9 minutes each (every command has its own limit, so
-# a slow part cannot eat the rest). Run from the repo root with PYTHONPATH=.:
-#   benchmarks/run_issue5.sh OUTDIR tests     tests/gpu, then both presets at batch 1 and 32: graphs, graphs+async
-#   benchmarks/run_issue5.sh OUTDIR compile   both presets at batch 1 and 32 with --compile-decode --async-scheduling
-#   benchmarks/run_issue5.sh OUTDIR sweep     batch 8 and 64 (graphs+async), eager at 1/8/32/64, V4 --baseline hf
+# Issue 5's GPU measurements in device calls of at most ~9 minutes each (every command has its own limit, so a slow
+# part cannot eat the rest). Run from the repo root with PYTHONPATH=.:
+#   benchmarks/run_issue5.sh OUTDIR tests        tests/gpu, then both presets at batch 1 and 32: graphs, graphs+async
+#   benchmarks/run_issue5.sh OUTDIR compile-v4   V4 at batch 1 and 32 with --compile-decode --async-scheduling
+#   benchmarks/run_issue5.sh OUTDIR compile-v41  the same for V4.1 (its compile takes minutes per graph size)
+#   benchmarks/run_issue5.sh OUTDIR sweep        batch 8 and 64 (graphs+async), eager at 1/8/32/64, V4 --baseline hf
 # Each bench writes OUTDIR/<preset>-b<B>-<tag>.json (+ .log); one summary line per run goes to stdout.
 set -uo pipefail
 out=$1; part=$2; mkdir -p "$out"
@@ -15,6 +16,7 @@ bench() {  # bench LIMIT PRESET BATCH TAG [extra args]
   echo "$p b$b $tag (rc $?): $(grep -E 'decode step|fraction of floor|hf |Error' "$out/$p-b$b-$tag.log" | tr -s ' ' | tr '\n' ' ')"
 }
 presets="v4-flash-4l v41-flash-8l"
+case $part in compile-v4) presets=v4-flash-4l ;; compile-v41) presets=v41-flash-8l ;; esac
 for p in $presets; do make $p; done
 case $part in
   tests)
@@ -23,10 +25,10 @@ case $part in
       bench 60 $p $b graphs --cudagraph-capture-sizes $b
       bench 60 $p $b async --cudagraph-capture-sizes $b --async-scheduling
     done; done ;;
-  compile)
-    for p in $presets; do for b in 1 32; do
-      bench 240 $p $b compile-async --cudagraph-capture-sizes $b --compile-decode --async-scheduling
-    done; done ;;
+  compile-v4|compile-v41)
+    for b in 1 32; do
+      bench 270 $presets $b compile-async --cudagraph-capture-sizes $b --compile-decode --async-scheduling
+    done ;;
   sweep)
     for p in $presets; do
       for b in 8 64; do bench 60 $p $b async --cudagraph-capture-sizes $b --async-scheduling; done
