@@ -30,7 +30,7 @@ from dsv4.ops.mhc_streams import collapse
 from dsv4.ops.mhc_streams import expand as expand_streams
 from dsv4.ops.rmsnorm import rms_norm_v41_triton, triton
 from dsv4.ops.rope import apply_rope
-from dsv4.ops.router import route
+from dsv4.ops.router import fp32_reciprocal, route
 from dsv4.ops.swiglu import swiglu
 from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, TokenKeySlots, row_chunks, token_key_slots
@@ -411,6 +411,7 @@ class MoEV41(nn.Module):
         D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
         self.top_k, self.limit = cfg.num_experts_per_tok, cfg.swiglu_limit
         self.gate_temp, self.scoring_func = cfg.v41.gate_temp, cfg.scoring_func
+        self.gate_inv_temp = fp32_reciprocal(self.gate_temp)  # here, not in the (maybe compiled) forward
         self.routed_scaling_factor = cfg.routed_scaling_factor
         self.gate = nn.Module()
         self.gate.weight = nn.Parameter(torch.zeros(E, D))
@@ -427,7 +428,7 @@ class MoEV41(nn.Module):
     def route(self, x: torch.Tensor, is_image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.gate.weight.float())
         return route(logits, self.gate.bias, self.gate.bias_vl, is_image, self.gate_temp, self.scoring_func,
-                     self.top_k, self.routed_scaling_factor)
+                     self.top_k, self.routed_scaling_factor, self.gate_inv_temp)
 
     def forward(self, x: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
         weights, idx = self.route(x, is_image)

@@ -15,6 +15,8 @@ The weights' normalising sum adds the k scores in order, which torch may not: th
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import torch.nn.functional as F
 
@@ -28,6 +30,17 @@ except ImportError:  # CPU-only installs use the torch reference
     triton = None
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1}  # the activations the kernel implements (softmax: torch only)
+
+
+def _fp32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def fp32_reciprocal(x: float) -> float:
+    """fp32(1) / fp32(x), correctly rounded (a double quotient of two fp32 values rounds to the fp32 quotient), as
+    torch's CUDA division by a Python scalar computes it before multiplying. Pure Python, so it also works while a
+    model is built on the meta device; call it at set-up, outside torch.compile's trace."""
+    return _fp32(1.0 / _fp32(x))
 
 
 def score(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -101,15 +114,16 @@ if triton is not None:
 
 
 def route_triton(logits: torch.Tensor, bias: torch.Tensor, bias_vl: torch.Tensor, is_image: torch.Tensor,
-                 gate_temp: float, scoring_func: str, top_k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same in one launch (scoring sqrtsoftplus or sigmoid)."""
+                 gate_temp: float, scoring_func: str, top_k: int, scale: float,
+                 inv_temp: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same in one launch (scoring sqrtsoftplus or sigmoid). `inv_temp`: fp32_reciprocal(gate_temp), computed
+    ahead by callers that run under torch.compile."""
     assert triton is not None, "triton is not installed"
     T, E = logits.shape
     w = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
     idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     if T:
-        # fp32(1 / gate_temp), as torch's CUDA division by a Python scalar computes it
-        inv_temp = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(gate_temp, dtype=torch.float32))
+        inv_temp = fp32_reciprocal(gate_temp) if inv_temp is None else inv_temp
         _route_kernel[(T,)](logits.float().contiguous(), bias.float().contiguous(), bias_vl.float().contiguous(),
                             is_image.to(torch.uint8).contiguous(), w, idx, E, inv_temp, float(scale), K=top_k,
                             KB=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
@@ -118,8 +132,9 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, bias_vl: torch.Tensor
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, bias_vl: torch.Tensor, is_image: torch.Tensor,
-          gate_temp: float, scoring_func: str, top_k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+          gate_temp: float, scoring_func: str, top_k: int, scale: float,
+          inv_temp: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton on CUDA (sqrtsoftplus / sigmoid scoring), torch elsewhere."""
     if logits.is_cuda and triton is not None and scoring_func in SCORING:
-        return route_triton(logits, bias, bias_vl, is_image, gate_temp, scoring_func, top_k, scale)
+        return route_triton(logits, bias, bias_vl, is_image, gate_temp, scoring_func, top_k, scale, inv_temp)
     return route_torch(logits, bias, bias_vl, is_image, gate_temp, scoring_func, top_k, scale)
