@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
 import torch
 from hf_reference import build_hf_model, make_prompt, save_hf_model, tiny_config
 
@@ -41,10 +40,11 @@ def test_compiled_golden_v41_reproduces_reference() -> None:
     assert got == _greedy(GOLDEN, [ids, ids[:7]], compile_decode=False, dtype="float32")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compiled_v4_equals_uncompiled(dtype: str, tmp_path) -> None:
+def test_compiled_v4_equals_uncompiled(tmp_path) -> None:
+    """fp32 only: in bf16, inductor's fusions round differently from the eager kernels, so greedy tokens of a tiny
+    random model may legitimately flip; fp32 keeps them identical."""
     raw = tiny_config(sliding_window=6, compress_rates={"compressed_sparse_attention": 2,
                                                          "heavily_compressed_attention": 4}, index_topk=3)
     path = save_hf_model(build_hf_model(raw), str(tmp_path / "v4"))
     prompts = [make_prompt(n, seed=60 + n, vocab_size=256, low=3)[0].tolist() for n in (13, 30)]
-    assert _greedy(path, prompts, True, dtype) == _greedy(path, prompts, False, dtype)
+    assert _greedy(path, prompts, True, "float32") == _greedy(path, prompts, False, "float32")
