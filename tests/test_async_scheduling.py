@@ -8,6 +8,7 @@ placeholder bookkeeping is checked directly on worked examples."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from hf_reference import build_hf_model, make_prompt, save_hf_model, tiny_config
@@ -228,3 +229,49 @@ def test_stop_strings_equal_sync(tmp_path) -> None:
         runs.append([(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
     assert runs[0] == runs[1]
     assert runs[0][0][2] == "stop"
+
+
+def test_server_front_with_async_scheduling(tmp_path) -> None:
+    """The server's engine thread (AsyncLLMEngine) over an engine with async scheduling: concurrent streams end
+    with the synchronous engine's outputs, a stream left early aborts its request, and the pools end up whole."""
+    import asyncio
+
+    from dsv4.engine.async_engine import AsyncLLMEngine
+    from dsv4.make_model import make_model
+
+    path = make_model("tiny-v4", str(tmp_path / "tiny-v4"), seed=0)
+    prompts = ["The weather today", "Once upon a time", "In the beginning"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 7, 15)]
+    args = dict(device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=16)
+
+    async def run(async_scheduling: bool) -> tuple[dict[str, list[int]], AsyncLLMEngine]:
+        engine = AsyncLLMEngine.from_args(path, async_scheduling=async_scheduling, **args)
+        engine.start()
+
+        async def one(i: int) -> list[int]:
+            last = None
+            async for out in engine.generate(prompts[i], params[i], request_id=str(i)):
+                last = out
+            return list(last.outputs[0].token_ids)
+
+        async def left_early() -> None:
+            agen = engine.generate(prompts[0], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), "gone")
+            async for out in agen:
+                if len(out.outputs[0].token_ids) >= 3:
+                    break
+            await agen.aclose()
+
+        results = await asyncio.gather(*(one(i) for i in range(3)), left_early())
+        return {str(i): results[i] for i in range(3)}, engine
+
+    sync_out, sync_engine = asyncio.run(run(False))
+    sync_engine.shutdown()
+    async_out, engine = asyncio.run(run(True))
+    assert async_out == sync_out
+    deadline = time.monotonic() + 10  # the abort lands at the thread's next step boundary
+    while engine.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    engine.shutdown()
+    assert not engine.engine.has_unfinished_requests()
+    for pool in engine.engine.kv_manager.pools:
+        assert pool.num_free == pool.capacity
