@@ -216,6 +216,8 @@ def old_prepare(buffers, token_history, idx_mapping_np, num_computed_np, num_sch
 
 
 def old_make_dummy(buffers, num_reqs, num_tokens):
+    # the pre-staging version, kept whole on purpose: its split of the tokens repeats InputBatch.make_dummy's,
+    # and sharing that code would make the comparison check it against itself
     base, extra = divmod(num_tokens, num_reqs)
     sched = np.full(num_reqs, base, dtype=np.int64)
     sched[num_reqs - extra:] += 1

@@ -2,8 +2,9 @@
 CHUNK rows) equals the per-request, per-query-block loop it replaced, on every layer of real engine steps: chunked
 prefills that start mid-prompt, mixed with decodes, and a step larger than CHUNK tokens.
 
-The old loop is transcribed below (with the helpers it used) so this test does not depend on code that the new
-path no longer calls."""
+The old attention loop is transcribed below (with the helpers it used) so this test does not depend on code that
+the new path no longer calls; the work before attending is the model's `Attention.project_and_write`, which both
+paths share."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ from hf_reference import build_hf_model, save_hf_model, tiny_config
 
 import dsv4.models.deepseek_v4 as v4
 from dsv4.models.config import CSA
-from dsv4.models.layers.attention import grouped_projection, write_slots
-from dsv4.models.layers.norm import unweighted_rms_norm
+from dsv4.models.layers.attention import grouped_projection
 from dsv4.ops.rope import apply_rope
 from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import AttnMetadata, slots_of
@@ -37,27 +37,13 @@ def select(indexer: v4.Indexer, qi: torch.Tensor, w: torch.Tensor, keys: torch.T
 
 
 def old_forward(self: v4.Attention, x: torch.Tensor, md: AttnMetadata, cache: LayerKVCache) -> torch.Tensor:
-    T = x.shape[0]
-    cos, sin = self.rope(md.positions)
-    qr = self.q_a_norm(self.q_a_proj(x))
-    q = unweighted_rms_norm(self.q_b_proj(qr).view(T, self.n_heads, self.head_dim), self.eps)
-    q = apply_rope(q, cos, sin)
-    kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
-    write_slots(cache.window, md.window_slot_mapping, kv)
-
-    comp_table = None
-    qi = iw = None
+    # what comes before attending (projections, cache writes, compressor) is the model's own: only the attention
+    # loop below is the old code
+    q, qi, iw, cos, sin = self.project_and_write(x, md, cache)
+    comp_table = comp_bs = None
     if self.compressor is not None:
         group = md.groups[f"compressed_{self.ratio}"]
         comp_table, comp_bs = md.block_tables[group.name], group.block_size
-        state = md.block_tables["compressor_state"][:, 0]
-        self.compressor(x, md, self.rope, cache.compressed, cache.ring_kv, cache.ring_gate, comp_table, comp_bs,
-                        state)
-        if self.kind == CSA:
-            indexer = self.compressor.indexer
-            indexer(x, md, self.rope, cache.index_keys, cache.index_ring_kv, cache.index_ring_gate,
-                    comp_table, comp_bs, state)
-            qi, iw = indexer.queries(x, qr, cos, sin)
 
     win_group = md.groups["window"]
     win_table, win_bs = md.block_tables["window"], win_group.block_size

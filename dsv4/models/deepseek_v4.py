@@ -189,7 +189,10 @@ class Attention(nn.Module):
             self.compressor = Compressor(cfg.hidden_size, self.head_dim, self.ratio, self.kind == CSA,
                                          cfg.rms_norm_eps, indexer)
 
-    def forward(self, x: torch.Tensor, md: AttnMetadata, cache: LayerKVCache) -> torch.Tensor:
+    def project_and_write(self, x: torch.Tensor, md: AttnMetadata, cache: LayerKVCache
+                          ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """A prefill / mixed step's work before attending: the roped queries, the window KV written to the cache,
+        the compressor (and CSA's indexer keys) run; returns (q, indexer queries, indexer weights, cos, sin)."""
         T = x.shape[0]
         cos, sin = self.rope(md.positions)
         qr = self.q_a_norm(self.q_a_proj(x))
@@ -208,9 +211,13 @@ class Attention(nn.Module):
             if self.kind == CSA:
                 indexer = self.compressor.indexer
                 indexer(x, md, self.rope, cache.index_keys, cache.index_ring_kv, cache.index_ring_gate,
-                                   comp_table, comp_bs, state)
+                        comp_table, comp_bs, state)
                 qi, iw = indexer.queries(x, qr, cos, sin)
+        return q, qi, iw, cos, sin
 
+    def forward(self, x: torch.Tensor, md: AttnMetadata, cache: LayerKVCache) -> torch.Tensor:
+        T = x.shape[0]
+        q, qi, iw, cos, sin = self.project_and_write(x, md, cache)
         # Keys this step writes at later positions are in the cache already; each row's window / entry mask
         # keeps them invisible to earlier tokens. Chunks bound the gathered keys ([rows, W + M, D] on the
         # torch path, CSA's indexer keys [rows, M, index_head_dim]); one chunk needs no concatenation.
