@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Issue 5's GPU measurements in device calls of at most ~9 minutes each (every command has its own limit, so a slow
 # part cannot eat the rest). Run from the repo root with PYTHONPATH=.:
-#   benchmarks/run_issue5.sh OUTDIR tests        tests/gpu, then both presets at batch 1 and 32: graphs, graphs+async
-#   benchmarks/run_issue5.sh OUTDIR compile-v4   V4 at batch 1 and 32 with --compile-decode --async-scheduling
-#   benchmarks/run_issue5.sh OUTDIR compile-v41  the same for V4.1 (its compile takes minutes per graph size)
-#   benchmarks/run_issue5.sh OUTDIR sweep        batch 8 and 64 (graphs+async), eager at 1/8/32/64, V4 --baseline hf
+#   benchmarks/run_issue5.sh OUTDIR PART [PART ...]
+#   tests        tests/gpu, then both presets at batch 1 and 32: graphs, graphs+async
+#   kernels      tests/gpu/test_kernels_gpu.py alone
+#   sizes        both presets at batch 8 and 64: graphs, graphs+async
+#   eager        both presets eager at batch 1/8/32/64, then V4 --baseline hf at batch 1 and 32 (graphs+async)
+#   compile-v4   V4 at batch 1 and 32 with --compile-decode --async-scheduling
+#   compile-v41  the same for V4.1 (its compile takes minutes per graph size)
 # Each bench writes OUTDIR/<preset>-b<B>-<tag>.json (+ .log); one summary line per run goes to stdout.
 set -uo pipefail
-out=$1; part=$2; mkdir -p "$out"
+out=$1; shift; mkdir -p "$out"
 make() { [ -d /tmp/$1 ] || timeout 150 python3 -m dsv4.cli make-model --preset $1 --out /tmp/$1 --device cuda > /dev/null; }
 bench() {  # bench LIMIT PRESET BATCH TAG [extra args]
   local limit=$1 p=$2 b=$3 tag=$4; shift 4
@@ -15,24 +18,31 @@ bench() {  # bench LIMIT PRESET BATCH TAG [extra args]
     --num-iters 2 --output-json "$out/$p-b$b-$tag.json" "$@" > "$out/$p-b$b-$tag.log" 2>&1
   echo "$p b$b $tag (rc $?): $(grep -E 'decode step|fraction of floor|hf |Error' "$out/$p-b$b-$tag.log" | tr -s ' ' | tr '\n' ' ')"
 }
-presets="v4-flash-4l v41-flash-8l"
-case $part in compile-v4) presets=v4-flash-4l ;; compile-v41) presets=v41-flash-8l ;; esac
-for p in $presets; do make $p; done
-case $part in
-  tests)
-    timeout 330 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log"
-    for p in $presets; do for b in 1 32; do
-      bench 60 $p $b graphs --cudagraph-capture-sizes $b
-      bench 60 $p $b async --cudagraph-capture-sizes $b --async-scheduling
-    done; done ;;
-  compile-v4|compile-v41)
-    for b in 1 32; do
-      bench 270 $presets $b compile-async --cudagraph-capture-sizes $b --compile-decode --async-scheduling
-    done ;;
-  sweep)
-    for p in $presets; do
-      for b in 8 64; do bench 60 $p $b async --cudagraph-capture-sizes $b --async-scheduling; done
-      for b in 1 8 32 64; do bench 90 $p $b eager --enforce-eager; done
-    done
-    for b in 1 32; do bench 150 v4-flash-4l $b async-hf --cudagraph-capture-sizes $b --async-scheduling --baseline hf; done ;;
-esac
+for part in "$@"; do
+  presets="v4-flash-4l v41-flash-8l"
+  case $part in compile-v4) presets=v4-flash-4l ;; compile-v41) presets=v41-flash-8l ;; kernels) presets= ;; esac
+  for p in $presets; do make $p; done
+  case $part in
+    tests)
+      timeout 330 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log"
+      for p in $presets; do for b in 1 32; do
+        bench 60 $p $b graphs --cudagraph-capture-sizes $b
+        bench 60 $p $b async --cudagraph-capture-sizes $b --async-scheduling
+      done; done ;;
+    kernels)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py > "$out/gpu_kernel_tests.log" 2>&1
+      tail -3 "$out/gpu_kernel_tests.log" ;;
+    sizes)
+      for p in $presets; do for b in 8 64; do
+        bench 60 $p $b graphs --cudagraph-capture-sizes $b
+        bench 60 $p $b async --cudagraph-capture-sizes $b --async-scheduling
+      done; done ;;
+    eager)
+      for p in $presets; do for b in 1 8 32 64; do bench 90 $p $b eager --enforce-eager; done; done
+      for b in 1 32; do bench 150 v4-flash-4l $b async-hf --cudagraph-capture-sizes $b --async-scheduling --baseline hf; done ;;
+    compile-v4|compile-v41)
+      for b in 1 32; do
+        bench 270 $presets $b compile-async --cudagraph-capture-sizes $b --compile-decode --async-scheduling
+      done ;;
+  esac
+done

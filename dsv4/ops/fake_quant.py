@@ -10,8 +10,9 @@ Each function returns its input unchanged when the last dim is not a multiple of
 `fake_quant_triton` is the same arithmetic in one Triton launch (integer-bit scales, RNE by magic-number addition,
 division with round-to-nearest), bit-exact under the interpreter. The public functions (`fp8_fake_quant`, ...)
 take it on CUDA: the torch path is ~30 elementwise kernels per call, and a V4.1 decode step makes 2-4 calls per
-layer, each kernel 1-2 us of a graph replay. (Its first GPU run gave +0 where e4m3 keeps -0; fixed since, and
-tests/gpu compares the bits, sign of zero included. An early A/B, before the other decode kernels, measured no
+layer, each kernel 1-2 us of a graph replay. (Its first GPU runs gave +0 where e4m3 keeps -0, from negative values
+rounding to zero and then from -0 inputs; the sign bit is now copied, and the tests compare bits, sign of zero
+included. An early A/B, before the other decode kernels, measured no
 difference at V4.1 batch 1: 7.38 vs 7.28 ms, when host work still dominated the step.)
 """
 
@@ -125,8 +126,10 @@ if triton is not None:
         quantum = ((a.to(tl.int32, bitcast=True) & 0x7F800000) - (3 << 23)).to(tl.float32, bitcast=True)
         quantum = tl.where(a < 0.015625, 0.001953125, quantum)
         r = _rne(a / quantum) * quantum
-        # multiply, not negate: on the GPU `-r` of +0 compiles to 0 - r = +0, and e4m3 keeps the sign of zero
-        return tl.where(v < 0, -1.0, 1.0) * r
+        # e4m3 keeps the sign of zero, -0 input included: copy v's sign bit (`v < 0` is false for -0, and on the GPU
+        # `-r` of +0 compiles to 0 - r = +0); the arithmetic shift makes the int32 mask 0x80000000 or 0
+        sign = (v.to(tl.int32, bitcast=True) >> 31) << 31
+        return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _e2m1_round_tl(v):

@@ -142,7 +142,14 @@ def test_router_matches_torch(scoring: str, T: int, E: int, k: int) -> None:
 @pytest.mark.parametrize("m,overlap,dim", [(4, True, 512), (128, False, 512), (4, True, 128)])
 def test_compressor_decode_pool(dtype: torch.dtype, m: int, overlap: bool, dim: int) -> None:
     """V4's decode pooling kernel against the torch path on the GPU, with early rows (masked ring rows) and many
-    state blocks: within one ulp of the stream dtype, and nearly every element equal."""
+    state blocks: nearly every element equal, the rest within the rounding bound below.
+
+    The bound: the softmax denominators add in another order, so a weight w may round to the neighbouring stream
+    value (one ulp, <= 2^-7 w in bf16), which moves its product kv*w by up to two ulps of it (the weight's and the
+    product's rounding); the denominator's and the weighted sum's n terms add in another order (n fp32 ulps each,
+    relative to sum |kv*w|); the result rounds once more (one ulp of it). With S = sum |kv*w| (the reference pooling
+    of |kv|): |r - o| <= ulp |r| + S (2 ulp + 2 n 2^-24). Its first GPU run at 128 rows failed the bound without the S terms, where an entry
+    cancels to near 0 and a flipped weight is far more than one ulp of the result."""
     from dsv4.ops.compress_pool import pool_decode_torch, pool_decode_triton
 
     g = torch.Generator(device="cuda").manual_seed(m + dim)
@@ -157,7 +164,9 @@ def test_compressor_decode_pool(dtype: torch.dtype, m: int, overlap: bool, dim: 
     got = pool_decode_triton(ring_kv, ring_gate, blk, pos, pb, m, overlap, dtype)
     assert ref.dtype == got.dtype and ref.shape == got.shape
     r, o = ref.float(), got.float()
-    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
-    assert ((r - o).abs() <= r.abs() * ulp + ring_kv.float().abs().amax() * 2.0 ** -22).all()
+    s = pool_decode_torch(ring_kv.abs(), ring_gate, blk, pos, pb, m, overlap, dtype).float()
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -23
+    bound = r.abs() * ulp + s * (2 * ulp + 2 * cap * 2.0 ** -24)
+    assert ((r - o).abs() <= bound).all(), ((r - o).abs() / bound).max()
     if dtype == torch.bfloat16:
-        assert (r != o).float().mean() < 0.05
+        assert (r != o).float().mean() < 0.05, (r != o).float().mean()
