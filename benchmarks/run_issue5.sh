@@ -5,8 +5,10 @@
 #   tests        tests/gpu, then both presets at batch 1 and 32: graphs, graphs+async
 #   kernels      tests/gpu/test_kernels_gpu.py alone
 #   sizes        both presets at batch 8 and 64: graphs, graphs+async
-#   eager        both presets eager at batch 1/8/32/64, then V4 --baseline hf at batch 1 and 32 (graphs+async)
-#   compile-v4   V4 at batch 1 and 32 with --compile-decode --async-scheduling
+#   v41-async    V4.1 at batch 1 and 32, graphs+async
+#   eager        both presets eager at batch 1/8/32/64
+#   hf           V4 --baseline hf at batch 1 and 32 (ours with graphs+async)
+#   compile-v4   V4 at batch 1 and 32 (or $BATCHES) with --compile-decode --async-scheduling
 #   compile-v41  the same for V4.1 (its compile takes minutes per graph size)
 # Each bench writes OUTDIR/<preset>-b<B>-<tag>.json (+ .log); one summary line per run goes to stdout.
 set -uo pipefail
@@ -20,7 +22,7 @@ bench() {  # bench LIMIT PRESET BATCH TAG [extra args]
 }
 for part in "$@"; do
   presets="v4-flash-4l v41-flash-8l"
-  case $part in compile-v4) presets=v4-flash-4l ;; compile-v41) presets=v41-flash-8l ;; kernels) presets= ;; esac
+  case $part in compile-v4|hf) presets=v4-flash-4l ;; compile-v41|v41-async) presets=v41-flash-8l ;; kernels) presets= ;; esac
   for p in $presets; do make $p; done
   case $part in
     tests)
@@ -37,11 +39,14 @@ for part in "$@"; do
         bench 60 $p $b graphs --cudagraph-capture-sizes $b
         bench 60 $p $b async --cudagraph-capture-sizes $b --async-scheduling
       done; done ;;
+    v41-async)
+      for b in 1 32; do bench 60 $presets $b async --cudagraph-capture-sizes $b --async-scheduling; done ;;
     eager)
-      for p in $presets; do for b in 1 8 32 64; do bench 90 $p $b eager --enforce-eager; done; done
-      for b in 1 32; do bench 150 v4-flash-4l $b async-hf --cudagraph-capture-sizes $b --async-scheduling --baseline hf; done ;;
+      for p in $presets; do for b in 1 8 32 64; do bench 90 $p $b eager --enforce-eager; done; done ;;
+    hf)
+      for b in 1 32; do bench 150 $presets $b async-hf --cudagraph-capture-sizes $b --async-scheduling --baseline hf; done ;;
     compile-v4|compile-v41)
-      for b in 1 32; do
+      for b in ${BATCHES:-1 32}; do
         bench 270 $presets $b compile-async --cudagraph-capture-sizes $b --compile-decode --async-scheduling
       done ;;
   esac
