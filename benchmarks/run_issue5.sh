@@ -8,6 +8,8 @@
 #   v41-async    V4.1 at batch 1 and 32, graphs+async
 #   eager        both presets eager at batch 1/8/32/64
 #   hf           V4 --baseline hf at batch 1 and 32 (ours with graphs+async)
+#   grouped      the grouped-expert GPU tests with the engine and graph tests, then V4 batch 1 and V4.1 batch 32
+#                (graphs+async; their prefill times show the grouped MoE of prefill steps)
 #   compile-v4   V4 at batch 1 and 32 (or $BATCHES) with --compile-decode --async-scheduling
 #   compile-v41  the same for V4.1 (its compile takes minutes per graph size)
 # Each bench writes OUTDIR/<preset>-b<B>-<tag>.json (+ .log); one summary line per run goes to stdout.
@@ -45,6 +47,12 @@ for part in "$@"; do
       for p in $presets; do for b in 1 8 32 64; do bench 90 $p $b eager --enforce-eager; done; done ;;
     hf)
       for b in 1 32; do bench 150 $presets $b async-hf --cudagraph-capture-sizes $b --async-scheduling --baseline hf; done ;;
+    grouped)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k grouped \
+        tests/gpu/test_engine_cuda.py tests/gpu/test_cudagraphs.py > "$out/gpu_grouped_tests.log" 2>&1
+      tail -3 "$out/gpu_grouped_tests.log"
+      bench 60 v4-flash-4l 1 async-grouped --cudagraph-capture-sizes 1 --async-scheduling
+      bench 60 v41-flash-8l 32 async-grouped --cudagraph-capture-sizes 32 --async-scheduling ;;
     compile-v4|compile-v41)
       for b in ${BATCHES:-1 32}; do
         bench 270 $presets $b compile-async --cudagraph-capture-sizes $b --compile-decode --async-scheduling

@@ -1,5 +1,6 @@
-"""The fixed-shape routed experts (captured decode steps) against a per-token, per-slot loop, in both branches
-(per-slot GEMV when tokens*top_k <= experts, all experts otherwise) and both weighting orders (V4, V4.1)."""
+"""The routed experts against a per-token, per-slot loop in fp64: the grouped path of prefill and mixed steps and
+both fixed-shape branches of captured decode steps (per-slot GEMV when tokens*top_k <= experts, all experts
+otherwise), in both weighting orders (V4, V4.1)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4.models.layers.moe import clamped_swiglu, routed_experts_fixed
+from dsv4.models.layers.moe import routed_experts
+from dsv4.ops.swiglu import clamped_swiglu
 
 
 def _reference(x, weights, idx, gate_up, down, limit, before):
@@ -21,14 +23,16 @@ def _reference(x, weights, idx, gate_up, down, limit, before):
     return out
 
 
-@pytest.mark.parametrize("T,k,E", [(1, 2, 8), (3, 2, 8), (8, 3, 6), (5, 6, 16)])
+@pytest.mark.parametrize("T,k,E", [(1, 2, 8), (3, 2, 8), (8, 3, 6), (5, 6, 16), (40, 2, 3)])
 @pytest.mark.parametrize("before", [False, True])
-def test_both_branches_match_a_loop(T: int, k: int, E: int, before: bool) -> None:
+@pytest.mark.parametrize("fixed", [False, True])
+def test_routed_experts_match_a_loop(T: int, k: int, E: int, before: bool, fixed: bool) -> None:
     g = torch.Generator().manual_seed(T * 100 + k * 10 + E)
     D, inter = 24, 10
     x = torch.randn(T, D, generator=g)
     gate_up, down = torch.randn(E, 2 * inter, D, generator=g), torch.randn(E, D, inter, generator=g)
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     weights = torch.rand(T, k, generator=g)
-    got = routed_experts_fixed(x, weights, idx, gate_up, down, 1.5, weight_before_down=before)
+    got = routed_experts(x, weights, idx, gate_up, down, 1.5, weight_before_down=before, fixed=fixed)
+    assert got.dtype == torch.float32 and got.shape == x.shape
     assert torch.allclose(got.double(), _reference(x, weights, idx, gate_up, down, 1.5, before), atol=1e-4)

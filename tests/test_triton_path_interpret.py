@@ -27,7 +27,7 @@ def test_golden_v41_and_v4_on_the_triton_path() -> None:
         fq = fake_quant
         swaps = {
             mhc.hc_post: mhc.hc_post_triton, rope.apply_rope: rope.apply_rope_triton,
-            moe.expert_gemv: moe.expert_gemv_triton,
+            moe.expert_gemv: moe.expert_gemv_triton, moe.expert_grouped: moe.expert_grouped_triton,
             decode_attention.decode_sink_attention: decode_attention.decode_sink_attention_triton,
             norm.rms_norm: rmsnorm.rms_norm_triton, norm.unweighted_rms_norm: rmsnorm.unweighted_rms_norm_triton,
             norm.unweighted_rms_norm_fp32: lambda x, eps: rmsnorm.unweighted_rms_norm_triton(x, eps, torch.float32),

@@ -313,7 +313,7 @@ class DecoderLayer(nn.Module):
         y = self.self_attn.forward_decode(self.input_layernorm(collapse(h, pre)), dmd, cache)
         h = expand(y, h, post, comb)
         pre, post, comb = self.ffn_hc.mixes(h)
-        z = self.mlp.forward_fixed(self.post_attention_layernorm(collapse(h, pre)), input_ids)
+        z = self.mlp(self.post_attention_layernorm(collapse(h, pre)), input_ids, fixed=True)
         return expand(z, h, post, comb)
 
 

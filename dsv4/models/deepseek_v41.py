@@ -21,7 +21,7 @@ from dsv4.models.config import ModelConfig
 from dsv4.models.engram import Engram, EngramLayout, HostTable, engram_hash
 from dsv4.models.layers.attention import grouped_projection, write_slots
 from dsv4.models.layers.mhc import hc_mixes
-from dsv4.models.layers.moe import clamped_swiglu, routed_experts_fixed
+from dsv4.models.layers.moe import routed_experts
 from dsv4.models.layers.rope import RotaryTable
 from dsv4.models.vision import VisionEncoder
 from dsv4.ops.decode_attention import decode_sink_attention
@@ -430,32 +430,11 @@ class MoEV41(nn.Module):
         return route(logits, self.gate.bias, self.gate.bias_vl, is_image, self.gate_temp, self.scoring_func,
                      self.top_k, self.routed_scaling_factor, self.gate_inv_temp)
 
-    def forward(self, x: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, is_image: torch.Tensor, fixed: bool = False) -> torch.Tensor:
+        """fixed: shapes fixed by the batch and no host sync (captured decode steps), see `routed_experts`."""
         weights, idx = self.route(x, is_image)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        flat = idx.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.experts.gate_up_proj.shape[0]).tolist()
-        token_of = order // idx.shape[1]
-        start = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            sel, tok = order[start:start + c], token_of[start:start + c]
-            start += c
-            g, u = F.linear(x[tok], self.experts.gate_up_proj[e]).float().chunk(2, dim=-1)
-            h = (clamped_swiglu(g, u, self.limit) * weights.flatten()[sel, None]).to(x.dtype)
-            out.index_add_(0, tok, F.linear(h, self.experts.down_proj[e]).float())
-        se = self.shared_experts
-        h = clamped_swiglu(se.w1(x).float(), se.w3(x).float(), self.limit).to(x.dtype)
-        return (out + se.w2(h).float()).to(x.dtype)
-
-
-    def forward_fixed(self, x: torch.Tensor, is_image: torch.Tensor) -> torch.Tensor:
-        """Same function with fixed shapes and no host sync (captured decode steps)."""
-        weights, idx = self.route(x, is_image)
-        out = routed_experts_fixed(x, weights, idx, self.experts.gate_up_proj, self.experts.down_proj, self.limit,
-                                   weight_before_down=True)
+        out = routed_experts(x, weights, idx, self.experts.gate_up_proj, self.experts.down_proj, self.limit,
+                             weight_before_down=True, fixed=fixed)
         se = self.shared_experts
         h = swiglu(se.w1(x), se.w3(x), self.limit, fp32=True)
         return (out + se.w2(h).float()).to(x.dtype)
@@ -498,7 +477,7 @@ class DecoderLayerV41(nn.Module):
         y = self.attn.forward_decode(self.attn_norm(collapse(h, pre_prev)), dmd, caches, step)
         h = expand(y, h, post_a, comb_a)
         pre_f, post_f, comb_f = hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc)
-        z = self.ffn.forward_fixed(self.ffn_norm(collapse(h, pre_a)), is_image)
+        z = self.ffn(self.ffn_norm(collapse(h, pre_a)), is_image, fixed=True)
         return expand(z, h, post_f, comb_f), pre_f
 
 

@@ -1,13 +1,18 @@
-"""Per-slot expert GEMV for small decode batches: out[r] = W[idx[r]] @ x[r // x_div], reading each expert's
-weights in place (the torch reference gathers W[idx] into a temporary first: twice the bytes and a copy kernel).
+"""Routed-expert matmuls: out[r] = W[idx[r]] @ x[r // x_div] for every (token, slot) row r.
 
-W [E, N, K] (row-major, nn.Linear layout), idx [R] expert per (token, slot) row, x [R / x_div, K] -> out [R, N],
-fp32 accumulation, output in x's dtype.
+W [E, N, K] (row-major, nn.Linear layout), idx [R] expert per row, x [R / x_div, K] -> out [R, N], fp32
+accumulation, output in x's dtype. Two shapes of the same product:
+- `expert_gemv`, small decode batches: a program per row reads its expert's weights in place (the torch reference
+  gathers W[idx] into a temporary first: twice the bytes and a copy kernel). Fixed shapes, no host sync.
+- `expert_grouped`, prefill and mixed steps (many rows per expert): rows sorted by expert, one tiled matmul per
+  block of up to BLOCK_M rows of one expert, every expert in one launch. The torch reference is one F.linear per
+  expert that has rows (a Python loop and a host sync for the counts: fine on the CPU, not on the GPU's hot path).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -60,3 +65,87 @@ def expert_gemv(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x_div: int)
     if x.is_cuda and triton is not None and w.is_contiguous():
         return expert_gemv_triton(x, w, idx, x_div)
     return expert_gemv_torch(x, w, idx, x_div)
+
+
+# ---- grouped: many rows per expert ------------------------------------------------------------------------------
+def expert_grouped_torch(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x_div: int) -> torch.Tensor:
+    """Reference: one F.linear per expert over its rows (in expert order)."""
+    out = torch.empty(idx.numel(), w.shape[1], dtype=x.dtype, device=x.device)
+    order = torch.argsort(idx, stable=True)
+    start = 0
+    for e, c in enumerate(torch.bincount(idx, minlength=w.shape[0]).tolist()):
+        rows = order[start:start + c]
+        start += c
+        if c:
+            out[rows] = F.linear(x[rows // x_div], w[e])
+    return out
+
+
+GROUPED_BLOCK_M = 64  # rows of one expert per program: a tl.dot tile; at most one partly filled block per expert
+
+if triton is not None:
+    from dsv4.ops.rmsnorm import INTERPRET, cast_rne  # the interpreter's fp32 -> bf16 cast truncates
+
+    @triton.jit
+    def _expert_grouped_kernel(x_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, block_ends_ptr, out_ptr, E, N, K,
+                               x_div, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               BLOCK_E: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        # program (b, n): row block b of the expert whose block range holds b (block_ends = inclusive cumsum of the
+        # experts' block counts; the grid is sized for the worst case, surplus programs store nothing)
+        b = tl.program_id(0)
+        ev = tl.arange(0, BLOCK_E)
+        ends = tl.load(block_ends_ptr + ev, mask=ev < E, other=2147483647)
+        e = tl.sum((ends <= b).to(tl.int32), axis=0)
+        e_safe = tl.minimum(e, E - 1)
+        cnt = tl.where(e < E, tl.load(counts_ptr + e_safe), 0)
+        first_block = tl.load(block_ends_ptr + e_safe) - (cnt + BLOCK_M - 1) // BLOCK_M
+        m = (b - first_block) * BLOCK_M + tl.arange(0, BLOCK_M)
+        mm = m < cnt
+        rows = tl.load(order_ptr + tl.load(offsets_ptr + e_safe) + m, mask=mm, other=0).to(tl.int64)
+        xrows = rows // x_div
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < N
+        wbase = w_ptr + e_safe.to(tl.int64) * N * K
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < K
+            a = tl.load(x_ptr + xrows[:, None] * K + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
+            wt = tl.load(wbase + n[None, :] * K + k[:, None], mask=km[:, None] & nm[None, :], other=0.0)
+            # fp32: full-precision products, not TF32 (the fp32 path must match the CPU's). The CPU interpreter
+            # multiplies bf16 tiles as their raw bits, so there they go through fp32 (bf16 products are exact in it)
+            if IEEE or INTERPRET:
+                acc += tl.dot(a.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(a, wt)
+        dt = out_ptr.dtype.element_ty
+        tl.store(out_ptr + rows[:, None] * N + n[None, :], cast_rne(acc, dt, INTERPRET), mask=mm[:, None] & nm[None, :])
+
+
+def expert_grouped_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x_div: int) -> torch.Tensor:
+    """The same in one launch, with no host sync: the sort, counts and block ranges are device tensors and the grid
+    is sized for the worst case (every expert with one partly filled block)."""
+    assert triton is not None, "triton is not installed"
+    assert x.dtype == w.dtype, "tl.dot takes operands of one dtype"
+    R, (E, N, K) = idx.numel(), w.shape
+    out = torch.empty(R, N, dtype=x.dtype, device=x.device)
+    if R:
+        bm = GROUPED_BLOCK_M
+        order = torch.argsort(idx, stable=True)
+        counts = torch.bincount(idx, minlength=E)
+        offsets = torch.cumsum(counts, 0) - counts
+        block_ends = torch.cumsum((counts + bm - 1) // bm, 0)
+        block_n, block_k = 64, 64 if x.dtype == torch.float32 else 128
+        grid = (triton.cdiv(R, bm) + min(E, R), triton.cdiv(N, block_n))
+        _expert_grouped_kernel[grid](x.contiguous(), w, order, counts, offsets, block_ends, out, E, N, K, x_div,
+                                     BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
+                                     BLOCK_E=triton.next_power_of_2(E), IEEE=x.dtype == torch.float32,
+                                     INTERPRET=INTERPRET)
+    return out
+
+
+def expert_grouped(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x_div: int) -> torch.Tensor:
+    """Triton on CUDA, torch elsewhere."""
+    if x.is_cuda and triton is not None and w.is_contiguous() and x.dtype == w.dtype:
+        return expert_grouped_triton(x, w, idx, x_div)
+    return expert_grouped_torch(x, w, idx, x_div)

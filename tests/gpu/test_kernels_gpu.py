@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsv4.ops.mhc import hc_post_torch, hc_post_triton
-from dsv4.ops.moe import expert_gemv_torch, expert_gemv_triton
+from dsv4.ops.moe import expert_gemv_torch, expert_gemv_triton, expert_grouped_torch, expert_grouped_triton
 from dsv4.ops.rope import apply_rope_torch, apply_rope_triton
 
 
@@ -42,6 +42,28 @@ def test_expert_gemv(dtype: torch.dtype) -> None:
     ref, got = expert_gemv_torch(x, w, idx, k).float(), expert_gemv_triton(x, w, idx, k).float()
     rel = ((ref - got).norm() / ref.norm()).item()
     assert rel < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,k,E,N,K", [(512, 6, 16, 4096, 5120), (512, 6, 16, 5120, 2048), (37, 6, 256, 512, 256),
+                                       (3, 2, 8, 256, 128)])
+def test_expert_grouped(dtype: torch.dtype, T: int, k: int, E: int, N: int, K: int) -> None:
+    """The grouped expert matmul of prefill steps at the V4.1-Flash-shaped preset's gate_up and down shapes (a
+    512-token chunk), many experts with few rows, and a tiny batch. Against the same product in fp32 (cuBLAS
+    without TF32, by default): fp32 within summation order, bf16 within the output's rounding (its products are exact
+    in fp32; the fp32 reference rather than the bf16 torch path, whose cuBLAS may reduce split-K partials in bf16)."""
+    g = torch.Generator(device="cuda").manual_seed(T * k + E)
+    x = torch.randn(T, K, device="cuda", generator=g).to(dtype)
+    w = (torch.randn(E, N, K, device="cuda", generator=g) * K ** -0.5).to(dtype)
+    idx = torch.randint(0, E, (T * k,), device="cuda", generator=g)
+    ref = expert_grouped_torch(x.float(), w.float(), idx, k)
+    got = expert_grouped_triton(x, w, idx, k)
+    assert got.dtype == dtype and got.shape == ref.shape
+    err = (got.float() - ref).abs()
+    if dtype == torch.float32:
+        assert (err <= ref.abs() * 1e-5 + 1e-5).all(), err.max()
+    else:
+        assert (err <= ref.abs() * 2.0 ** -8 + 1e-5).all(), (err / (ref.abs() + 1e-5)).max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.ops.moe import expert_gemv
+from dsv4.ops.moe import expert_gemv, expert_grouped
 from dsv4.ops.router import score
-from dsv4.ops.swiglu import clamped_swiglu, swiglu
+from dsv4.ops.swiglu import swiglu
 from dsv4.ops.topk import stable_topk
 
 
@@ -53,33 +53,14 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Routed experts packed as gate_up_proj [E, 2I, D] (w1 rows first) and down_proj [E, D, I]."""
+    """Routed experts packed as gate_up_proj [E, 2I, D] (w1 rows first) and down_proj [E, D, I] (see
+    `routed_experts` for the computation)."""
 
     def __init__(self, n_experts: int, hidden: int, inter: int, limit: float) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.zeros(n_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.zeros(n_experts, hidden, inter))
         self.limit = limit
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Reference path: one grouped matmul per expert that has tokens (the GPU path replaces it)."""
-        out = torch.zeros_like(x)
-        flat_idx = idx.flatten()
-        order = torch.argsort(flat_idx, stable=True)
-        counts = torch.bincount(flat_idx, minlength=self.gate_up_proj.shape[0]).tolist()
-        token_of = order // idx.shape[1]
-        start = 0
-        for e, c in enumerate(counts):
-            if c == 0:
-                continue
-            sel = order[start:start + c]
-            tok = token_of[start:start + c]
-            start += c
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e])
-            y = y * weights.flatten()[sel, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
 
 
 class MoE(nn.Module):
@@ -92,40 +73,40 @@ class MoE(nn.Module):
         self.experts = Experts(n_experts, hidden, inter, limit)
         self.shared_experts = SharedExpert(hidden, inter, limit)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        weights, idx = self.gate(x, input_ids)
-        return self.experts(x, weights, idx) + self.shared_experts(x)
-
-    def forward_fixed(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Same function with fixed shapes and no host sync (captured decode steps)."""
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, fixed: bool = False) -> torch.Tensor:
+        """fixed: shapes fixed by the batch and no host sync (captured decode steps), see `routed_experts`."""
         weights, idx = self.gate(x, input_ids)
         e = self.experts
-        routed = routed_experts_fixed(x, weights, idx, e.gate_up_proj, e.down_proj, e.limit, weight_before_down=False)
+        routed = routed_experts(x, weights, idx, e.gate_up_proj, e.down_proj, e.limit, weight_before_down=False,
+                                fixed=fixed)
         return routed.to(x.dtype) + self.shared_experts(x)
 
 
-def routed_experts_fixed(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
-                         down: torch.Tensor, limit: float, weight_before_down: bool) -> torch.Tensor:
-    """Routed experts with shapes fixed by (tokens, top_k, experts) and no host sync, for captured decode steps.
+def routed_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
+                   down: torch.Tensor, limit: float, weight_before_down: bool, fixed: bool) -> torch.Tensor:
+    """Routed experts as per-(token, slot) rows, summed over the slots in fp32: returns fp32 [T, D].
 
-    When tokens*top_k <= experts, each (token, slot) gathers its expert's weights (reads at most what is hit);
-    otherwise every expert runs on every token and the routing weights mask the sum (each expert's weights are
-    read once: at that batch size nearly all of them are hit anyway). Returns fp32 [T, D].
+    Prefill and mixed steps (not fixed) group the rows by expert (`expert_grouped`: one launch on CUDA).
+    Captured decode steps (fixed) need shapes fixed by (tokens, top_k, experts) and no host sync: when
+    tokens*top_k <= experts each (token, slot) row gathers its expert's weights (`expert_gemv`: reads at most what is
+    hit); otherwise every expert runs on every token and the routing weights mask the sum (each expert's weights are
+    read once: at that batch size nearly all of them are hit anyway).
     V4 weights the expert output after w2 (in the model dtype); V4.1 before w2, in fp32 (`weight_before_down`).
     """
     T, k = idx.shape
     E = gate_up.shape[0]
     inter = down.shape[2]
-    if T * k <= E:
+    if not fixed or T * k <= E:
+        matmul = expert_gemv if fixed else expert_grouped
         flat = idx.flatten()
-        gu = expert_gemv(x, gate_up, flat, k)  # [T*k, 2I]
+        gu = matmul(x, gate_up, flat, k)  # [T*k, 2I]
         g, u = gu[:, :inter], gu[:, inter:]
         if weight_before_down:
             h = swiglu(g, u, limit, weights.flatten(), fp32=True)
-            y = expert_gemv(h, down, flat, 1).float()
+            y = matmul(h, down, flat, 1).float()
         else:
             h = swiglu(g, u, limit, fp32=False)
-            y = (expert_gemv(h, down, flat, 1) * weights.flatten()[:, None]).float()
+            y = (matmul(h, down, flat, 1) * weights.flatten()[:, None]).float()
         return y.view(T, k, -1).sum(dim=1)
     wmat = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx, weights.float())
     gu = torch.einsum("td,efd->etf", x, gate_up).reshape(E * T, 2 * inter)  # expert-major rows
