@@ -48,7 +48,8 @@ for part in "$@"; do
     hf)
       for b in 1 32; do bench 150 $presets $b async-hf --cudagraph-capture-sizes $b --async-scheduling --baseline hf; done ;;
     grouped)
-      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py -k grouped \
+      # (-k applies to every file named, so the kernel test is selected by its node id)
+      timeout 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_kernels_gpu.py::test_expert_grouped \
         tests/gpu/test_engine_cuda.py tests/gpu/test_cudagraphs.py > "$out/gpu_grouped_tests.log" 2>&1
       tail -3 "$out/gpu_grouped_tests.log"
       bench 60 v4-flash-4l 1 async-grouped --cudagraph-capture-sizes 1 --async-scheduling
