@@ -18,9 +18,10 @@ span embeddings on the device, `torch.cuda.synchronize()` before and after, wall
 - graphs: `EncoderCudaGraphManager.encode` (sorted greedy packing, one replay per batch, one gather per batch; images
   larger than every budget run eagerly, reported as misses).
 Budgets follow the engine's limits (`--max-num-batched-tokens`, `--max-model-len`). The graph attention is the
-Triton varlen flash-attention kernel over the whole budget's rows: O(sum of len^2) per image plus the padding
-sequence's len^2 (the budget's unused rows, attended as one sequence), so graphs pay for padding the eager path never
-runs: the results show where that outweighs the saved launches. `--device cpu` smoke-tests the script (no graphs: the
+Triton varlen flash-attention kernel: O(sum of len^2) per image, nothing for the budget's unused (padding) rows
+since 2026-11-30 (before, they were attended as one sequence, O(padding^2)); the rest of the tower still runs over
+every row of the budget, so graphs pay for up to 2x the linear work of the eager path: the results show where that
+outweighs the saved launches. `--device cpu` smoke-tests the script (no graphs: the
 uncaptured stand-in).
 """
 

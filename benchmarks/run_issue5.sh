@@ -12,6 +12,7 @@
 #                (graphs+async; their prefill times show the grouped MoE of prefill steps)
 #   compile-v4   V4 at batch 1 and 32 (or $BATCHES) with --compile-decode --async-scheduling
 #   compile-v41  the same for V4.1 (its compile takes minutes per graph size)
+# Async scheduling is the engine's default on CUDA: the `graphs` and `eager` runs turn it off explicitly.
 # Each bench writes OUTDIR/<preset>-b<B>-<tag>.json (+ .log); one summary line per run goes to stdout.
 set -uo pipefail
 out=$1; shift; mkdir -p "$out"
@@ -30,7 +31,7 @@ for part in "$@"; do
     tests)
       timeout 330 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log"
       for p in $presets; do for b in 1 32; do
-        bench 60 $p $b graphs --cudagraph-capture-sizes $b
+        bench 60 $p $b graphs --cudagraph-capture-sizes $b --no-async-scheduling
         bench 60 $p $b async --cudagraph-capture-sizes $b --async-scheduling
       done; done ;;
     kernels)
@@ -38,13 +39,13 @@ for part in "$@"; do
       tail -3 "$out/gpu_kernel_tests.log" ;;
     sizes)
       for p in $presets; do for b in 8 64; do
-        bench 60 $p $b graphs --cudagraph-capture-sizes $b
+        bench 60 $p $b graphs --cudagraph-capture-sizes $b --no-async-scheduling
         bench 60 $p $b async --cudagraph-capture-sizes $b --async-scheduling
       done; done ;;
     v41-async)
       for b in 1 32; do bench 60 $presets $b async --cudagraph-capture-sizes $b --async-scheduling; done ;;
     eager)
-      for p in $presets; do for b in 1 8 32 64; do bench 90 $p $b eager --enforce-eager; done; done ;;
+      for p in $presets; do for b in 1 8 32 64; do bench 90 $p $b eager --enforce-eager --no-async-scheduling; done; done ;;
     hf)
       for b in 1 32; do bench 150 $presets $b async-hf --cudagraph-capture-sizes $b --async-scheduling --baseline hf; done ;;
     grouped)

@@ -105,9 +105,10 @@ def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-decode", action="store_true", default=None,
                         help="torch.compile the decode forward before capturing its CUDA graphs (faster decode; "
                              "adds about 30-60 s per distinct graph size to start-up)")
-    parser.add_argument("--async-scheduling", action="store_true", default=None,
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule and launch each step before the previous step's tokens reach the host "
-                             "(hides host work behind GPU work; outputs arrive one step later)")
+                             "(hides host work behind GPU work; outputs arrive one step later; default: on for "
+                             "CUDA, off on the CPU)")
 
 
 def _generate(args: argparse.Namespace) -> None:

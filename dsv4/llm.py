@@ -25,7 +25,7 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: int | None = None, seed: int = 0, enforce_eager: bool = False,
                  cudagraph_capture_sizes: tuple[int, ...] | None = None, gpu_memory_utilization: float = 0.9,
                  encoder_cudagraphs: bool = False, compile_decode: bool = False,
-                 async_scheduling: bool = False) -> None:
+                 async_scheduling: bool | None = None) -> None:
         if model is None:
             from dsv4.models.presets import default_model_dir
 

@@ -275,3 +275,22 @@ def test_server_front_with_async_scheduling(tmp_path) -> None:
     assert not engine.engine.has_unfinished_requests()
     for pool in engine.engine.kv_manager.pools:
         assert pool.num_free == pool.capacity
+
+
+def test_async_scheduling_default_follows_the_device(v4_ckpt: str) -> None:
+    """On by default for CUDA (vLLM's default; host work hides behind the GPU's), off on the CPU (nothing to
+    overlap); an explicit choice always wins, from the Python API and from every CLI that takes the flag."""
+    from dsv4.cli import _build_parser
+    from dsv4.engine.engine import default_async_scheduling
+
+    assert default_async_scheduling("cuda", None) and default_async_scheduling("cuda:1", None)
+    assert not default_async_scheduling("cpu", None)
+    assert default_async_scheduling("cpu", True) and not default_async_scheduling("cuda", False)
+    kw = dict(max_model_len=64, load_tokenizer=False)
+    assert not LLMEngine.from_args(v4_ckpt, **kw).config.scheduler.async_scheduling
+    assert LLMEngine.from_args(v4_ckpt, async_scheduling=True, **kw).config.scheduler.async_scheduling
+    parser = _build_parser()
+    for argv in (["generate"], ["serve"], ["bench", "latency", "--model", "m"]):
+        assert parser.parse_args(argv).async_scheduling is None
+        assert parser.parse_args(argv + ["--async-scheduling"]).async_scheduling is True
+        assert parser.parse_args(argv + ["--no-async-scheduling"]).async_scheduling is False

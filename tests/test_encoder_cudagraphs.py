@@ -136,19 +136,22 @@ def test_buffers_hold_every_batch_a_budget_admits() -> None:
 def test_cu_seqlens_padding_rule(enc: VisionEncoder) -> None:
     grids = [(2, 5), (1, 1), (4, 3)]
     cu = padded_cu_seqlens(grids, slots=6, rows=100)
-    assert cu.dtype == torch.int32 and cu.tolist() == [0, 10, 11, 23, 100, 100]
-    assert padded_cu_seqlens([(10, 10)], 3, 100).tolist() == [0, 100, 100]  # full buffer: an empty padding block
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 10, 11, 23, 23, 23]  # rows 23..99: padding
+    assert padded_cu_seqlens([(10, 10)], 3, 100).tolist() == [0, 100, 100]  # full buffer: no padding
+    assert padded_cu_seqlens(grids, slots=4, rows=23).tolist() == [0, 10, 11, 23]  # every slot used
     with pytest.raises(ValueError):
-        padded_cu_seqlens(grids, slots=4, rows=100)  # no slot left for the padding sequence
+        padded_cu_seqlens(grids, slots=3, rows=100)  # more images than slots
+    with pytest.raises(ValueError):
+        padded_cu_seqlens(grids, slots=6, rows=22)  # more patches than rows
     m = EncoderCudaGraphManager.from_limits(enc, 256, 4096)
     for budget in m.budgets:
         rows, patches = m.buffer_rows(budget)
         m.fill(budget, grids, _patches(grids, 0))
-        assert m.cu_seqlens[-1].item() == patches and m.cu_seqlens[:4].tolist() == [0, 10, 11, 23]
+        assert m.cu_seqlens[-1].item() == 23 and m.cu_seqlens[:4].tolist() == [0, 10, 11, 23]
         assert m.patches[23:patches].abs().sum() == 0 and m.positions[23:patches].abs().sum() == 0
         assert not m.merge_mask[5:rows].any() and m.merge_mask[:5].any(dim=1).all()  # 2 + 1 + 2 aligner rows
         m.fill(budget, capture_grids(budget, m.max_batch_size, R), None)  # the capture batch: no padding rows
-        assert m.cu_seqlens[-2].item() == m.cu_seqlens[-1].item() == patches and m.merge_mask[:rows].any(1).all()
+        assert m.cu_seqlens[-1].item() == patches and m.merge_mask[:rows].any(1).all()
 
 
 def test_span_gather_index_equals_span_embeddings(enc: VisionEncoder) -> None:
@@ -168,7 +171,7 @@ def test_span_gather_index_equals_span_embeddings(enc: VisionEncoder) -> None:
 # ---- the replay-equivalent path against the per-image eager encoder ---------------------------------------------
 @pytest.fixture(params=["host_bounds", "masked"])
 def attention(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """host_bounds: CPU cu_seqlens take the per-image path (the padding block included); masked: the block-diagonal
+    """host_bounds: CPU cu_seqlens take the per-image path (padding rows come out 0); masked: the block-diagonal
     masked SDPA, the device-side reference of the Triton varlen kernel a CUDA graph runs, forced on the CPU."""
     if request.param == "masked":
         monkeypatch.setattr(vision_mod, "varlen_attention", block_diagonal_attention)

@@ -11,14 +11,15 @@ import torch
 from dsv4.ops.varlen_attention import row_sequence_ids
 
 
-# (cu_seqlens, rows): rows > cu_seqlens[-1] makes the rows past it one more sequence
+# (cu_seqlens, rows): the rows past cu_seqlens[-1] are padding (attend to nothing, come out 0)
 CASES = [
     ([0, 37], 37),  # one sequence, not a multiple of the block
     ([0, 1, 2, 19, 20, 53, 53, 70], 70),  # many short ones, lengths 1, an empty one, boundaries inside blocks
-    ([0, 16, 48, 61, 64], 64),  # block-aligned boundaries, then a trailing padding sequence (the graph layout)
-    ([0, 23, 23], 23),  # a full buffer: the trailing padding sequence is empty
-    ([0, 20, 33], 45),  # cu_seqlens[-1] < rows: rows 33..44 are a sequence of their own
-    ([0], 9),  # no boundary at all: every row is the extra sequence
+    ([0, 16, 48, 64, 64], 64),  # block-aligned boundaries, unused slots repeating the end (the graph layout, full)
+    ([0, 23, 23], 23),  # a full buffer
+    ([0, 20, 33, 33], 45),  # the graph layout with padding: rows 33..44, a block straddling real and padding rows
+    ([0, 5, 16], 48),  # padding from a block boundary on: whole blocks of padding rows
+    ([0], 9),  # no sequence at all: every row is padding
 ]
 
 
@@ -46,16 +47,16 @@ def test_varlen_kernel_matches_per_image(dtype: str, tol: float) -> None:
                 if i % 2:  # strided inputs: q/k/v as views of one fused [rows, 3, H, D] buffer (the ViT's wqkv)
                     qkv = torch.stack((q, k, v), 1)
                     q, k, v = qkv.unbind(1)
-                bounds = cu + ([rows] if cu[-1] < rows else [])
-                ref = per_image_attention(q.double(), k.double(), v.double(), bounds)
+                ref = per_image_attention(q.double(), k.double(), v.double(), cu)  # zeros past cu[-1]
                 got = varlen_attention_triton(q, k, v, torch.tensor(cu, dtype=torch.int32), block_m=16, block_n=16)
                 assert got.dtype == q.dtype and got.shape == q.shape and got.is_contiguous()
                 err = (got.double() - ref).abs().max().item()
                 assert torch.allclose(got.double(), ref, rtol={tol}, atol={tol}), (cu, rows, H, D, err)
+                assert not got[cu[-1]:].any(), cu  # padding rows exactly 0
                 worst = max(worst, err)
                 # attending across the boundaries would differ: the masking is doing something
-                if len(set(bounds)) > 2 and {dtype!r} == "float32":  # two non-empty sequences or more
-                    full = per_image_attention(q.double(), k.double(), v.double(), [0, rows])
+                if len(set(cu)) > 2 and {dtype!r} == "float32":  # two non-empty sequences or more
+                    full = per_image_attention(q.double(), k.double(), v.double(), [0, cu[-1]])
                     assert (full - ref).abs().max() > 1e-2
         print("worst", worst)
         print("ok")
@@ -73,10 +74,9 @@ def test_varlen_kernel_other_blocks_and_scale() -> None:
         cu, rows, H, D, scale = [0, 5, 12, 30], 33, 2, 24, 0.3
         for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 5e-3)):
             q, k, v = (torch.randn(rows, H, D, generator=g).to(dtype) for _ in range(3))
-            bounds = cu + [rows]
             ref = torch.cat([F.scaled_dot_product_attention(*(t[a:b].double().transpose(0, 1) for t in (q, k, v)),
                                                             scale=scale).transpose(0, 1)
-                             for a, b in zip(bounds[:-1], bounds[1:])])
+                             for a, b in zip(cu[:-1], cu[1:])] + [torch.zeros(rows - cu[-1], H, D).double()])
             for bm, bn in ((64, 32), (16, 64)):
                 got = varlen_attention_triton(q, k, v, torch.tensor(cu), scale=scale, block_m=bm, block_n=bn)
                 err = (got.double() - ref).abs().max()

@@ -319,11 +319,12 @@ def build_engine(args: argparse.Namespace, device: str, dtype: str) -> tuple[Any
         kwargs["cudagraph_capture_sizes"] = tuple(args.cudagraph_capture_sizes)
     if args.compile_decode:
         kwargs["compile_decode"] = True
-    if args.async_scheduling:
-        kwargs["async_scheduling"] = True
+    if args.async_scheduling is not None:
+        kwargs["async_scheduling"] = args.async_scheduling
     knobs, ignored = engine_knobs(LLMEngine.from_args, args.enforce_eager, args.gpu_memory_utilization)
     engine = LLMEngine.from_args(args.model, **kwargs, **knobs)
-    return engine, {"engine_kwargs": {**kwargs, **knobs}, "ignored_engine_kwargs": ignored}
+    resolved = {"async_scheduling": engine.config.scheduler.async_scheduling}  # what the engine chose by default
+    return engine, {"engine_kwargs": {**kwargs, **knobs, **resolved}, "ignored_engine_kwargs": ignored}
 
 
 def run_batch(engine: Any, prompts: list[list[int]], output_len: int, device: torch.device, tag: str
@@ -416,8 +417,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, help="passed to the engine when it supports it")
     parser.add_argument("--compile-decode", action="store_true",
                         help="torch.compile the decode forward before capturing its graphs (start-up: minutes)")
-    parser.add_argument("--async-scheduling", action="store_true",
-                        help="launch each step before the previous step's tokens reach the host")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                        help="launch each step before the previous step's tokens reach the host (default: the "
+                             "engine's, on for CUDA)")
     parser.add_argument("--cudagraph-capture-sizes", type=int, nargs="+",
                         help="decode graph sizes (default: the engine's, 1, 2, 4, 8, 16, ... up to the batch)")
     parser.add_argument("--num-iters-warmup", type=int, default=1, help="untimed batches first (default 1)")

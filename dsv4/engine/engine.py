@@ -92,6 +92,11 @@ def kv_blocks_for_budget(cfg: ModelConfig, block_size: int, max_num_seqs: int, d
     return lo
 
 
+def default_async_scheduling(device: str, requested: bool | None) -> bool:
+    """Async scheduling unless told otherwise on CUDA, where host work can hide behind the GPU's; off on the CPU."""
+    return requested if requested is not None else str(device).startswith("cuda")
+
+
 class LLMEngine:
     """Single-process engine: scheduler, KV manager, runner and detokenizers."""
 
@@ -150,15 +155,16 @@ class LLMEngine:
                   num_kv_blocks: int | None = None, seed: int = 0, load_tokenizer: bool = True,
                   enforce_eager: bool = False, cudagraph_capture_sizes: tuple[int, ...] | None = None,
                   gpu_memory_utilization: float = 0.9, encoder_cudagraphs: bool = False,
-                  compile_decode: bool = False, async_scheduling: bool = False) -> "LLMEngine":
-        """Build an engine from a checkpoint directory and the usual knobs."""
+                  compile_decode: bool = False, async_scheduling: bool | None = None) -> "LLMEngine":
+        """Build an engine from a checkpoint directory and the usual knobs (async_scheduling None: on for CUDA)."""
         mc = load_model_config(model)
         max_model_len = max_model_len or min(mc.max_position_embeddings, 4096)
         batched = max_num_batched_tokens or max(2048, max_model_len)
         cfg = EngineConfig(
             model_dir=model, model=mc,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
-                                      max_model_len=max_model_len, async_scheduling=async_scheduling),
+                                      max_model_len=max_model_len,
+                                      async_scheduling=default_async_scheduling(device, async_scheduling)),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks),
             dtype=dtype, device=device, seed=seed, enforce_eager=enforce_eager,
             cudagraph_capture_sizes=cudagraph_capture_sizes, gpu_memory_utilization=gpu_memory_utilization,

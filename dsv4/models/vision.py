@@ -197,7 +197,7 @@ def apply_vision_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 
 def per_image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: Sequence[int]) -> torch.Tensor:
     """Full bidirectional attention over each packed image [bounds[i], bounds[i+1]), one SDPA call per image.
-    q/k/v [n, heads, d] -> [n, heads, d]."""
+    q/k/v [n, heads, d] -> [n, heads, d]; rows past bounds[-1] are padding and come out 0."""
     scale = q.shape[-1] ** -0.5
 
     def heads_first(t: torch.Tensor) -> torch.Tensor:
@@ -209,19 +209,24 @@ def per_image_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bound
     outs = [F.scaled_dot_product_attention(heads_first(q[a:b]), heads_first(k[a:b]), heads_first(v[a:b]),
                                            scale=scale)[0].transpose(0, 1)
             for a, b in zip(bounds[:-1], bounds[1:])]
+    end = bounds[-1] if len(bounds) else 0
+    if end < q.shape[0]:
+        outs.append(q.new_zeros(q.shape[0] - end, *q.shape[1:]))
     return torch.cat(outs) if outs else q[:0].clone()
 
 
 def block_diagonal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor
                              ) -> torch.Tensor:
     """The same as `per_image_attention` in one SDPA call with a block-diagonal mask built on cu_seqlens' device
-    (no host read, so it can be captured). Rows past `cu_seqlens[-1]` form one more block (graph padding)."""
+    (no host read, so it can be captured). Rows past `cu_seqlens[-1]` are graph padding: they come out 0 (they attend
+    to their own block here, then are zeroed; the Triton kernel skips them)."""
     rows = torch.arange(q.shape[0], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
     image = torch.searchsorted(cu_seqlens[1:].contiguous(), rows, right=True)  # image index of every row
     mask = image[:, None] == image[None, :]
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                          attn_mask=mask, scale=q.shape[-1] ** -0.5)[0]  # 4-D: see per_image_attention
-    return out.transpose(0, 1)
+    padding = image == cu_seqlens.numel() - 1  # past cu_seqlens[-1]
+    return out.transpose(0, 1).masked_fill(padding[:, None, None], 0)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:

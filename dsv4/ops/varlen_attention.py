@@ -1,9 +1,10 @@
 """Packed variable-length, non-causal attention (the ViT's): a Triton flash-attention forward over device cu_seqlens.
 
 q, k, v [rows, H, Dh] hold several sequences back to back; `cu_seqlens` int [S+1] (on the device) marks their
-boundaries and rows past `cu_seqlens[-1]` form one more sequence (the CUDA-graph padding rule of
-`block_diagonal_attention`, the torch reference in dsv4/models/vision.py). Every row attends to all rows of its own
-sequence and to no other: softmax(q k^T * scale) v per sequence, logits and softmax sums in fp32, output in q's dtype.
+boundaries. Every row attends to all rows of its own sequence and to no other: softmax(q k^T * scale) v per
+sequence, logits and softmax sums in fp32, output in q's dtype. Rows past `cu_seqlens[-1]` are padding (the unused
+rows of a CUDA-graph buffer): they attend to nothing, cost nothing and come out 0 (the rule of
+`block_diagonal_attention`, the torch reference in dsv4/models/vision.py).
 
 Why this shape of kernel: the vision encoder's CUDA graphs (dsv4/runtime/encoder_cudagraphs.py) capture the
 attention, so nothing here may read a device value on the host: no max_seqlen, no per-sequence grid. The grid is
@@ -15,7 +16,9 @@ fixed by shapes alone, (cdiv(rows, BLOCK_M), H), and every program finds its key
   that straddles a boundary walks the union of the sequences it touches (rows of one sequence see the others' keys
   as -inf). The loop bounds are loaded in the kernel, so one captured graph serves any boundaries.
 Cost: O(sum over sequences of len^2) work, plus at most the neighbouring sequences' keys for the few blocks that
-straddle a boundary; memory O(rows) (no [rows, rows] mask or score matrix, unlike the reference).
+straddle a boundary; memory O(rows) (no [rows, rows] mask or score matrix, unlike the reference). Padding rows are
+free: a block of them has an empty key range. (Until 2026-11-30 they formed one more sequence, so a nearly empty
+batch in a large graph budget paid for its padding squared: the encoder graphs were slower than eager encoding.)
 """
 
 from __future__ import annotations
@@ -69,15 +72,16 @@ if triton is not None:
         rm = rows < n_rows
         d = tl.arange(0, BLOCK_D)
         dm = d < D
-        # Row r's keys: [cu[sid], cu[sid + 1]), where sequence 0 starts at row 0 whatever cu[0] says and the extra
-        # sequence past cu[-1] (sid == n_seqs) ends at n_rows (the reference's rule). hi is clamped to n_rows so a
-        # malformed cu_seqlens cannot make the kernel read past k/v. Rows past n_rows get an empty range.
+        # Row r's keys: [cu[sid], cu[sid + 1]), where sequence 0 starts at row 0 whatever cu[0] says. hi is clamped
+        # to n_rows so a malformed cu_seqlens cannot make the kernel read past k/v. Padding rows (past cu[-1]: sid ==
+        # n_seqs) and rows past n_rows get an empty range (lo > hi), which also keeps them out of the block's union.
         sid = tl.load(seq_ptr + rows, mask=rm, other=0)
-        lo = tl.load(cu_ptr + sid, mask=rm & (sid > 0), other=0).to(tl.int32)
-        hi = tl.load(cu_ptr + sid + 1, mask=rm & (sid < n_seqs), other=n_rows).to(tl.int32)
+        real = rm & (sid < n_seqs)
+        lo = tl.load(cu_ptr + sid, mask=real & (sid > 0), other=0).to(tl.int32)
+        hi = tl.load(cu_ptr + sid + 1, mask=real, other=0).to(tl.int32)
         hi = tl.minimum(hi, n_rows)
-        lo = tl.where(rm, lo, n_rows)
-        hi = tl.where(rm, hi, 0)
+        lo = tl.where(real, lo, n_rows)
+        hi = tl.where(real, hi, 0)
         # The union of the rows' ranges: contiguous, as consecutive rows have non-decreasing sequence ids.
         k_start = tl.min(lo, axis=0)
         k_end = tl.max(hi, axis=0)
@@ -112,7 +116,7 @@ if triton is not None:
             # p is rounded to v's dtype for the tensor cores (FlashAttention's numerics); its sum l_i stays fp32
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, LOWP, UPCAST)
             m_i = m_new
-        # A valid row always sees itself, so l_i > 0 there; only rows past n_rows (never stored) can have 0.
+        # A row of a sequence always sees itself, so l_i > 0 there; padding rows have 0 and store acc = 0.
         l_i = tl.where(l_i > 0, l_i, 1.0)
         out = acc / l_i[:, None]
         tl.store(o_ptr + rows64[:, None] * so_r + h * so_h + d[None, :], out.to(o_ptr.dtype.element_ty),
@@ -121,7 +125,7 @@ if triton is not None:
 
 def row_sequence_ids(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:
     """int32 [rows]: the sequence of every packed row, the number of boundaries cu_seqlens[1:] at or below it (rows
-    past cu_seqlens[-1] get S, the extra sequence). Built on cu_seqlens' device with no host read (capturable)."""
+    past cu_seqlens[-1] get S: padding). Built on cu_seqlens' device with no host read (capturable)."""
     idx = torch.arange(rows, dtype=cu_seqlens.dtype, device=cu_seqlens.device)
     return torch.searchsorted(cu_seqlens[1:].contiguous(), idx, right=True, out_int32=True)
 

@@ -6,11 +6,10 @@ Budgets are the powers of two in [64, min(max_num_batched_tokens, max_model_len)
 
 Every graph runs the same function (`EncoderCudaGraphManager.forward_buffers`) over persistent input buffers sized
 for its budget: B aligner rows and r^2 * B ViT patches (any batch of at most B span tokens has fewer rows, since
-a span holds more tokens than aligner rows), and `max_batch_size + 2` cu_seqlens slots. A batch is written into the
-buffers zero-padded; cu_seqlens gets ONE trailing padding sequence, so its last entry equals the buffer's rows: the
-rows past the real images form their own attention block and never mix with them, and a varlen kernel (which takes
-cu_seqlens[-1] as the number of rows it was given; fewer is undefined and gives NaN on FlashAttention) would accept
-the buffers unchanged. The graph's output is [aligner rows of the budget; START; NEW_LINE; END]; the spans of all
+a span holds more tokens than aligner rows), and `max_batch_size + 1` cu_seqlens slots. A batch is written into the
+buffers zero-padded; cu_seqlens repeats the real rows' end in its unused slots, so its last entry is the number of
+real rows and the rows past it are padding, which the attention skips (they come out 0 and never mix with the
+images; dsv4/ops/varlen_attention.py). The graph's output is [aligner rows of the budget; START; NEW_LINE; END]; the spans of all
 images of a batch are assembled by ONE gather out of it, whose index is built on the host from the llm grids (no
 device value is read) and copied asynchronously. That gather allocates outside the graph's pool, so its result is a
 fresh tensor that later replays cannot clobber.
@@ -19,10 +18,11 @@ Images are sorted by span tokens and packed greedily into batches of at most `ma
 budget; the smallest budget holding a batch is replayed. An image larger than every budget runs through the eager
 encoder (`VisionEncoder.forward`); such images count as misses, replayed images as hits.
 
-Cost: the graph-safe attention is the Triton varlen flash-attention kernel (dsv4/ops/varlen_attention.py) over all
-r^2 * B rows of the budget: work O(sum of len^2) over the images AND the padding sequence (a nearly empty batch in a
-large budget still pays for its padding block squared, as one sequence), plus a little for query blocks straddling
-an image boundary; memory O(rows). The eager path attends per image and skips the padding. Off CUDA (or without
+Cost: the graph-safe attention is the Triton varlen flash-attention kernel (dsv4/ops/varlen_attention.py): work
+O(sum of len^2) over the images, plus a little for query blocks straddling an image boundary, nothing for the
+padding rows; memory O(rows). The rest of the tower (projections, MLPs) runs over all r^2 * B rows of the budget,
+padding included: at most twice the real rows, as budgets are powers of two. (Until 2026-11-30 the padding rows
+formed one attention sequence, O(padding^2), and the graphs were slower than eager encoding for several images.) Off CUDA (or without
 triton) the device path falls back to the block-diagonal masked SDPA reference, O(rows^2). Graphs pay off where
 launch overhead dominates; benchmarks/encoder_latency.py measures both.
 Graph memory (buffers, the pool) is not part of the KV-cache sizing profile.
@@ -139,12 +139,12 @@ def capture_grids(budget: int, max_batch_size: int, ratio: int) -> list[Grid]:
 
 def padded_cu_seqlens(grids: Sequence[Grid], slots: int, rows: int) -> torch.Tensor:
     """int32 [slots] image boundaries of a batch in a buffer of `rows` patches: the real prefix, then every further
-    entry = `rows`, i.e. one trailing padding sequence over the unused rows (empty when the batch fills the buffer),
-    so the last entry always equals the buffer's rows."""
+    entry = the real rows' end (empty sequences), so the last entry is the number of real rows and the buffer's rows
+    past it are padding."""
     sizes = [h * w for h, w in grids]
-    if len(sizes) + 2 > slots or sum(sizes) > rows:
+    if len(sizes) + 1 > slots or sum(sizes) > rows:
         raise ValueError(f"{len(sizes)} images of {sum(sizes)} patches do not fit {slots} slots / {rows} rows")
-    out = torch.full((slots,), rows, dtype=torch.int32)
+    out = torch.full((slots,), sum(sizes), dtype=torch.int32)
     out[: len(sizes) + 1] = torch.tensor([0] + sizes).cumsum(0)
     return out
 
@@ -208,7 +208,7 @@ class EncoderCudaGraphManager:
         # patches stay float32 (as preprocessed): the tower casts them inside the graph, exactly as it does eagerly
         self.patches = torch.zeros(patches, cfg.patch_dim, dtype=torch.float32, device=dev)
         self.positions = torch.zeros(patches, 2, dtype=torch.int64, device=dev)  # rope is computed in the graph
-        self.cu_seqlens = torch.zeros(self.max_batch_size + 2, dtype=torch.int32, device=dev)
+        self.cu_seqlens = torch.zeros(self.max_batch_size + 1, dtype=torch.int32, device=dev)
         self.merge_idx = torch.zeros(rows, self.ratio ** 2, dtype=torch.int64, device=dev)
         self.merge_mask = torch.zeros(rows, self.ratio ** 2, dtype=torch.bool, device=dev)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}

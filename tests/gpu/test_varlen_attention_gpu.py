@@ -12,12 +12,12 @@ from dsv4.ops.varlen_attention import varlen_attention_triton
 
 H, D = 16, 64
 
-# (cu_seqlens, rows); the graph layout ends with a padding sequence so that cu_seqlens[-1] == rows
+# (cu_seqlens, rows); in the graph layout the unused slots repeat the real rows' end and the rows past it are padding
 CASES = [
-    ([0, 4070, 4071, 6071, 18432], 18432),  # 4070, 1, 2000, then 12361 rows of padding
+    ([0, 4070, 4071, 6071, 6071], 18432),  # 4070, 1, 2000, then 12361 rows of padding (skipped, 0)
     ([0] + [2048 * i for i in range(1, 10)], 18432),  # nine full 2048-row images
     ([0, 1, 2, 3, 100, 1000, 1000, 5000], 5000),  # tiny and empty sequences
-    ([0, 3000, 3001], 4500),  # cu_seqlens[-1] < rows: the rows past it are one more sequence
+    ([0, 3000, 3001], 4500),  # 1499 rows of padding
 ]
 
 
@@ -31,7 +31,7 @@ def _inputs(rows: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, tor
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int], rows: int) -> torch.Tensor:
-    return per_image_attention(q.float(), k.float(), v.float(), cu + ([rows] if cu[-1] < rows else []))
+    return per_image_attention(q.float(), k.float(), v.float(), cu)  # padding rows past cu[-1]: 0
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
@@ -50,7 +50,7 @@ def test_varlen_attention_matches_per_image(case: int, dtype: torch.dtype, tol: 
 
 def test_varlen_attention_in_cuda_graph() -> None:
     rows = 18432
-    first, second = [0, 4070, 4071, 6071, rows], [0, 2048, 9000, 9001, rows]  # same slots, new boundaries
+    first, second = [0, 4070, 4071, 6071, 6071], [0, 2048, 9000, 9001, rows]  # same slots, new boundaries
     q, k, v = (t.contiguous() for t in _inputs(rows, torch.bfloat16, 7))
     cu = torch.tensor(first, dtype=torch.int32, device="cuda")
     stream = torch.cuda.Stream()
