@@ -1,7 +1,7 @@
 """Kernels one decode forward launches, counted on the CPU: a device-independent proxy for the small-kernel tail
 of a FULL decode graph (each GPU kernel there costs 1-3 us even when it moves a few bytes).
 
-usage: PYTHONPATH=. python3 benchmarks/decode_ops.py MODEL_DIR [BATCH] [--lines N]
+usage: PYTHONPATH=. python3 benchmarks/decode_ops.py MODEL_DIR [BATCH] [--lines N] [--dtype bfloat16]
 
 Runs `forward_decode` on all-padding metadata (what graph capture runs) under a dispatch mode that counts non-view
 aten ops. The functions that dispatch to a Triton kernel on CUDA count as ONE op each (their CPU reference inside
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
+import importlib.util
 import sys
 import traceback
 from collections.abc import Callable
@@ -24,14 +26,19 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dsv4.engine.engine import LLMEngine
 from dsv4.models import deepseek_v41
 from dsv4.models.layers import norm
-from dsv4.ops import (compress_pool, decode_attention, fake_quant, lookback, mhc, mhc_streams, moe, rope, router,
-                      swiglu)
+from dsv4.ops import compress_pool, decode_attention, fake_quant, lookback, mhc, mhc_streams, moe, rope, router, swiglu
+
+# kernels newer than some commits this script is run on: None there
+engram, indexer = (importlib.import_module(f"dsv4.ops.{m}") if importlib.util.find_spec(f"dsv4.ops.{m}") else None
+                   for m in ("engram", "indexer"))
 
 _VIEWS = {"view", "slice", "select", "unsqueeze", "squeeze", "expand", "t", "transpose", "permute", "reshape",
           "as_strided", "detach", "alias", "_unsafe_view", "unbind", "split", "split_with_sizes", "chunk", "narrow",
           "flatten", "unflatten", "view_as", "expand_as", "movedim"}
 # the dispatchers that take a Triton kernel on CUDA: one launch each there
-_KERNELS = [(mhc, "hc_post"), (rope, "apply_rope"), (moe, "expert_gemv"), (decode_attention, "decode_sink_attention"),
+_KERNELS = [(mhc, "hc_post"), (rope, "apply_rope"), (moe, "expert_gemv"), (moe, "expert_grouped"),
+            (moe, "combine_experts"), (indexer, "indexer_scores"),
+            (indexer, "pick_sources"), (engram, "engram_update"), (decode_attention, "decode_sink_attention"),
             (norm, "rms_norm"), (norm, "unweighted_rms_norm"), (norm, "unweighted_rms_norm_fp32"),
             (lookback, "gather_lookback"),
             (fake_quant, "fp8_fake_quant"), (fake_quant, "fp4_fake_quant_ue8m0"), (fake_quant, "fp4_fake_quant_e4m3"),
@@ -65,16 +72,21 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = func.overloadpacket.__name__
-        if self.paused == 0 and name not in _VIEWS:
+        out = func(*args, **(kwargs or {}))
+        # `.to` / `.float()` / `.contiguous()` of a tensor that already is so return it unchanged: no kernel
+        noop = name in ("to", "contiguous") and out is args[0]
+        if self.paused == 0 and name not in _VIEWS and not noop:
             self._count(name)
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 def _patch(counter: _Counter) -> None:
     """Route every module-level reference to a kernel dispatcher through the counter (they are imported, maybe
     under another name, into the model modules), and the V4.1 RMSNorm, whose Triton branch is inline."""
     for owner, name in _KERNELS:
-        original = getattr(owner, name)
+        original = getattr(owner, name, None)
+        if original is None:  # a tree from before that kernel (the script also counts older commits)
+            continue
         wrapped = counter.kernel(name, original)
         for mod in list(sys.modules.values()):
             if getattr(mod, "__name__", "").startswith("dsv4"):
@@ -90,9 +102,11 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("batch", type=int, nargs="?", default=1)
     ap.add_argument("--lines", type=int, default=40)
+    ap.add_argument("--dtype", default="float32",
+                    help="bfloat16 counts the casts a bf16 GPU model makes (in fp32 many are no-ops)")
     args = ap.parse_args()
     P = args.batch
-    eng = LLMEngine.from_args(args.model, max_model_len=96, max_num_seqs=P, load_tokenizer=False)
+    eng = LLMEngine.from_args(args.model, dtype=args.dtype, max_model_len=96, max_num_seqs=P, load_tokenizer=False)
     r = eng.runner
     extra = r.model_state.prepare_dummy_inputs(P, P)
     r.model_state.prepare_dummy_decode_attn(P)
@@ -105,7 +119,7 @@ def main() -> None:
             r.model.forward_decode(r.buffers.input_ids[:P], md, r.kv_caches, **extra)
     layers = len(r.model.model.layers)
     total = sum(counter.ops.values())
-    print(f"{args.model}: batch {P}, {layers} layers, {total} kernels per decode forward ({total / layers:.0f} per layer)")
+    print(f"{args.model} ({args.dtype}): batch {P}, {layers} layers, {total} kernels per decode forward ({total / layers:.0f} per layer)")
     print("by op:", ", ".join(f"{k} {v}" for k, v in counter.ops.most_common()))
     print("most launching lines:")
     for (name, where), n in counter.lines.most_common(args.lines):

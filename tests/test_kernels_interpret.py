@@ -54,6 +54,9 @@ def test_rope_kernel_matches_torch(shape: tuple, half: int) -> None:
             assert torch.allclose(ref, got, rtol=1e-6, atol=1e-6), (ref - got).abs().max()
             nope = x.shape[-1] - 2 * {half}
             assert torch.equal(got[..., :nope], x[..., :nope])
+            # cos/sin as the strided halves of one table row (what a prepared RotaryTable returns): read in place
+            table = torch.cat([cos, sin], dim=-1)
+            assert torch.equal(apply_rope_triton(x, table[:, :{half}], table[:, {half}:], inverse), got)
         print("ok")
     """)
 
@@ -102,6 +105,114 @@ def test_expert_grouped_kernel_matches_torch() -> None:
                 else:
                     assert (ref.float() - got.float()).abs().le(ref.float().abs() * 2.0 ** -8).all(), (R, E)
                     assert (ref != got).float().mean() < 0.01, (R, E, (ref != got).float().mean())
+        print("ok")
+    """)
+
+
+def test_combine_experts_kernel_is_bit_exact() -> None:
+    """The MoE combine (slots summed in order in fp32, then the shared expert) gives the torch path's bits: V4.1
+    (one rounding) and V4 (weighted slots rounded, then a model-dtype add), bf16 and fp32, top-k 1/2/6."""
+    _interpret("""
+        import torch
+        from dsv4.ops.moe import combine_experts_torch, combine_experts_triton
+        g = torch.Generator().manual_seed(8)
+        for dtype, bits in ((torch.bfloat16, torch.int16), (torch.float32, torch.int32)):
+            for T, k, D in ((1, 6, 64), (5, 2, 100), (3, 1, 2048)):
+                y = (torch.randn(T * k, D, generator=g) * 3).to(dtype)
+                shared = torch.randn(T, D, generator=g).to(dtype)
+                w = torch.rand(T * k, generator=g)
+                for weights in (None, w):
+                    ref = combine_experts_torch(y, weights, shared, k)
+                    got = combine_experts_triton(y, weights, shared, k)
+                    assert got.dtype == ref.dtype == dtype and got.shape == ref.shape == (T, D)
+                    assert torch.equal(ref.view(bits), got.view(bits)), (dtype, T, k, weights is None)
+        print("ok")
+    """)
+
+
+def test_indexer_scores_kernel_matches_torch() -> None:
+    """The indexer scores read through the entry slots: rows with every, some and no entry visible, head and channel
+    counts off the tile sizes, FP4-like grid values (exact products) and random ones; fp32 within summation order,
+    -inf exactly where the reference has it, and the same top-k picks."""
+    _interpret("""
+        import torch
+        from dsv4.ops.indexer import indexer_scores_torch, indexer_scores_triton
+        from dsv4.ops.topk import stable_topk
+        g = torch.Generator().manual_seed(9)
+        for R, H, D, M, N, dtype in ((1, 4, 32, 7, 20, torch.float32), (5, 8, 128, 40, 90, torch.bfloat16),
+                                     (3, 3, 20, 33, 50, torch.float32), (2, 64, 128, 70, 200, torch.bfloat16)):
+            q = torch.randn(R, H, D, generator=g)
+            if R == 5:
+                q = (q * 2).round() / 2  # a coarse grid, as after FP4 fake quant
+            w = torch.randn(R, H, generator=g)
+            keys = torch.randn(N, D, generator=g).to(dtype)
+            slots = torch.randint(0, N, (R, M), generator=g)
+            n = torch.randint(0, M + 1, (R,), generator=g)
+            n[0] = M
+            if R > 1:
+                n[1] = 0
+            ref = indexer_scores_torch(q, w, keys, slots, n, D ** -0.5)
+            got = indexer_scores_triton(q, w, keys, slots, n, D ** -0.5)
+            assert got.dtype == torch.float32 and got.shape == ref.shape == (R, M)
+            assert torch.equal(torch.isinf(ref), torch.isinf(got))
+            fin = torch.isfinite(ref)
+            assert torch.allclose(ref[fin], got[fin], rtol=1e-5, atol=1e-5), (ref[fin] - got[fin]).abs().max()
+            k = min(8, M)
+            assert torch.equal(stable_topk(ref, k), stable_topk(got, k))
+        print("ok")
+    """)
+
+
+def test_pick_sources_kernel_equals_torch() -> None:
+    """Picks -> attention source: with and without the scores (picks of a -inf score become -1), picks already -1
+    (a later layer reusing them), K not a power of two, K = M."""
+    _interpret("""
+        import torch
+        from dsv4.ops.indexer import pick_sources_torch, pick_sources_triton
+        from dsv4.ops.topk import stable_topk
+        g = torch.Generator().manual_seed(10)
+        for R, M, K in ((1, 9, 4), (4, 40, 13), (3, 16, 16)):
+            scores = torch.randn(R, M, generator=g)
+            n = torch.tensor([M, 2, 0, 7][:R])
+            scores[torch.arange(M)[None, :] >= n[:, None]] = float("-inf")
+            picks = stable_topk(scores, K)
+            eslots = torch.randint(0, 1000, (R, M), generator=g)
+            for sc in (scores, None):
+                ref = pick_sources_torch(picks, eslots, sc)
+                got = pick_sources_triton(picks, eslots, sc)
+                for a, b in zip(ref, got):
+                    assert a.dtype == b.dtype and torch.equal(a, b), (R, M, K, sc is None)
+                if sc is not None:
+                    assert (ref[0] == -1).any() == (R > 1)  # the -1 path is exercised (rows with n < K)
+        print("ok")
+    """)
+
+
+def test_engram_update_kernel_matches_torch() -> None:
+    """The Engram gate and update: hc 4 and 2, D off the block size and over several blocks, masked tokens, a
+    stream whose dot is exactly 0 (sign 0: gate 1/2); fp32 within summation order, bf16 within an ulp and nearly
+    all equal."""
+    _interpret("""
+        import torch
+        from dsv4.ops.engram import engram_update_torch, engram_update_triton
+        g = torch.Generator().manual_seed(11)
+        for dtype in (torch.float32, torch.bfloat16):
+            for T, hc, D in ((1, 4, 64), (5, 4, 100), (3, 2, 2500)):
+                h = torch.randn(T, hc, D, generator=g).to(dtype)
+                kv = torch.randn(T, (hc + 1) * D, generator=g).to(dtype)
+                kv[0, :D] = 0  # stream 0 of token 0: key 0, dot 0
+                qw, kw = (torch.rand(hc, D, generator=g) + 0.5).to(dtype), torch.randn(hc, D, generator=g).to(dtype)
+                for mask in (None, torch.arange(T) % 2 == 1):
+                    ref = engram_update_torch(h, kv, qw, kw, 1e-6, mask)
+                    got = engram_update_triton(h, kv, qw, kw, 1e-6, mask)
+                    assert got.dtype == ref.dtype == dtype and got.shape == ref.shape
+                    r, o = ref.float(), got.float()
+                    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
+                    assert ((r - o).abs() <= r.abs() * ulp + 1e-6).all(), (dtype, T, hc, D, (r - o).abs().max())
+                    if dtype == torch.bfloat16:
+                        assert (r != o).float().mean() < 0.01
+                    if mask is not None:  # masked tokens: gate 0, the streams pass through (rounded to the dtype)
+                        assert torch.equal(got[mask], h[mask])
         print("ok")
     """)
 

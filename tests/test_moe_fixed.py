@@ -1,6 +1,6 @@
-"""The routed experts against a per-token, per-slot loop in fp64: the grouped path of prefill and mixed steps and
-both fixed-shape branches of captured decode steps (per-slot GEMV when tokens*top_k <= experts, all experts
-otherwise), in both weighting orders (V4, V4.1)."""
+"""The MoE output (routed experts plus the shared expert's output) against a per-token, per-slot loop in fp64: the
+grouped path of prefill and mixed steps and both fixed-shape branches of captured decode steps (per-slot GEMV when
+tokens*top_k <= experts, all experts otherwise), in both weighting orders (V4, V4.1)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dsv4.models.layers.moe import routed_experts
+from dsv4.models.layers.moe import moe_output
 from dsv4.ops.swiglu import clamped_swiglu
 
 
@@ -26,13 +26,15 @@ def _reference(x, weights, idx, gate_up, down, limit, before):
 @pytest.mark.parametrize("T,k,E", [(1, 2, 8), (3, 2, 8), (8, 3, 6), (5, 6, 16), (40, 2, 3)])
 @pytest.mark.parametrize("before", [False, True])
 @pytest.mark.parametrize("fixed", [False, True])
-def test_routed_experts_match_a_loop(T: int, k: int, E: int, before: bool, fixed: bool) -> None:
+def test_moe_output_matches_a_loop(T: int, k: int, E: int, before: bool, fixed: bool) -> None:
     g = torch.Generator().manual_seed(T * 100 + k * 10 + E)
     D, inter = 24, 10
     x = torch.randn(T, D, generator=g)
     gate_up, down = torch.randn(E, 2 * inter, D, generator=g), torch.randn(E, D, inter, generator=g)
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
     weights = torch.rand(T, k, generator=g)
-    got = routed_experts(x, weights, idx, gate_up, down, 1.5, weight_before_down=before, fixed=fixed)
+    shared = torch.randn(T, D, generator=g)
+    got = moe_output(x, weights, idx, gate_up, down, 1.5, weight_before_down=before, fixed=fixed, shared=shared)
     assert got.dtype == torch.float32 and got.shape == x.shape
-    assert torch.allclose(got.double(), _reference(x, weights, idx, gate_up, down, 1.5, before), atol=1e-4)
+    ref = _reference(x, weights, idx, gate_up, down, 1.5, before) + shared.double()
+    assert torch.allclose(got.double(), ref, atol=1e-4)

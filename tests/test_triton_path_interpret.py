@@ -18,8 +18,8 @@ def test_golden_v41_and_v4_on_the_triton_path() -> None:
         from hf_reference import build_hf_model, make_prompt, save_hf_model, tiny_config
         from dsv4.engine.engine import LLMEngine
         from dsv4.models import deepseek_v41
-        from dsv4.ops import (compress_pool, decode_attention, fake_quant, lookback, mhc, mhc_streams, moe, rmsnorm,
-                              rope, router, swiglu)
+        from dsv4.ops import (compress_pool, decode_attention, engram, fake_quant, indexer, lookback, mhc, mhc_streams,
+                              moe, rmsnorm, rope, router, swiglu)
         from dsv4.models.layers import norm
         from dsv4.runtime import attn_metadata
         from dsv4.sampling_params import SamplingParams
@@ -28,6 +28,8 @@ def test_golden_v41_and_v4_on_the_triton_path() -> None:
         swaps = {
             mhc.hc_post: mhc.hc_post_triton, rope.apply_rope: rope.apply_rope_triton,
             moe.expert_gemv: moe.expert_gemv_triton, moe.expert_grouped: moe.expert_grouped_triton,
+            moe.combine_experts: moe.combine_experts_triton, indexer.indexer_scores: indexer.indexer_scores_triton,
+            indexer.pick_sources: indexer.pick_sources_triton, engram.engram_update: engram.engram_update_triton,
             decode_attention.decode_sink_attention: decode_attention.decode_sink_attention_triton,
             norm.rms_norm: rmsnorm.rms_norm_triton, norm.unweighted_rms_norm: rmsnorm.unweighted_rms_norm_triton,
             norm.unweighted_rms_norm_fp32: lambda x, eps: rmsnorm.unweighted_rms_norm_triton(x, eps, torch.float32),

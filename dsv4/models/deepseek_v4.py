@@ -22,6 +22,7 @@ from dsv4.models.layers.norm import RMSNorm, unweighted_rms_norm
 from dsv4.models.layers.rope import RotaryTable
 from dsv4.ops.compress_pool import pool_decode, pool_rows
 from dsv4.ops.decode_attention import decode_sink_attention
+from dsv4.ops.indexer import indexer_scores, pick_sources
 from dsv4.ops.rope import apply_rope
 from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, row_chunks, token_key_slots
@@ -150,15 +151,13 @@ class Indexer(Compressor):
         w = self.scorer.weights_proj(x).float() * self.n_heads ** -0.5
         return qi.float(), w
 
-    def select_decode(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-        """Top-k entry ids [R, K] of each query row over its own entries keys [R, M, d], of which the first n[r]
-        are visible (ties -> lowest id; -1 = none: fewer than K visible)."""
-        scores = torch.relu(torch.einsum("rhd,rnd->rhn", qi, keys.float())) * self.head_dim ** -0.5
-        scores = (scores * w.unsqueeze(-1)).sum(dim=1)
-        visible = torch.arange(keys.shape[1], device=qi.device)[None, :] < n[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        picks = stable_topk(scores, min(self.topk, keys.shape[1]))
-        return torch.where(scores.gather(1, picks) > float("-inf"), picks, torch.full_like(picks, -1))
+    def select_decode(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
+                      n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k entry ids [R, K] of each query row over its own entries, the index keys keys[slots[r]] (slots
+        [R, M]), of which the first n[r] are visible (ties -> lowest id), and the scores [R, M] they were taken
+        from (`pick_sources` turns picks of a -inf score, when fewer than K are visible, into -1)."""
+        scores = indexer_scores(qi, w, keys, slots, n, self.head_dim ** -0.5)
+        return stable_topk(scores, min(self.topk, slots.shape[1])), scores
 
 
 class Attention(nn.Module):
@@ -274,8 +273,8 @@ class Attention(nn.Module):
             eslots, n = entry_slots[group], n_entries[group]
             if self.kind == CSA:
                 assert qi is not None and iw is not None
-                picks = self.compressor.indexer.select_decode(qi, iw, cache.index_keys[eslots], n)
-                cslots, cmask = eslots.gather(1, picks.clamp(min=0)), picks >= 0
+                picks, scores = self.compressor.indexer.select_decode(qi, iw, cache.index_keys, eslots, n)
+                _, cslots, cmask = pick_sources(picks, eslots, scores)
             else:  # HCA: every visible entry
                 cslots = eslots
                 cmask = torch.arange(eslots.shape[1], device=q.device)[None, :] < n[:, None]

@@ -21,11 +21,12 @@ from dsv4.models.config import ModelConfig
 from dsv4.models.engram import Engram, EngramLayout, HostTable, engram_hash
 from dsv4.models.layers.attention import grouped_projection, write_slots
 from dsv4.models.layers.mhc import hc_mixes
-from dsv4.models.layers.moe import routed_experts
+from dsv4.models.layers.moe import moe_output
 from dsv4.models.layers.rope import RotaryTable
 from dsv4.models.vision import VisionEncoder
 from dsv4.ops.decode_attention import decode_sink_attention
 from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant
+from dsv4.ops.indexer import indexer_scores, pick_sources
 from dsv4.ops.mhc_streams import collapse
 from dsv4.ops.mhc_streams import expand as expand_streams
 from dsv4.ops.rmsnorm import rms_norm_v41_triton, triton
@@ -361,22 +362,22 @@ class AttentionV41(nn.Module):
                 topk = candidates = None
             else:
                 src = caches[self.kv_source]
+                scores = None
                 if self.is_index_source:
-                    topk, candidates = self._select(qi, iw, src.index_keys[eslots], n, candidates)
-                sources.append((src.compressed, eslots.gather(1, topk.clamp(min=0)), topk >= 0))
+                    topk, scores, candidates = self._select(qi, iw, src.index_keys, eslots, n, candidates)
+                topk, cslots, cmask = pick_sources(topk, eslots, scores)  # -1 for picks of a -inf score
+                sources.append((src.compressed, cslots, cmask))
         out = decode_sink_attention(q, sources, self.attn_sink, self.head_dim ** -0.5)
         return out, topk, candidates
 
-    def _select(self, qi: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor, n: torch.Tensor,
-                candidates: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Top-k picks [R, K] of every row over its group's entries: index keys ikeys [R, M, d], of which the row
-        sees e < n[row]; -1 for picks without a finite score (fewer visible entries than K). The candidate source
-        also returns its kept blocks [R, C]; a later index source picks only inside `candidates` (the pool)."""
+    def _select(self, qi: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor, eslots: torch.Tensor, n: torch.Tensor,
+                candidates: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Top-k picks [R, K] of every row over its group's entries: index keys ikeys[eslots[r]] (eslots [R, M]), of
+        which the row sees e < n[row], and the scores [R, M] they were taken from (`pick_sources` turns picks of a
+        -inf score, when fewer entries than K are visible, into -1). The candidate source also returns its kept
+        blocks [R, C]; a later index source picks only inside `candidates` (the pool)."""
         sched = self.cfg.v41
-        s = torch.relu(torch.einsum("rhd,rmd->rhm", qi, ikeys.float())) * self.indexer.head_dim ** -0.5
-        s = (s * iw.unsqueeze(-1)).sum(dim=1)
-        visible = torch.arange(s.shape[1], device=s.device)[None, :] < n[:, None]
-        s = s.masked_fill(~visible, float("-inf"))
+        s = indexer_scores(qi, iw, ikeys, eslots, n, self.indexer.head_dim ** -0.5)
         if self.is_candidate:
             # the newest visible entry is n - 1, i.e. the row's position in candidate_blocks' terms is n*ratio - 1
             candidates = candidate_blocks(s, n * self.ratio - 1, self.ratio, sched.candidate_block_size,
@@ -385,9 +386,7 @@ class AttentionV41(nn.Module):
             entry_block = torch.arange(s.shape[1], device=s.device) // sched.candidate_block_size
             in_pool = (entry_block[None, None, :] == candidates[:, :, None]).any(dim=1)
             s = s.masked_fill(~in_pool, float("-inf"))
-        picks = stable_topk(s, min(self.indexer.topk, s.shape[1]))
-        picks = torch.where(s.gather(1, picks) > float("-inf"), picks, torch.full_like(picks, -1))
-        return picks, candidates
+        return stable_topk(s, min(self.indexer.topk, s.shape[1])), s, candidates
 
     @staticmethod
     def _row_slice(t: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:
@@ -431,13 +430,12 @@ class MoEV41(nn.Module):
                      self.top_k, self.routed_scaling_factor, self.gate_inv_temp)
 
     def forward(self, x: torch.Tensor, is_image: torch.Tensor, fixed: bool = False) -> torch.Tensor:
-        """fixed: shapes fixed by the batch and no host sync (captured decode steps), see `routed_experts`."""
+        """fixed: shapes fixed by the batch and no host sync (captured decode steps), see `moe_output`."""
         weights, idx = self.route(x, is_image)
-        out = routed_experts(x, weights, idx, self.experts.gate_up_proj, self.experts.down_proj, self.limit,
-                             weight_before_down=True, fixed=fixed)
         se = self.shared_experts
-        h = swiglu(se.w1(x), se.w3(x), self.limit, fp32=True)
-        return (out + se.w2(h).float()).to(x.dtype)
+        shared = se.w2(swiglu(se.w1(x), se.w3(x), self.limit, fp32=True))
+        return moe_output(x, weights, idx, self.experts.gate_up_proj, self.experts.down_proj, self.limit,
+                          weight_before_down=True, fixed=fixed, shared=shared)
 
 
 class DecoderLayerV41(nn.Module):

@@ -28,6 +28,8 @@ import torch
 from tokenizers import Regex, normalizers
 from torch import nn
 
+from dsv4.ops.engram import engram_update
+
 _REPLACEMENT = "\ufffd"
 _SENTINEL = "\ue000"  # private-use stand-in that lets a whitespace-only token survive Strip as " "
 
@@ -357,16 +359,5 @@ class Engram(nn.Module):
     def forward(self, h: torch.Tensor, rows: torch.Tensor, gate_mask: torch.Tensor | None = None) -> torch.Tensor:
         """h [T, hc, D] hc streams; rows [T, cols, head_dim] gathered table rows; gate_mask [T] bool, True = gate 0
         (image-span tokens). Returns the updated streams in h's dtype."""
-        num_tokens, hc, d = h.shape
-        kv = self.wkv(rows.reshape(num_tokens, -1).to(self.wkv.weight.dtype))
-        key = kv[:, : hc * d].reshape(num_tokens, hc, d).float()
-        value = kv[:, hc * d:].float()
-        hf = h.float()
-        qk = self.q_weight.float() * self.k_weight.float()
-        dot = (hf * qk * key).sum(-1)
-        dot = dot * torch.rsqrt(hf.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        dot = dot / math.sqrt(d)
-        gate = torch.sigmoid(torch.sign(dot) * dot.abs().clamp(min=1e-6).sqrt())
-        if gate_mask is not None:
-            gate = gate.masked_fill(gate_mask[:, None], 0.0)
-        return (hf + gate[..., None] * value[:, None, :]).to(h.dtype)
+        kv = self.wkv(rows.reshape(h.shape[0], -1).to(self.wkv.weight.dtype))
+        return engram_update(h, kv, self.q_weight, self.k_weight, self.eps, gate_mask)

@@ -34,8 +34,8 @@ def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inve
 if triton is not None:
 
     @triton.jit
-    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, sign, D: tl.constexpr, HALF: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, sign, cos_stride, sin_stride, D: tl.constexpr,
+                     HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
         row = tl.program_id(0)  # one (token, head) row of D channels
         t = row // heads
         base = x_ptr + row * D
@@ -47,8 +47,8 @@ if triton is not None:
         i = tl.arange(0, BLOCK_H)
         im = i < HALF
         dt = x_ptr.dtype.element_ty
-        c = tl.load(cos_ptr + t * HALF + i, mask=im).to(dt).to(tl.float32)
-        s = tl.load(sin_ptr + t * HALF + i, mask=im).to(dt).to(tl.float32) * sign
+        c = tl.load(cos_ptr + t * cos_stride + i, mask=im).to(dt).to(tl.float32)
+        s = tl.load(sin_ptr + t * sin_stride + i, mask=im).to(dt).to(tl.float32) * sign
         a = tl.load(base + nope + 2 * i, mask=im).to(tl.float32)
         b = tl.load(base + nope + 2 * i + 1, mask=im).to(tl.float32)
         ac = a * c
@@ -67,8 +67,11 @@ def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inv
     rows = x.numel() // D
     out = torch.empty_like(x)
     if rows:
-        _rope_kernel[(rows,)](x, cos.float().contiguous(), sin.float().contiguous(), out, rows // x.shape[0],
-                              -1.0 if inverse else 1.0, D=D, HALF=half, BLOCK_D=triton.next_power_of_2(D),
+        # cos/sin [T, half] rows may be strided (the cos | sin halves of one gathered table row): read in place
+        cos, sin = (c if c.dtype == torch.float32 and c.stride(-1) == 1 else c.float().contiguous()
+                    for c in (cos.reshape(-1, half), sin.reshape(-1, half)))
+        _rope_kernel[(rows,)](x, cos, sin, out, rows // x.shape[0], -1.0 if inverse else 1.0, cos.stride(0),
+                              sin.stride(0), D=D, HALF=half, BLOCK_D=triton.next_power_of_2(D),
                               BLOCK_H=triton.next_power_of_2(half))
     return out
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from dsv4.config import EngineConfig
 from dsv4.kv.spec import KVGroupSpec
+from dsv4.models.layers.rope import prepare_rope_tables
 from dsv4.runtime.block_tables import BlockTables
 from dsv4.runtime.cudagraphs import CudaGraphManager, default_capture_sizes, round_capture_sizes
 from dsv4.runtime.encoder_cudagraphs import EncoderCudaGraphManager
@@ -83,6 +84,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model: nn.Module, groups: tuple[KVGroupSpec, ...],
                  dtype: torch.dtype) -> None:
         self.config, self.model, self.groups = config, model, groups
+        prepare_rope_tables(model, config.scheduler.max_model_len)  # no position reaches max_model_len
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" -> "cuda:N": device equality
             self.device = torch.device("cuda", torch.cuda.current_device())

@@ -75,6 +75,99 @@ def test_expert_grouped(dtype: torch.dtype, T: int, k: int, E: int, N: int, K: i
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,k,D", [(1, 6, 5120), (32, 6, 5120), (64, 8, 4096), (3, 1, 100)])
+def test_combine_experts(dtype: torch.dtype, T: int, k: int, D: int) -> None:
+    """The fused MoE combine against the torch path on the GPU, both numerics (V4.1: one rounding; V4: weighted slots
+    rounded, then the shared expert added in the model dtype). torch's CUDA reduction may add the k slots in another
+    order (fp32, k ulps of S = sum |slot| + |shared|), and each rounding to the model dtype may then land on the
+    neighbouring value (one ulp of the result or of the routed sum): |ref - got| <= 2 ulp (|ref| + S) + k 2^-24 S."""
+    from dsv4.ops.moe import combine_experts_torch, combine_experts_triton
+
+    g = torch.Generator(device="cuda").manual_seed(T * k + D)
+    y = (torch.randn(T * k, D, device="cuda", generator=g) * 3).to(dtype)
+    shared = torch.randn(T, D, device="cuda", generator=g).to(dtype)
+    w = torch.rand(T * k, device="cuda", generator=g)
+    ulp = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -24
+    for weights in (None, w):
+        ref, got = combine_experts_torch(y, weights, shared, k), combine_experts_triton(y, weights, shared, k)
+        assert got.dtype == ref.dtype == dtype and got.shape == ref.shape == (T, D)
+        scaled = y.float() * (weights[:, None] if weights is not None else 1.0)
+        S = scaled.abs().view(T, k, D).sum(1) + shared.float().abs()
+        bound = 2 * ulp * (ref.float().abs() + S) + k * 2.0 ** -24 * S
+        assert ((ref.float() - got.float()).abs() <= bound).all(), weights is None
+
+
+@pytest.mark.parametrize("R,M", [(1, 2048), (32, 136), (64, 700)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_scores(R: int, M: int, dtype: torch.dtype) -> None:
+    """The indexer scores at the V4.1 indexer's shape (64 heads of 128) against the torch path on the GPU: -inf in
+    the same places, finite scores within summation order, and the same top-512 picks wherever the reference's
+    k-th and (k+1)-th scores are further apart than that."""
+    from dsv4.ops.indexer import indexer_scores_torch, indexer_scores_triton
+    from dsv4.ops.topk import stable_topk
+
+    g = torch.Generator(device="cuda").manual_seed(R * M)
+    H, D, N = 64, 128, 4096
+    q = torch.randn(R, H, D, device="cuda", generator=g)
+    w = torch.randn(R, H, device="cuda", generator=g)
+    keys = torch.randn(N, D, device="cuda", generator=g).to(dtype)
+    slots = torch.randint(0, N, (R, M), device="cuda", generator=g)
+    n = torch.randint(0, M + 1, (R,), device="cuda", generator=g)
+    n[0] = M
+    ref = indexer_scores_torch(q, w, keys, slots, n, D ** -0.5)
+    got = indexer_scores_triton(q, w, keys, slots, n, D ** -0.5)
+    assert torch.equal(torch.isinf(ref), torch.isinf(got))
+    fin = torch.isfinite(ref)
+    scale = ref[fin].abs().max()
+    assert ((ref[fin] - got[fin]).abs() <= 1e-5 * scale).all()
+    k = min(512, M)
+    top = ref.sort(dim=1, descending=True).values
+    clear = (top[:, k - 1] - top[:, k]).abs() > 2e-5 * scale if k < M else torch.ones(R, dtype=torch.bool, device="cuda")
+    picks_ref, picks_got = stable_topk(ref, k).sort(1).values, stable_topk(got, k).sort(1).values
+    assert torch.equal(picks_ref[clear], picks_got[clear])
+
+
+@pytest.mark.parametrize("R,M,K", [(1, 2048, 512), (32, 136, 136), (64, 700, 512)])
+def test_pick_sources(R: int, M: int, K: int) -> None:
+    """Picks -> attention source on the GPU: integer work, so equal to the torch path exactly."""
+    from dsv4.ops.indexer import pick_sources_torch, pick_sources_triton
+
+    g = torch.Generator(device="cuda").manual_seed(R + M)
+    scores = torch.randn(R, M, device="cuda", generator=g)
+    n = torch.randint(0, M + 1, (R,), device="cuda", generator=g)
+    scores[torch.arange(M, device="cuda")[None, :] >= n[:, None]] = float("-inf")
+    picks = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :K]
+    eslots = torch.randint(0, 10**6, (R, M), device="cuda", generator=g)
+    for sc in (scores, None):
+        for a, b in zip(pick_sources_torch(picks, eslots, sc), pick_sources_triton(picks, eslots, sc)):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 32, 512])
+def test_engram_update(dtype: torch.dtype, T: int) -> None:
+    """The fused Engram gate and update at the V4.1-Flash shape (hc 4, hidden 5120) against the torch path on the
+    GPU, masked tokens included: within an ulp of the stream dtype (the sums over D add in another order), nearly
+    all equal in bf16; masked tokens pass through exactly."""
+    from dsv4.ops.engram import engram_update_torch, engram_update_triton
+
+    g = torch.Generator(device="cuda").manual_seed(T)
+    hc, D = 4, 5120
+    h = torch.randn(T, hc, D, device="cuda", generator=g).to(dtype)
+    kv = torch.randn(T, (hc + 1) * D, device="cuda", generator=g).to(dtype)
+    qw = (torch.rand(hc, D, device="cuda", generator=g) + 0.5).to(dtype)
+    kw = torch.randn(hc, D, device="cuda", generator=g).to(dtype)
+    mask = torch.rand(T, device="cuda", generator=g) < 0.3
+    ref, got = engram_update_torch(h, kv, qw, kw, 1e-6, mask), engram_update_triton(h, kv, qw, kw, 1e-6, mask)
+    r, o = ref.float(), got.float()
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
+    assert ((r - o).abs() <= r.abs() * ulp + 1e-6).all(), (r - o).abs().max()
+    if dtype == torch.bfloat16:
+        assert (r != o).float().mean() < 0.01
+    assert torch.equal(got[mask], h[mask])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fake_quant_bits(dtype: torch.dtype) -> None:
     """The Triton fake quant (what fp8_fake_quant & co. dispatch to on CUDA) equals the torch path on the GPU bit
     for bit, the sign of zero included: random values at the V4.1 shapes, tiny and huge blocks, zeros, e2m1 ties

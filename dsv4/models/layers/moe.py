@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.ops.moe import expert_gemv, expert_grouped
+from dsv4.ops.moe import combine_experts, expert_gemv, expert_grouped
 from dsv4.ops.router import score
 from dsv4.ops.swiglu import swiglu
 from dsv4.ops.topk import stable_topk
@@ -54,7 +54,7 @@ class Router(nn.Module):
 
 class Experts(nn.Module):
     """Routed experts packed as gate_up_proj [E, 2I, D] (w1 rows first) and down_proj [E, D, I] (see
-    `routed_experts` for the computation)."""
+    `moe_output` for the computation)."""
 
     def __init__(self, n_experts: int, hidden: int, inter: int, limit: float) -> None:
         super().__init__()
@@ -74,17 +74,17 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(hidden, inter, limit)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, fixed: bool = False) -> torch.Tensor:
-        """fixed: shapes fixed by the batch and no host sync (captured decode steps), see `routed_experts`."""
+        """fixed: shapes fixed by the batch and no host sync (captured decode steps), see `moe_output`."""
         weights, idx = self.gate(x, input_ids)
         e = self.experts
-        routed = routed_experts(x, weights, idx, e.gate_up_proj, e.down_proj, e.limit, weight_before_down=False,
-                                fixed=fixed)
-        return routed.to(x.dtype) + self.shared_experts(x)
+        return moe_output(x, weights, idx, e.gate_up_proj, e.down_proj, e.limit, weight_before_down=False,
+                          fixed=fixed, shared=self.shared_experts(x))
 
 
-def routed_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, limit: float, weight_before_down: bool, fixed: bool) -> torch.Tensor:
-    """Routed experts as per-(token, slot) rows, summed over the slots in fp32: returns fp32 [T, D].
+def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               limit: float, weight_before_down: bool, fixed: bool, shared: torch.Tensor) -> torch.Tensor:
+    """The MoE layer's output [T, D] in x's dtype: the routed experts as per-(token, slot) rows, summed over the
+    slots with the shared expert's output `shared` [T, D] (`combine_experts` gives the numerics).
 
     Prefill and mixed steps (not fixed) group the rows by expert (`expert_grouped`: one launch on CUDA).
     Captured decode steps (fixed) need shapes fixed by (tokens, top_k, experts) and no host sync: when
@@ -103,17 +103,16 @@ def routed_experts(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, ga
         g, u = gu[:, :inter], gu[:, inter:]
         if weight_before_down:
             h = swiglu(g, u, limit, weights.flatten(), fp32=True)
-            y = matmul(h, down, flat, 1).float()
-        else:
-            h = swiglu(g, u, limit, fp32=False)
-            y = (matmul(h, down, flat, 1) * weights.flatten()[:, None]).float()
-        return y.view(T, k, -1).sum(dim=1)
+            return combine_experts(matmul(h, down, flat, 1), None, shared, k)
+        h = swiglu(g, u, limit, fp32=False)
+        return combine_experts(matmul(h, down, flat, 1), weights.flatten(), shared, k)
     wmat = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx, weights.float())
     gu = torch.einsum("td,efd->etf", x, gate_up).reshape(E * T, 2 * inter)  # expert-major rows
     g, u = gu[:, :inter], gu[:, inter:]
     if weight_before_down:
         h = swiglu(g, u, limit, wmat.t().reshape(E * T), fp32=True).view(E, T, inter)
         # batched over experts, then summed: an einsum contracting (e, i) at once would copy all of `down`
-        return torch.bmm(h, down.transpose(1, 2)).float().sum(dim=0)
+        routed = torch.bmm(h, down.transpose(1, 2)).float().sum(dim=0)
+        return (routed + shared.float()).to(x.dtype)
     y = torch.einsum("eti,edi->etd", swiglu(g, u, limit, fp32=False).view(E, T, inter), down)
-    return (y.float() * wmat.t()[:, :, None]).sum(dim=0)
+    return (y.float() * wmat.t()[:, :, None]).sum(dim=0).to(x.dtype) + shared
