@@ -358,5 +358,18 @@ def test_compressor_decode_pool_kernel_matches_torch() -> None:
                 assert ((r - o).abs() <= r.abs() * ulp + scale * 2.0 ** -22).all(), (m, overlap, (r - o).abs().max())
                 if dtype == torch.bfloat16:
                     assert (r != o).float().mean() < 0.05, (r != o).float().mean()
+                # with the push of the rows' new raw rows (one state block per row, as the engine has): the same
+                # pooled entries, and the same ring contents after
+                blk = torch.tensor([4, 0, 2, 1, 3])
+                pos = pos[:5]
+                new_kv = (torch.randn(5, coff * dim, generator=g) * 3).to(dtype)
+                new_gate = torch.randn(5, coff * dim, generator=g).to(dtype)
+                rings = [(ring_kv.clone(), ring_gate.clone()) for _ in range(2)]
+                ref = pool_decode_torch(*rings[0], blk, pos, pb, m, overlap, dtype, new_kv, new_gate)
+                got = pool_decode_triton(*rings[1], blk, pos, pb, m, overlap, dtype, new_kv, new_gate)
+                assert torch.equal(rings[0][0], rings[1][0]) and torch.equal(rings[0][1], rings[1][1])
+                assert not torch.equal(rings[0][0], ring_kv)  # the push happened
+                r, o = ref.float(), got.float()
+                assert ((r - o).abs() <= r.abs() * ulp + 3 * scale * 2.0 ** -22).all(), (m, overlap, (r - o).abs().max())
         print("ok")
     """)

@@ -105,11 +105,10 @@ class Compressor(nn.Module):
                        ring_kv: torch.Tensor, ring_gate: torch.Tensor, entry_write: torch.Tensor) -> None:
         """One token per row: push its rows into the ring, then pool the window it closes (written to
         `entry_write`, TRASH_SLOT for rows that close none)."""
-        m, cap = self.ratio, ring_kv.shape[1]
+        m = self.ratio
         pos, blk = dmd.positions, dmd.state_blocks
-        ring_kv[blk, pos % cap] = self.kv_proj(x).to(ring_kv.dtype)
-        ring_gate[blk, pos % cap] = self.gate_proj(x).to(ring_gate.dtype)
-        pooled = pool_decode(ring_kv, ring_gate, blk, pos, self.position_bias, m, self.overlap, x.dtype)
+        pooled = pool_decode(ring_kv, ring_gate, blk, pos, self.position_bias, m, self.overlap, x.dtype,
+                             new_kv=self.kv_proj(x), new_gate=self.gate_proj(x))  # pushes them into the rings
         entry = self._norm_rope(pooled, rope, ((pos + 1) // m - 1).clamp(min=0) * m)
         out_cache[entry_write] = entry.to(out_cache.dtype)
 

@@ -1,14 +1,16 @@
 """DeepSeek-V4's compressor pooling in a decode step, one launch on CUDA (model.md section 2).
 
-Each decode row pools the `cap` newest raw rows of its ring (positions pos - cap + 1 .. pos, the newest pushed
+Each decode row first pushes its new raw rows (kv and gate projections of its token) into its ring at slot
+pos % cap, then pools the `cap` newest raw rows of its ring (positions pos - cap + 1 .. pos, the newest pushed
 already) into one entry: rows before the sequence start are masked (kv 0, gate -inf); for the overlapping (CSA)
 compressor, the older m rows give the first `dim` channels of their raw rows (Ca) and the newer m rows the last
 `dim` (Cb); the gates get the position bias; softmax over the rows in fp32, the weights cast to the stream dtype,
 and the weighted rows summed (HF-V4 numerics: the ring rows are read in the stream dtype, products and sum rounded
 to it). Returns the pooled entries [R, dim] before the compressor's norm and rope.
 
-The torch reference is ~25 small kernels per compressor and step (index arithmetic, two gathers, masks, bias adds,
-softmax, casts, product, sum). The kernel computes each channel's softmax over the rows in registers: the max and
+The torch reference is ~30 small kernels per compressor and step (the ring push, index arithmetic, two gathers,
+masks, bias adds, softmax, casts, product, sum). The kernel takes the newest row from the new projections directly
+(each program writes its own channels of it into the ring, which no other program of the step reads), and computes each channel's softmax over the rows in registers: the max and
 the weights as torch's CUDA softmax does (expf of x - max, IEEE division by the sum), but its sums (softmax
 denominator, weighted sum) may add in another order, so an entry can differ by one ulp of the stream dtype.
 """
@@ -26,9 +28,14 @@ except ImportError:  # CPU-only installs use the torch reference
 
 
 def pool_decode_torch(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torch.Tensor, pos: torch.Tensor,
-                      position_bias: torch.Tensor, ratio: int, overlap: bool, dtype: torch.dtype) -> torch.Tensor:
-    """Reference: ring_kv / ring_gate [blocks, cap, coff*dim], blk / pos [R] -> pooled [R, dim] in `dtype`."""
+                      position_bias: torch.Tensor, ratio: int, overlap: bool, dtype: torch.dtype,
+                      new_kv: torch.Tensor | None = None, new_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference: ring_kv / ring_gate [blocks, cap, coff*dim], blk / pos [R] -> pooled [R, dim] in `dtype`. With
+    new_kv / new_gate [R, coff*dim], the rows' new raw rows are pushed into the rings first (at pos % cap)."""
     m, cap = ratio, ring_kv.shape[1]
+    if new_kv is not None and new_gate is not None:
+        ring_kv[blk, pos % cap] = new_kv.to(ring_kv.dtype)
+        ring_gate[blk, pos % cap] = new_gate.to(ring_gate.dtype)
     dim = ring_kv.shape[2] // (2 if overlap else 1)
     src = pos[:, None] - cap + 1 + torch.arange(cap, device=pos.device)  # positions of the ring's rows, in order
     kv = ring_kv[blk[:, None], src % cap].to(dtype)
@@ -57,9 +64,10 @@ if triton is not None:
     from dsv4.ops.rmsnorm import INTERPRET, cast_rne  # the interpreter's fp32 -> bf16 cast truncates
 
     @triton.jit
-    def _pool_decode_kernel(kv_ptr, gate_ptr, blk_ptr, pos_ptr, pb_ptr, out_ptr, cap, dim, ring_stride_b,
-                            ring_stride_r, M: tl.constexpr, OVERLAP: tl.constexpr, BLOCK_L: tl.constexpr,
-                            BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+    def _pool_decode_kernel(kv_ptr, gate_ptr, blk_ptr, pos_ptr, pb_ptr, out_ptr, new_kv_ptr, new_gate_ptr, cap, dim,
+                            ring_stride_b, ring_stride_r, new_stride, M: tl.constexpr, OVERLAP: tl.constexpr,
+                            PUSH: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+                            INTERPRET: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         cm = c < dim
@@ -79,8 +87,30 @@ if triton is not None:
         valid = km & (p >= 0)
         m2 = valid[:, None] & cm[None, :]
         off = blk * ring_stride_b + slot[:, None] * ring_stride_r + (ch[:, None] + c[None, :])
-        kv = tl.load(kv_ptr + off, mask=m2, other=0.0)
-        g = tl.load(gate_ptr + off, mask=m2, other=0.0)
+        newest = k == cap - 1
+        ring_rows = m2
+        if PUSH:
+            ring_rows = m2 & ~newest[:, None]
+        kv = tl.load(kv_ptr + off, mask=ring_rows, other=0.0)
+        g = tl.load(gate_ptr + off, mask=ring_rows, other=0.0)
+        if PUSH:  # the newest row comes from the new projections, rounded to the ring's dtype as a push stores it
+            rdt = kv_ptr.dtype.element_ty
+            ch_new = dim if OVERLAP else 0  # the newest row is in the Cb half for CSA
+            nkv = cast_rne(tl.load(new_kv_ptr + r * new_stride + ch_new + c, mask=cm, other=0.0).to(tl.float32),
+                           rdt, INTERPRET)
+            ng = cast_rne(tl.load(new_gate_ptr + r * new_stride + ch_new + c, mask=cm, other=0.0).to(tl.float32),
+                          rdt, INTERPRET)
+            kv = tl.where(newest[:, None], nkv[None, :], kv)
+            g = tl.where(newest[:, None], ng[None, :], g)
+            # the push itself: this program's channels of the new row (both halves for CSA)
+            at = blk * ring_stride_b + (pos % cap) * ring_stride_r
+            tl.store(kv_ptr + at + ch_new + c, nkv, mask=cm)
+            tl.store(gate_ptr + at + ch_new + c, ng, mask=cm)
+            if OVERLAP:
+                tl.store(kv_ptr + at + c, cast_rne(tl.load(new_kv_ptr + r * new_stride + c, mask=cm,
+                                                           other=0.0).to(tl.float32), rdt, INTERPRET), mask=cm)
+                tl.store(gate_ptr + at + c, cast_rne(tl.load(new_gate_ptr + r * new_stride + c, mask=cm,
+                                                             other=0.0).to(tl.float32), rdt, INTERPRET), mask=cm)
         # the reference reads the ring rows in the stream dtype
         kv = cast_rne(kv.to(tl.float32), dt, INTERPRET).to(tl.float32)
         g = cast_rne(g.to(tl.float32), dt, INTERPRET).to(tl.float32)
@@ -102,27 +132,34 @@ if triton is not None:
 
 
 def pool_decode_triton(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torch.Tensor, pos: torch.Tensor,
-                       position_bias: torch.Tensor, ratio: int, overlap: bool, dtype: torch.dtype) -> torch.Tensor:
+                       position_bias: torch.Tensor, ratio: int, overlap: bool, dtype: torch.dtype,
+                       new_kv: torch.Tensor | None = None, new_gate: torch.Tensor | None = None) -> torch.Tensor:
     """The same in one launch (rings with contiguous rows, the same strides for kv and gate)."""
     assert triton is not None, "triton is not installed"
     assert ring_kv.shape == ring_gate.shape and ring_kv.stride() == ring_gate.stride()
     R, cap = pos.shape[0], ring_kv.shape[1]
     dim = ring_kv.shape[2] // (2 if overlap else 1)
     out = torch.empty(R, dim, dtype=dtype, device=pos.device)
+    push = new_kv is not None and new_gate is not None
+    if push:
+        new_kv, new_gate = new_kv.contiguous(), new_gate.contiguous()
+        assert new_kv.shape == new_gate.shape == (R, ring_kv.shape[2])
     if R:
         block_l = triton.next_power_of_2(cap)
         block_d = max(16, min(triton.next_power_of_2(dim), 4096 // block_l))
         _pool_decode_kernel[(R, triton.cdiv(dim, block_d))](
-            ring_kv, ring_gate, blk.contiguous(), pos.contiguous(), position_bias.float().contiguous(), out, cap,
-            dim, ring_kv.stride(0), ring_kv.stride(1), M=ratio, OVERLAP=overlap, BLOCK_L=block_l, BLOCK_D=block_d,
+            ring_kv, ring_gate, blk.contiguous(), pos.contiguous(), position_bias.float().contiguous(), out,
+            new_kv if push else out, new_gate if push else out, cap, dim, ring_kv.stride(0), ring_kv.stride(1),
+            ring_kv.shape[2], M=ratio, OVERLAP=overlap, PUSH=push, BLOCK_L=block_l, BLOCK_D=block_d,
             INTERPRET=INTERPRET, enable_fp_fusion=False)
     return out
 
 
 def pool_decode(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torch.Tensor, pos: torch.Tensor,
-                position_bias: torch.Tensor, ratio: int, overlap: bool, dtype: torch.dtype) -> torch.Tensor:
+                position_bias: torch.Tensor, ratio: int, overlap: bool, dtype: torch.dtype,
+                new_kv: torch.Tensor | None = None, new_gate: torch.Tensor | None = None) -> torch.Tensor:
     """Triton on CUDA, torch elsewhere."""
     if (pos.is_cuda and triton is not None and ring_kv.stride(2) == 1 and ring_kv.stride() == ring_gate.stride()
             and ring_kv.shape == ring_gate.shape):
-        return pool_decode_triton(ring_kv, ring_gate, blk, pos, position_bias, ratio, overlap, dtype)
-    return pool_decode_torch(ring_kv, ring_gate, blk, pos, position_bias, ratio, overlap, dtype)
+        return pool_decode_triton(ring_kv, ring_gate, blk, pos, position_bias, ratio, overlap, dtype, new_kv, new_gate)
+    return pool_decode_torch(ring_kv, ring_gate, blk, pos, position_bias, ratio, overlap, dtype, new_kv, new_gate)

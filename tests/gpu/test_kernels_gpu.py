@@ -293,3 +293,15 @@ def test_compressor_decode_pool(dtype: torch.dtype, m: int, overlap: bool, dim: 
     assert ((r - o).abs() <= bound).all(), ((r - o).abs() / bound).max()
     if dtype == torch.bfloat16:
         assert (r != o).float().mean() < 0.05, (r != o).float().mean()
+    # with the push of the new raw rows (blk is a permutation: one state block per row, as in the engine): the same
+    # ring contents bit for bit, and pooled entries within the same bound
+    new_kv = (torch.randn(R, coff * dim, device="cuda", generator=g) * 3).to(dtype)
+    new_gate = torch.randn(R, coff * dim, device="cuda", generator=g).to(dtype)
+    rings = [(ring_kv.clone(), ring_gate.clone()) for _ in range(2)]
+    ref = pool_decode_torch(*rings[0], blk, pos, pb, m, overlap, dtype, new_kv, new_gate)
+    got = pool_decode_triton(*rings[1], blk, pos, pb, m, overlap, dtype, new_kv, new_gate)
+    assert torch.equal(rings[0][0], rings[1][0]) and torch.equal(rings[0][1], rings[1][1])
+    r, o = ref.float(), got.float()
+    s = pool_decode_torch(rings[0][0].abs(), rings[0][1], blk, pos, pb, m, overlap, dtype).float()
+    bound = r.abs() * ulp + s * (2 * ulp + 2 * cap * 2.0 ** -24)
+    assert ((r - o).abs() <= bound).all(), ((r - o).abs() / bound).max()
