@@ -10,8 +10,8 @@ to it). Returns the pooled entries [R, dim] before the compressor's norm and rop
 
 The torch reference is ~30 small kernels per compressor and step (the ring push, index arithmetic, two gathers,
 masks, bias adds, softmax, casts, product, sum). The kernel takes the newest row from the new projections directly
-(each program writes its own channels of it into the ring, which no other program of the step reads), and computes each channel's softmax over the rows in registers: the max and
-the weights as torch's CUDA softmax does (expf of x - max, IEEE division by the sum), but its sums (softmax
+(each program writes its own channels of it into the ring, which no other program of the step reads), and computes
+each channel's softmax over the rows in registers: the max and the weights as torch's CUDA softmax does (expf of x - max, IEEE division by the sum), but its sums (softmax
 denominator, weighted sum) may add in another order, so an entry can differ by one ulp of the stream dtype.
 """
 
@@ -93,13 +93,14 @@ if triton is not None:
             ring_rows = m2 & ~newest[:, None]
         kv = tl.load(kv_ptr + off, mask=ring_rows, other=0.0)
         g = tl.load(gate_ptr + off, mask=ring_rows, other=0.0)
-        if PUSH:  # the newest row comes from the new projections, rounded to the ring's dtype as a push stores it
-            rdt = kv_ptr.dtype.element_ty
+        if PUSH:  # the newest row comes from the new projections, rounded to the rings' dtypes as a push stores it
+            kdt = kv_ptr.dtype.element_ty
+            gdt = gate_ptr.dtype.element_ty
             ch_new = dim if OVERLAP else 0  # the newest row is in the Cb half for CSA
             nkv = cast_rne(tl.load(new_kv_ptr + r * new_stride + ch_new + c, mask=cm, other=0.0).to(tl.float32),
-                           rdt, INTERPRET)
+                           kdt, INTERPRET)
             ng = cast_rne(tl.load(new_gate_ptr + r * new_stride + ch_new + c, mask=cm, other=0.0).to(tl.float32),
-                          rdt, INTERPRET)
+                          gdt, INTERPRET)
             kv = tl.where(newest[:, None], nkv[None, :], kv)
             g = tl.where(newest[:, None], ng[None, :], g)
             # the push itself: this program's channels of the new row (both halves for CSA)
@@ -108,9 +109,9 @@ if triton is not None:
             tl.store(gate_ptr + at + ch_new + c, ng, mask=cm)
             if OVERLAP:
                 tl.store(kv_ptr + at + c, cast_rne(tl.load(new_kv_ptr + r * new_stride + c, mask=cm,
-                                                           other=0.0).to(tl.float32), rdt, INTERPRET), mask=cm)
+                                                           other=0.0).to(tl.float32), kdt, INTERPRET), mask=cm)
                 tl.store(gate_ptr + at + c, cast_rne(tl.load(new_gate_ptr + r * new_stride + c, mask=cm,
-                                                             other=0.0).to(tl.float32), rdt, INTERPRET), mask=cm)
+                                                             other=0.0).to(tl.float32), gdt, INTERPRET), mask=cm)
         # the reference reads the ring rows in the stream dtype
         kv = cast_rne(kv.to(tl.float32), dt, INTERPRET).to(tl.float32)
         g = cast_rne(g.to(tl.float32), dt, INTERPRET).to(tl.float32)
