@@ -296,7 +296,7 @@ def test_compressor_decode_pool(dtype: torch.dtype, m: int, overlap: bool, dim: 
     # with the push of the new raw rows (blk is a permutation: one state block per row, as in the engine): the same
     # ring contents bit for bit, and pooled entries within the same bound
     new_kv = (torch.randn(R, coff * dim, device="cuda", generator=g) * 3).to(dtype)
-    new_gate = torch.randn(R, coff * dim, device="cuda", generator=g).to(dtype)
+    new_gate = torch.randn(R, coff * dim, device="cuda", generator=g)  # fp32, as the gate ring
     rings = [(ring_kv.clone(), ring_gate.clone()) for _ in range(2)]
     ref = pool_decode_torch(*rings[0], blk, pos, pb, m, overlap, dtype, new_kv, new_gate)
     got = pool_decode_triton(*rings[1], blk, pos, pb, m, overlap, dtype, new_kv, new_gate)
