@@ -35,6 +35,14 @@ def test_prepared_table_equals_on_demand(cfg: RopeConfig) -> None:
         assert torch.equal(c0, c1) and torch.equal(s0, s1)
 
 
+def test_positions_outside_the_table_are_refused() -> None:
+    table = RotaryTable(CONFIGS[0])
+    table.prepare(16)
+    for bad in ([0, 16], [-1, 3]):
+        with pytest.raises(IndexError, match="outside the prepared table"):
+            table(torch.tensor(bad))
+
+
 def test_tables_are_shared_per_configuration_and_released() -> None:
     a, b, c = RotaryTable(CONFIGS[0]), RotaryTable(CONFIGS[0]), RotaryTable(CONFIGS[2])
     holder = torch.nn.Sequential(a, b, c)

@@ -50,6 +50,12 @@ class RotaryTable(nn.Module):
         """positions [...] -> (cos, sin) [..., dim/2] in fp32 (views of one gather when prepared)."""
         if self.table is None:
             return self._compute(positions)
+        if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
+            # a position outside the table would wrap (negative) or fail (too large); checked where it costs no
+            # device sync, so the CPU tests catch a caller that breaks the bound
+            lo, hi = int(positions.min()), int(positions.max())
+            if lo < 0 or hi >= self.table.shape[0]:
+                raise IndexError(f"rope positions [{lo}, {hi}] outside the prepared table [0, {self.table.shape[0]})")
         rows = self.table[positions]
         half = self.table.shape[-1] // 2
         return rows[..., :half], rows[..., half:]
