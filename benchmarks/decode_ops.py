@@ -43,7 +43,7 @@ _KERNELS = [(mhc, "hc_post"), (rope, "apply_rope"), (moe, "expert_gemv"), (moe, 
             (lookback, "gather_lookback"),
             (fake_quant, "fp8_fake_quant"), (fake_quant, "fp4_fake_quant_ue8m0"), (fake_quant, "fp4_fake_quant_e4m3"),
             (mhc_streams, "collapse"), (mhc_streams, "expand"), (swiglu, "swiglu"), (router, "route"),
-            (compress_pool, "pool_decode")]
+            (compress_pool, "pool_decode"), (compress_pool, "write_entries")]
 
 
 class _Counter(TorchDispatchMode):

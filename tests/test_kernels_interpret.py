@@ -208,11 +208,54 @@ def test_engram_update_kernel_matches_torch() -> None:
                     assert got.dtype == ref.dtype == dtype and got.shape == ref.shape
                     r, o = ref.float(), got.float()
                     ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
-                    assert ((r - o).abs() <= r.abs() * ulp + 1e-6).all(), (dtype, T, hc, D, (r - o).abs().max())
+                    # the gate may move by what the sums' order changes (1e-4 allowed), scaled by the value row
+                    value = kv[:, hc * D:].float().abs()[:, None, :]
+                    bound = r.abs() * ulp + 1e-4 * value + 1e-6
+                    assert ((r - o).abs() <= bound).all(), (dtype, T, hc, D, (r - o).abs().max())
                     if dtype == torch.bfloat16:
-                        assert (r != o).float().mean() < 0.01
+                        assert (r != o).float().mean() < 0.05
                     if mask is not None:  # masked tokens: gate 0, the streams pass through (rounded to the dtype)
                         assert torch.equal(got[mask], h[mask])
+        print("ok")
+    """)
+
+
+def test_write_entries_kernel_matches_torch() -> None:
+    """V4's compressed-entry write of a decode step (norm, rope at the window's start, scatter into the cache): rows
+    that close a window and rows that do not (start clamped at 0), head dims with and without nope channels, bf16
+    and fp32 streams, a bf16 cache; only the rows' slots change, within an ulp of the stream dtype."""
+    _interpret("""
+        import torch
+        from dsv4.models.config import RopeConfig
+        from dsv4.models.layers.rope import RotaryTable
+        from dsv4.models.layers.norm import rms_norm_torch
+        from dsv4.ops.compress_pool import write_entries_torch, write_entries_triton
+        g = torch.Generator().manual_seed(12)
+        for dtype, cache_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                   (torch.float32, torch.bfloat16)):
+            for D, rd, m in ((64, 16, 4), (32, 32, 2), (48, 16, 128)):
+                rope = RotaryTable(RopeConfig(theta=10000.0, dim=rd))
+                rope.prepare(1024)
+                pooled = (torch.randn(6, D, generator=g) * 3).to(dtype)
+                weight = torch.rand(D, generator=g) + 0.5
+                pos = torch.tensor([0, m - 2, m - 1, 3 * m - 1, 5 * m + 1, 1000])
+                slots = torch.tensor([3, 7, 1, 0, 9, 5])
+                caches = [torch.full((12, D), 7.0).to(cache_dtype) for _ in range(2)]
+                write_entries_torch(pooled, weight, 1e-6, rope.table, pos, m, caches[0], slots)
+                write_entries_triton(pooled, weight, 1e-6, rope.table, pos, m, caches[1], slots)
+                r, o = caches[0].float(), caches[1].float()
+                untouched = torch.ones(12, dtype=torch.bool)
+                untouched[slots] = False
+                assert (o[untouched] == 7.0).all() and (r[untouched] == 7.0).all()
+                ulp = 2.0 ** -7 if torch.bfloat16 in (dtype, cache_dtype) else 2.0 ** -20
+                # a normed value one ulp off moves a rotated pair by an ulp of the pair's size (cancellation)
+                y = rms_norm_torch(pooled, weight, 1e-6).float()
+                pair = torch.zeros_like(y)
+                pair[:, D - rd:] = (y[:, D - rd::2].abs() + y[:, D - rd + 1::2].abs()).repeat_interleave(2, dim=1)
+                bound = r[slots].abs() * ulp + 2 * ulp * pair + 1e-6
+                assert ((r[slots] - o[slots]).abs() <= bound).all(), (dtype, D, m, (r - o).abs().max())
+                if cache_dtype == torch.bfloat16:  # in fp32 a statistic one ulp off changes its whole row
+                    assert (r != o).float().mean() < 0.05
         print("ok")
     """)
 

@@ -40,6 +40,7 @@ def test_golden_v41_and_v4_on_the_triton_path() -> None:
             mhc_streams.collapse: mhc_streams.collapse_triton, mhc_streams.expand: mhc_streams.expand_triton,
             swiglu.swiglu: swiglu.swiglu_triton, router.route: router.route_triton,
             compress_pool.pool_decode: compress_pool.pool_decode_triton,
+            compress_pool.write_entries: compress_pool.write_entries_triton,
         }
         def greedy(path, prompts, max_tokens, **kw):
             eng = LLMEngine.from_args(path, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=12,

@@ -20,7 +20,7 @@ from dsv4.models.layers.mhc import HyperConnection, HyperHead, collapse, expand
 from dsv4.models.layers.moe import MoE
 from dsv4.models.layers.norm import RMSNorm, unweighted_rms_norm
 from dsv4.models.layers.rope import RotaryTable
-from dsv4.ops.compress_pool import pool_decode, pool_rows
+from dsv4.ops.compress_pool import entry_start, pool_decode, pool_rows, write_entries
 from dsv4.ops.decode_attention import decode_sink_attention
 from dsv4.ops.indexer import indexer_scores, pick_sources
 from dsv4.ops.rope import apply_rope
@@ -109,8 +109,10 @@ class Compressor(nn.Module):
         pos, blk = dmd.positions, dmd.state_blocks
         pooled = pool_decode(ring_kv, ring_gate, blk, pos, self.position_bias, m, self.overlap, x.dtype,
                              new_kv=self.kv_proj(x), new_gate=self.gate_proj(x))  # pushes them into the rings
-        entry = self._norm_rope(pooled, rope, ((pos + 1) // m - 1).clamp(min=0) * m)
-        out_cache[entry_write] = entry.to(out_cache.dtype)
+        if rope.table is not None:  # norm, rope at the window's start and the write in one step
+            write_entries(pooled, self.kv_norm.weight, self.kv_norm.eps, rope.table, pos, m, out_cache, entry_write)
+        else:
+            out_cache[entry_write] = self._norm_rope(pooled, rope, entry_start(pos, m)).to(out_cache.dtype)
 
     def _pool(self, kv: torch.Tensor, gate: torch.Tensor, rope: RotaryTable,
               start: torch.Tensor) -> torch.Tensor:

@@ -164,3 +164,95 @@ def pool_decode(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torch.Tenso
             and ring_kv.shape == ring_gate.shape):
         return pool_decode_triton(ring_kv, ring_gate, blk, pos, position_bias, ratio, overlap, dtype, new_kv, new_gate)
     return pool_decode_torch(ring_kv, ring_gate, blk, pos, position_bias, ratio, overlap, dtype, new_kv, new_gate)
+
+
+# ---- the entry: norm, rope at the window's first position, write -----------------------------------------------
+def entry_start(pos: torch.Tensor, ratio: int) -> torch.Tensor:
+    """The first position of the window a decode row at `pos` closes (rows that close none: the one before)."""
+    return ((pos + 1) // ratio - 1).clamp(min=0) * ratio
+
+
+def write_entries_torch(pooled: torch.Tensor, norm_weight: torch.Tensor, eps: float, rope_table: torch.Tensor,
+                        pos: torch.Tensor, ratio: int, out_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Reference: out_cache[slots] = rope(kv_norm(pooled), at entry_start(pos)) for pooled [R, dim] in the stream
+    dtype (weighted RMSNorm, HF-V4 numerics; interleaved rope on the trailing channels, cos/sin from the rows of a
+    prepared rotary table [P, rope_dim] = cos | sin)."""
+    from dsv4.models.layers.norm import rms_norm_torch
+    from dsv4.ops.rope import apply_rope_torch
+
+    half = rope_table.shape[1] // 2
+    rows = rope_table[entry_start(pos, ratio)]
+    entry = apply_rope_torch(rms_norm_torch(pooled, norm_weight, eps), rows[:, :half], rows[:, half:])
+    out_cache[slots] = entry.to(out_cache.dtype)
+
+
+if triton is not None:
+    from triton.language.extra import libdevice as _libdevice
+
+    @triton.jit
+    def _write_entries_kernel(x_ptr, w_ptr, table_ptr, pos_ptr, slot_ptr, out_ptr, eps, inv_d, ratio,
+                              D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+                              INTERPRET: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        eps = tl.cast(eps, tl.float32)  # torch.compile hands float arguments over as fp64
+        inv_d = tl.cast(inv_d, tl.float32)
+        dt = x_ptr.dtype.element_ty
+        cdt = out_ptr.dtype.element_ty
+        xrow = x_ptr + r * D
+        # the RMS statistic as dsv4/ops/rmsnorm.py computes it
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        xf = tl.load(xrow + d, mask=dm, other=0.0).to(tl.float32)
+        if INTERPRET:
+            rs = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+        else:
+            rs = _libdevice.rsqrt(tl.sum(xf * xf, axis=0) * inv_d + eps)
+        orow = out_ptr + tl.load(slot_ptr + r).to(tl.int64) * D
+        nope = D - 2 * HALF
+        # channels without rope: the normed value, cast to the stream dtype, then to the cache's
+        keep = dm & (d < nope)
+        w = tl.load(w_ptr + d, mask=keep, other=0.0).to(tl.float32)
+        y = cast_rne(w * (xf * rs), dt, INTERPRET).to(tl.float32)
+        tl.store(orow + d, cast_rne(y, cdt, INTERPRET), mask=keep)
+        # rope channels, as pairs (2i, 2i+1): normed and rounded first, then rotated in fp32 by cos/sin rounded to
+        # the stream dtype (dsv4/ops/rope.py), at the window's first position
+        pos = tl.load(pos_ptr + r)
+        start = tl.maximum((pos + 1) // ratio - 1, 0) * ratio
+        i = tl.arange(0, BLOCK_H)
+        im = i < HALF
+        trow = table_ptr + start.to(tl.int64) * (2 * HALF)
+        c = cast_rne(tl.load(trow + i, mask=im, other=0.0), dt, INTERPRET).to(tl.float32)
+        s = cast_rne(tl.load(trow + HALF + i, mask=im, other=0.0), dt, INTERPRET).to(tl.float32)
+        ea, eb = nope + 2 * i, nope + 2 * i + 1
+        wa = tl.load(w_ptr + ea, mask=im, other=0.0).to(tl.float32)
+        wb = tl.load(w_ptr + eb, mask=im, other=0.0).to(tl.float32)
+        a = cast_rne(wa * (tl.load(xrow + ea, mask=im, other=0.0).to(tl.float32) * rs), dt, INTERPRET).to(tl.float32)
+        b = cast_rne(wb * (tl.load(xrow + eb, mask=im, other=0.0).to(tl.float32) * rs), dt, INTERPRET).to(tl.float32)
+        ra = cast_rne(a * c - b * s, dt, INTERPRET).to(tl.float32)
+        rb = cast_rne(b * c + a * s, dt, INTERPRET).to(tl.float32)
+        tl.store(orow + ea, cast_rne(ra, cdt, INTERPRET), mask=im)
+        tl.store(orow + eb, cast_rne(rb, cdt, INTERPRET), mask=im)
+
+
+def write_entries_triton(pooled: torch.Tensor, norm_weight: torch.Tensor, eps: float, rope_table: torch.Tensor,
+                         pos: torch.Tensor, ratio: int, out_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """The same in one launch (a program per row): instead of the norm, the start positions (5 kernels), the table
+    gather, the rope, the cast and the scatter."""
+    assert triton is not None, "triton is not installed"
+    R, D = pooled.shape
+    half = rope_table.shape[1] // 2
+    assert out_cache.shape[1] == D and out_cache.is_contiguous() and rope_table.is_contiguous()
+    if R:
+        _write_entries_kernel[(R,)](pooled.contiguous(), norm_weight.contiguous(), rope_table, pos.contiguous(),
+                                    slots.contiguous(), out_cache, float(eps), 1.0 / D, ratio, D=D, HALF=half,
+                                    BLOCK_D=triton.next_power_of_2(D), BLOCK_H=triton.next_power_of_2(half),
+                                    INTERPRET=INTERPRET, enable_fp_fusion=False)
+
+
+def write_entries(pooled: torch.Tensor, norm_weight: torch.Tensor, eps: float, rope_table: torch.Tensor,
+                  pos: torch.Tensor, ratio: int, out_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Triton on CUDA, torch elsewhere."""
+    if pooled.is_cuda and triton is not None:
+        write_entries_triton(pooled, norm_weight, eps, rope_table, pos, ratio, out_cache, slots)
+    else:
+        write_entries_torch(pooled, norm_weight, eps, rope_table, pos, ratio, out_cache, slots)
