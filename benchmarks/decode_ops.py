@@ -26,6 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dsv4.engine.engine import LLMEngine
 from dsv4.models import deepseek_v41
 from dsv4.models.layers import norm
+from dsv4.models.layers.rope import RotaryTable
 from dsv4.ops import compress_pool, decode_attention, fake_quant, lookback, mhc, mhc_streams, moe, rope, router, swiglu
 
 # kernels newer than some commits this script is run on: None there
@@ -64,6 +65,15 @@ class _Counter(TorchDispatchMode):
                 self.paused -= 1
         return wrapped
 
+    def uncounted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            self.paused += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.paused -= 1
+        return wrapped
+
     def _count(self, name: str) -> None:
         self.ops[name] += 1
         frames = [f for f in traceback.extract_stack() if "/dsv4/" in f.filename and "decode_ops" not in f.filename]
@@ -95,6 +105,8 @@ def _patch(counter: _Counter) -> None:
                         setattr(mod, attr, wrapped)
     cls = deepseek_v41.RMSNormV41
     cls.forward = counter.kernel("rms_norm_v41", cls.forward)
+    # the rope tables' range check runs on CPU tensors only (no GPU kernel): not counted
+    RotaryTable._check_range = counter.uncounted(RotaryTable._check_range)
 
 
 def main() -> None:

@@ -51,14 +51,18 @@ class RotaryTable(nn.Module):
         if self.table is None:
             return self._compute(positions)
         if positions.device.type == "cpu" and positions.numel() and not torch.compiler.is_compiling():
-            # a position outside the table would wrap (negative) or fail (too large); checked where it costs no
-            # device sync, so the CPU tests catch a caller that breaks the bound
-            lo, hi = int(positions.min()), int(positions.max())
-            if lo < 0 or hi >= self.table.shape[0]:
-                raise IndexError(f"rope positions [{lo}, {hi}] outside the prepared table [0, {self.table.shape[0]})")
+            self._check_range(positions)
         rows = self.table[positions]
         half = self.table.shape[-1] // 2
         return rows[..., :half], rows[..., half:]
+
+
+    def _check_range(self, positions: torch.Tensor) -> None:
+        """A position outside the table would wrap (negative) or fail (too large). Checked only where it costs no
+        device sync (CPU tensors), so the CPU tests catch a caller that breaks the bound."""
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= self.table.shape[0]:
+            raise IndexError(f"rope positions [{lo}, {hi}] outside the prepared table [0, {self.table.shape[0]})")
 
 
 def prepare_rope_tables(model: nn.Module, max_positions: int) -> None:
