@@ -55,17 +55,17 @@ class _Counter(TorchDispatchMode):
         self.lines: collections.Counter[tuple[str, str]] = collections.Counter()
 
     def kernel(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """fn counted as one launch (what it runs inside is not counted)."""
+        inner = self.uncounted(fn)
+
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if self.paused == 0:
                 self._count(f"triton:{name}")
-            self.paused += 1
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.paused -= 1
+            return inner(*args, **kwargs)
         return wrapped
 
     def uncounted(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """fn with nothing it runs counted."""
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             self.paused += 1
             try:

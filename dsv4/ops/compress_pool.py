@@ -187,7 +187,6 @@ def write_entries_torch(pooled: torch.Tensor, norm_weight: torch.Tensor, eps: fl
 
 
 if triton is not None:
-    from triton.language.extra import libdevice as _libdevice
 
     @triton.jit
     def _write_entries_kernel(x_ptr, w_ptr, table_ptr, pos_ptr, slot_ptr, out_ptr, eps, inv_d, ratio,
@@ -206,7 +205,7 @@ if triton is not None:
         if INTERPRET:
             rs = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
         else:
-            rs = _libdevice.rsqrt(tl.sum(xf * xf, axis=0) * inv_d + eps)
+            rs = libdevice.rsqrt(tl.sum(xf * xf, axis=0) * inv_d + eps)
         orow = out_ptr + tl.load(slot_ptr + r).to(tl.int64) * D
         nope = D - 2 * HALF
         # channels without rope: the normed value, cast to the stream dtype, then to the cache's
