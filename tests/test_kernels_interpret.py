@@ -260,6 +260,37 @@ def test_write_entries_kernel_matches_torch() -> None:
     """)
 
 
+def test_window_kv_kernel_matches_torch() -> None:
+    """V4.1's window-KV write of a decode step (V4.1 RMSNorm, rope, FP8 fake quant, scatter) against the torch ops:
+    head dims of 1, 4 and 16 FP8 blocks, rope over part or all of the row, cos/sin as the strided halves of a
+    table row, bf16 and fp32; only the rows' slots change; nearly every element equal, and the rest one FP8 step
+    away at most (a normed value an ulp off can flip a code)."""
+    _interpret("""
+        import torch
+        from dsv4.ops.window_kv import write_window_kv_torch, write_window_kv_triton
+        g = torch.Generator().manual_seed(13)
+        for dtype in (torch.bfloat16, torch.float32):
+            for D, half in ((32, 8), (128, 32), (512, 32), (64, 32)):
+                R = 5
+                latent = (torch.randn(R, D, generator=g) * 4).to(dtype)
+                weight = (torch.rand(D, generator=g) + 0.5).to(dtype)
+                ang = torch.rand(R, 1, generator=g) * 100 * torch.rand(half, generator=g)
+                table = torch.cat([ang.cos(), ang.sin()], dim=-1)
+                cos, sin = table[:, :half], table[:, half:]
+                slots = torch.tensor([4, 0, 7, 2, 5])
+                caches = [torch.full((9, D), 3.0).to(dtype) for _ in range(2)]
+                write_window_kv_torch(latent, weight, 1e-6, cos, sin, caches[0], slots)
+                write_window_kv_triton(latent, weight, 1e-6, cos, sin, caches[1], slots)
+                r, o = caches[0].float(), caches[1].float()
+                untouched = torch.ones(9, dtype=torch.bool)
+                untouched[slots] = False
+                assert (o[untouched] == 3.0).all()
+                assert ((r - o).abs() <= r.abs() * 2.0 ** -3 + 1e-6).all(), (dtype, D, (r - o).abs().max())
+                assert (r != o).float().mean() < 0.02, (dtype, D, (r != o).float().mean())
+        print("ok")
+    """)
+
+
 def test_fake_quant_kernel_is_bit_exact() -> None:
     _interpret("""
         import torch

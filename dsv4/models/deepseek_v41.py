@@ -21,6 +21,7 @@ from dsv4.models.config import ModelConfig
 from dsv4.models.engram import Engram, EngramLayout, HostTable, engram_hash
 from dsv4.models.layers.attention import grouped_projection, write_slots
 from dsv4.models.layers.mhc import hc_mixes
+from dsv4.models.layers.norm import rms_norm_v41_torch
 from dsv4.models.layers.moe import moe_output
 from dsv4.models.layers.rope import RotaryTable
 from dsv4.models.vision import VisionEncoder
@@ -34,6 +35,7 @@ from dsv4.ops.rope import apply_rope
 from dsv4.ops.router import fp32_reciprocal, route
 from dsv4.ops.swiglu import swiglu
 from dsv4.ops.topk import stable_topk
+from dsv4.ops.window_kv import write_window_kv
 from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, TokenKeySlots, row_chunks, token_key_slots
 from dsv4.runtime.kv_cache import LayerKVCache
 
@@ -51,10 +53,9 @@ class RMSNormV41(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and triton is not None:  # one fused launch, the same rounding steps as below
+        if x.is_cuda and triton is not None:  # one fused launch, the same rounding steps
             return rms_norm_v41_triton(x, self.weight, self.eps)
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return rms_norm_v41_torch(x, self.weight, self.eps)
 
 
 def expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -314,8 +315,9 @@ class AttentionV41(nn.Module):
         """A uniform decode step: one row per (padded) request, fixed shapes and no host sync."""
         cache = caches[self.layer]
         cos, sin = self.rope(dmd.positions)
-        q, qr, kv = self._project(x, cos, sin)
-        cache.window[dmd.write_slots] = kv.to(cache.window.dtype)
+        q, qr = self._queries(x, cos, sin)
+        kvn = self.kv_norm
+        write_window_kv(self.wkv(x), kvn.weight, kvn.eps, cos, sin, cache.window, dmd.write_slots)
         if self.is_kv_source:
             self._publish_decode(x, dmd, cache)
         qi, iw = self.indexer.queries(x, qr, cos, sin) if self.is_index_source else (None, None)
@@ -333,11 +335,16 @@ class AttentionV41(nn.Module):
 
     def _project(self, x: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Roped queries [T, H, D], the query latent qr (the indexer's input) and the FP8 key/value latent [T, D]."""
-        qr = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim), cos, sin)
+        """Roped queries [T, H, D], the query latent qr (the indexer's input) and the FP8 key/value latent [T, D]
+        (decode steps write the latent with `write_window_kv`, these ops in one launch)."""
+        q, qr = self._queries(x, cos, sin)
         kv = fp8_fake_quant(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
         return q, qr, kv
+
+    def _queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Roped queries [T, H, D] and the query latent qr (the indexer's input)."""
+        qr = self.q_norm(self.wq_a(x))
+        return apply_rope(self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim), cos, sin), qr
 
     def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The attention output back to the hidden size: inverse rope (keys are roped values), grouped wo_a, wo_b."""

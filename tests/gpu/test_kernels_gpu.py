@@ -208,6 +208,35 @@ def test_write_entries(dtype: torch.dtype, D: int, m: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R", [1, 32, 64])
+def test_window_kv(dtype: torch.dtype, R: int) -> None:
+    """V4.1's fused window-KV write (norm, rope, FP8 fake quant, scatter) against the torch ops on the GPU at the
+    V4.1 shape (head 512, rope 64, cos/sin from a gathered table row): only the rows' slots change; nearly every
+    element equal, the rest at most one FP8 step (2^-3 relative) away (a normed value an ulp off flips a code)."""
+    from dsv4.models.config import RopeConfig
+    from dsv4.models.layers.rope import RotaryTable
+    from dsv4.ops.window_kv import write_window_kv_torch, write_window_kv_triton
+
+    g = torch.Generator(device="cuda").manual_seed(R)
+    D = 512
+    rope = RotaryTable(RopeConfig(theta=10000.0, dim=64)).cuda()
+    rope.prepare(4096)
+    cos, sin = rope(torch.randint(0, 4096, (R,), device="cuda", generator=g))
+    latent = (torch.randn(R, D, device="cuda", generator=g) * 4).to(dtype)
+    weight = (torch.rand(D, device="cuda", generator=g) + 0.5).to(dtype)
+    slots = torch.randperm(2 * R, device="cuda", generator=g)[:R]
+    caches = [torch.full((2 * R, D), 3.0, device="cuda", dtype=dtype) for _ in range(2)]
+    write_window_kv_torch(latent, weight, 1e-6, cos, sin, caches[0], slots)
+    write_window_kv_triton(latent, weight, 1e-6, cos, sin, caches[1], slots)
+    r, o = caches[0].float(), caches[1].float()
+    assert ((r - o).abs() <= r.abs() * 2.0 ** -3 + 1e-6).all()
+    assert (r != o).float().mean() < 0.02
+    untouched = torch.ones(2 * R, dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert (o[untouched] == 3.0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fake_quant_bits(dtype: torch.dtype) -> None:
     """The Triton fake quant (what fp8_fake_quant & co. dispatch to on CUDA) equals the torch path on the GPU bit
     for bit, the sign of zero included: random values at the V4.1 shapes, tiny and huge blocks, zeros, e2m1 ties

@@ -16,6 +16,12 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (weight.float() * xf).to(x.dtype)
 
 
+def rms_norm_v41_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """V4.1 RMSNorm: the normalised value is cast to x's dtype first, then scaled by the weight (model dtype)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
 def unweighted_rms_norm_torch(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without a weight; the factor is cast to x's dtype before the product."""
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
