@@ -202,9 +202,6 @@ def decode_sink_attention_triton(q: torch.Tensor, sources: Sequence[Source], sin
         # slots/mask are small (R x L): a copy is cheap; the cache is read in place
         slots = slots if slots.stride(-1) == 1 else slots.contiguous()
         mask = mask if mask.stride(-1) == 1 else mask.contiguous()
-        # eager: reinterpret the bools as bytes (free); under torch.compile inductor cannot lower a bool->uint8
-        # view (seen on torch 2.11), and a real conversion fuses into the op that produced the mask
-        mask = mask.to(torch.uint8) if torch.compiler.is_compiling() else mask.view(torch.uint8)
         srcs.append((cache, slots, mask))
     lengths = [s.shape[1] for _, s, _ in srcs]
     if len(srcs) == 1:  # the second source: the first again, with no keys and no splits

@@ -73,7 +73,7 @@ if triton is not None:
             ids = tl.load(table_ptr + row * table_stride + blk).to(tl.int64)  # clamped: always inside the row
             slots = tl.where(ok, ids * BS + wpc % BS, 0)
             tl.store(wslots_ptr + b * W + j, slots, mask=jm)
-            tl.store(wmask_ptr + b * W + j, ok.to(tl.uint8), mask=jm)
+            tl.store(wmask_ptr + b * W + j, ok, mask=jm)
             # the row's own token: key position pos (always inside the table for a real row)
             own = tl.load(table_ptr + row * table_stride + tl.minimum(pos // BS, max_blocks - 1))
             tl.store(write_ptr + b, tl.where(valid, own.to(tl.int64) * BS + pos % BS, 0))
@@ -132,6 +132,6 @@ def build_decode_metadata_triton(num_reqs: int, num_padded: int, positions: torc
                 consts.update({f"R{i}": c.ratio, f"BS{i}": c.block_size})
         _decode_md_kernel[(num_padded,)](
             positions, idx_mapping, num_reqs, pos_out, table, table.stride(0), table.shape[1], state, state.stride(0),
-            wslots, wmask.view(torch.uint8), write_slots, state_blocks, *groups, **consts, NUM_COMP=len(chunk),
+            wslots, wmask, write_slots, state_blocks, *groups, **consts, NUM_COMP=len(chunk),
             WINDOW=k == 0, W=W, BLOCK_W=triton.next_power_of_2(W), BS=block_size, HAS_STATE=state_table is not None,
             BLOCK=256)

@@ -100,7 +100,7 @@ def engram_update_triton(h: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tens
     h, kv = h.contiguous(), kv.contiguous()
     out = torch.empty_like(h)
     if T:
-        mask = gate_mask.view(torch.int8) if gate_mask is not None else h
+        mask = gate_mask if gate_mask is not None else h
         _engram_kernel[(T,)](h, kv, q_weight.contiguous(), k_weight.contiguous(), mask, out, D, float(eps),
                              math.sqrt(D), HC=hc, HAS_MASK=gate_mask is not None,
                              BLOCK_D=min(1024, triton.next_power_of_2(D)), INTERPRET=INTERPRET,

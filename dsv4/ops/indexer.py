@@ -104,7 +104,7 @@ if triton is not None:
         slot = tl.load(eslots_ptr + r * M + tl.maximum(p, 0), mask=jm, other=0)
         tl.store(picks_out_ptr + r * K + j, p, mask=jm)
         tl.store(slots_out_ptr + r * K + j, slot, mask=jm)
-        tl.store(mask_out_ptr + r * K + j, (p >= 0).to(tl.int8), mask=jm)
+        tl.store(mask_out_ptr + r * K + j, p >= 0, mask=jm)
 
 
 def pick_sources_triton(picks: torch.Tensor, eslots: torch.Tensor, scores: torch.Tensor | None = None
@@ -117,7 +117,7 @@ def pick_sources_triton(picks: torch.Tensor, eslots: torch.Tensor, scores: torch
     mask_out = torch.empty(R, K, dtype=torch.bool, device=picks.device)
     if R and K:
         sc = scores.contiguous() if scores is not None else picks
-        _pick_sources_kernel[(R,)](picks, eslots, sc, picks_out, slots_out, mask_out.view(torch.int8), K,
+        _pick_sources_kernel[(R,)](picks, eslots, sc, picks_out, slots_out, mask_out, K,
                                    eslots.shape[1], HAS_SCORES=scores is not None,
                                    BLOCK_K=triton.next_power_of_2(K))
     return picks_out, slots_out, mask_out
