@@ -92,11 +92,18 @@ def _make_model(args: argparse.Namespace) -> None:
     print(f"wrote {args.preset} (seed {args.seed}, {dtype}) to {out}")
 
 
-_GPU_ARGS = ("enforce_eager", "gpu_memory_utilization", "encoder_cudagraphs", "compile_decode", "async_scheduling")
+_GPU_ARGS = ("enforce_eager", "gpu_memory_utilization", "encoder_cudagraphs", "compile_decode", "async_scheduling",
+             "enable_prefix_caching", "swa_bounded_replay")
 
 
 def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
-    """The GPU runtime knobs shared by `generate` and `serve` (vLLM's names)."""
+    """The runtime knobs shared by `generate` and `serve` (vLLM's names)."""
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                        help="reuse the KV of cached prompt prefixes (default on; V4.1 only, V4 has nothing to cache)")
+    parser.add_argument("--swa-bounded-replay", action=argparse.BooleanOptionalAction, default=None,
+                        help="after a prefix hit, rebuild the sliding-window KV from the hit's last window only "
+                             "(default on: fast, approximate); --no-swa-bounded-replay replays n_layers*(W-1) "
+                             "tokens and matches a cold prefill")
     parser.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     parser.add_argument("--gpu-memory-utilization", type=float,
                         help="share of the GPU for weights, activations and the KV cache (default 0.9)")

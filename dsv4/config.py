@@ -34,10 +34,17 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache: block size in tokens (window group) or entries (compressed groups), and pool size."""
+    """Paged KV cache: block size in tokens (window group) or entries (compressed groups), pool size, prefix
+    caching."""
 
     block_size: int = 16
     num_blocks: int | None = None  # window-group blocks; None = enough for max_num_seqs full-length requests
+    # Reuse the KV of cached prompt prefixes (V4.1: the compressed entries and indexer keys; V4 has no cacheable
+    # group, see dsv4.kv.spec). After a hit the window KV is rebuilt by replay: with `swa_bounded_replay` (vLLM's
+    # default for V4.1) the hit's last W tokens, whose windows are cut at the replay start, so the window KV of
+    # layers >= 1 is approximate; without it n_layers * (W - 1) tokens, which rebuilds it exactly.
+    enable_prefix_caching: bool = True
+    swa_bounded_replay: bool = True
 
     def validate(self) -> None:
         if self.block_size < 1:

@@ -25,7 +25,8 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: int | None = None, seed: int = 0, enforce_eager: bool = False,
                  cudagraph_capture_sizes: tuple[int, ...] | None = None, gpu_memory_utilization: float = 0.9,
                  encoder_cudagraphs: bool = False, compile_decode: bool = False,
-                 async_scheduling: bool | None = None) -> None:
+                 async_scheduling: bool | None = None, enable_prefix_caching: bool = True,
+                 swa_bounded_replay: bool = True) -> None:
         if model is None:
             from dsv4.models.presets import default_model_dir
 
@@ -40,7 +41,9 @@ class LLM:
                                           enforce_eager=enforce_eager, cudagraph_capture_sizes=cudagraph_capture_sizes,
                                           gpu_memory_utilization=gpu_memory_utilization,
                                           encoder_cudagraphs=encoder_cudagraphs, compile_decode=compile_decode,
-                                          async_scheduling=async_scheduling)
+                                          async_scheduling=async_scheduling,
+                                          enable_prefix_caching=enable_prefix_caching,
+                                          swa_bounded_replay=swa_bounded_replay)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],

@@ -16,8 +16,10 @@ from dsv4.sampling_params import SamplingParams
 class NewRequestData:
     """A request the runner has not seen (first admission, or resumed after preemption).
 
-    `prompt_token_ids` + `output_token_ids` are all tokens known so far; after a preemption the request is
-    recomputed from `num_computed_tokens` (0, or `replay_start` once prefix caching lands).
+    `prompt_token_ids` + `output_token_ids` are all tokens known so far; the request computes from
+    `num_computed_tokens`: 0, or `replay_start` after a prefix-cache hit of `replay_end` tokens. The tokens
+    [replay_start, replay_end) are replayed: they rebuild the window KV, see windows that start no lower than
+    replay_start, and write nothing to the prefix-cacheable groups (their cached KV is shared). (0, 0): no hit.
     """
 
     req_id: str
@@ -27,6 +29,7 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]  # one list per KV group
     num_computed_tokens: int
     replay_start: int = 0
+    replay_end: int = 0
     images: list[Any] | None = None  # ImageInput per image span of the prompt (dsv4.engine.multimodal)
 
 

@@ -64,7 +64,25 @@ def test_double_free_and_null_block_misuse_are_bugs() -> None:
     with pytest.raises(AssertionError):
         pool.free([NULL_BLOCK])
     with pytest.raises(AssertionError):
-        pool.incr_ref([2])  # free block: nobody owns it to share
+        pool.incr_ref([NULL_BLOCK])
+
+
+def test_incr_ref_takes_a_free_block_back_and_reuse_is_reported() -> None:
+    """A prefix hit on a freed block takes it out of the free queue with its contents (no reuse callback); a
+    block handed out for new contents is reported to `on_reuse`, oldest freed first."""
+    pool = BlockPool(5)
+    reused: list[int] = []
+    pool.on_reuse = reused.append
+    a = pool.allocate(4)
+    assert a == [1, 2, 3, 4] and reused == [1, 2, 3, 4]
+    pool.free([3, 1, 4])
+    assert pool.num_free == 3 and pool.num_free_of([1, 2, 3]) == 2
+    pool.incr_ref([1])  # cached block taken back: no longer free, not reported as reused
+    assert pool.num_free == 2 and pool.ref_cnt[1] == 1 and reused == [1, 2, 3, 4]
+    pool.incr_ref([2])  # held block: shared
+    assert pool.ref_cnt[2] == 2
+    assert pool.allocate(2) == [3, 4] and reused[-2:] == [3, 4]
+    assert pool.allocate(1) is None
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -21,7 +21,7 @@ from dsv4.engine.request import Request
 from dsv4.engine.scheduler import Scheduler
 from dsv4.engine.stop import check_stop_strings, stop_hold_back
 from dsv4.kv.manager import KVCacheManager
-from dsv4.kv.spec import make_kv_groups
+from dsv4.kv.spec import make_kv_groups, replay_tokens
 from dsv4.models.build import build_model
 from dsv4.models.config import ConfigError, ModelConfig, load_model_config
 from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
@@ -109,11 +109,12 @@ class LLMEngine:
         num_blocks = config.cache.num_blocks or default_num_blocks(config)
         if config.device.startswith("cuda") and config.cache.num_blocks is None:
             num_blocks = self._size_kv_pool(model, dtype)
-        self.groups = make_kv_groups(config.model, config.cache.block_size, num_blocks,
-                                     config.scheduler.max_num_seqs)
+        cc = config.cache
+        replay = replay_tokens(config.model, cc.swa_bounded_replay) if cc.enable_prefix_caching else 0
+        self.groups = make_kv_groups(config.model, cc.block_size, num_blocks, config.scheduler.max_num_seqs, replay)
         self.runner = ModelRunner(config, model, self.groups, dtype)
         self.runner.capture_graphs()
-        self.kv_manager = KVCacheManager(self.groups, config.scheduler.max_num_batched_tokens)
+        self.kv_manager = KVCacheManager(self.groups, config.scheduler.max_num_batched_tokens, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.requests: dict[str, _UserRequest] = {}
         self._child_to_user: dict[str, str] = {}
@@ -155,7 +156,8 @@ class LLMEngine:
                   num_kv_blocks: int | None = None, seed: int = 0, load_tokenizer: bool = True,
                   enforce_eager: bool = False, cudagraph_capture_sizes: tuple[int, ...] | None = None,
                   gpu_memory_utilization: float = 0.9, encoder_cudagraphs: bool = False,
-                  compile_decode: bool = False, async_scheduling: bool | None = None) -> "LLMEngine":
+                  compile_decode: bool = False, async_scheduling: bool | None = None,
+                  enable_prefix_caching: bool = True, swa_bounded_replay: bool = True) -> "LLMEngine":
         """Build an engine from a checkpoint directory and the usual knobs (async_scheduling None: on for CUDA)."""
         mc = load_model_config(model)
         max_model_len = max_model_len or min(mc.max_position_embeddings, 4096)
@@ -165,7 +167,8 @@ class LLMEngine:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
                                       max_model_len=max_model_len,
                                       async_scheduling=default_async_scheduling(device, async_scheduling)),
-            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks),
+            cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
+                              enable_prefix_caching=enable_prefix_caching, swa_bounded_replay=swa_bounded_replay),
             dtype=dtype, device=device, seed=seed, enforce_eager=enforce_eager,
             cudagraph_capture_sizes=cudagraph_capture_sizes, gpu_memory_utilization=gpu_memory_utilization,
             encoder_cudagraphs=encoder_cudagraphs, compile_decode=compile_decode,
@@ -352,7 +355,9 @@ class LLMEngine:
         metrics = {"arrival_time": user.arrival_time}
         if user.first_token_time is not None:
             metrics["first_token_time"] = user.first_token_time
-        return RequestOutput(user.request_id, user.prompt, user.prompt_token_ids, outs, finished, metrics=metrics)
+        cached = max(0, user.children[0].request.num_cached_tokens)  # the prompt's hit (the same for every sample)
+        return RequestOutput(user.request_id, user.prompt, user.prompt_token_ids, outs, finished,
+                             num_cached_tokens=cached, metrics=metrics)
 
     @staticmethod
     def _delta(index: int, c: _Child) -> CompletionOutput:

@@ -56,6 +56,13 @@ class Request:
     num_preemptions: int = 0
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it, if any
     images: list[Any] | None = None  # ImageInput per image span of the prompt
+    # Prefix caching: the prompt tokens served from the cache at first admission (-1: not admitted yet), the
+    # replayed range [replay_start, replay_end) of the current admission's hit (0, 0 without one), and the
+    # chained keys of the request's units (grown as tokens become known; see dsv4.kv.prefix_cache)
+    num_cached_tokens: int = -1
+    replay_start: int = 0
+    replay_end: int = 0
+    prefix_keys: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

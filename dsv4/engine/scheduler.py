@@ -19,6 +19,13 @@ values from the device history), and update_from_output replaces them with the r
 request whose placeholders already reach max_tokens or the length limit is not scheduled again (it finishes when
 they land); one that stops on a token computes one more token, which is discarded with the request. A preempted
 request is re-admitted only once its placeholders have landed, so its new row starts from the known tokens.
+
+Prefix caching with replay (runtime.md 2.2; `KVCacheManager.prefix`). A request admitted (first time or after a
+preemption) looks up its longest cached prefix, H tokens; it then starts computing at `replay_start = H -
+min(replay, H)`, with `replay` the KV manager's replay length (the sliding window W under bounded replay): the
+tokens [replay_start, H) are computed again to rebuild the window KV, which is never cached, while their cached
+KV in the prefix-cacheable groups is shared as is (the runner writes none of it). A hit shorter than the replay
+replays all of it (replay_start = 0). Every step caches the units its requests' computed tokens fill.
 """
 
 from __future__ import annotations
@@ -144,6 +151,7 @@ class Scheduler:
             # As vLLM: count the tokens as computed now, so the next schedule() sees where each request will be
             # (a request scheduled here is never preempted later in this step: victims come from the tail).
             req.num_computed_tokens += n
+            self._cache_blocks(req)
             self._add_placeholder(req)
             budget -= n
             i += 1
@@ -156,23 +164,38 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_output_placeholders:
                 break  # preempted while a step sampled for it: re-admit once that token has landed
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.kv_manager.allocate_slots(req.req_id, req.num_computed_tokens + n, req.num_computed_tokens) is None:
+            assert req.num_computed_tokens == 0, "a waiting request holds no KV"
+            kv = self.kv_manager
+            hit = kv.find_prefix(req.prefix_keys, req.all_token_ids, req.images) if kv.prefix is not None else []
+            hit_tokens = len(hit) * kv.prefix.unit_tokens if hit else 0
+            start = hit_tokens - min(kv.replay_tokens, hit_tokens)
+            n = min(req.num_tokens - start, budget)
+            if (kv.allocate_with_prefix(req.req_id, hit, start, start + n) if hit
+                    else kv.allocate_slots(req.req_id, n, 0)) is None:
                 break  # FIFO: later requests wait behind the head rather than overtake it
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            req.num_computed_tokens, req.replay_start, req.replay_end = start, start, hit_tokens
+            if req.num_cached_tokens < 0:  # reported once: the first admission's hit
+                req.num_cached_tokens = hit_tokens
+            if kv.prefix is not None:
+                kv.prefix.queries += req.num_tokens
+                kv.prefix.hits += hit_tokens
             new_reqs.append(NewRequestData(
                 req_id=req.req_id,
                 prompt_token_ids=list(req.prompt_token_ids),
                 output_token_ids=list(req.output_token_ids),
                 sampling_params=req.sampling_params,
-                block_ids=self.kv_manager.get_block_ids(req.req_id),
-                num_computed_tokens=req.num_computed_tokens,
+                block_ids=kv.get_block_ids(req.req_id),
+                num_computed_tokens=start,
+                replay_start=start,
+                replay_end=hit_tokens,
                 images=req.images,
             ))
             num_scheduled[req.req_id] = n
             req.num_computed_tokens += n
+            self._cache_blocks(req)
             self._add_placeholder(req)
             budget -= n
 
@@ -215,6 +238,17 @@ class Scheduler:
         # tokens the next step may compute up to: the known ones plus those in-flight steps will sample
         return req.num_tokens + req.num_output_placeholders
 
+    def _cache_blocks(self, req: Request) -> None:
+        # the units this step fills become hits for later requests: their KV is written by this step, which runs
+        # before any step that reads it (a request admitted in this same step reads them after this step's
+        # writes too: every layer writes its step's KV before it attends)
+        kv = self.kv_manager
+        if kv.prefix is None:
+            return
+        n = min(req.num_computed_tokens, req.num_tokens)  # placeholders' values are unknown: not hashable
+        if n // kv.prefix.unit_tokens > kv.num_cached_units(req.req_id):
+            kv.cache_blocks(req.req_id, req.prefix_keys, req.all_token_ids, req.images, n)
+
     def _add_placeholder(self, req: Request) -> None:
         # async: a chunk that reaches the request's last planned token makes the runner sample one more
         if self.config.async_scheduling and req.num_computed_tokens == self._num_planned(req):
@@ -250,7 +284,7 @@ class Scheduler:
         # Recompute later from scratch: drop its KV, put it first in line, and tell the runner to drop its row.
         self.kv_manager.free(req.req_id)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.replay_start = req.replay_end = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)

@@ -3,14 +3,17 @@
 Block 0 is the null block: tables are padded with it, so it is never handed out. Blocks are shared by
 reference count (a prefix-cache hit will bump it); a block returns to the free queue when its count drops to 0.
 
-Prefix caching plugs in here later: a freed block keeps its hash and stays in the free queue, where a hit can
-take it back (`incr_ref` on a free block) and `_pop_free` evicts the oldest one's hash when it is reused. The
-queue is an OrderedDict rather than a deque so that such a hit can remove a block from the middle in O(1).
+Prefix caching (dsv4.kv.prefix_cache) plugs in with two hooks: a freed block keeps its cached contents and
+stays in the free queue, where a hit can take it back (`incr_ref` on a free block), and `on_reuse` tells the
+cache when the queue hands such a block out again (its contents are about to be overwritten: lazy eviction, the
+least recently freed first). The queue is an OrderedDict rather than a deque so that a hit can remove a block
+from the middle in O(1).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from dsv4.kv.spec import NULL_BLOCK
 
@@ -25,6 +28,7 @@ class BlockPool:
         # Oldest-freed first: reusing the least recently freed block keeps recently freed (likely hot,
         # later cacheable) blocks around longest.
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks) if b != NULL_BLOCK)
+        self.on_reuse: Callable[[int], None] | None = None  # called with a block id as it leaves the free queue
 
     @property
     def num_free(self) -> int:
@@ -44,10 +48,17 @@ class BlockPool:
         return [self._pop_free() for _ in range(n)]
 
     def incr_ref(self, block_ids: list[int]) -> None:
-        """Share blocks already held by someone else (a prefix-cache hit)."""
+        """Share blocks (a prefix-cache hit): held ones gain a reference, free ones leave the free queue with
+        their contents (no `on_reuse`: they are taken for what they hold)."""
         for b in block_ids:
-            assert b != NULL_BLOCK and self.ref_cnt[b] > 0, f"incr_ref on unowned block {b}"
+            assert b != NULL_BLOCK, "incr_ref on the null block"
+            if self.ref_cnt[b] == 0:
+                del self._free[b]
             self.ref_cnt[b] += 1
+
+    def num_free_of(self, block_ids: list[int]) -> int:
+        """How many of `block_ids` sit in the free queue (a hit on them uses up that many free blocks)."""
+        return sum(1 for b in block_ids if self.ref_cnt[b] == 0)
 
     def free(self, block_ids: list[int]) -> None:
         """Drop one reference to each block; blocks reaching 0 go to the back of the free queue, in order.
@@ -62,8 +73,10 @@ class BlockPool:
                 self._free[b] = None
 
     def _pop_free(self) -> int:
-        # The single place a block leaves the free queue: prefix caching will drop the block's hash here.
+        # The single place a free block is handed out for new contents: the prefix cache forgets it here.
         b, _ = self._free.popitem(last=False)
         assert self.ref_cnt[b] == 0, f"free block {b} has ref count {self.ref_cnt[b]}"
         self.ref_cnt[b] = 1
+        if self.on_reuse is not None:
+            self.on_reuse(b)
         return b

@@ -7,6 +7,11 @@ A group is a set of layers that share one block table per request. DeepSeek-V4 h
   works with any ratio);
 - `state`: the compressors' open-window rows (and CSA overlap rows), a per-request ring of fixed size: one
   block per request, never prefix-cacheable.
+
+Prefix caching (dsv4.kv.prefix_cache): V4.1's compressed groups are exact functions of the prefix and cacheable;
+the window group is not (a layer's window KV depends on the previous layer's window) and is rebuilt after a hit
+by replaying the hit's last `prefix_replay_tokens` tokens. V4's compressed groups are not cacheable either: a V4
+compressor also carries open-window and CSA overlap rows across every boundary, which a hit would have to restore.
 """
 
 from __future__ import annotations
@@ -33,8 +38,8 @@ class KVGroupSpec:
     block_size: int  # rows per block: tokens (window), entries (compressed), ring rows (state)
     tokens_per_row: int = 1  # the compress ratio for compressed groups
     num_blocks: int = 0  # pool size including the null block
-    prefix_cacheable: bool = True
-    prefix_replay_tokens: int = 0
+    prefix_cacheable: bool = False  # its blocks may be shared by requests with the same prefix
+    prefix_replay_tokens: int = 0  # window group under prefix caching: a hit's last tokens computed again
     sliding_window: int = 0  # window group: a token reads the W tokens up to itself, so older blocks are freed
 
     def first_live_block(self, num_computed: int) -> int:
@@ -79,17 +84,32 @@ def layer_cache_layout(model: ModelConfig, layer: int) -> LayerCacheLayout:
     return LayerCacheLayout(r, False, r, model.head_dim)
 
 
-def make_kv_groups(model: ModelConfig, block_size: int, num_blocks: int, max_num_seqs: int) -> tuple[KVGroupSpec, ...]:
-    """The KV groups of a model, with pool sizes derived from the window pool's `num_blocks`."""
+def replay_tokens(model: ModelConfig, bounded: bool) -> int:
+    """Tokens of a prefix hit computed again to rebuild the window KV. Bounded replay (vLLM's): the last window,
+    W; the replayed tokens see windows cut at the replay start, so the window KV of layers >= 1 is approximate.
+    Exact: a token's window KV at layer l depends on inputs as far as l * (W - 1) tokens back, so replaying
+    n_layers * (W - 1) tokens rebuilds the last window of every layer as a cold prefill computes it."""
+    W = model.sliding_window
+    return W if bounded else model.num_hidden_layers * (W - 1)
+
+
+def make_kv_groups(model: ModelConfig, block_size: int, num_blocks: int, max_num_seqs: int,
+                   prefix_replay_tokens: int = 0) -> tuple[KVGroupSpec, ...]:
+    """The KV groups of a model, with pool sizes derived from the window pool's `num_blocks`.
+    `prefix_replay_tokens` > 0 (prefix caching on, see `replay_tokens`) marks V4.1's compressed groups
+    prefix-cacheable and the window group replayed."""
     n = model.num_hidden_layers
     layouts = [layer_cache_layout(model, i) for i in range(n)]
-    groups = [KVGroupSpec("window", WINDOW, tuple(range(n)), block_size, 1, num_blocks,
+    cacheable = prefix_replay_tokens > 0 and model.v41 is not None
+    groups = [KVGroupSpec("window", WINDOW, tuple(range(n)), block_size, 1, num_blocks, prefix_cacheable=False,
+                          prefix_replay_tokens=prefix_replay_tokens if cacheable else 0,
                           sliding_window=model.sliding_window)]
     for r in sorted({lay.ratio for lay in layouts if lay.ratio > 0}):
         layers = tuple(i for i in range(n) if layouts[i].ratio == r)
         # a compressed block covers block_size*r tokens; +1 partially filled block per request of slack
         blocks = math.ceil((num_blocks - 1) / r) + max_num_seqs + 1
-        groups.append(KVGroupSpec(f"compressed_{r}", COMPRESSED, layers, block_size, r, blocks))
+        groups.append(KVGroupSpec(f"compressed_{r}", COMPRESSED, layers, block_size, r, blocks,
+                                  prefix_cacheable=cacheable))
     ring_layers = tuple(i for i in range(n) if layouts[i].ring_rows > 0)
     if ring_layers:
         rows = max(layouts[i].ring_rows for i in ring_layers)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4.kv.spec import PAD_SLOT
 from dsv4.models.config import ModelConfig
 from dsv4.models.engram import Engram, EngramLayout, HostTable, engram_hash
 from dsv4.models.layers.attention import grouped_projection, write_slots
@@ -36,7 +37,8 @@ from dsv4.ops.router import fp32_reciprocal, route
 from dsv4.ops.swiglu import swiglu
 from dsv4.ops.topk import stable_topk
 from dsv4.ops.window_kv import write_window_kv
-from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, TokenKeySlots, row_chunks, token_key_slots
+from dsv4.runtime.attn_metadata import (TRASH_SLOT, AttnMetadata, DecodeMetadata, TokenKeySlots, row_chunks,
+                                        token_key_slots)
 from dsv4.runtime.kv_cache import LayerKVCache
 
 if TYPE_CHECKING:  # type only: the runner builds the manager and sets `encoder_graphs`
@@ -77,10 +79,10 @@ class StepState:
 
 
 class StepEntries(NamedTuple):
-    """The entries that complete in a prefill / mixed step, one row each: batch index of the request [N], entry id
-    [N] (int64, on the model's device) and pre-rope latent [N, head_dim]."""
+    """The entries that complete in a prefill / mixed step, one row each: the step's token that completes it [N],
+    entry id [N] (int64, on the model's device) and pre-rope latent [N, head_dim]."""
 
-    req: torch.Tensor
+    token: torch.Tensor
     entry: torch.Tensor
     latent: torch.Tensor
 
@@ -133,8 +135,8 @@ class Compressor(nn.Module):
         # = md.positions, which the runner builds as context length + offset in the chunk
         pos = np.asarray(md.context_lens_cpu, dtype=np.int64)[req] + off
         if m == 1:
-            ereq, ent = _pack([req, pos], x.device)
-            return StepEntries(ereq, ent, self.latent(x))
+            etok, ent = _pack([np.arange(len(pos), dtype=np.int64), pos], x.device)
+            return StepEntries(etok, ent, self.latent(x))
         cap = cache.ring_kv.shape[1]
         close = np.flatnonzero((pos + 1) % m == 0)  # tokens that close the window [pos - m + 1, pos]
         # row j of a window is position pos - m + 1 + j: this step's token t - m + 1 + j when it lies in the
@@ -146,12 +148,12 @@ class Compressor(nn.Module):
         slot = ((pos[close, None] + back) % cap).reshape(-1)
         roll = np.flatnonzero(off >= n[req] - cap)  # each request's last `cap` tokens: the next step's ring
         N, K = len(close), len(roll)
-        reqs, ent, tok_d, in_chunk_d, slot_d, roll_d, rslot = _pack(
-            [req[np.concatenate([close, roll])], (pos[close] + 1) // m - 1, tok, in_chunk, slot, roll,
+        reqs, etok, ent, tok_d, in_chunk_d, slot_d, roll_d, rslot = _pack(
+            [req[np.concatenate([close, roll])], close, (pos[close] + 1) // m - 1, tok, in_chunk, slot, roll,
              pos[roll] % cap], x.device)
         kv, gate = self.project(x)
         blk = state_blocks[reqs].long()  # the ring blocks of the windows' reads and of the roll's writes, one gather
-        ereq, eblk, rblk = reqs[:N], blk[:N], blk[N:]
+        eblk, rblk = blk[:N], blk[N:]
         if N > 0:
             # the ring is read before the roll below overwrites it
             rows = (eblk[:, None], slot_d.view(N, m))
@@ -164,7 +166,7 @@ class Compressor(nn.Module):
         if K > 0:
             cache.ring_kv[rblk, rslot] = kv[roll_d].to(cache.ring_kv.dtype)
             cache.ring_gate[rblk, rslot] = gate[roll_d].to(cache.ring_gate.dtype)
-        return StepEntries(ereq, ent, lat)
+        return StepEntries(etok, ent, lat)
 
 
 class Indexer(nn.Module):
@@ -250,15 +252,15 @@ class AttentionV41(nn.Module):
     # ---- prefill / mixed step: token rows --------------------------------------------------------------------
     def _publish_entries(self, x: torch.Tensor, md: AttnMetadata, cache: LayerKVCache) -> None:
         """KV source: write this step's completed entries (FP4 compressed KV, FP4 indexer keys) to its caches, all
-        requests at once."""
-        group = md.groups[f"compressed_{self.ratio}"]
+        requests at once, at the slots of the step's entry slot mapping. An entry whose slot is PAD_SLOT (a
+        prefix-cache replay recomputes it; its cached value stays) goes to TRASH_SLOT, as a decode step's open
+        pair does: a masked write without a host sync."""
         state = md.block_tables["compressor_state"][:, 0] if "compressor_state" in md.block_tables else None
-        req, ent, latent = self.compressor(x, md, cache, state)
+        tok, ent, latent = self.compressor(x, md, cache, state)
         if ent.numel() == 0:  # a host-known shape: no window closes in this step
             return
-        bs = group.block_size
-        slots = md.block_tables[group.name][req, ent // bs].long() * bs + ent % bs  # through each request's table
-        self._write_entries(cache, latent, ent, slots)
+        slots = md.entry_slot_mappings[f"compressed_{self.ratio}"][tok]
+        self._write_entries(cache, latent, ent, torch.where(slots == PAD_SLOT, TRASH_SLOT, slots))
 
     def forward(self, x: torch.Tensor, md: AttnMetadata, caches: list[LayerKVCache], step: StepState) -> torch.Tensor:
         """Any step (prefill, chunked prefill, mixed): one row per token, attended in chunks of CHUNK rows."""

@@ -31,6 +31,12 @@ class AttnMetadata:
     groups: dict[str, KVGroupSpec]
     block_tables: dict[str, torch.Tensor]  # group name -> [R, max_blocks] int32, batch order
     window_slot_mapping: torch.Tensor  # [T] int64, PAD_SLOT for tokens that write nothing
+    # per compressed group: [T] int64 slot of the entry each token completes, PAD_SLOT for none (and for tokens a
+    # prefix-cache replay recomputes: their cached entries stay as they are)
+    entry_slot_mappings: dict[str, torch.Tensor] = field(default_factory=dict)
+    # [T] int64 lowest position each token's window may reach (a replay start, see step.NewRequestData), or None:
+    # window KV below it was never rebuilt
+    window_floor: torch.Tensor | None = None
     # token_key_slots of this step by window, built by the first layer that asks (the same for every layer)
     key_slots: dict[int, "TokenKeySlots"] = field(default_factory=dict)
 
@@ -51,6 +57,7 @@ def build_attn_metadata(
     groups: tuple[KVGroupSpec, ...],
     block_tables: dict[str, torch.Tensor],
     window_slot_mapping: torch.Tensor,
+    entry_slot_mappings: dict[str, torch.Tensor] | None = None,
 ) -> AttnMetadata:
     """Bundle a step's batch description for the model."""
     return AttnMetadata(
@@ -62,6 +69,7 @@ def build_attn_metadata(
         groups={g.name: g for g in groups},
         block_tables=block_tables,
         window_slot_mapping=window_slot_mapping,
+        entry_slot_mappings=entry_slot_mappings or {},
     )
 
 
@@ -238,7 +246,7 @@ def _build_token_key_slots(md: AttnMetadata, window: int) -> TokenKeySlots:
     pos = md.positions
     win = md.groups["window"]
     wpos = pos[:, None] - torch.arange(window - 1, -1, -1, device=dev)  # pos-W+1 .. pos
-    ok = wpos >= 0
+    ok = wpos >= 0 if md.window_floor is None else wpos >= md.window_floor[:, None]  # (floors are >= 0)
     wslots = _token_table_slots(md.block_tables[win.name], req, wpos.clamp(min=0), win.block_size)
     entry_slots, n_entries = {}, {}
     for g in md.groups.values():

@@ -1,15 +1,16 @@
 """ModelState: the model-specific hooks the runner calls every step.
 
 The runner owns the generic machinery (rows, buffers, block tables, sampling); a ModelState adds what one
-model family needs on top (DeepSeek-V4.1's engram lookback window and bounded replay plug in here in later
-issues). Hook order within a step: add/remove_request, then prepare_attn, then prepare_inputs.
+model family needs on top (DeepSeek-V4.1's engram lookback window and prefix-cache replay). Hook order within a
+step: add/remove_request, then prepare_attn, then prepare_inputs.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from dsv4.kv.spec import PAD_SLOT, KVGroupSpec
+from dsv4.kv.spec import COMPRESSED, PAD_SLOT, KVGroupSpec
 from dsv4.ops.lookback import gather_lookback
 from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, DecodeMetadataBuffers, build_attn_metadata
 from dsv4.runtime.block_tables import BlockTables
@@ -38,9 +39,11 @@ class DefaultModelState:
         if for_dummy:
             tables = {name: torch.zeros_like(t[: batch.num_reqs]) for name, t in block_tables.tables.items()}
             slots = torch.full((batch.num_tokens,), PAD_SLOT, dtype=torch.int64, device=batch.positions.device)
+            entry_slots = {g.name: slots for g in self.groups if g.kind == COMPRESSED}
         else:
             tables = block_tables.gather(batch.idx_mapping)
             slots = block_tables.window_slot_mapping(batch.token_rows, batch.positions)
+            entry_slots = block_tables.entry_slot_mappings(batch.token_rows, batch.positions)
         return build_attn_metadata(
             num_reqs=batch.num_reqs,
             query_start_loc_cpu=batch.query_start_loc_np.tolist(),
@@ -49,7 +52,13 @@ class DefaultModelState:
             groups=self.groups,
             block_tables=tables,
             window_slot_mapping=slots,
+            entry_slot_mappings=entry_slots,
         )
+
+    def replaying(self, batch: InputBatch) -> bool:
+        """Whether some row of the step replays a prefix-cache hit (it needs the token-row path, which clamps
+        windows and skips cached writes, even for a one-token chunk)."""
+        return False
 
     def prepare_decode_attn(self, batch: InputBatch, block_tables: BlockTables, num_padded: int) -> DecodeMetadata:
         """Fixed-shape metadata of a uniform-decode step padded to `num_padded` rows (a graph size)."""
@@ -69,12 +78,23 @@ class DefaultModelState:
 
 
 class DeepseekV41ModelState(DefaultModelState):
-    """DefaultModelState plus the engram lookback window (the seed's `DeepseekV41ModelState`, first half).
+    """DefaultModelState plus the engram lookback window and prefix-cache replay (the seed's
+    `DeepseekV41ModelState`).
 
-    The engram n-gram hash needs the ids of the `depth` tokens before each request's chunk. The runner keeps
-    every request's token history on the device, so the window is gathered there each step, in one op: exact
-    for prompt and generated tokens alike, whoever computed their KV. The buffer is persistent so a captured
-    graph reads the same address on every replay.
+    Lookback: the engram n-gram hash needs the ids of the `depth` tokens before each request's chunk. The runner
+    keeps every request's token history on the device, so the window is gathered there each step, in one op:
+    exact for prompt and generated tokens alike, whoever computed their KV. The buffer is persistent so a
+    captured graph reads the same address on every replay.
+
+    Replay (runtime.md 2.3): a request admitted with a prefix hit computes [replay_start, replay_end) again. Its
+    per-row bounds are kept on the host from add_request; a step whose rows are still inside their replayed range
+    uploads them (pinned staging, persistent device buffer indexed by state row), then (1) sets the entry slots of
+    the replayed tokens to PAD_SLOT in every prefix-cacheable group, before the model reads the slot mappings, so
+    the shared cached blocks are never written, and (2) gives every token a window floor, its row's replay start,
+    below which its window reads nothing (no window KV was rebuilt there). Rows past their replayed range (decodes
+    included) get floor 0 and no padding: their windows start above replay_start anyway. Unlike vLLM, a hit shorter
+    than the replay (replay_start 0, replay_end > 0) is padded too: recomputing it would rewrite the shared blocks
+    with values that may differ in the last bits (another batch shape), and nothing may modify a cached block.
     """
 
     def __init__(self, groups: tuple[KVGroupSpec, ...], max_num_reqs: int, max_model_len: int, window: int,
@@ -83,6 +103,42 @@ class DeepseekV41ModelState(DefaultModelState):
         self.lookback_token_ids: torch.Tensor | None = None
         if depth > 0:
             self.lookback_token_ids = torch.full((max_num_reqs, depth), -1, dtype=torch.int32, device=device)
+        self.replay_np = np.zeros((max_num_reqs, 2), dtype=np.int64)  # per state row: (replay_start, replay_end)
+        self._replay_dev = torch.zeros(max_num_reqs, 2, dtype=torch.int64, device=device)
+        self._replay_staging = torch.zeros(max_num_reqs, 2, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self._replay_event = torch.cuda.Event() if device.type == "cuda" else None
+        self.cacheable = tuple(g.name for g in groups if g.prefix_cacheable)
+
+    def add_request(self, row: int, new_req: NewRequestData) -> None:
+        self.replay_np[row] = (new_req.replay_start, new_req.replay_end)
+
+    def _active_replay(self, batch: InputBatch) -> np.ndarray | None:
+        """[R, 2] bounds of the batch rows still inside their replayed range ((0, 0) for the others), or None."""
+        rows = batch.idx_mapping_np[: batch.num_reqs]
+        bounds = self.replay_np[rows]
+        active = batch.num_computed_np[: batch.num_reqs] < bounds[:, 1]
+        if not active.any():
+            return None
+        return np.where(active[:, None], bounds, 0)
+
+    def replaying(self, batch: InputBatch) -> bool:
+        return self._active_replay(batch) is not None
+
+    def prepare_attn(self, batch: InputBatch, block_tables: BlockTables, for_dummy: bool = False) -> AttnMetadata:
+        md = super().prepare_attn(batch, block_tables, for_dummy)
+        bounds = None if for_dummy else self._active_replay(batch)
+        if bounds is None:
+            return md
+        if self._replay_event is not None:
+            self._replay_event.synchronize()  # the previous upload has left the staging buffer
+        # by state row (the batch's rows; the others are never read this step)
+        self._replay_staging.numpy()[batch.idx_mapping_np[: batch.num_reqs]] = bounds
+        self._replay_dev.copy_(self._replay_staging, non_blocking=True)
+        if self._replay_event is not None:
+            self._replay_event.record()
+        md.entry_slot_mappings, md.window_floor = pad_replayed_slots(
+            md.entry_slot_mappings, self.cacheable, batch.token_rows, batch.positions, self._replay_dev)
+        return md
 
     def prepare_inputs(self, batch: InputBatch, req_state: RequestState) -> dict[str, torch.Tensor]:
         inputs = super().prepare_inputs(batch, req_state)
@@ -100,3 +156,15 @@ class DeepseekV41ModelState(DefaultModelState):
             self.lookback_token_ids.fill_(-1)  # replays refill it in place
             inputs["lookback_token_ids"] = self.lookback_token_ids
         return inputs
+
+
+def pad_replayed_slots(slot_mappings: dict[str, torch.Tensor], cacheable: tuple[str, ...], token_rows: torch.Tensor,
+                       positions: torch.Tensor, bounds: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Replay on device: token t of state row token_rows[t] at positions[t] is replayed when bounds[row, 0] <=
+    position < bounds[row, 1]. Returns the slot mappings with PAD_SLOT at replayed tokens in the groups named in
+    `cacheable` (the others unchanged) and the per-token window floor (bounds[row, 0], 0 for rows without replay).
+    A few elementwise ops, no host sync: prefill and mixed steps run eagerly, so no kernel of its own is needed."""
+    lo, hi = bounds[token_rows, 0], bounds[token_rows, 1]
+    replayed = (positions >= lo) & (positions < hi)
+    out = {name: (m.masked_fill(replayed, PAD_SLOT) if name in cacheable else m) for name, m in slot_mappings.items()}
+    return out, lo

@@ -208,7 +208,7 @@ class ModelRunner:
 
         batch = InputBatch.prepare(self.buffers, rs.token_history, req_ids, rows, computed, sched, sample_rows)
         image_rows = self._image_rows(batch)
-        if (sched == 1).all() and image_rows is None:
+        if (sched == 1).all() and image_rows is None and not self.model_state.replaying(batch):
             hidden = self._decode(batch)
         else:
             md = self.model_state.prepare_attn(batch, self.block_tables)
