@@ -1,5 +1,5 @@
 """The `dsv4` command: `dsv4 generate` (offline generation), `dsv4 serve` (OpenAI-compatible server),
-`dsv4 bench serve | latency | throughput` (benchmarks) and `dsv4 make-model` (random checkpoints)."""
+`dsv4 bench serve | latency | throughput | chat` (benchmarks) and `dsv4 make-model` (random checkpoints)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 
 from dsv4.bench.latency import add_cli_args as add_bench_latency_args
 from dsv4.bench.serve import add_cli_args as add_bench_serve_args
+from dsv4.bench.chat import add_cli_args as add_bench_chat_args
 from dsv4.bench.throughput import add_cli_args as add_bench_throughput_args
 from dsv4.models.config import ConfigError
 from dsv4.sampling_params import SamplingParams, SamplingParamsError
@@ -70,6 +71,8 @@ def _build_parser() -> argparse.ArgumentParser:
     add_bench_serve_args(bench.add_parser("serve", help="load an OpenAI server; report TTFT, TPOT, ITL, E2EL"))
     add_bench_latency_args(bench.add_parser("latency", help="decode step time of one batch vs the bandwidth floor"))
     add_bench_throughput_args(bench.add_parser("throughput", help="offline throughput through LLM.generate"))
+    add_bench_chat_args(bench.add_parser("chat", help="time to first token of a resent multi-turn chat "
+                                                      "(prefix caching bounded | exact | off)"))
 
     mk = sub.add_parser("make-model", help="write a random-weight checkpoint of a preset")
     mk.add_argument("--preset", default="tiny-v4",

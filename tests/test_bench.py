@@ -322,6 +322,27 @@ def test_bench_throughput_end_to_end(tiny_v41: str, tmp_path: Path, capsys: pyte
     assert math.isclose(res["requests_per_s"] * res["elapsed_s"], 5)
 
 
+@pytest.mark.parametrize("mode", ["bounded", "exact", "off"])
+def test_bench_chat_end_to_end(mode: str, tiny_v41: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A resent 4-turn chat: with prefix caching every later turn hits the earlier turns (whole units of the
+    cache, at most the prompt minus one token); without it nothing is cached."""
+    out = tmp_path / "chat.json"
+    assert main(["bench", "chat", "--model", tiny_v41, "--turns", "4", "--turn-len", "20", "--output-len", "4",
+                 "--prefix-caching", mode, "--block-size", "4", "--device", "cpu", "--output-json", str(out)]) == 0
+    assert "TTFT median turns 2+" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    turns = res["per_turn"]
+    assert [t["prompt_tokens"] for t in turns] == [20, 44, 68, 92]
+    assert turns[0]["cached_tokens"] == 0
+    for t in turns[1:]:
+        if mode == "off":
+            assert t["cached_tokens"] == 0
+        else:  # the previous turn's prompt and reply, in units of lcm(4, 8) = 8 tokens
+            assert t["prompt_tokens"] - 24 - 8 < t["cached_tokens"] <= t["prompt_tokens"] - 1
+            assert t["cached_tokens"] % 8 == 0
+    assert all(t["ttft_s"] > 0 for t in turns) and res["ttft_median_s"] > 0
+
+
 def test_bench_rejects_bad_lengths(tiny_v4: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "latency", "--model", tiny_v4, "--output-len", "1", "--device", "cpu"]) == 2
     assert "--output-len >= 2" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Benchmarks: `dsv4 bench latency | throughput | serve`."""
+"""Benchmarks: `dsv4 bench latency | throughput | serve | chat`."""
 
 from __future__ import annotations
 

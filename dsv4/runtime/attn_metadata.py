@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4.kv.spec import KVGroupSpec
+from dsv4.kv.spec import PAD_SLOT, KVGroupSpec
 from dsv4.ops import decode_metadata
 
 
@@ -59,7 +59,14 @@ def build_attn_metadata(
     window_slot_mapping: torch.Tensor,
     entry_slot_mappings: dict[str, torch.Tensor] | None = None,
 ) -> AttnMetadata:
-    """Bundle a step's batch description for the model."""
+    """Bundle a step's batch description for the model (the entry slot mappings derived from the batch-order
+    tables when not given)."""
+    if entry_slot_mappings is None:
+        counts = torch.tensor([query_start_loc_cpu[r + 1] - query_start_loc_cpu[r] for r in range(num_reqs)],
+                              device=positions.device)
+        token_req = torch.repeat_interleave(torch.arange(num_reqs, device=positions.device), counts,
+                                            output_size=int(positions.shape[0]))
+        entry_slot_mappings = entry_slot_mappings_of(groups, block_tables, token_req, positions)
     return AttnMetadata(
         num_reqs=num_reqs,
         num_tokens=int(positions.shape[0]),
@@ -69,8 +76,24 @@ def build_attn_metadata(
         groups={g.name: g for g in groups},
         block_tables=block_tables,
         window_slot_mapping=window_slot_mapping,
-        entry_slot_mappings=entry_slot_mappings or {},
+        entry_slot_mappings=entry_slot_mappings,
     )
+
+
+def entry_slot_mappings_of(groups: tuple[KVGroupSpec, ...], tables: dict[str, torch.Tensor], token_rows: torch.Tensor,
+                           positions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per compressed group (ratio r): the slot of the entry each token completes (position p completes entry
+    (p + 1) / r - 1 when r divides p + 1) through row token_rows[t] of the group's table, PAD_SLOT for tokens that
+    complete none."""
+    out = {}
+    for g in groups:
+        if g.kind != "compressed":
+            continue
+        r, bs = g.tokens_per_row, g.block_size
+        e = (torch.div(positions + 1, r, rounding_mode="floor") - 1).clamp(min=0)
+        slots = tables[g.name][token_rows, e // bs].long() * bs + e % bs
+        out[g.name] = slots if r == 1 else torch.where((positions + 1) % r == 0, slots, PAD_SLOT)
+    return out
 
 
 TRASH_SLOT = 0  # slot 0 of the null block: writes that must land nowhere (padding rows, no closed group) go here

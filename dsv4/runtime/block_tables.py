@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dsv4.kv.spec import COMPRESSED, PAD_SLOT, STATE, WINDOW, KVGroupSpec
+from dsv4.kv.spec import STATE, WINDOW, KVGroupSpec
 
 
 class BlockTables:
@@ -48,16 +48,3 @@ class BlockTables:
         bs = self.window.block_size
         t = self.tables[self.window.name]
         return t[token_rows, positions // bs].long() * bs + positions % bs
-
-    def entry_slot_mappings(self, token_rows: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per compressed group (ratio r): the slot of the entry each token of the step completes (position p
-        completes entry (p + 1) / r - 1 when r divides p + 1), PAD_SLOT for tokens that complete none."""
-        out = {}
-        for g in self.groups:
-            if g.kind != COMPRESSED:
-                continue
-            r, bs = g.tokens_per_row, g.block_size
-            e = torch.div(positions + 1, r, rounding_mode="floor") - 1
-            slots = self.tables[g.name][token_rows, e.clamp(min=0) // bs].long() * bs + e.clamp(min=0) % bs
-            out[g.name] = slots if r == 1 else torch.where((positions + 1) % r == 0, slots, PAD_SLOT)
-        return out

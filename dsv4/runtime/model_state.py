@@ -12,7 +12,8 @@ import torch
 
 from dsv4.kv.spec import COMPRESSED, PAD_SLOT, KVGroupSpec
 from dsv4.ops.lookback import gather_lookback
-from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, DecodeMetadataBuffers, build_attn_metadata
+from dsv4.runtime.attn_metadata import (AttnMetadata, DecodeMetadata, DecodeMetadataBuffers, build_attn_metadata,
+                                        entry_slot_mappings_of)
 from dsv4.runtime.block_tables import BlockTables
 from dsv4.runtime.input_batch import InputBatch
 from dsv4.runtime.request_state import RequestState
@@ -43,7 +44,7 @@ class DefaultModelState:
         else:
             tables = block_tables.gather(batch.idx_mapping)
             slots = block_tables.window_slot_mapping(batch.token_rows, batch.positions)
-            entry_slots = block_tables.entry_slot_mappings(batch.token_rows, batch.positions)
+            entry_slots = entry_slot_mappings_of(self.groups, block_tables.tables, batch.token_rows, batch.positions)
         return build_attn_metadata(
             num_reqs=batch.num_reqs,
             query_start_loc_cpu=batch.query_start_loc_np.tolist(),
