@@ -207,3 +207,43 @@ def test_long_hits_against_a_cold_prefill(bounded: bool) -> None:
         assert same >= n - 1 and worst < 0.05, (same, worst)
     else:
         assert same == n and worst < 1e-4, (same, worst)
+
+
+def test_cached_tokens_reach_the_output_the_metrics_and_async_scheduling() -> None:
+    """A resent chat through the server's engine thread: each later turn reports its hit in RequestOutput (which
+    the server's usage.prompt_tokens_details.cached_tokens shows) and in vllm:prefix_cache_hits_total; with async
+    scheduling (placeholders in flight while units are cached) the tokens equal the synchronous engine's."""
+    import asyncio
+
+    from dsv4.engine.async_engine import AsyncLLMEngine
+    from dsv4.serve.metrics import EngineMetrics
+    from dsv4.serve.protocol import usage
+
+    def chat(async_scheduling: bool) -> tuple[list[list[int]], list[int], EngineMetrics]:
+        metrics = EngineMetrics("golden")
+        engine = AsyncLLMEngine.from_args(GOLDEN, metrics, device="cpu", dtype="float32", max_num_batched_tokens=16,
+                                          async_scheduling=async_scheduling, **KW)
+        engine.start()
+        replies, cached, history = [], [], []
+
+        async def turns() -> None:
+            for t in range(4):
+                history.extend(ids(400 + t, 13))
+                last = None
+                async for out in engine.generate(list(history), SamplingParams(temperature=0, max_tokens=5,
+                                                                               ignore_eos=True), f"t{t}"):
+                    last = out
+                replies.append(list(last.outputs[0].token_ids))
+                cached.append(last.num_cached_tokens)
+                history.extend(replies[-1])
+
+        asyncio.run(turns())
+        engine.shutdown()
+        return replies, cached, metrics
+
+    sync_replies, sync_cached, _ = chat(False)
+    replies, cached, metrics = chat(True)
+    assert replies == sync_replies and cached == sync_cached
+    assert cached[0] == 0 and all(c >= 8 and c % U == 0 for c in cached[1:])
+    assert metrics.prefix_hits.values[()] == sum(cached) and metrics.prefix_queries.values[()] > sum(cached)
+    assert usage(50, 5, cached[1])["prompt_tokens_details"]["cached_tokens"] == cached[1]

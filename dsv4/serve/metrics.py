@@ -143,7 +143,7 @@ class EngineMetrics:
         self.preemptions = Counter("vllm:num_preemptions_total", "Cumulative number of preemptions.")
         self.prompt_tokens = Counter("vllm:prompt_tokens_total", "Number of prefill tokens processed.")
         self.generation_tokens = Counter("vllm:generation_tokens_total", "Number of generation tokens processed.")
-        # Prefix caching does not exist yet: these stay 0 until RequestOutput.num_cached_tokens is filled in.
+        # Per request at its first token: the prompt tokens looked up and those served from the prefix cache.
         self.prefix_queries = Counter("vllm:prefix_cache_queries_total",
                                       "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_hits = Counter("vllm:prefix_cache_hits_total",
