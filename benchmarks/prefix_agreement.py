@@ -9,6 +9,7 @@ tokens wherever both runs report them. Usage: PYTHONPATH=. python benchmarks/pre
 from __future__ import annotations
 
 import json
+import os
 import platform
 import random
 import sys
@@ -20,7 +21,7 @@ import torch
 from dsv4.engine.engine import LLMEngine
 from dsv4.sampling_params import SamplingParams
 
-GOLDEN = "/work/shared/golden/deepseek-v41-tiny"
+GOLDEN = os.path.join(os.path.dirname(__file__), "..", "tests", "data", "deepseek-v41-tiny")
 
 
 def run(eng: LLMEngine, rid: str, ids: list[int]):  # noqa: ANN201

@@ -11,6 +11,7 @@ tokens; bounded replay of long hits stays close; no cached block is modified by 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 
 import pytest
@@ -23,7 +24,7 @@ from dsv4.runtime.attn_metadata import AttnMetadata
 from dsv4.runtime.model_state import DeepseekV41ModelState
 from dsv4.sampling_params import SamplingParams
 
-GOLDEN = "/work/shared/golden/deepseek-v41-tiny"
+GOLDEN = os.path.join(os.path.dirname(__file__), "data", "deepseek-v41-tiny")
 W, BS, U = 8, 4, 8
 KW = dict(max_model_len=256, max_num_seqs=8, block_size=BS, load_tokenizer=False)
 

@@ -115,6 +115,13 @@ class LLMEngine:
         self.runner = ModelRunner(config, model, self.groups, dtype)
         self.runner.capture_graphs()
         self.kv_manager = KVCacheManager(self.groups, config.scheduler.max_num_batched_tokens, cc.enable_prefix_caching)
+        if self.kv_manager.prefix is not None:
+            logger.info("prefix caching: units of %d tokens, %s replay of %d tokens after a hit",
+                        self.kv_manager.prefix.unit_tokens, "bounded" if cc.swa_bounded_replay else "exact",
+                        self.kv_manager.replay_tokens)
+        elif cc.enable_prefix_caching:
+            logger.info("prefix caching: off for %s (no prefix-cacheable KV group: its compressors carry open-window "
+                        "state across every block boundary)", config.model.model_type)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.requests: dict[str, _UserRequest] = {}
         self._child_to_user: dict[str, str] = {}
