@@ -82,8 +82,8 @@ if triton is not None:
                 tl.store(state_out_ptr + b, tl.where(valid, st, 0))
             else:
                 tl.store(state_out_ptr + b, 0)
-        else:  # a later launch for groups past the first three: the positions the first launch wrote
-            pos = tl.load(pos_out_ptr + b)
+        else:  # a launch of compressed groups only: the positions again, so it depends on no other launch
+            pos = tl.where(valid, tl.load(pos_in_ptr + src), 0)
         if NUM_COMP > 0:
             _compressed_row(b, valid, pos, row, t0, ts0, mb0, es0, ess0, n0, w0, R0, BS0, BLOCK)
         if NUM_COMP > 1:
@@ -112,13 +112,16 @@ def build_decode_metadata_triton(num_reqs: int, num_padded: int, positions: torc
                                  table: torch.Tensor, block_size: int, state_table: torch.Tensor | None,
                                  pos_out: torch.Tensor, wslots: torch.Tensor, wmask: torch.Tensor,
                                  write_slots: torch.Tensor, state_blocks: torch.Tensor,
-                                 compressed: list[CompressedTarget]) -> None:
-    """Fill rows [0, num_padded) of the window outputs and of every compressed group's outputs from the first
-    num_reqs rows' positions and state rows, in one launch (host time, not GPU time, is what a step pays here)."""
+                                 compressed: list[CompressedTarget], window: bool = True) -> None:
+    """Fill rows [0, num_padded) of the window outputs (unless `window` is False) and of every compressed group's
+    outputs from the first num_reqs rows' positions and state rows, in one launch (host time, not GPU time, is what
+    a step pays here). Every launch reads only the inputs, so builds of disjoint groups may run concurrently."""
     assert triton is not None, "triton is not installed"
     W = wslots.shape[1]
     state = state_table if state_table is not None else table
-    chunks = [compressed[i: i + GROUPS_PER_LAUNCH] for i in range(0, len(compressed), GROUPS_PER_LAUNCH)] or [[]]
+    chunks = [compressed[i: i + GROUPS_PER_LAUNCH] for i in range(0, len(compressed), GROUPS_PER_LAUNCH)]
+    if window and not chunks:
+        chunks = [[]]
     for k, chunk in enumerate(chunks):
         groups, consts = [], {}
         for i in range(GROUPS_PER_LAUNCH):
@@ -133,5 +136,6 @@ def build_decode_metadata_triton(num_reqs: int, num_padded: int, positions: torc
         _decode_md_kernel[(num_padded,)](
             positions, idx_mapping, num_reqs, pos_out, table, table.stride(0), table.shape[1], state, state.stride(0),
             wslots, wmask, write_slots, state_blocks, *groups, **consts, NUM_COMP=len(chunk),
-            WINDOW=k == 0, W=W, BLOCK_W=triton.next_power_of_2(W), BS=block_size, HAS_STATE=state_table is not None,
+            WINDOW=window and k == 0, W=W, BLOCK_W=triton.next_power_of_2(W), BS=block_size,
+            HAS_STATE=state_table is not None,
             BLOCK=256)

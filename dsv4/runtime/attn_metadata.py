@@ -152,42 +152,65 @@ class DecodeMetadataBuffers:
             entry_write={k: v[:P] for k, v in self.entry_write.items()},
         )
 
+    @property
+    def group_names(self) -> list[str]:
+        """The builds a decode step needs, one per KV group that has decode metadata: "window" (positions, window
+        slots and mask, write slots, and the compressor ring blocks) and every compressed group."""
+        return ["window"] + [g.name for g in self.compressed]
+
     def build(self, num_reqs: int, num_padded: int, positions: torch.Tensor, idx_mapping: torch.Tensor,
               tables: dict[str, torch.Tensor]) -> DecodeMetadata:
         """Fill rows [0, num_padded) from the real rows' positions [num_reqs], their state rows `idx_mapping`
-        [num_reqs] and the state-row block tables (BlockTables.tables). Triton on CUDA (a few launches), the torch
+        [num_reqs] and the state-row block tables (BlockTables.tables). Triton on CUDA (one launch), the torch
         reference elsewhere and for all-padding builds (capture, warm-up)."""
-        if positions.is_cuda and decode_metadata.triton is not None and num_reqs > 0:
-            return self._build_triton(num_reqs, num_padded, positions, idx_mapping, tables)
-        batch_tables = {name: t[idx_mapping[:num_reqs]] for name, t in tables.items()} if num_reqs else {}
-        return self.build_torch(num_reqs, num_padded, positions, batch_tables)
+        self.build_groups(self.group_names, num_reqs, num_padded, positions, idx_mapping, tables)
+        return self.views(num_reqs, num_padded)
 
-    def _build_triton(self, R: int, P: int, positions: torch.Tensor, idx_mapping: torch.Tensor,
-                      tables: dict[str, torch.Tensor]) -> DecodeMetadata:
+    def build_groups(self, names: list[str], num_reqs: int, num_padded: int, positions: torch.Tensor,
+                     idx_mapping: torch.Tensor, tables: dict[str, torch.Tensor]) -> None:
+        """Fill the outputs of the builds `names` (of `group_names`) only. Each build reads only the inputs and
+        writes only its own buffers, so builds of different groups may run on different streams."""
+        R, P = num_reqs, num_padded
+        if positions.is_cuda and decode_metadata.triton is not None and R > 0:
+            self._build_groups_triton(names, R, P, positions, idx_mapping, tables)
+            return
+        comp = [g for g in self.compressed if g.name in names]
+        batch_tables = {name: t[idx_mapping[:R]] for name, t in tables.items()} if R else {}
+        pos = positions[:R]
+        if "window" in names:
+            self._torch_window(R, P, pos, batch_tables)
+        for g in comp:
+            self._torch_compressed(g, R, P, pos, batch_tables)
+
+    def _build_groups_triton(self, names: list[str], R: int, P: int, positions: torch.Tensor,
+                             idx_mapping: torch.Tensor, tables: dict[str, torch.Tensor]) -> None:
         win = next(g for g in self.groups if g.kind == "window")
         targets = [decode_metadata.CompressedTarget(tables[g.name], g.block_size, g.tokens_per_row,
                                                     self.entry_slots[g.name], self.n_entries[g.name],
-                                                    self.entry_write[g.name]) for g in self.compressed]
+                                                    self.entry_write[g.name])
+                   for g in self.compressed if g.name in names]
         decode_metadata.build_decode_metadata_triton(
             R, P, positions, idx_mapping, tables[win.name], win.block_size, tables.get("compressor_state"),
-            self.positions, self.window_slots, self.window_mask, self.write_slots, self.state_blocks, targets)
-        return self.views(R, P)
+            self.positions, self.window_slots, self.window_mask, self.write_slots, self.state_blocks, targets,
+            window="window" in names)
 
     def build_torch(self, num_reqs: int, num_padded: int, positions: torch.Tensor,
                     block_tables: dict[str, torch.Tensor]) -> DecodeMetadata:
         """The reference build from batch-order block tables [num_reqs, max_blocks] (device ops only)."""
-        R, P = num_reqs, num_padded
+        pos = positions[:num_reqs]
+        self._torch_window(num_reqs, num_padded, pos, block_tables)
+        for g in self.compressed:
+            self._torch_compressed(g, num_reqs, num_padded, pos, block_tables)
+        return self.views(num_reqs, num_padded)
+
+    def _torch_window(self, R: int, P: int, pos: torch.Tensor, block_tables: dict[str, torch.Tensor]) -> None:
         # padding rows first: no position, no visible key, every write to the trash slot
         for t in (self.positions, self.window_slots, self.write_slots, self.state_blocks):
             t[:P].zero_()
         self.window_mask[:P] = False
-        for g in self.compressed:
-            for t in (self.entry_slots[g.name], self.n_entries[g.name], self.entry_write[g.name]):
-                t[:P].zero_()
         if R == 0:
-            return self.views(0, P)
-        self.positions[:R] = positions[:R]
-        pos = self.positions[:R]
+            return
+        self.positions[:R] = pos
         win = next(g for g in self.groups if g.kind == "window")
         wpos = pos[:, None] - self._wrange  # [R, W]
         ok = wpos >= 0
@@ -197,15 +220,20 @@ class DecodeMetadataBuffers:
         self.write_slots[:R] = wslots[:, -1]
         if "compressor_state" in block_tables:
             self.state_blocks[:R] = block_tables["compressor_state"][:R, 0].long()
-        for g in self.compressed:
-            r, slots = g.tokens_per_row, self.entry_slots[g.name]
-            table = block_tables[g.name][:R]
-            slots[:R] = _table_slots(table, torch.arange(slots.shape[1], device=pos.device).expand(R, -1), g.block_size)
-            self.n_entries[g.name][:R] = (pos + 1) // r
-            new = _table_slots(table, ((pos + 1) // r - 1).clamp(min=0)[:, None], g.block_size)[:, 0]
-            closes = (pos + 1) % r == 0
-            self.entry_write[g.name][:R] = torch.where(closes, new, torch.full_like(new, TRASH_SLOT))
-        return self.views(R, P)
+
+    def _torch_compressed(self, g: KVGroupSpec, R: int, P: int, pos: torch.Tensor,
+                          block_tables: dict[str, torch.Tensor]) -> None:
+        for t in (self.entry_slots[g.name], self.n_entries[g.name], self.entry_write[g.name]):
+            t[:P].zero_()
+        if R == 0:
+            return
+        r, slots = g.tokens_per_row, self.entry_slots[g.name]
+        table = block_tables[g.name][:R]
+        slots[:R] = _table_slots(table, torch.arange(slots.shape[1], device=pos.device).expand(R, -1), g.block_size)
+        self.n_entries[g.name][:R] = (pos + 1) // r
+        new = _table_slots(table, ((pos + 1) // r - 1).clamp(min=0)[:, None], g.block_size)[:, 0]
+        closes = (pos + 1) % r == 0
+        self.entry_write[g.name][:R] = torch.where(closes, new, torch.full_like(new, TRASH_SLOT))
 
 
 def _table_slots(tables: torch.Tensor, rows: torch.Tensor, block_size: int) -> torch.Tensor:
