@@ -96,11 +96,14 @@ def _make_model(args: argparse.Namespace) -> None:
 
 
 _GPU_ARGS = ("enforce_eager", "gpu_memory_utilization", "encoder_cudagraphs", "compile_decode", "async_scheduling",
-             "enable_prefix_caching", "swa_bounded_replay")
+             "enable_prefix_caching", "swa_bounded_replay", "decode_backend")
 
 
 def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
     """The runtime knobs shared by `generate` and `serve` (vLLM's names)."""
+    parser.add_argument("--decode-backend", choices=["default", "latency_specialized"],
+                        help="latency_specialized: FULL decode steps also replay their attention-metadata build as "
+                             "a CUDA graph (DeepSeek-V4.1; default: default)")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="reuse the KV of cached prompt prefixes (default on; V4.1 only, V4 has nothing to cache)")
     parser.add_argument("--swa-bounded-replay", action=argparse.BooleanOptionalAction, default=None,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from dsv4.models.config import ConfigError, ModelConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
+DECODE_BACKENDS = ("default", "latency_specialized")
 
 
 @dataclass(frozen=True)
@@ -73,12 +74,21 @@ class EngineConfig:
     # torch.compile the fixed-shape decode forward before its graphs are captured (fuses the small elementwise
     # ops between the Triton kernels and GEMMs); CUDA only, opt-in: compiling costs minutes at start-up
     compile_decode: bool = False
+    # "latency_specialized": FULL decode steps also replay their attention-metadata build as a CUDA graph (recorded
+    # with the forward graphs) and gather the engram lookback window on a side stream (DeepSeek-V4.1 only; this
+    # engine has no micro-batching, which vLLM's backend of that name refuses)
+    decode_backend: str = "default"
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         self.scheduler.validate()
         self.cache.validate()
+        if self.decode_backend not in DECODE_BACKENDS:
+            raise ConfigError(f"decode_backend must be one of {DECODE_BACKENDS}, got {self.decode_backend!r}")
+        if self.decode_backend == "latency_specialized" and self.model.v41 is None:
+            raise ConfigError("decode_backend='latency_specialized' needs a DeepSeek-V4.1 checkpoint "
+                              f"(this one is {self.model.model_type})")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.scheduler.max_model_len > self.model.max_position_embeddings:

@@ -300,6 +300,7 @@ class StepTime:
     seconds: float
     decode: bool
     num_requests: int
+    host_s: float = 0.0  # the runner's host time to launch the step (ModelRunner.last_launch_s)
 
 
 def build_engine(args: argparse.Namespace, device: str, dtype: str) -> tuple[Any, dict[str, Any]]:
@@ -321,6 +322,8 @@ def build_engine(args: argparse.Namespace, device: str, dtype: str) -> tuple[Any
         kwargs["compile_decode"] = True
     if args.async_scheduling is not None:
         kwargs["async_scheduling"] = args.async_scheduling
+    if args.decode_backend != "default":
+        kwargs["decode_backend"] = args.decode_backend
     knobs, ignored = engine_knobs(LLMEngine.from_args, args.enforce_eager, args.gpu_memory_utilization)
     engine = LLMEngine.from_args(args.model, **kwargs, **knobs)
     resolved = {"async_scheduling": engine.config.scheduler.async_scheduling}  # what the engine chose by default
@@ -356,7 +359,8 @@ def run_batch(engine: Any, prompts: list[list[int]], output_len: int, device: to
         outputs = engine.step()
         if per_step_sync:
             sync(device)
-        steps.append(StepTime(time.perf_counter() - t0, decode, running))
+        steps.append(StepTime(time.perf_counter() - t0, decode, running,
+                              getattr(getattr(engine, "runner", None), "last_launch_s", 0.0)))
         for out in outputs:
             tokens[out.request_id].extend(out.outputs[0].token_ids)
             produced[out.request_id] = len(tokens[out.request_id])
@@ -420,6 +424,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="launch each step before the previous step's tokens reach the host (default: the "
                              "engine's, on for CUDA)")
+    parser.add_argument("--decode-backend", choices=["default", "latency_specialized"], default="default",
+                        help="latency_specialized: record the decode-metadata builds as CUDA graphs (V4.1)")
     parser.add_argument("--cudagraph-capture-sizes", type=int, nargs="+",
                         help="decode graph sizes (default: the engine's, 1, 2, 4, 8, 16, ... up to the batch)")
     parser.add_argument("--num-iters-warmup", type=int, default=1, help="untimed batches first (default 1)")
@@ -454,12 +460,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         run_batch(engine, random_prompts(cfg, b, i, args.seed + 1000 + w), o, device, f"warmup{w}")
     prompts = random_prompts(cfg, b, i, args.seed)
     decode_steps: list[float] = []
+    host_times: list[float] = []
     prefill_times: list[float] = []
     e2e: list[float] = []
     tokens: list[list[int]] = []
     for it in range(args.num_iters):
         steps, tokens = run_batch(engine, prompts, o, device, f"iter{it}")
         decode_steps += [s.seconds for s in steps if s.decode]
+        host_times += [s.host_s for s in steps if s.decode]
         prefill_times.append(sum(s.seconds for s in steps if not s.decode))  # the batch's prefill step(s)
         e2e.append(sum(s.seconds for s in steps))
     del engine
@@ -477,6 +485,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": dtype, "batch_size": b, "input_len": i, "output_len": o, "num_iters": args.num_iters,
         "num_iters_warmup": args.num_iters_warmup, "enforce_eager": bool(args.enforce_eager), **engine_info,
         "decode_step_s": stats, "decode_steps": len(decode_steps), "decode_step_times_s": decode_steps,
+        "decode_host_launch_s": summarize(host_times),
         "decode_tokens_per_s": b / stats["median"], "prefill_s": summarize(prefill_times), "e2e_s": summarize(e2e),
         "floor_bytes": floor.total, "floor": {**asdict(floor), "total": floor.total},
         "copy_bytes": copy_bytes, "copy_bandwidth_Bps": bandwidth, "floor_time_s": floor_time,
@@ -506,6 +515,8 @@ def print_result(res: dict[str, Any]) -> None:
           f"{res['num_iters']} iters (+{res['num_iters_warmup']} warm-up), {res['decode_steps']} decode steps")
     print(f"{'':24}{'median':>10} {'mean':>10} {'p90':>10}")
     print(f"{'decode step (ms)':24}{_ms(s['median'])} {_ms(s['mean'])} {_ms(s['p90'])}")
+    h = res["decode_host_launch_s"]
+    print(f"{'host launch/step (ms)':24}{_ms(h['median'])} {_ms(h['mean'])} {_ms(h['p90'])}")
     p = res["prefill_s"]
     print(f"{'prefill steps (ms)':24}{_ms(p['median'])} {_ms(p['mean'])} {_ms(p['p90'])}")
     print(f"{'decode tokens/s':24}{res['decode_tokens_per_s']:10.1f}")

@@ -164,7 +164,8 @@ class LLMEngine:
                   enforce_eager: bool = False, cudagraph_capture_sizes: tuple[int, ...] | None = None,
                   gpu_memory_utilization: float = 0.9, encoder_cudagraphs: bool = False,
                   compile_decode: bool = False, async_scheduling: bool | None = None,
-                  enable_prefix_caching: bool = True, swa_bounded_replay: bool = True) -> "LLMEngine":
+                  enable_prefix_caching: bool = True, swa_bounded_replay: bool = True,
+                  decode_backend: str = "default") -> "LLMEngine":
         """Build an engine from a checkpoint directory and the usual knobs (async_scheduling None: on for CUDA)."""
         mc = load_model_config(model)
         max_model_len = max_model_len or min(mc.max_position_embeddings, 4096)
@@ -178,7 +179,7 @@ class LLMEngine:
                               enable_prefix_caching=enable_prefix_caching, swa_bounded_replay=swa_bounded_replay),
             dtype=dtype, device=device, seed=seed, enforce_eager=enforce_eager,
             cudagraph_capture_sizes=cudagraph_capture_sizes, gpu_memory_utilization=gpu_memory_utilization,
-            encoder_cudagraphs=encoder_cudagraphs, compile_decode=compile_decode,
+            encoder_cudagraphs=encoder_cudagraphs, compile_decode=compile_decode, decode_backend=decode_backend,
         )
         tok = Tokenizer.from_dir(model) if load_tokenizer else None
         return cls(cfg, tok)

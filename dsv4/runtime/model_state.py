@@ -7,6 +7,8 @@ step: add/remove_request, then prepare_attn, then prepare_inputs.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -15,9 +17,12 @@ from dsv4.ops.lookback import gather_lookback
 from dsv4.runtime.attn_metadata import (AttnMetadata, DecodeMetadata, DecodeMetadataBuffers, build_attn_metadata,
                                         entry_slot_mappings_of)
 from dsv4.runtime.block_tables import BlockTables
-from dsv4.runtime.input_batch import InputBatch
+from dsv4.runtime.input_batch import InputBatch, InputBuffers
+from dsv4.runtime.metadata_graphs import AttnMetadataGraphs, GraphKey, GroupBuild
 from dsv4.runtime.request_state import RequestState
 from dsv4.step import NewRequestData
+
+logger = logging.getLogger(__name__)
 
 
 class DefaultModelState:
@@ -61,9 +66,17 @@ class DefaultModelState:
         windows and skips cached writes, even for a one-token chunk)."""
         return False
 
-    def prepare_decode_attn(self, batch: InputBatch, block_tables: BlockTables, num_padded: int) -> DecodeMetadata:
-        """Fixed-shape metadata of a uniform-decode step padded to `num_padded` rows (a graph size)."""
+    def prepare_decode_attn(self, batch: InputBatch, block_tables: BlockTables, num_padded: int,
+                            full_graph: bool = False) -> DecodeMetadata:
+        """Fixed-shape metadata of a uniform-decode step padded to `num_padded` rows (a graph size; `full_graph`:
+        the forward replays that size's FULL graph)."""
         return self.decode.build(batch.num_reqs, num_padded, batch.positions, batch.idx_mapping, block_tables.tables)
+
+    def capture_metadata_graphs(self, buffers: InputBuffers, block_tables: BlockTables, pool: object) -> None:
+        """Record the decode-metadata builds the FULL graphs serve (only the specialized decode does)."""
+
+    def release_graphs(self) -> None:
+        """Drop recorded builds (before graphs are captured again)."""
 
     def prepare_dummy_decode_attn(self, num_padded: int) -> DecodeMetadata:
         """All-padding decode metadata of `num_padded` rows (graph capture, warm-up)."""
@@ -109,6 +122,9 @@ class DeepseekV41ModelState(DefaultModelState):
         self._replay_staging = torch.zeros(max_num_reqs, 2, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._replay_event = torch.cuda.Event() if device.type == "cuda" else None
         self.cacheable = tuple(g.name for g in groups if g.prefix_cacheable)
+        # steps that uploaded replay bounds: only those with a row inside its replayed range do (nothing else reads
+        # the device bounds, so a decode step never needs them zeroed: runtime.md invariant 10 holds by design)
+        self.num_replay_uploads = 0
 
     def add_request(self, row: int, new_req: NewRequestData) -> None:
         self.replay_np[row] = (new_req.replay_start, new_req.replay_end)
@@ -130,6 +146,7 @@ class DeepseekV41ModelState(DefaultModelState):
         bounds = None if for_dummy else self._active_replay(batch)
         if bounds is None:
             return md
+        self.num_replay_uploads += 1
         if self._replay_event is not None:
             self._replay_event.synchronize()  # the previous upload has left the staging buffer
         # by state row (the batch's rows; the others are never read this step)
@@ -145,11 +162,15 @@ class DeepseekV41ModelState(DefaultModelState):
         inputs = super().prepare_inputs(batch, req_state)
         if self.lookback_token_ids is None:
             return inputs
+        self._gather_lookback(batch, req_state)
+        inputs["lookback_token_ids"] = self.lookback_token_ids
+        return inputs
+
+    def _gather_lookback(self, batch: InputBatch, req_state: RequestState) -> None:
+        assert self.lookback_token_ids is not None
         # chunk start of each row = the position of its first query token (a device gather, no host sync)
         starts = batch.positions[batch.query_start_loc[: batch.num_reqs].long()]
         gather_lookback(self.lookback_token_ids, batch.idx_mapping, starts, req_state.token_history, batch.num_reqs)
-        inputs["lookback_token_ids"] = self.lookback_token_ids
-        return inputs
 
     def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, torch.Tensor]:
         inputs = super().prepare_dummy_inputs(num_reqs, num_tokens)
@@ -157,6 +178,105 @@ class DeepseekV41ModelState(DefaultModelState):
             self.lookback_token_ids.fill_(-1)  # replays refill it in place
             inputs["lookback_token_ids"] = self.lookback_token_ids
         return inputs
+
+
+class DeepseekV41SpecializedDecodeModelState(DeepseekV41ModelState):
+    """DeepseekV41ModelState plus the specialized decode (runtime.md 5.6; `decode_backend="latency_specialized"`).
+
+    - The decode-metadata build of every uniform-decode step a FULL forward graph serves is recorded as a CUDA
+      graph at capture time (`AttnMetadataGraphs`, in the forward graphs' pool, one per key) and replayed in place
+      of the eager build; a key without a recording builds eagerly (warning once).
+    - A step that replays a recorded build gathers its engram lookback window on a side stream beside it, joined
+      before the forward: between the metadata graph and the forward graph no eager kernel runs. A staged gather is
+      always joined before another one writes the window.
+    - Decode steps upload no replay bounds (the base class uploads only for rows inside a replayed range).
+    """
+
+    def __init__(self, groups: tuple[KVGroupSpec, ...], max_num_reqs: int, max_model_len: int, window: int,
+                 device: torch.device, depth: int, capture_sizes: list[int], decode_query_len: int = 1,
+                 fork_builds: bool = True) -> None:
+        super().__init__(groups, max_num_reqs, max_model_len, window, device, depth)
+        self.graphs = AttnMetadataGraphs(capture_sizes, decode_query_len, max_num_reqs, fork_builds)
+        self._req_state: RequestState | None = None  # from the first prepare_inputs: the side-stream gather reads it
+        self._side: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
+        self._staged: tuple[InputBatch, torch.cuda.Event] | None = None  # a gather issued beside a metadata replay
+
+    def metadata_builds(self, buffers: InputBuffers, block_tables: BlockTables) -> list[GroupBuild]:
+        """The decode build split by KV group, reading the persistent input buffers (what a recording needs)."""
+        builds = []
+        for name in self.decode.group_names:
+            def run(key: GraphKey, name: str = name) -> None:
+                R, P = key[0], key[1]
+                self.decode.build_groups([name], R, P, buffers.positions[:R], buffers.idx_mapping[:R],
+                                         block_tables.tables)
+            builds.append(GroupBuild(name, block_tables.tables[name], run))
+        return builds
+
+    def capture_metadata_graphs(self, buffers: InputBuffers, block_tables: BlockTables, pool: object) -> None:
+        self.graphs.release()
+        builds = self.metadata_builds(buffers, block_tables)
+        if not self.graphs.can_record(builds):
+            logger.warning("decode metadata builds cannot be recorded: every decode step builds eagerly")
+            return
+        for key in self.graphs.capture_keys():
+            padded_decode_batch(key, buffers)
+            self.graphs.capture(key, builds, lambda k: self.decode.views(k[0], k[1]), pool)
+        logger.info("recorded %d decode-metadata builds", len(self.graphs.recorded()))
+
+    def release_graphs(self) -> None:
+        self.graphs.release()
+
+    def prepare_decode_attn(self, batch: InputBatch, block_tables: BlockTables, num_padded: int,
+                            full_graph: bool = False) -> DecodeMetadata:
+        key = self.graphs.key(batch.num_scheduled_tokens[: batch.num_reqs], num_padded if full_graph else None,
+                              has_prefill=False)
+        if key is not None:
+            self._stage_lookback(batch)
+            md = self.graphs.replay(key)
+            if md is not None:
+                return md
+        return super().prepare_decode_attn(batch, block_tables, num_padded, full_graph)
+
+    def prepare_inputs(self, batch: InputBatch, req_state: RequestState) -> dict[str, torch.Tensor]:
+        self._req_state = req_state
+        if self.lookback_token_ids is None:
+            return {}
+        if self._join_staged() is not batch:  # (a stale gather is joined too: never two writers of the window)
+            self._gather_lookback(batch, req_state)
+        return {"lookback_token_ids": self.lookback_token_ids}
+
+    def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, torch.Tensor]:
+        self._join_staged()
+        return super().prepare_dummy_inputs(num_reqs, num_tokens)
+
+    def _stage_lookback(self, batch: InputBatch) -> None:
+        """Issue the batch's lookback gather on the side stream, beside the metadata graph about to replay (it
+        reads the batch's state rows, positions and the token history, all written by now)."""
+        if self.lookback_token_ids is None or self._req_state is None or not batch.positions.is_cuda:
+            return
+        if self._side is None:
+            self._side = (torch.cuda.Stream(device=batch.positions.device), torch.cuda.Event())
+        self._join_staged()
+        stream, event = self._side
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._gather_lookback(batch, self._req_state)
+        event.record(stream)
+        self._staged = (batch, event)
+
+    def _join_staged(self) -> InputBatch | None:
+        """Make the current stream wait for a staged gather, if any; returns the batch it gathered."""
+        staged, self._staged = self._staged, None
+        if staged is None:
+            return None
+        torch.cuda.current_stream().wait_event(staged[1])
+        return staged[0]
+
+
+def padded_decode_batch(key: GraphKey, buffers: InputBuffers) -> InputBatch:
+    """A dummy uniform-decode batch of the key's real rows (state rows 0.., position 0), for recording its build:
+    the recorded kernels take every per-row value from the buffers at replay, so the values do not matter."""
+    return InputBatch.make_dummy(buffers, key[0], key[2])
 
 
 def pad_replayed_slots(slot_mappings: dict[str, torch.Tensor], cacheable: tuple[str, ...], token_rows: torch.Tensor,

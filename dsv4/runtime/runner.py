@@ -13,6 +13,7 @@ for them (async scheduling); `execute` is the same and waits at once.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -26,7 +27,8 @@ from dsv4.runtime.cudagraphs import CudaGraphManager, default_capture_sizes, rou
 from dsv4.runtime.encoder_cudagraphs import EncoderCudaGraphManager
 from dsv4.runtime.input_batch import InputBatch, InputBuffers
 from dsv4.runtime.kv_cache import allocate_kv_caches
-from dsv4.runtime.model_state import DeepseekV41ModelState, DefaultModelState
+from dsv4.runtime.model_state import (DeepseekV41ModelState, DeepseekV41SpecializedDecodeModelState,
+                                      DefaultModelState)
 from dsv4.runtime.request_state import RequestState
 from dsv4.runtime.sampler import SampledLogprobs, Sampler, SamplingTensors, greedy_sample, needs_output_values
 from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
@@ -96,11 +98,6 @@ class ModelRunner:
         # decode graphs read up to max_num_seqs rows even when the token budget is smaller
         self.buffers = InputBuffers(sc.max_num_seqs, max(sc.max_num_batched_tokens, sc.max_num_seqs), self.device)
         self.kv_caches = allocate_kv_caches(config.model, groups, dtype, self.device)
-        state_args = (groups, sc.max_num_seqs, sc.max_model_len, config.model.sliding_window, self.device)
-        if config.model.v41 is not None:
-            self.model_state: DefaultModelState = DeepseekV41ModelState(*state_args, model.token_lookback_depth)
-        else:
-            self.model_state = DefaultModelState(*state_args)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(config.seed)
         self.sampler = Sampler(gen)
@@ -108,10 +105,19 @@ class ModelRunner:
                                     1, sc.max_num_seqs)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and self._graph_safe()
         self.graphs = CudaGraphManager(sizes, enabled=use_graphs)
+        state_args = (groups, sc.max_num_seqs, sc.max_model_len, config.model.sliding_window, self.device)
+        if config.decode_backend == "latency_specialized":
+            self.model_state: DefaultModelState = DeepseekV41SpecializedDecodeModelState(
+                *state_args, model.token_lookback_depth, sizes)
+        elif config.model.v41 is not None:
+            self.model_state = DeepseekV41ModelState(*state_args, model.token_lookback_depth)
+        else:
+            self.model_state = DefaultModelState(*state_args)
         # encoder outputs per request, computed once at admission: [(prompt offset, span embeddings)]
         self.image_spans: dict[str, list[tuple[int, torch.Tensor]]] = {}
         # launched steps whose tokens the host has not read yet, oldest first (async scheduling)
         self._unresolved: list[PendingOutput] = []
+        self.last_launch_s = 0.0  # host time of the last execute_async (benchmarks report it per decode step)
 
     def _graph_safe(self) -> bool:
         """Graphs need every input on the device: engram tables resident in host memory are not."""
@@ -134,6 +140,9 @@ class ModelRunner:
             self.model.encoder_graphs = encoder_graphs
         if not self.graphs.enabled:
             return
+        # graphs hold the addresses of everything they read: a recapture drops the old ones first
+        self.graphs.release()
+        self.model_state.release_graphs()
         # The extra inputs (lookback window) are filled here, once: a fill inside `run` would be captured and
         # replayed over the real inputs. All-padding metadata: captures write only the trash slots.
         largest = self.graphs.capture_sizes[-1]
@@ -159,6 +168,8 @@ class ModelRunner:
 
         with torch.inference_mode():
             self.graphs.capture(run)
+            # the decode-metadata builds the graphs serve (specialized decode only), in the same memory pool
+            self.model_state.capture_metadata_graphs(self.buffers, self.block_tables, self.graphs.pool)
 
     # ---- request deltas ------------------------------------------------------------------------------
     def _apply_deltas(self, so: SchedulerOutput) -> None:
@@ -193,6 +204,12 @@ class ModelRunner:
         """Launch one step; rows whose chunk ends at their last planned token get a sampled token. The host knows
         how many tokens every row has at once (the next step's inputs come from the device history); their values
         come with the returned PendingOutput."""
+        t_start = time.perf_counter()
+        pending = self._launch(so)
+        self.last_launch_s = time.perf_counter() - t_start
+        return pending
+
+    def _launch(self, so: SchedulerOutput) -> PendingOutput:
         self._apply_deltas(so)
         rs = self.req_state
         # decodes first (builders split decodes from prefills), then by query length; stable
@@ -267,10 +284,11 @@ class ModelRunner:
         R = batch.num_reqs
         padded = self.graphs.padded_size(R)
         P = padded or R
+        full = padded is not None and padded in self.graphs.graphs
         self.buffers.input_ids[R:P].zero_()
-        dmd = self.model_state.prepare_decode_attn(batch, self.block_tables, P)
+        dmd = self.model_state.prepare_decode_attn(batch, self.block_tables, P, full)
         extra = self.model_state.prepare_inputs(batch, self.req_state)
-        if padded is not None and padded in self.graphs.graphs:
+        if full:
             return self.graphs.replay(padded)[:R]
         return self.model.forward_decode(self.buffers.input_ids[:P], dmd, self.kv_caches, **extra)[:R]
 
