@@ -264,7 +264,7 @@ LATENCY_FIELDS = {"benchmark", "model", "model_type", "date", "device", "device_
                   "num_iters_warmup", "enforce_eager", "engine_kwargs", "ignored_engine_kwargs", "decode_step_s",
                   "decode_steps", "decode_step_times_s", "decode_tokens_per_s", "prefill_s", "e2e_s", "floor_bytes",
                   "floor", "copy_bytes", "copy_bandwidth_Bps", "floor_time_s", "fraction_of_floor", "achieved_Bps",
-                  "hf"}
+                  "hf", "decode_host_launch_s", "decode_metadata_host_s", "decode_backend"}
 
 
 @pytest.mark.parametrize("which", ["tiny-v4", "tiny-v41"])
@@ -290,6 +290,9 @@ def test_bench_latency_end_to_end(which: str, tiny_v4: str, tiny_v41: str, tmp_p
     assert res["fraction_of_floor"] == pytest.approx(res["floor_time_s"] / res["decode_step_s"]["median"])
     assert res["engine_kwargs"]["max_num_seqs"] == 3 and res["hf"] is None
     assert res["command"].startswith("dsv4 bench latency --model")
+    # host time to launch a decode step, and the metadata build inside it (on the CPU the whole step is host time)
+    h, m = res["decode_host_launch_s"], res["decode_metadata_host_s"]
+    assert 0 < m["median"] < h["median"] <= res["decode_step_s"]["max"] and res["decode_backend"] == "default"
 
 
 def test_bench_latency_hf_baseline(tiny_v4: str, tiny_v41: str, tmp_path: Path,

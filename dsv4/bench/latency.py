@@ -301,6 +301,7 @@ class StepTime:
     decode: bool
     num_requests: int
     host_s: float = 0.0  # the runner's host time to launch the step (ModelRunner.last_launch_s)
+    md_host_s: float = 0.0  # of which the decode-metadata build (ModelRunner.last_decode_md_s)
 
 
 def build_engine(args: argparse.Namespace, device: str, dtype: str) -> tuple[Any, dict[str, Any]]:
@@ -359,8 +360,9 @@ def run_batch(engine: Any, prompts: list[list[int]], output_len: int, device: to
         outputs = engine.step()
         if per_step_sync:
             sync(device)
-        steps.append(StepTime(time.perf_counter() - t0, decode, running,
-                              getattr(getattr(engine, "runner", None), "last_launch_s", 0.0)))
+        runner = getattr(engine, "runner", None)
+        steps.append(StepTime(time.perf_counter() - t0, decode, running, getattr(runner, "last_launch_s", 0.0),
+                              getattr(runner, "last_decode_md_s", 0.0)))
         for out in outputs:
             tokens[out.request_id].extend(out.outputs[0].token_ids)
             produced[out.request_id] = len(tokens[out.request_id])
@@ -461,6 +463,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = random_prompts(cfg, b, i, args.seed)
     decode_steps: list[float] = []
     host_times: list[float] = []
+    md_times: list[float] = []
     prefill_times: list[float] = []
     e2e: list[float] = []
     tokens: list[list[int]] = []
@@ -468,6 +471,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         steps, tokens = run_batch(engine, prompts, o, device, f"iter{it}")
         decode_steps += [s.seconds for s in steps if s.decode]
         host_times += [s.host_s for s in steps if s.decode]
+        md_times += [s.md_host_s for s in steps if s.decode]
         prefill_times.append(sum(s.seconds for s in steps if not s.decode))  # the batch's prefill step(s)
         e2e.append(sum(s.seconds for s in steps))
     del engine
@@ -485,7 +489,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": dtype, "batch_size": b, "input_len": i, "output_len": o, "num_iters": args.num_iters,
         "num_iters_warmup": args.num_iters_warmup, "enforce_eager": bool(args.enforce_eager), **engine_info,
         "decode_step_s": stats, "decode_steps": len(decode_steps), "decode_step_times_s": decode_steps,
-        "decode_host_launch_s": summarize(host_times),
+        "decode_host_launch_s": summarize(host_times), "decode_metadata_host_s": summarize(md_times),
+        "decode_backend": args.decode_backend,
         "decode_tokens_per_s": b / stats["median"], "prefill_s": summarize(prefill_times), "e2e_s": summarize(e2e),
         "floor_bytes": floor.total, "floor": {**asdict(floor), "total": floor.total},
         "copy_bytes": copy_bytes, "copy_bandwidth_Bps": bandwidth, "floor_time_s": floor_time,
@@ -517,6 +522,8 @@ def print_result(res: dict[str, Any]) -> None:
     print(f"{'decode step (ms)':24}{_ms(s['median'])} {_ms(s['mean'])} {_ms(s['p90'])}")
     h = res["decode_host_launch_s"]
     print(f"{'host launch/step (ms)':24}{_ms(h['median'])} {_ms(h['mean'])} {_ms(h['p90'])}")
+    m = res["decode_metadata_host_s"]
+    print(f"{'  of it metadata (ms)':24}{_ms(m['median'])} {_ms(m['mean'])} {_ms(m['p90'])}")
     p = res["prefill_s"]
     print(f"{'prefill steps (ms)':24}{_ms(p['median'])} {_ms(p['mean'])} {_ms(p['p90'])}")
     print(f"{'decode tokens/s':24}{res['decode_tokens_per_s']:10.1f}")

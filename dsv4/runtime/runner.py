@@ -117,7 +117,10 @@ class ModelRunner:
         self.image_spans: dict[str, list[tuple[int, torch.Tensor]]] = {}
         # launched steps whose tokens the host has not read yet, oldest first (async scheduling)
         self._unresolved: list[PendingOutput] = []
-        self.last_launch_s = 0.0  # host time of the last execute_async (benchmarks report it per decode step)
+        # host time of the last execute_async, and of the last decode step's metadata build (eager or a recorded
+        # one's replay): benchmarks report them per decode step
+        self.last_launch_s = 0.0
+        self.last_decode_md_s = 0.0
 
     def _graph_safe(self) -> bool:
         """Graphs need every input on the device: engram tables resident in host memory are not."""
@@ -286,7 +289,9 @@ class ModelRunner:
         P = padded or R
         full = padded is not None and padded in self.graphs.graphs
         self.buffers.input_ids[R:P].zero_()
+        t0 = time.perf_counter()
         dmd = self.model_state.prepare_decode_attn(batch, self.block_tables, P, full)
+        self.last_decode_md_s = time.perf_counter() - t0
         extra = self.model_state.prepare_inputs(batch, self.req_state)
         if full:
             return self.graphs.replay(padded)[:R]

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 7's GPU runs (specialized decode: CUDA graphs of the decode-metadata builds). From the repo root, PYTHONPATH=.:
+#   benchmarks/run_issue7.sh OUTDIR PART [PART ...]
+#   tests   tests/gpu/test_metadata_graphs_gpu.py, then the rest of tests/gpu
+#   bench   V4.1-Flash-8l decode at batch $BATCHES (default "1 4 16 64"), FULL graphs (capture size = batch) and
+#           async scheduling, with --decode-backend default and latency_specialized; each JSON carries the decode
+#           step time, the host launch time per step and the metadata build's host time inside it
+set -uo pipefail
+out=$1; shift; mkdir -p "$out"
+p=v41-flash-8l
+for part in "$@"; do
+  case $part in
+    tests)
+      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_metadata_graphs_gpu.py > "$out/gpu_md_tests.log" 2>&1
+      tail -3 "$out/gpu_md_tests.log"
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu --deselect tests/gpu/test_metadata_graphs_gpu.py \
+        > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log" ;;
+    bench)
+      [ -d /tmp/$p ] || timeout 150 python3 -m dsv4.cli make-model --preset $p --out /tmp/$p --device cuda > /dev/null
+      for b in ${BATCHES:-1 4 16 64}; do for backend in default latency_specialized; do
+        timeout 90 python3 -m dsv4.cli bench latency --model /tmp/$p --batch-size $b --input-len 512 --output-len 32 \
+          --num-iters 2 --cudagraph-capture-sizes $b --decode-backend $backend \
+          --output-json "$out/$p-b$b-$backend.json" > "$out/$p-b$b-$backend.log" 2>&1
+        echo "$p b$b $backend (rc $?): $(grep -E 'decode step|host launch|metadata|Error' "$out/$p-b$b-$backend.log" | tr -s ' ' | tr '\n' ' ')"
+      done; done ;;
+  esac
+done
