@@ -15,6 +15,7 @@ import torch
 
 from dsv4.engine.engine import LLMEngine
 from dsv4.models.config import ConfigError
+from dsv4.runtime.attn_metadata import DecodeMetadataBuffers
 from dsv4.runtime.metadata_graphs import AttnMetadataGraphs, GroupBuild, branches_by_storage, capture_keys, step_key
 from dsv4.runtime.model_state import DeepseekV41ModelState, DeepseekV41SpecializedDecodeModelState
 from dsv4.sampling_params import SamplingParams
@@ -134,3 +135,33 @@ def test_specialized_backend_is_for_v41_only(tmp_path: object) -> None:
         LLMEngine.from_args(v4, max_model_len=64, load_tokenizer=False, decode_backend="latency_specialized")
     with pytest.raises(ConfigError, match="decode_backend must be one of"):
         LLMEngine.from_args(GOLDEN, max_model_len=64, load_tokenizer=False, decode_backend="fast")
+
+
+def test_a_full_step_without_a_recording_builds_eagerly() -> None:
+    """The model state's fallback: a FULL decode step whose key was never recorded builds its metadata eagerly,
+    exactly as the default backend does, and counts the miss."""
+    from dsv4.runtime.input_batch import InputBatch
+
+    eng = LLMEngine.from_args(GOLDEN, max_model_len=128, max_num_seqs=4, block_size=4, load_tokenizer=False,
+                              decode_backend="latency_specialized")
+    runner = eng.runner
+    state = runner.model_state
+    g = torch.Generator().manual_seed(0)
+    for name, t in runner.block_tables.tables.items():
+        t.copy_(torch.randint(1, 30, t.shape, generator=g, dtype=torch.int32))
+    rows, computed, ones = np.array([2, 0, 3]), np.array([100, 5, 63]), np.ones(3, dtype=np.int64)
+    batch = InputBatch.prepare(runner.buffers, runner.req_state.token_history, ["x", "y", "z"], rows, computed,
+                               ones, np.arange(3))
+    for t in (state.decode.window_slots, state.decode.write_slots, state.decode.positions):
+        t.fill_(-7)  # poison: the fallback must write every row
+    md = state.prepare_decode_attn(batch, runner.block_tables, 4, full_graph=True)
+    assert state.graphs.num_misses == 1 and state.graphs.num_replays == 0
+    ref = DecodeMetadataBuffers(runner.groups, 4, 128, state.decode.window, torch.device("cpu"))
+    want = ref.build_torch(3, 4, batch.positions, {k: v[batch.idx_mapping] for k, v in
+                                                   runner.block_tables.tables.items()})
+    assert md.num_reqs == 3 and md.num_padded == 4 and md.window_slots.data_ptr() != want.window_slots.data_ptr()
+    for f in ("positions", "window_slots", "window_mask", "write_slots", "state_blocks"):
+        assert torch.equal(getattr(md, f), getattr(want, f)), f
+    for name in want.n_entries:
+        assert torch.equal(md.n_entries[name], want.n_entries[name])
+        assert torch.equal(md.entry_write[name], want.entry_write[name])
