@@ -114,7 +114,6 @@ def test_replay_only_chunks_progress_and_a_chunk_ending_at_the_hit_allocates_not
     sched.add_request(request("a", prompt, max_tokens=1))
     while sched.has_unfinished_requests():
         step(sched)
-    kv = sched.kv_manager
     c1, c2, wi = group(sched, "compressed_1"), group(sched, "compressed_2"), group(sched, "window")
     sched.add_request(request("b", prompt + tokens(3, 6), max_tokens=1))
     so = step(sched)
