@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dsv4.distributed import ParallelConfig
 from dsv4.models.config import ConfigError, ModelConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -78,12 +79,15 @@ class EngineConfig:
     # with the forward graphs) and gather the engram lookback window on a side stream (DeepSeek-V4.1 only; this
     # engine has no micro-batching, which vLLM's backend of that name refuses)
     decode_backend: str = "default"
+    # several processes (dsv4.distributed): tensor_parallel_size ranks, the routed experts split over them
+    parallel: ParallelConfig = ParallelConfig()
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         self.scheduler.validate()
         self.cache.validate()
+        self.parallel.validate()
         if self.decode_backend not in DECODE_BACKENDS:
             raise ConfigError(f"decode_backend must be one of {DECODE_BACKENDS}, got {self.decode_backend!r}")
         if self.decode_backend == "latency_specialized" and self.model.v41 is None:

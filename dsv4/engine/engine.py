@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from dsv4.config import CacheConfig, EngineConfig, SchedulerConfig
+from dsv4.distributed import ParallelConfig, init_parallel, shard_experts
 from dsv4.engine.multimodal import expand_image_spans, process_images
 from dsv4.engine.request import Request
 from dsv4.engine.scheduler import Scheduler
@@ -105,7 +106,10 @@ class LLMEngine:
         self.config, self.tokenizer = config, tokenizer
         torch.manual_seed(config.seed)
         dtype = _DTYPES[config.dtype]
+        # every rank runs this same engine on the same requests (dsv4.distributed): decisions agree by determinism
+        self.parallel = init_parallel(config.parallel, config.device)
         model = build_model(config.model, config.model_dir, dtype, config.device)
+        shard_experts(model, self.parallel)
         num_blocks = config.cache.num_blocks or default_num_blocks(config)
         if config.device.startswith("cuda") and config.cache.num_blocks is None:
             num_blocks = self._size_kv_pool(model, dtype)
@@ -165,7 +169,8 @@ class LLMEngine:
                   gpu_memory_utilization: float = 0.9, encoder_cudagraphs: bool = False,
                   compile_decode: bool = False, async_scheduling: bool | None = None,
                   enable_prefix_caching: bool = True, swa_bounded_replay: bool = True,
-                  decode_backend: str = "default") -> "LLMEngine":
+                  decode_backend: str = "default", tensor_parallel_size: int = 1,
+                  expert_parallel: bool = False, parallel_init_timeout_s: float = 300.0) -> "LLMEngine":
         """Build an engine from a checkpoint directory and the usual knobs (async_scheduling None: on for CUDA)."""
         mc = load_model_config(model)
         max_model_len = max_model_len or min(mc.max_position_embeddings, 4096)
@@ -180,6 +185,8 @@ class LLMEngine:
             dtype=dtype, device=device, seed=seed, enforce_eager=enforce_eager,
             cudagraph_capture_sizes=cudagraph_capture_sizes, gpu_memory_utilization=gpu_memory_utilization,
             encoder_cudagraphs=encoder_cudagraphs, compile_decode=compile_decode, decode_backend=decode_backend,
+            parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel,
+                                    init_timeout_s=parallel_init_timeout_s),
         )
         tok = Tokenizer.from_dir(model) if load_tokenizer else None
         return cls(cfg, tok)

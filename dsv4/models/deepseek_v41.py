@@ -41,7 +41,8 @@ from dsv4.runtime.attn_metadata import (TRASH_SLOT, AttnMetadata, DecodeMetadata
                                         token_key_slots)
 from dsv4.runtime.kv_cache import LayerKVCache
 
-if TYPE_CHECKING:  # type only: the runner builds the manager and sets `encoder_graphs`
+if TYPE_CHECKING:  # type only: the runner builds the manager and sets `encoder_graphs`; shard_experts sets `ep`
+    from dsv4.distributed import ExpertShard
     from dsv4.runtime.encoder_cudagraphs import EncoderCudaGraphManager
 
 
@@ -414,6 +415,8 @@ class MoEV41(nn.Module):
     """fp32 router (gate_temp; bias_vl steers image-span tokens), packed clamped-SwiGLU experts weighted before
     w2, shared expert; routed and shared summed in fp32 and cast once."""
 
+    ep: ExpertShard | None = None  # expert parallelism: this rank's slice of the experts (dsv4.distributed)
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts
@@ -444,7 +447,7 @@ class MoEV41(nn.Module):
         se = self.shared_experts
         shared = se.w2(swiglu(se.w1(x), se.w3(x), self.limit, fp32=True))
         return moe_output(x, weights, idx, self.experts.gate_up_proj, self.experts.down_proj, self.limit,
-                          weight_before_down=True, fixed=fixed, shared=shared)
+                          weight_before_down=True, fixed=fixed, shared=shared, ep=self.ep)
 
 
 class DecoderLayerV41(nn.Module):

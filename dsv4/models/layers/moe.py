@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,6 +12,9 @@ from dsv4.ops.moe import combine_experts, expert_gemv, expert_grouped
 from dsv4.ops.router import score
 from dsv4.ops.swiglu import swiglu
 from dsv4.ops.topk import stable_topk
+
+if TYPE_CHECKING:
+    from dsv4.distributed import ExpertShard
 
 
 class SharedExpert(nn.Module):
@@ -66,6 +71,8 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """routed(x) + shared(x)."""
 
+    ep: ExpertShard | None = None  # expert parallelism: this rank's slice of the experts (dsv4.distributed)
+
     def __init__(self, hidden: int, inter: int, n_experts: int, top_k: int, vocab_size: int, is_hash: bool,
                  scoring_func: str, routed_scaling_factor: float, limit: float) -> None:
         super().__init__()
@@ -78,11 +85,12 @@ class MoE(nn.Module):
         weights, idx = self.gate(x, input_ids)
         e = self.experts
         return moe_output(x, weights, idx, e.gate_up_proj, e.down_proj, e.limit, weight_before_down=False,
-                          fixed=fixed, shared=self.shared_experts(x))
+                          fixed=fixed, shared=self.shared_experts(x), ep=self.ep)
 
 
 def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-               limit: float, weight_before_down: bool, fixed: bool, shared: torch.Tensor) -> torch.Tensor:
+               limit: float, weight_before_down: bool, fixed: bool, shared: torch.Tensor,
+               ep: ExpertShard | None = None) -> torch.Tensor:
     """The MoE layer's output [T, D] in x's dtype: the routed experts as per-(token, slot) rows, summed over the
     slots with the shared expert's output `shared` [T, D] (`combine_experts` gives the numerics).
 
@@ -92,7 +100,13 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
     hit); otherwise every expert runs on every token and the routing weights mask the sum (each expert's weights are
     read once: at that batch size nearly all of them are hit anyway).
     V4 weights the expert output after w2 (in the model dtype); V4.1 before w2, in fp32 (`weight_before_down`).
+    With expert parallelism (`ep`), gate_up / down hold this rank's experts only: the routes to other ranks' experts
+    weigh 0, the partial outputs are summed over the ranks, then the (replicated) shared expert is added.
     """
+    if ep is not None:
+        w, i = ep.local_routes(weights, idx)
+        part = moe_output(x, w, i, gate_up, down, limit, weight_before_down, fixed, torch.zeros_like(shared))
+        return ep.par.all_reduce_(part) + shared
     T, k = idx.shape
     E = gate_up.shape[0]
     inter = down.shape[2]
@@ -106,7 +120,8 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
             return combine_experts(matmul(h, down, flat, 1), None, shared, k)
         h = swiglu(g, u, limit, fp32=False)
         return combine_experts(matmul(h, down, flat, 1), weights.flatten(), shared, k)
-    wmat = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_(1, idx, weights.float())
+    # (add, not set: under expert parallelism other ranks' routes all point at local expert 0 with weight 0)
+    wmat = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, idx, weights.float())
     gu = torch.einsum("td,efd->etf", x, gate_up).reshape(E * T, 2 * inter)  # expert-major rows
     g, u = gu[:, :inter], gu[:, inter:]
     if weight_before_down:

@@ -1,0 +1,131 @@
+"""Several processes (GPUs or CPU ranks) over torch.distributed: the process group and expert parallelism.
+
+Launch: `torchrun --nproc-per-node N ... --tensor-parallel-size N --expert-parallel` (or any launcher that sets
+RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, LOCAL_RANK on GPUs). Every rank runs the same engine on the same
+requests: scheduling, sampling and graph decisions are deterministic functions of the requests and of the logits,
+which the collectives make identical on every rank, so the ranks agree without exchanging decisions. NCCL on GPUs,
+gloo on CPUs; no transport of our own.
+
+Implemented so far (issue 9, first step): expert parallelism. The routed experts of every MoE layer are split into
+WORLD_SIZE contiguous slices, one per rank; routing, the shared expert and every dense layer are replicated; each
+rank computes the (token, slot) rows of its own experts (the others weigh 0) and one all-reduce sums the partial
+outputs. Tensor parallelism of the dense projections, the vocabulary-parallel embedding and head, the shared
+host Engram tables and per-rank sharded loading are not implemented yet: each rank loads the whole checkpoint
+and keeps its slice of the experts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dsv4.models.config import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is spread over processes (vLLM's names)."""
+
+    tensor_parallel_size: int = 1  # processes serving one model (the world size)
+    expert_parallel: bool = False  # split the routed experts over those processes
+    init_timeout_s: float = 300.0  # how long a rank waits for the others to join
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    def validate(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and not self.expert_parallel:
+            raise ConfigError("tensor_parallel_size > 1 needs --expert-parallel: tensor parallelism of the dense "
+                              "layers is not implemented yet (the experts, which dominate the weights, can be split)")
+        if self.init_timeout_s <= 0:
+            raise ConfigError(f"init_timeout_s must be > 0, got {self.init_timeout_s}")
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """This process's place: rank in [0, world_size), and the group the collectives run in (None: alone)."""
+
+    rank: int = 0
+    world_size: int = 1
+    group: object | None = None
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the ranks, in place (a no-op alone)."""
+        if self.world_size > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+
+def init_parallel(cfg: ParallelConfig, device: str) -> Parallel:
+    """Join (or reuse) the default process group for `cfg`. A rank that cannot reach the others within
+    cfg.init_timeout_s fails with a message saying so, instead of hanging."""
+    cfg.validate()
+    if cfg.world_size == 1:
+        return Parallel()
+    env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    missing = [k for k, v in env.items() if v is None]
+    if missing:
+        raise ConfigError(f"tensor_parallel_size={cfg.world_size} needs one process per rank: launch with torchrun "
+                          f"--nproc-per-node {cfg.world_size} (missing environment: {', '.join(missing)})")
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    if world != cfg.world_size:
+        raise ConfigError(f"tensor_parallel_size={cfg.world_size} but WORLD_SIZE={world}: launch as many processes "
+                          "as the tensor-parallel size")
+    if str(device).startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))  # "cuda" then means this rank's GPU
+    if not dist.is_initialized():
+        backend = "nccl" if str(device).startswith("cuda") else "gloo"
+        try:
+            dist.init_process_group(backend, rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=cfg.init_timeout_s))
+        except Exception as e:  # the store raises its own timeout types, by version
+            raise RuntimeError(f"rank {rank} of {world}: the process group did not form within "
+                               f"{cfg.init_timeout_s:g} s; another rank probably failed to start ({e})") from e
+    return Parallel(rank, world, dist.group.WORLD)
+
+
+def shard_experts(model: nn.Module, par: Parallel) -> int:
+    """Keep this rank's slice of every MoE layer's routed experts (modules with an `experts` holding gate_up_proj
+    [E, 2I, D] and down_proj [E, D, I]) and give the layer its `ExpertShard`; returns the layers sharded."""
+    if par.world_size == 1:
+        return 0
+    n = 0
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        if experts is None or not hasattr(experts, "gate_up_proj") or not hasattr(module, "ep"):
+            continue
+        E = experts.gate_up_proj.shape[0]
+        if E % par.world_size:
+            raise ConfigError(f"{E} routed experts cannot be split evenly over {par.world_size} ranks")
+        count = E // par.world_size
+        first = par.rank * count
+        with torch.no_grad():
+            for name in ("gate_up_proj", "down_proj"):
+                full = getattr(experts, name)
+                setattr(experts, name, nn.Parameter(full.data[first: first + count].clone(), requires_grad=False))
+        module.ep = ExpertShard(first, count, par)
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """The routed experts [first, first + count) of a layer live on this rank; `par` sums the partial outputs."""
+
+    first: int
+    count: int
+    par: Parallel
+
+    def local_routes(self, weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, local expert ids) of the routes [T, k]: a route to another rank's expert weighs 0 and points
+        at local expert 0 (its row is computed and discarded; fixed shapes, no host sync)."""
+        local = (idx >= self.first) & (idx < self.first + self.count)
+        return torch.where(local, weights, torch.zeros_like(weights)), torch.where(local, idx - self.first, 0)

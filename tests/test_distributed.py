@@ -1,0 +1,104 @@
+"""Expert parallelism over torch.distributed on the CPU (gloo), ranks started as torchrun starts them: 2 and 4
+processes give the single-process engine's greedy tokens on the tiny V4 and V4.1 models, under chunked prefill and
+preemption; a missing rank makes start-up fail with a clear message instead of hanging; bad parallel configs are
+refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv4.make_model import make_model
+from dsv4.models.config import ConfigError
+
+WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
+GOLDEN = os.path.join(os.path.dirname(__file__), "data", "deepseek-v41-tiny")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(spec: dict, world: int, ranks: list[int] | None = None, timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """Start `ranks` (default: all) of a `world`-rank job like torchrun; wait for them all."""
+    port = _free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = []
+    for rank in ranks if ranks is not None else range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_model("tiny-v4", str(tmp_path_factory.mktemp("dist") / "tiny-v4"), seed=0)
+
+
+def _spec(model: str, out: Path, world: int) -> dict:
+    prompts = [[3 + (7 * i + 5 * j) % 250 for j in range(n)] for i, n in enumerate([37, 12, 50, 5, 23])]
+    # a 16-token budget chunks the prefills; a pool of 16 window blocks (and compressed pools sized from it) cannot
+    # hold every request at once: preemption
+    engine = {"max_model_len": 96, "max_num_seqs": 4, "max_num_batched_tokens": 16, "block_size": 4,
+              "num_kv_blocks": 16}
+    if world > 1:
+        engine.update(tensor_parallel_size=world, expert_parallel=True, parallel_init_timeout_s=120)
+    return {"model": model, "engine": engine, "prompts": prompts, "max_tokens": 12, "out": str(out)}
+
+
+@pytest.mark.parametrize("which,world", [("v4", 2), ("v41", 2), ("v41", 4)])
+def test_expert_parallel_ranks_give_the_single_process_tokens(which: str, world: int, tiny_v4: str,
+                                                              tmp_path: Path) -> None:
+    from dist_worker import run
+
+    model = tiny_v4 if which == "v4" else GOLDEN
+    want = run(_spec(model, tmp_path / "ref", 1))  # the single-process engine, in this process
+    assert want["preemptions"] > 0  # the pool is small enough to preempt
+    runs = _launch(_spec(model, tmp_path / "ep", world), world)
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    for rank in range(world):
+        got = json.loads((tmp_path / f"ep.{rank}").read_text())
+        assert got["tokens"] == want["tokens"], rank
+        assert got["preemptions"] == want["preemptions"]
+
+
+def test_a_missing_rank_fails_start_up_clearly(tmp_path: Path) -> None:
+    spec = _spec(GOLDEN, tmp_path / "x", 2)
+    spec["engine"]["parallel_init_timeout_s"] = 5
+    (only,) = _launch(spec, 2, ranks=[0], timeout=120)  # rank 1 never starts
+    assert only.returncode != 0
+    assert "did not form within 5 s" in only.stderr and "failed to start" in only.stderr, only.stderr[-2000:]
+
+
+def test_bad_parallel_configs_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsv4.engine.engine import LLMEngine
+
+    kw = dict(max_model_len=64, load_tokenizer=False)
+    with pytest.raises(ConfigError, match="needs --expert-parallel"):
+        LLMEngine.from_args(GOLDEN, tensor_parallel_size=2, **kw)
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(ConfigError, match="launch with torchrun --nproc-per-node 2"):
+        LLMEngine.from_args(GOLDEN, tensor_parallel_size=2, expert_parallel=True, **kw)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(ConfigError, match="WORLD_SIZE=4"):
+        LLMEngine.from_args(GOLDEN, tensor_parallel_size=2, expert_parallel=True, **kw)
