@@ -8,9 +8,9 @@ import os
 import sys
 from typing import Any
 
+from dsv4.bench.chat import add_cli_args as add_bench_chat_args
 from dsv4.bench.latency import add_cli_args as add_bench_latency_args
 from dsv4.bench.serve import add_cli_args as add_bench_serve_args
-from dsv4.bench.chat import add_cli_args as add_bench_chat_args
 from dsv4.bench.throughput import add_cli_args as add_bench_throughput_args
 from dsv4.models.config import ConfigError
 from dsv4.sampling_params import SamplingParams, SamplingParamsError
@@ -96,11 +96,16 @@ def _make_model(args: argparse.Namespace) -> None:
 
 
 _GPU_ARGS = ("enforce_eager", "gpu_memory_utilization", "encoder_cudagraphs", "compile_decode", "async_scheduling",
-             "enable_prefix_caching", "swa_bounded_replay", "decode_backend")
+             "enable_prefix_caching", "swa_bounded_replay", "decode_backend", "tensor_parallel_size",
+             "expert_parallel")
 
 
 def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
     """The runtime knobs shared by `generate` and `serve` (vLLM's names)."""
+    parser.add_argument("--tensor-parallel-size", type=int,
+                        help="processes (GPUs) serving the model; launch that many with torchrun (default 1)")
+    parser.add_argument("--expert-parallel", action="store_true", default=None,
+                        help="split the routed experts over the tensor-parallel ranks (needed with several)")
     parser.add_argument("--decode-backend", choices=["default", "latency_specialized"],
                         help="latency_specialized: FULL decode steps also replay their attention-metadata build as "
                              "a CUDA graph (DeepSeek-V4.1; default: default)")
@@ -150,6 +155,8 @@ def _generate(args: argparse.Namespace) -> None:
         outputs = llm.chat(conversations, params, use_tqdm=True)
     else:
         outputs = llm.generate(prompts, params, use_tqdm=True)
+    if os.environ.get("RANK", "0") != "0":
+        return  # under torchrun every rank computes the same outputs: rank 0 prints them
     for prompt, out in zip(prompts, outputs):
         for completion in out.outputs:
             print(f"--- prompt: {prompt!r}  (finish: {completion.finish_reason})")
@@ -165,6 +172,9 @@ def _serve(args: argparse.Namespace) -> None:
     names = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
              "num_kv_blocks", "seed") + _GPU_ARGS
     engine_args = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    if engine_args.get("tensor_parallel_size", 1) > 1:
+        raise ConfigError("dsv4 serve runs one process: several ranks need one scheduler driving them all, which is "
+                          "not implemented yet (offline `dsv4 generate` and LLM run under torchrun)")
     run_server(args.model, host=args.host, port=args.port, api_key=args.api_key,
                served_model_name=args.served_model_name, log_level=args.log_level.lower(), **engine_args)
 

@@ -26,7 +26,8 @@ class LLM:
                  cudagraph_capture_sizes: tuple[int, ...] | None = None, gpu_memory_utilization: float = 0.9,
                  encoder_cudagraphs: bool = False, compile_decode: bool = False,
                  async_scheduling: bool | None = None, enable_prefix_caching: bool = True,
-                 swa_bounded_replay: bool = True, decode_backend: str = "default") -> None:
+                 swa_bounded_replay: bool = True, decode_backend: str = "default", tensor_parallel_size: int = 1,
+                 expert_parallel: bool = False) -> None:
         if model is None:
             from dsv4.models.presets import default_model_dir
 
@@ -43,7 +44,8 @@ class LLM:
                                           encoder_cudagraphs=encoder_cudagraphs, compile_decode=compile_decode,
                                           async_scheduling=async_scheduling,
                                           enable_prefix_caching=enable_prefix_caching,
-                                          swa_bounded_replay=swa_bounded_replay, decode_backend=decode_backend)
+                                          swa_bounded_replay=swa_bounded_replay, decode_backend=decode_backend,
+                                          tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],

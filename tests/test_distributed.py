@@ -102,3 +102,22 @@ def test_bad_parallel_configs_are_refused(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("MASTER_PORT", "1")
     with pytest.raises(ConfigError, match="WORLD_SIZE=4"):
         LLMEngine.from_args(GOLDEN, tensor_parallel_size=2, expert_parallel=True, **kw)
+
+
+def test_generate_under_torchrun_style_ranks_prints_once(tmp_path: Path) -> None:
+    """`dsv4 generate --tensor-parallel-size 2 --expert-parallel` with two torchrun-style ranks: both finish, rank 0
+    prints the completions, rank 1 prints nothing; `dsv4 serve` with several ranks is refused clearly."""
+    port = _free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "dsv4.cli", "generate", "--model", GOLDEN, "--prompt", "hello", "--max-tokens", "4",
+           "--max-model-len", "64", "--tensor-parallel-size", "2", "--expert-parallel"]
+    procs = [subprocess.Popen(cmd, env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                        "MASTER_PORT": str(port), "PYTHONPATH": root}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    assert "--- prompt: 'hello'" in outs[0][0] and outs[1][0] == ""
+    serve = subprocess.run([sys.executable, "-m", "dsv4.cli", "serve", "--model", GOLDEN, "--tensor-parallel-size",
+                            "2", "--expert-parallel"], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "PYTHONPATH": root})
+    assert serve.returncode != 0 and "one scheduler driving them all" in serve.stderr
