@@ -92,12 +92,14 @@ def init_parallel(cfg: ParallelConfig, device: str) -> Parallel:
     return Parallel(rank, world, dist.group.WORLD)
 
 
-def shard_experts(model: nn.Module, par: Parallel) -> int:
+def shard_experts(model: nn.Module, par: Parallel) -> ExpertShard | None:
     """Keep this rank's slice of every MoE layer's routed experts (modules with an `experts` holding gate_up_proj
-    [E, 2I, D] and down_proj [E, D, I]) and give the layer its `ExpertShard`; returns the layers sharded."""
+    [E, 2I, D] and down_proj [E, D, I]) and give the layer its `ExpertShard`, which is returned (the same for every
+    layer; None alone). On a meta-device model (before loading) only the shapes shrink: the load then reads this
+    rank's experts only (`loader.expert_shard_route`)."""
     if par.world_size == 1:
-        return 0
-    n = 0
+        return None
+    shard = None
     for module in model.modules():
         experts = getattr(module, "experts", None)
         if experts is None or not hasattr(experts, "gate_up_proj") or not hasattr(module, "ep"):
@@ -111,9 +113,8 @@ def shard_experts(model: nn.Module, par: Parallel) -> int:
             for name in ("gate_up_proj", "down_proj"):
                 full = getattr(experts, name)
                 setattr(experts, name, nn.Parameter(full.data[first: first + count].clone(), requires_grad=False))
-        module.ep = ExpertShard(first, count, par)
-        n += 1
-    return n
+        module.ep = shard = ExpertShard(first, count, par)
+    return shard
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -121,3 +122,48 @@ def test_generate_under_torchrun_style_ranks_prints_once(tmp_path: Path) -> None
                             "2", "--expert-parallel"], capture_output=True, text=True, timeout=120,
                            env={**os.environ, "PYTHONPATH": root})
     assert serve.returncode != 0 and "one scheduler driving them all" in serve.stderr
+
+
+@pytest.mark.parametrize("which", ["v4", "v41"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_loads_only_its_experts(which: str, world: int, tiny_v4: str,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-expert checkpoints (the golden V4.1) skip other ranks' experts; packed ones (tiny-v4, HF layout) are read
+    by row slice: every rank's module holds exactly its rows of the full model's experts, and nothing else is
+    read."""
+    import torch
+
+    from dsv4.distributed import Parallel
+    from dsv4.models import loader
+    from dsv4.models.build import build_model
+    from dsv4.models.config import load_model_config
+
+    model_dir = tiny_v4 if which == "v4" else GOLDEN
+    cfg = load_model_config(model_dir)
+    full = build_model(cfg, model_dir, torch.float32, "cpu")
+    E = cfg.n_routed_experts
+    reads: list[tuple[str, tuple[int, int] | None]] = []
+    orig = loader._Files.get
+
+    def spy(self, info, key, rows=None):  # noqa: ANN001, ANN202
+        reads.append((key, rows))
+        return orig(self, info, key, rows)
+
+    monkeypatch.setattr(loader._Files, "get", spy)
+    for rank in range(world):
+        reads.clear()
+        part = build_model(cfg, model_dir, torch.float32, "cpu", Parallel(rank, world))
+        lo, hi = rank * E // world, (rank + 1) * E // world
+        sharded = 0
+        for (name, p), (_, q) in zip(part.named_parameters(), full.named_parameters()):
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                assert torch.equal(p, q[lo:hi]), name
+                sharded += 1
+            else:
+                assert torch.equal(p, q), name
+        assert sharded == 2 * cfg.num_hidden_layers
+        for key, rows in reads:
+            m = re.search(r"experts\.(\d+)\.", key)
+            assert m is None or lo <= int(m.group(1)) < hi, key  # another rank's expert was read
+            if re.search(r"experts\.(gate_up_proj|down_proj)$", key):
+                assert rows == (lo, hi), key  # a packed tensor: only this rank's rows

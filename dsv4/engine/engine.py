@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from dsv4.config import CacheConfig, EngineConfig, SchedulerConfig
-from dsv4.distributed import ParallelConfig, init_parallel, shard_experts
+from dsv4.distributed import ParallelConfig, init_parallel
 from dsv4.engine.multimodal import expand_image_spans, process_images
 from dsv4.engine.request import Request
 from dsv4.engine.scheduler import Scheduler
@@ -108,8 +108,7 @@ class LLMEngine:
         dtype = _DTYPES[config.dtype]
         # every rank runs this same engine on the same requests (dsv4.distributed): decisions agree by determinism
         self.parallel = init_parallel(config.parallel, config.device)
-        model = build_model(config.model, config.model_dir, dtype, config.device)
-        shard_experts(model, self.parallel)
+        model = build_model(config.model, config.model_dir, dtype, config.device, self.parallel)
         num_blocks = config.cache.num_blocks or default_num_blocks(config)
         if config.device.startswith("cuda") and config.cache.num_blocks is None:
             num_blocks = self._size_kv_pool(model, dtype)

@@ -9,6 +9,7 @@ import re
 import torch
 from torch import nn
 
+from dsv4.distributed import Parallel, shard_experts
 from dsv4.models.config import ConfigError, ModelConfig
 from dsv4.models.deepseek_v4 import DeepseekV4ForCausalLM
 from dsv4.models.layers.rope import RotaryTable
@@ -38,25 +39,30 @@ def _materialize(model: nn.Module, device: torch.device | str, dtype_of) -> nn.M
     return model
 
 
-def build_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+def build_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, device: torch.device | str,
+                par: Parallel | None = None) -> nn.Module:
     """Create the module on the meta device, materialize every tensor in its load dtype on `device`, then load
-    the checkpoint (all tensors must be present). V4.1 also binds the engram token map and host tables."""
+    the checkpoint (all tensors must be present). V4.1 also binds the engram token map and host tables. With
+    expert parallelism (`par` of several ranks) the module holds, and the load reads, this rank's experts only."""
+    par = par or Parallel()
     if cfg.v41 is None:
         with torch.device("meta"):
             model = DeepseekV4ForCausalLM(cfg)
+        shard = shard_experts(model, par)
         model = _materialize(model, device, lambda n: param_dtype(n, dtype))
         if model_dir is not None:
-            load_into_module(model, model_dir)
+            load_into_module(model, model_dir, experts=shard and (shard.first, shard.count))
         return model.eval()
 
     from dsv4.models.deepseek_v41 import DeepseekV41ForCausalLM
 
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(cfg)
+    shard = shard_experts(model, par)
     model = _materialize(model, device, lambda n: vision_param_dtype(n, dtype) if n.startswith(f"{VISION_MODULE}.")
                          else v41_param_dtype(n, dtype))
     if model_dir is not None:
-        load_into_module(model, model_dir, route_v41)
+        load_into_module(model, model_dir, route_v41, experts=shard and (shard.first, shard.count))
         if cfg.v41.engram is not None:
             bind_engram(model, model_dir, torch.device(device))
     return model.eval()

@@ -29,7 +29,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from safetensors import safe_open
@@ -141,6 +141,29 @@ class _Route:
     name: str  # internal (HF) name
     expert: int | None = None  # per-expert piece: expert index
     half: int = 0  # gate_up_proj: 0 = gate (w1) rows, 1 = up (w3) rows
+    rows: tuple[int, int] | None = None  # read only rows [a, b) of dim 0 (a packed tensor's experts, sharded)
+
+
+_PACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
+
+
+def expert_shard_route(route_fn: Callable[[str], _Route | None], first: int, count: int
+                       ) -> Callable[[str], _Route | None]:
+    """`route_fn` for a rank that holds the routed experts [first, first + count) only (expert parallelism): other
+    experts' per-expert tensors are skipped (never read), this rank's are renumbered from 0, and packed expert
+    tensors are read by row slice."""
+    def route(key: str) -> _Route | None:
+        r = route_fn(key)
+        if r is None:
+            return None
+        if r.expert is not None:
+            if not first <= r.expert < first + count:
+                return None
+            return replace(r, expert=r.expert - first)
+        if _PACKED_EXPERTS.search(r.name):
+            return replace(r, rows=(first, first + count))
+        return r
+    return route
 
 
 def _split_layer(bare: str, top: dict[str, str], experts: str) -> _Route | tuple[str, str]:
@@ -413,13 +436,17 @@ class _Source:
     info: _Info
     scale: _Info | None = None
     scale_key: str | None = None
+    rows: tuple[int, int] | None = None  # only rows [a, b) of dim 0 (weight and scale)
 
     @property
     def shape(self) -> Shape:
+        shape = self.info.shape
+        if self.rows is not None:
+            shape = (self.rows[1] - self.rows[0], *shape[1:])
         # Packed FP4 holds two values per byte along the last dim.
         if self.scale is not None and self.info.dtype in _PACKED_FP4:
-            return (*self.info.shape[:-1], 2 * self.info.shape[-1])
-        return self.info.shape
+            return (*shape[:-1], 2 * shape[-1])
+        return shape
 
 
 @dataclass
@@ -466,7 +493,10 @@ def _make_plan(model_dir: str, expected: Expected, route_fn: Callable[[str], _Ro
             n_ignored += 1
             continue
         sk = scale_of.get(k)
-        src = _Source(k, info, infos[sk] if sk else None, sk)
+        if route.rows is not None and (not info.shape or route.rows[1] > info.shape[0]):
+            other.append(f"{k}: {_fmt(info.shape)} has no rows {route.rows[0]}..{route.rows[1] - 1} to shard")
+            continue
+        src = _Source(k, info, infos[sk] if sk else None, sk, route.rows)
         if sk is None and info.dtype in _FLOAT8:
             other.append(f"{k}: {info.dtype} tensor without a scale (`.weight_scale_inv` or `.scale`)")
         if sk is not None and info.dtype not in _FLOAT8 | _PACKED_FP4:
@@ -482,7 +512,8 @@ def _make_plan(model_dir: str, expected: Expected, route_fn: Callable[[str], _Ro
             t.pieces[(route.expert, route.half)] = src
     if n_ignored:
         logger.info("not loading %d tensors of %s into the module (mtp.* drafter weights until speculative "
-                    "decoding lands; engram tables, which stay memory-mapped)", n_ignored, model_dir)
+                    "decoding lands; engram tables, which stay memory-mapped; other ranks' experts)", n_ignored,
+                    model_dir)
 
     for name, t in targets.items():
         if t.single is not None and (t.pieces or len(sources_of[name]) > 1):
@@ -540,11 +571,14 @@ class _Files:
         self._stack = stack
         self._handles: dict[str, object] = {}
 
-    def get(self, info: _Info, key: str) -> torch.Tensor:
+    def get(self, info: _Info, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor `key`, or only its rows [a, b) of dim 0 (read without the rest)."""
         try:
             if info.file not in self._handles:
                 self._handles[info.file] = self._stack.enter_context(safe_open(info.file, framework="pt",
                                                                                device="cpu"))
+            if rows is not None:
+                return self._handles[info.file].get_slice(key)[rows[0]: rows[1]]
             return self._handles[info.file].get_tensor(key)
         except Exception as e:
             raise CheckpointError(f"cannot read tensor {key!r} from {info.file}: {e}") from None
@@ -552,10 +586,10 @@ class _Files:
 
 def _read(src: _Source, files: _Files, device: torch.device, dtype: torch.dtype,
           hint: tuple[int, int] | None) -> torch.Tensor:
-    t = files.get(src.info, src.key).to(device)
+    t = files.get(src.info, src.key, src.rows).to(device)
     if src.scale is None:
         return t.to(dtype)
-    s = files.get(src.scale, src.scale_key).to(device)
+    s = files.get(src.scale, src.scale_key, src.rows).to(device)
     try:
         block = block_size_for(src.shape, tuple(s.shape), hint)
     except ValueError as e:
@@ -617,10 +651,14 @@ def expected_from_module(module: nn.Module) -> dict[str, tuple[Shape, torch.dtyp
 
 
 @torch.no_grad()
-def load_into_module(module: nn.Module, model_dir: str, route_fn: Callable[[str], _Route | None] = _route) -> None:
+def load_into_module(module: nn.Module, model_dir: str, route_fn: Callable[[str], _Route | None] = _route,
+                     experts: tuple[int, int] | None = None) -> None:
     """Fill `module`'s parameters and persistent buffers in place from the checkpoint, tensor by tensor, each in
     the dtype and on the device it already has (build the module with `param_dtype`). Every state-dict entry must
-    be in the checkpoint (V4 never ties `lm_head` to the embedding, so tied weights are not handled)."""
+    be in the checkpoint (V4 never ties `lm_head` to the embedding, so tied weights are not handled).
+    `experts` = (first, count): the module holds those routed experts only (expert parallelism): only they are read."""
+    if experts is not None:
+        route_fn = expert_shard_route(route_fn, *experts)
     targets = module.state_dict()
     plan = _make_plan(model_dir, expected_from_module(module), route_fn)
     for name, tensor in _iterate(plan, list(targets), lambda n: targets[n].dtype, lambda n: targets[n].device):
