@@ -6,12 +6,17 @@ requests: scheduling, sampling and graph decisions are deterministic functions o
 which the collectives make identical on every rank, so the ranks agree without exchanging decisions. NCCL on GPUs,
 gloo on CPUs; no transport of our own.
 
-Implemented so far (issue 9, first step): expert parallelism. The routed experts of every MoE layer are split into
-WORLD_SIZE contiguous slices, one per rank; routing, the shared expert and every dense layer are replicated; each
-rank computes the (token, slot) rows of its own experts (the others weigh 0) and one all-reduce sums the partial
-outputs. Tensor parallelism of the dense projections, the vocabulary-parallel embedding and head, the shared
-host Engram tables and per-rank sharded loading are not implemented yet: each rank loads the whole checkpoint
-and keeps its slice of the experts.
+Implemented so far (issue 9, first steps):
+- expert parallelism: the routed experts of every MoE layer are split into WORLD_SIZE contiguous slices, one per
+  rank; routing and the shared expert are replicated; each rank computes the (token, slot) rows of its own experts
+  (the others weigh 0) and one all-reduce sums the partial outputs;
+- the vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary's rows; an
+  embedding lookup is summed over the ranks (the owner contributes the row, the others 0, so the sum is exact),
+  the logits are gathered, so every rank samples from the same full logits;
+- each rank builds and loads only its slices (`shard_experts`, `shard_vocab` on the meta-device model, then the
+  loader reads those rows only).
+Not yet: tensor parallelism of the attention projections (the other dense layers stay replicated), Engram tables
+shared by the ranks of a host, one scheduler broadcasting its decisions (each rank schedules identically instead).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from dsv4.models.config import ConfigError
@@ -130,3 +136,60 @@ class ExpertShard:
         at local expert 0 (its row is computed and discarded; fixed shapes, no host sync)."""
         local = (idx >= self.first) & (idx < self.first + self.count)
         return torch.where(local, weights, torch.zeros_like(weights)), torch.where(local, idx - self.first, 0)
+
+
+class ShardedEmbedding(nn.Embedding):
+    """Rows [first, first + count) of a vocabulary's embedding; `forward` returns the full lookup, summed over the
+    ranks (ids another rank owns embed to 0 here)."""
+
+    def __init__(self, weight: torch.Tensor, first: int, par: Parallel) -> None:
+        super().__init__(weight.shape[0], weight.shape[1], _weight=weight, _freeze=True, device=weight.device)
+        self.first, self.par = first, par
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.first
+        mine = (local >= 0) & (local < self.num_embeddings)
+        out = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        return self.par.all_reduce_(out.masked_fill(~mine[..., None], 0))
+
+
+class ShardedHead(nn.Linear):
+    """Rows [first, first + count) of the LM head; `forward` returns the full fp32 logits, gathered from the
+    ranks in vocabulary order."""
+
+    def __init__(self, weight: torch.Tensor, par: Parallel) -> None:
+        super().__init__(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.par = par
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        local = F.linear(hidden, self.weight).float()
+        parts = [torch.empty_like(local) for _ in range(self.par.world_size)]
+        dist.all_gather(parts, local.contiguous(), group=self.par.group)
+        return torch.cat(parts, dim=-1)
+
+
+def shard_vocab(model: nn.Module, par: Parallel) -> dict[str, tuple[int, int]]:
+    """Replace the token embedding and the LM head (the top-level `nn.Embedding` / `nn.Linear` of vocab_size rows
+    named *embed* and lm_head) by this rank's row slices; returns {state-dict name: (first, end)} for the loader."""
+    if par.world_size == 1:
+        return {}
+    rows: dict[str, tuple[int, int]] = {}
+    for name, module in list(model.named_modules()):
+        leaf = name.rpartition(".")[2]
+        if isinstance(module, nn.Embedding) and leaf in ("embed", "embed_tokens") and "engram" not in name:
+            V = module.num_embeddings
+        elif isinstance(module, nn.Linear) and leaf == "lm_head":
+            V = module.out_features
+        else:
+            continue
+        if V % par.world_size:
+            raise ConfigError(f"a vocabulary of {V} rows cannot be split evenly over {par.world_size} ranks")
+        count = V // par.world_size
+        first = par.rank * count
+        w = module.weight.data[first: first + count].clone()
+        sharded: nn.Module = ShardedEmbedding(w, first, par) if isinstance(module, nn.Embedding) else ShardedHead(w, par)
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        setattr(parent, leaf, sharded)
+        rows[f"{name}.weight"] = (first, first + count)
+    return rows

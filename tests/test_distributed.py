@@ -129,8 +129,8 @@ def test_generate_under_torchrun_style_ranks_prints_once(tmp_path: Path) -> None
 def test_each_rank_loads_only_its_experts(which: str, world: int, tiny_v4: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Per-expert checkpoints (the golden V4.1) skip other ranks' experts; packed ones (tiny-v4, HF layout) are read
-    by row slice: every rank's module holds exactly its rows of the full model's experts, and nothing else is
-    read."""
+    by row slice, as are the embedding and the LM head: every rank's module holds exactly its rows of the full
+    model's experts and vocabulary, and nothing else is read."""
     import torch
 
     from dsv4.distributed import Parallel
@@ -154,16 +154,23 @@ def test_each_rank_loads_only_its_experts(which: str, world: int, tiny_v4: str,
         reads.clear()
         part = build_model(cfg, model_dir, torch.float32, "cpu", Parallel(rank, world))
         lo, hi = rank * E // world, (rank + 1) * E // world
-        sharded = 0
-        for (name, p), (_, q) in zip(part.named_parameters(), full.named_parameters()):
+        V = cfg.vocab_size // world
+        sharded = vocab = 0
+        for (name, p), (name_full, q) in zip(part.named_parameters(), full.named_parameters()):
+            assert name == name_full
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 assert torch.equal(p, q[lo:hi]), name
                 sharded += 1
+            elif name in ("lm_head.weight", "model.embed.weight", "model.embed_tokens.weight"):
+                assert torch.equal(p, q[rank * V: (rank + 1) * V]), name
+                vocab += 1
             else:
                 assert torch.equal(p, q), name
-        assert sharded == 2 * cfg.num_hidden_layers
+        assert sharded == 2 * cfg.num_hidden_layers and vocab == 2
         for key, rows in reads:
             m = re.search(r"experts\.(\d+)\.", key)
             assert m is None or lo <= int(m.group(1)) < hi, key  # another rank's expert was read
             if re.search(r"experts\.(gate_up_proj|down_proj)$", key):
                 assert rows == (lo, hi), key  # a packed tensor: only this rank's rows
+            if re.search(r"(^|\.)(lm_head|head|embed|embed_tokens)\.weight$", key) and "engram" not in key:
+                assert rows == (rank * V, (rank + 1) * V), key

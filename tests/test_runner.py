@@ -34,9 +34,9 @@ class RecordingState(DefaultModelState):
         self.calls.append("attn")
         return super().prepare_attn(batch, block_tables, for_dummy)
 
-    def prepare_decode_attn(self, batch, block_tables, num_padded):
+    def prepare_decode_attn(self, batch, block_tables, num_padded, full_graph=False):
         self.calls.append("attn")
-        return super().prepare_decode_attn(batch, block_tables, num_padded)
+        return super().prepare_decode_attn(batch, block_tables, num_padded, full_graph)
 
     def prepare_inputs(self, batch, req_state):
         self.calls.append("inputs")

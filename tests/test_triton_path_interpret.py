@@ -75,7 +75,8 @@ def test_golden_v41_and_v4_on_the_triton_path() -> None:
         def build(self, num_reqs, num_padded, positions, idx_mapping, tables):
             if num_reqs == 0:
                 return plain_build(self, num_reqs, num_padded, positions, idx_mapping, tables)
-            return self._build_triton(num_reqs, num_padded, positions, idx_mapping, tables)
+            self._build_groups_triton(self.group_names, num_reqs, num_padded, positions, idx_mapping, tables)
+            return self.views(num_reqs, num_padded)
         buffers.build = build
 
         golden = os.path.join("tests", "data", "deepseek-v41-tiny")

@@ -11,7 +11,6 @@ and never an O(S^2) mask.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv4.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
@@ -361,4 +360,4 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the given final hidden rows."""
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head(hidden).float()  # (a ShardedHead gathers the vocabulary slices of the ranks)

@@ -596,4 +596,4 @@ class DeepseekV41ForCausalLM(nn.Module):
         return [(im.offset, span.to(self.lm_head.weight.dtype)) for im, span in zip(images, spans)]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        return self.lm_head(hidden).float()  # (a ShardedHead gathers the vocabulary slices of the ranks)

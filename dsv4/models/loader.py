@@ -147,6 +147,14 @@ class _Route:
 _PACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
 
+def _row_route(route_fn: Callable[[str], _Route | None], rows: dict[str, tuple[int, int]]
+               ) -> Callable[[str], _Route | None]:
+    def route(key: str) -> _Route | None:
+        r = route_fn(key)
+        return replace(r, rows=rows[r.name]) if r is not None and r.name in rows else r
+    return route
+
+
 def expert_shard_route(route_fn: Callable[[str], _Route | None], first: int, count: int
                        ) -> Callable[[str], _Route | None]:
     """`route_fn` for a rank that holds the routed experts [first, first + count) only (expert parallelism): other
@@ -652,13 +660,17 @@ def expected_from_module(module: nn.Module) -> dict[str, tuple[Shape, torch.dtyp
 
 @torch.no_grad()
 def load_into_module(module: nn.Module, model_dir: str, route_fn: Callable[[str], _Route | None] = _route,
-                     experts: tuple[int, int] | None = None) -> None:
+                     experts: tuple[int, int] | None = None, rows: dict[str, tuple[int, int]] | None = None) -> None:
     """Fill `module`'s parameters and persistent buffers in place from the checkpoint, tensor by tensor, each in
     the dtype and on the device it already has (build the module with `param_dtype`). Every state-dict entry must
     be in the checkpoint (V4 never ties `lm_head` to the embedding, so tied weights are not handled).
-    `experts` = (first, count): the module holds those routed experts only (expert parallelism): only they are read."""
+    `experts` = (first, count): the module holds those routed experts only (expert parallelism): only they are read.
+    `rows`: {internal name: (a, b)}: those tensors hold rows [a, b) of dim 0 only (the vocabulary-parallel embedding
+    and head), read by slice."""
     if experts is not None:
         route_fn = expert_shard_route(route_fn, *experts)
+    if rows:
+        route_fn = _row_route(route_fn, rows)
     targets = module.state_dict()
     plan = _make_plan(model_dir, expected_from_module(module), route_fn)
     for name, tensor in _iterate(plan, list(targets), lambda n: targets[n].dtype, lambda n: targets[n].device):
