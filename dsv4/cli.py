@@ -172,9 +172,6 @@ def _serve(args: argparse.Namespace) -> None:
     names = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
              "num_kv_blocks", "seed") + _GPU_ARGS
     engine_args = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-    if engine_args.get("tensor_parallel_size", 1) > 1:
-        raise ConfigError("dsv4 serve runs one process: several ranks need one scheduler driving them all, which is "
-                          "not implemented yet (offline `dsv4 generate` and LLM run under torchrun)")
     run_server(args.model, host=args.host, port=args.port, api_key=args.api_key,
                served_model_name=args.served_model_name, log_level=args.log_level.lower(), **engine_args)
 

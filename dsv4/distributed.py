@@ -1,10 +1,13 @@
 """Several processes (GPUs or CPU ranks) over torch.distributed: the process group and expert parallelism.
 
 Launch: `torchrun --nproc-per-node N ... --tensor-parallel-size N --expert-parallel` (or any launcher that sets
-RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, LOCAL_RANK on GPUs). Every rank runs the same engine on the same
-requests: scheduling, sampling and graph decisions are deterministic functions of the requests and of the logits,
-which the collectives make identical on every rank, so the ranks agree without exchanging decisions. NCCL on GPUs,
-gloo on CPUs; no transport of our own.
+RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, LOCAL_RANK on GPUs). NCCL on GPUs, gloo on CPUs; no transport of our
+own. Two ways to keep the ranks in step:
+- offline (`dsv4 generate`, `LLM` under torchrun): every rank runs the same engine on the same requests; scheduling,
+  sampling and graph decisions are deterministic functions of the requests and of the logits, which the
+  collectives make identical on every rank, so the ranks agree without exchanging decisions;
+- serving (`follow_rank0`): the requests reach rank 0 only, so rank 0's scheduler drives: every step's
+  SchedulerOutput goes to the other ranks (`StepChannel`), which execute it (`LLMEngine.follow`).
 
 Implemented so far (issue 9, first steps):
 - expert parallelism: the routed experts of every MoE layer are split into WORLD_SIZE contiguous slices, one per
@@ -16,7 +19,7 @@ Implemented so far (issue 9, first steps):
 - each rank builds and loads only its slices (`shard_experts`, `shard_vocab` on the meta-device model, then the
   loader reads those rows only).
 Not yet: tensor parallelism of the attention projections (the other dense layers stay replicated), Engram tables
-shared by the ranks of a host, one scheduler broadcasting its decisions (each rank schedules identically instead).
+shared by the ranks of a host beyond what memory-mapping the same file gives, any run on several GPUs.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ class ParallelConfig:
     tensor_parallel_size: int = 1  # processes serving one model (the world size)
     expert_parallel: bool = False  # split the routed experts over those processes
     init_timeout_s: float = 300.0  # how long a rank waits for the others to join
+    # False: every rank schedules its own copy of the same requests (offline runs under torchrun). True: rank 0
+    # schedules and sends every step's SchedulerOutput to the other ranks, which only execute (`LLMEngine.follow`):
+    # the server, whose requests reach rank 0 only
+    follow_rank0: bool = False
 
     @property
     def world_size(self) -> int:
@@ -96,6 +103,25 @@ def init_parallel(cfg: ParallelConfig, device: str) -> Parallel:
             raise RuntimeError(f"rank {rank} of {world}: the process group did not form within "
                                f"{cfg.init_timeout_s:g} s; another rank probably failed to start ({e})") from e
     return Parallel(rank, world, dist.group.WORLD)
+
+
+class StepChannel:
+    """Rank 0's SchedulerOutputs to the other ranks, pickled over a gloo group of their own (beside NCCL on GPUs).
+    Followers wait for the next step without a deadline: a server may idle for days."""
+
+    def __init__(self, par: Parallel) -> None:
+        self.par = par
+        self.group = dist.new_group(backend="gloo", timeout=timedelta(days=365))
+
+    def send(self, step: object) -> None:
+        """Rank 0: the next step (None: stop following)."""
+        dist.broadcast_object_list([step], src=0, group=self.group)
+
+    def recv(self) -> object:
+        """Another rank: wait for rank 0's next step."""
+        box: list[object] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]
 
 
 def shard_experts(model: nn.Module, par: Parallel) -> ExpertShard | None:

@@ -107,7 +107,7 @@ def test_bad_parallel_configs_are_refused(monkeypatch: pytest.MonkeyPatch) -> No
 
 def test_generate_under_torchrun_style_ranks_prints_once(tmp_path: Path) -> None:
     """`dsv4 generate --tensor-parallel-size 2 --expert-parallel` with two torchrun-style ranks: both finish, rank 0
-    prints the completions, rank 1 prints nothing; `dsv4 serve` with several ranks is refused clearly."""
+    prints the completions, rank 1 prints nothing."""
     port = _free_port()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "dsv4.cli", "generate", "--model", GOLDEN, "--prompt", "hello", "--max-tokens", "4",
@@ -118,10 +118,54 @@ def test_generate_under_torchrun_style_ranks_prints_once(tmp_path: Path) -> None
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     assert "--- prompt: 'hello'" in outs[0][0] and outs[1][0] == ""
-    serve = subprocess.run([sys.executable, "-m", "dsv4.cli", "serve", "--model", GOLDEN, "--tensor-parallel-size",
-                            "2", "--expert-parallel"], capture_output=True, text=True, timeout=120,
-                           env={**os.environ, "PYTHONPATH": root})
-    assert serve.returncode != 0 and "one scheduler driving them all" in serve.stderr
+
+
+def test_serve_with_two_ranks_rank0_drives() -> None:
+    """`dsv4 serve` under two torchrun-style ranks: rank 0 serves and schedules, rank 1 executes its steps; a
+    greedy completion equals the single-process engine's; stopping rank 0 releases rank 1."""
+    import signal
+    import time
+    import urllib.request
+
+    from dsv4.engine.engine import LLMEngine
+    from dsv4.sampling_params import SamplingParams
+
+    port, http = _free_port(), _free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, "-m", "dsv4.cli", "serve", "--model", GOLDEN, "--port", str(http), "--max-model-len", "96",
+           "--tensor-parallel-size", "2", "--expert-parallel", "--log-level", "warning"]
+    procs = [subprocess.Popen(cmd, env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                        "MASTER_PORT": str(port), "PYTHONPATH": root}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{http}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "server did not start"
+                time.sleep(0.5)
+        texts = []
+        for prompt in ("The quick brown fox", "Hello"):
+            body = json.dumps({"model": GOLDEN, "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                               "ignore_eos": True}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            texts.append(json.load(urllib.request.urlopen(req, timeout=60))["choices"][0]["text"])
+    finally:
+        procs[0].send_signal(signal.SIGINT)
+        outs = [p.communicate(timeout=60) for p in procs]
+    assert procs[1].returncode == 0, outs[1][1][-2000:]  # released by rank 0's stop
+    single = LLMEngine.from_args(GOLDEN, max_model_len=96)
+    for i, prompt in enumerate(("The quick brown fox", "Hello")):
+        single.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), request_id=str(i))
+    want = {}
+    while single.has_unfinished_requests():
+        for o in single.step():
+            if o.finished:
+                want[o.request_id] = o.outputs[0].text
+    assert texts == [want["0"], want["1"]]
 
 
 @pytest.mark.parametrize("which", ["v4", "v41"])

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from dsv4.config import CacheConfig, EngineConfig, SchedulerConfig
-from dsv4.distributed import ParallelConfig, init_parallel
+from dsv4.distributed import ParallelConfig, StepChannel, init_parallel
 from dsv4.engine.multimodal import expand_image_spans, process_images
 from dsv4.engine.request import Request
 from dsv4.engine.scheduler import Scheduler
@@ -108,6 +108,8 @@ class LLMEngine:
         dtype = _DTYPES[config.dtype]
         # every rank runs this same engine on the same requests (dsv4.distributed): decisions agree by determinism
         self.parallel = init_parallel(config.parallel, config.device)
+        self._channel = (StepChannel(self.parallel) if config.parallel.follow_rank0 and self.parallel.world_size > 1
+                         else None)
         model = build_model(config.model, config.model_dir, dtype, config.device, self.parallel)
         num_blocks = config.cache.num_blocks or default_num_blocks(config)
         if config.device.startswith("cuda") and config.cache.num_blocks is None:
@@ -173,7 +175,8 @@ class LLMEngine:
                   compile_decode: bool = False, async_scheduling: bool | None = None,
                   enable_prefix_caching: bool = True, swa_bounded_replay: bool = True,
                   decode_backend: str = "default", tensor_parallel_size: int = 1,
-                  expert_parallel: bool = False, parallel_init_timeout_s: float = 300.0) -> "LLMEngine":
+                  expert_parallel: bool = False, parallel_init_timeout_s: float = 300.0,
+                  follow_rank0: bool = False) -> "LLMEngine":
         """Build an engine from a checkpoint directory and the usual knobs (async_scheduling None: on for CUDA)."""
         mc = load_model_config(model)
         max_model_len = max_model_len or min(mc.max_position_embeddings, 4096)
@@ -189,7 +192,7 @@ class LLMEngine:
             cudagraph_capture_sizes=cudagraph_capture_sizes, gpu_memory_utilization=gpu_memory_utilization,
             encoder_cudagraphs=encoder_cudagraphs, compile_decode=compile_decode, decode_backend=decode_backend,
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel,
-                                    init_timeout_s=parallel_init_timeout_s),
+                                    init_timeout_s=parallel_init_timeout_s, follow_rank0=follow_rank0),
         )
         tok = Tokenizer.from_dir(model) if load_tokenizer else None
         return cls(cfg, tok)
@@ -291,11 +294,25 @@ class LLMEngine:
         scheduling the step is launched first and the outputs are those of the step before it."""
         so = self.scheduler.schedule()
         work = bool(so.num_scheduled_tokens or so.finished_req_ids)
+        if work and self._channel is not None:
+            assert self.parallel.rank == 0, "under follow_rank0 only rank 0 steps; the others call follow()"
+            self._channel.send(so)  # the other ranks execute the same step (their collectives meet ours)
         if not self.config.scheduler.async_scheduling:
             return self._outputs(self._apply_output(so, self.runner.execute(so)) if work else set())
         pending = self.runner.execute_async(so) if work else None
         landed, self._in_flight = self._in_flight, (so, pending) if pending is not None else None
         return self._outputs(self._apply_output(landed[0], landed[1].result()) if landed else set())
+
+    def follow(self) -> None:
+        """Ranks other than 0 under follow_rank0: execute rank 0's steps until it stops (`stop_followers`)."""
+        assert self._channel is not None and self.parallel.rank != 0, "follow() is for ranks 1.. under follow_rank0"
+        while (so := self._channel.recv()) is not None:
+            self.runner.execute(so)
+
+    def stop_followers(self) -> None:
+        """Rank 0 under follow_rank0: let the other ranks' follow() return (call once, when done serving)."""
+        if self._channel is not None and self.parallel.rank == 0:
+            self._channel.send(None)
 
     def _apply_output(self, so: SchedulerOutput, ro: RunnerOutput) -> set[str]:
         """Hand a step's tokens to the scheduler (stops, lengths) and to the requests' children; returns the

@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from dsv4.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
-from dsv4.engine.engine import RequestError
+from dsv4.engine.engine import LLMEngine, RequestError
 from dsv4.outputs import RequestOutput
 from dsv4.sampling_params import SamplingParams
 from dsv4.serve.protocol import (APIError, ChatCompletionRequest, ChatFormat, ChoiceProgress, CompletionFormat,
@@ -341,8 +341,19 @@ def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000, api
     dtype = engine_args.pop("dtype", None) or ("bfloat16" if device.startswith("cuda") else "float32")
     from dsv4.serve.metrics import EngineMetrics
 
+    if engine_args.get("tensor_parallel_size", 1) > 1:
+        # under torchrun: rank 0 serves and schedules, the other ranks execute its steps (dsv4.distributed)
+        engine_args["follow_rank0"] = True
+        if os.environ.get("RANK", "0") != "0":
+            follower = LLMEngine.from_args(model, dtype=dtype, device=device, **engine_args)
+            follower.follow()
+            return
     engine = AsyncLLMEngine.from_args(model, EngineMetrics(name), dtype=dtype, device=device, **engine_args)
     logger.info("serving %s as %r on http://%s:%d (max_model_len %d)", model, name, host, port,
                 engine.max_model_len)
-    uvicorn.run(build_app(engine, name, api_key), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(build_app(engine, name, api_key), host=host, port=port, log_level=log_level,
+                    timeout_graceful_shutdown=5)
+    finally:  # (the app's lifespan stopped the engine thread already, unless the server never started)
+        engine.shutdown()
+        engine.engine.stop_followers()
