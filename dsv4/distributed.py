@@ -18,12 +18,16 @@ Implemented so far (issue 9, first steps):
   the logits are gathered, so every rank samples from the same full logits;
 - each rank builds and loads only its slices (`shard_experts`, `shard_vocab` on the meta-device model, then the
   loader reads those rows only).
-Not yet: tensor parallelism of the attention projections (the other dense layers stay replicated), Engram tables
-shared by the ranks of a host beyond what memory-mapping the same file gives, any run on several GPUs.
+- tensor parallelism of the attention: each rank keeps its share of the output groups and their query heads; the
+  single shared KV head, compressors and indexers are replicated; one all-reduce sums the output projection.
+Not yet: tensor parallelism of the other dense layers (mHC, shared expert, engram), Engram tables shared by the
+ranks of a host beyond what memory-mapping the same file gives, any run on several GPUs.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,6 +38,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.models.config import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,19 @@ def init_parallel(cfg: ParallelConfig, device: str) -> Parallel:
         except Exception as e:  # the store raises its own timeout types, by version
             raise RuntimeError(f"rank {rank} of {world}: the process group did not form within "
                                f"{cfg.init_timeout_s:g} s; another rank probably failed to start ({e})") from e
+        # tear the group down before the interpreter does: gloo's threads abort the process if they outlive it
+        atexit.register(_destroy_process_group)
     return Parallel(rank, world, dist.group.WORLD)
+
+
+def _destroy_process_group() -> None:
+    if not dist.is_initialized():
+        return
+    try:  # leave together: a rank tearing its connections down while another still uses them aborts that one
+        dist.barrier()
+    except Exception:  # noqa: BLE001 (another rank is gone: nothing to wait for)
+        pass
+    dist.destroy_process_group()
 
 
 class StepChannel:
@@ -195,12 +213,13 @@ class ShardedHead(nn.Linear):
         return torch.cat(parts, dim=-1)
 
 
-def shard_vocab(model: nn.Module, par: Parallel) -> dict[str, tuple[int, int]]:
+def shard_vocab(model: nn.Module, par: Parallel) -> dict[str, tuple[int, int, int]]:
     """Replace the token embedding and the LM head (the top-level `nn.Embedding` / `nn.Linear` of vocab_size rows
-    named *embed* and lm_head) by this rank's row slices; returns {state-dict name: (first, end)} for the loader."""
+    named *embed* and lm_head) by this rank's row slices; returns {state-dict name: (0, first, end)} for the
+    loader."""
     if par.world_size == 1:
         return {}
-    rows: dict[str, tuple[int, int]] = {}
+    rows: dict[str, tuple[int, int, int]] = {}
     for name, module in list(model.named_modules()):
         leaf = name.rpartition(".")[2]
         if isinstance(module, nn.Embedding) and leaf in ("embed", "embed_tokens") and "engram" not in name:
@@ -217,5 +236,45 @@ def shard_vocab(model: nn.Module, par: Parallel) -> dict[str, tuple[int, int]]:
         sharded: nn.Module = ShardedEmbedding(w, first, par) if isinstance(module, nn.Embedding) else ShardedHead(w, par)
         parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
         setattr(parent, leaf, sharded)
-        rows[f"{name}.weight"] = (first, first + count)
+        rows[f"{name}.weight"] = (0, first, first + count)
     return rows
+
+
+# the attention parameters tensor parallelism splits, by model: (query up-projection, sinks, grouped output
+# projection, output projection)
+_ATTN_PARAMS = (("q_b_proj", "sinks", "o_a_proj", "o_b_proj"), ("wq_b", "attn_sink", "wo_a", "wo_b"))
+
+
+def shard_attention(model: nn.Module, par: Parallel) -> dict[str, tuple[int, int, int]]:
+    """Tensor parallelism of the attention: each rank keeps o_groups / world output groups and their heads (the
+    query rows of those heads, their sinks, the groups' rows of the grouped projection and columns of the output
+    projection); the single shared KV head, the compressors and indexers stay replicated. The module's output is
+    then partial and summed over the ranks (`tp`). Returns {state-dict name: (dim, a, b)} for the loader."""
+    if par.world_size == 1:
+        return {}
+    spans: dict[str, tuple[int, int, int]] = {}
+    for name, module in model.named_modules():
+        names = next((n for n in _ATTN_PARAMS if all(hasattr(module, a) for a in n)), None)
+        if names is None or not hasattr(module, "o_groups"):
+            continue
+        q_b, sinks, o_a, o_b = (getattr(module, a) for a in names)
+        H, G, D = module.n_heads, module.o_groups, module.head_dim
+        if G % par.world_size:  # the architecture does not allow it at this size: replicate the attention
+            logger.warning("%s: %d output groups do not split over %d ranks; its attention stays replicated", name,
+                           G, par.world_size)
+            continue
+        g = G // par.world_size
+        g0, h = par.rank * g, H // G * g
+        h0, lora = g0 * H // G, o_a.weight.shape[0] // G
+        with torch.no_grad():
+            cuts = {f"{names[0]}.weight": (q_b, "weight", 0, h0 * D, (h0 + h) * D),
+                    names[1]: (module, names[1], 0, h0, h0 + h),
+                    f"{names[2]}.weight": (o_a, "weight", 0, g0 * lora, (g0 + g) * lora),
+                    f"{names[3]}.weight": (o_b, "weight", 1, g0 * lora, (g0 + g) * lora)}
+            for key, (owner, attr, d, a, b) in cuts.items():
+                full = getattr(owner, attr)
+                setattr(owner, attr, nn.Parameter(full.data.narrow(d, a, b - a).clone(), requires_grad=False))
+                spans[f"{name}.{key}"] = (d, a, b)
+        q_b.out_features, o_a.out_features, o_b.in_features = h * D, g * lora, g * lora
+        module.n_heads, module.o_groups, module.tp = h, g, par
+    return spans

@@ -173,8 +173,8 @@ def test_serve_with_two_ranks_rank0_drives() -> None:
 def test_each_rank_loads_only_its_experts(which: str, world: int, tiny_v4: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Per-expert checkpoints (the golden V4.1) skip other ranks' experts; packed ones (tiny-v4, HF layout) are read
-    by row slice, as are the embedding and the LM head: every rank's module holds exactly its rows of the full
-    model's experts and vocabulary, and nothing else is read."""
+    by row slice, as are the embedding, the LM head and the attention heads' tensors: every rank's module holds
+    exactly its slices of the full model's experts, vocabulary and attention groups, and nothing else is read."""
     import torch
 
     from dsv4.distributed import Parallel
@@ -186,12 +186,12 @@ def test_each_rank_loads_only_its_experts(which: str, world: int, tiny_v4: str,
     cfg = load_model_config(model_dir)
     full = build_model(cfg, model_dir, torch.float32, "cpu")
     E = cfg.n_routed_experts
-    reads: list[tuple[str, tuple[int, int] | None]] = []
+    reads: list[tuple[str, tuple[int, int, int] | None]] = []
     orig = loader._Files.get
 
-    def spy(self, info, key, rows=None):  # noqa: ANN001, ANN202
-        reads.append((key, rows))
-        return orig(self, info, key, rows)
+    def spy(self, info, key, span=None):  # noqa: ANN001, ANN202
+        reads.append((key, span))
+        return orig(self, info, key, span)
 
     monkeypatch.setattr(loader._Files, "get", spy)
     for rank in range(world):
@@ -199,22 +199,38 @@ def test_each_rank_loads_only_its_experts(which: str, world: int, tiny_v4: str,
         part = build_model(cfg, model_dir, torch.float32, "cpu", Parallel(rank, world))
         lo, hi = rank * E // world, (rank + 1) * E // world
         V = cfg.vocab_size // world
-        sharded = vocab = 0
+        # attention: whole output groups per rank when they split evenly (else replicated): group g owns heads
+        # [g * H / G, (g + 1) * H / G), rows [g * o_lora, (g + 1) * o_lora) of the grouped projection and those
+        # columns of the output projection
+        H, G, D, lora = cfg.num_attention_heads, cfg.o_groups, cfg.head_dim, cfg.o_lora_rank
+        tp = G % world == 0
+        g0, g1 = (rank * G // world, (rank + 1) * G // world) if tp else (0, G)
+        h0, h1 = g0 * H // G, g1 * H // G
+        heads = {"q_b_proj.weight": (0, h0 * D, h1 * D), "wq_b.weight": (0, h0 * D, h1 * D),
+                 "sinks": (0, h0, h1), "attn_sink": (0, h0, h1), "o_a_proj.weight": (0, g0 * lora, g1 * lora),
+                 "wo_a.weight": (0, g0 * lora, g1 * lora), "o_b_proj.weight": (1, g0 * lora, g1 * lora),
+                 "wo_b.weight": (1, g0 * lora, g1 * lora)}
+        sharded = vocab = attn = 0
         for (name, p), (name_full, q) in zip(part.named_parameters(), full.named_parameters()):
             assert name == name_full
+            tail = ".".join(name.split(".")[-2:]) if name.endswith(".weight") else name.split(".")[-1]
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 assert torch.equal(p, q[lo:hi]), name
                 sharded += 1
             elif name in ("lm_head.weight", "model.embed.weight", "model.embed_tokens.weight"):
                 assert torch.equal(p, q[rank * V: (rank + 1) * V]), name
                 vocab += 1
+            elif tail in heads and ".indexer." not in name:
+                d, a, b = heads[tail]
+                assert torch.equal(p, q.narrow(d, a, b - a)), name
+                attn += 1
             else:
                 assert torch.equal(p, q), name
-        assert sharded == 2 * cfg.num_hidden_layers and vocab == 2
-        for key, rows in reads:
+        assert sharded == 2 * cfg.num_hidden_layers and vocab == 2 and attn == 4 * cfg.num_hidden_layers
+        for key, span in reads:
             m = re.search(r"experts\.(\d+)\.", key)
             assert m is None or lo <= int(m.group(1)) < hi, key  # another rank's expert was read
             if re.search(r"experts\.(gate_up_proj|down_proj)$", key):
-                assert rows == (lo, hi), key  # a packed tensor: only this rank's rows
+                assert span == (0, lo, hi), key  # a packed tensor: only this rank's rows
             if re.search(r"(^|\.)(lm_head|head|embed|embed_tokens)\.weight$", key) and "engram" not in key:
-                assert rows == (rank * V, (rank + 1) * V), key
+                assert span == (0, rank * V, (rank + 1) * V), key

@@ -9,7 +9,7 @@ import re
 import torch
 from torch import nn
 
-from dsv4.distributed import Parallel, shard_experts, shard_vocab
+from dsv4.distributed import Parallel, shard_attention, shard_experts, shard_vocab
 from dsv4.models.config import ConfigError, ModelConfig
 from dsv4.models.deepseek_v4 import DeepseekV4ForCausalLM
 from dsv4.models.layers.rope import RotaryTable
@@ -48,21 +48,21 @@ def build_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, dev
     if cfg.v41 is None:
         with torch.device("meta"):
             model = DeepseekV4ForCausalLM(cfg)
-        shard, rows = shard_experts(model, par), shard_vocab(model, par)
+        shard, spans = shard_experts(model, par), {**shard_vocab(model, par), **shard_attention(model, par)}
         model = _materialize(model, device, lambda n: param_dtype(n, dtype))
         if model_dir is not None:
-            load_into_module(model, model_dir, experts=shard and (shard.first, shard.count), rows=rows)
+            load_into_module(model, model_dir, experts=shard and (shard.first, shard.count), spans=spans)
         return model.eval()
 
     from dsv4.models.deepseek_v41 import DeepseekV41ForCausalLM
 
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(cfg)
-    shard, rows = shard_experts(model, par), shard_vocab(model, par)
+    shard, spans = shard_experts(model, par), {**shard_vocab(model, par), **shard_attention(model, par)}
     model = _materialize(model, device, lambda n: vision_param_dtype(n, dtype) if n.startswith(f"{VISION_MODULE}.")
                          else v41_param_dtype(n, dtype))
     if model_dir is not None:
-        load_into_module(model, model_dir, route_v41, experts=shard and (shard.first, shard.count), rows=rows)
+        load_into_module(model, model_dir, route_v41, experts=shard and (shard.first, shard.count), spans=spans)
         if cfg.v41.engram is not None:
             bind_engram(model, model_dir, torch.device(device))
     return model.eval()

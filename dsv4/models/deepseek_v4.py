@@ -10,6 +10,8 @@ and never an O(S^2) mask.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -26,6 +28,9 @@ from dsv4.ops.rope import apply_rope
 from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, row_chunks, token_key_slots
 from dsv4.runtime.kv_cache import LayerKVCache
+
+if TYPE_CHECKING:
+    from dsv4.distributed import Parallel
 
 CHUNK = 256  # at most this many query tokens per prefill attention chunk (row_chunks takes fewer for wide rows)
 
@@ -164,6 +169,8 @@ class Attention(nn.Module):
     """Shared-KV MQA with sinks, partial interleaved rope, grouped output projection; sliding window plus,
     for CSA/HCA layers, the compressed entries (top-k for CSA, all visible for HCA) in one softmax."""
 
+    tp: Parallel | None = None  # tensor parallelism: this rank's heads and output groups (dsv4.distributed)
+
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.cfg, self.layer = cfg, layer
@@ -231,7 +238,7 @@ class Attention(nn.Module):
                                           cache))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         out = apply_rope(out, cos, sin, inverse=True)  # V carried rope: undo it at the query position
-        return self.o_b_proj(grouped_projection(out, self.o_a_proj.weight, self.o_groups))
+        return self._output(out)
 
 
     def forward_decode(self, x: torch.Tensor, dmd: DecodeMetadata, cache: LayerKVCache) -> torch.Tensor:
@@ -254,8 +261,13 @@ class Attention(nn.Module):
                 qi, iw = indexer.queries(x, qr, cos, sin)
         out = self._attend_rows(q, qi, iw, dmd.window_slots, dmd.window_mask, dmd.entry_slots, dmd.n_entries, cache)
         out = apply_rope(out, cos, sin, inverse=True)
-        return self.o_b_proj(grouped_projection(out, self.o_a_proj.weight, self.o_groups))
+        return self._output(out)
 
+
+    def _output(self, out: torch.Tensor) -> torch.Tensor:
+        """The grouped output projection; under tensor parallelism (`tp`) this rank's groups, summed over ranks."""
+        y = self.o_b_proj(grouped_projection(out, self.o_a_proj.weight, self.o_groups))
+        return y if self.tp is None else self.tp.all_reduce_(y)
 
     def _attend_rows(self, q: torch.Tensor, qi: torch.Tensor | None, iw: torch.Tensor | None,
                      window_slots: torch.Tensor, window_mask: torch.Tensor, entry_slots: dict[str, torch.Tensor],

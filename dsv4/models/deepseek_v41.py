@@ -42,7 +42,7 @@ from dsv4.runtime.attn_metadata import (TRASH_SLOT, AttnMetadata, DecodeMetadata
 from dsv4.runtime.kv_cache import LayerKVCache
 
 if TYPE_CHECKING:  # type only: the runner builds the manager and sets `encoder_graphs`; shard_experts sets `ep`
-    from dsv4.distributed import ExpertShard
+    from dsv4.distributed import ExpertShard, Parallel
     from dsv4.runtime.encoder_cudagraphs import EncoderCudaGraphManager
 
 
@@ -221,6 +221,7 @@ class AttentionV41(nn.Module):
     # Token rows attended at once on the prefill path: bounds what is gathered per row, the keys [rows, W + K, D]
     # and, on an index source, the index keys [rows, M, index_head_dim] of every entry of the group.
     CHUNK = 256
+    tp: Parallel | None = None  # tensor parallelism: this rank's heads and output groups (dsv4.distributed)
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -352,7 +353,8 @@ class AttentionV41(nn.Module):
     def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The attention output back to the hidden size: inverse rope (keys are roped values), grouped wo_a, wo_b."""
         out = apply_rope(out, cos, sin, inverse=True)
-        return self.wo_b(grouped_projection(out, self.wo_a.weight, self.o_groups))
+        y = self.wo_b(grouped_projection(out, self.wo_a.weight, self.o_groups))
+        return y if self.tp is None else self.tp.all_reduce_(y)  # tensor parallelism: this rank's groups only
 
     def _attend_rows(self, q: torch.Tensor, qi: torch.Tensor | None, iw: torch.Tensor | None,
                      caches: list[LayerKVCache], keys: TokenKeySlots | DecodeMetadata, topk: torch.Tensor | None,

@@ -141,17 +141,18 @@ class _Route:
     name: str  # internal (HF) name
     expert: int | None = None  # per-expert piece: expert index
     half: int = 0  # gate_up_proj: 0 = gate (w1) rows, 1 = up (w3) rows
-    rows: tuple[int, int] | None = None  # read only rows [a, b) of dim 0 (a packed tensor's experts, sharded)
+    # read only [a, b) along dim d, (d, a, b): a sharded tensor's slice (expert, vocabulary, head parallelism)
+    span: tuple[int, int, int] | None = None
 
 
 _PACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
 
-def _row_route(route_fn: Callable[[str], _Route | None], rows: dict[str, tuple[int, int]]
-               ) -> Callable[[str], _Route | None]:
+def _span_route(route_fn: Callable[[str], _Route | None], spans: dict[str, tuple[int, int, int]]
+                ) -> Callable[[str], _Route | None]:
     def route(key: str) -> _Route | None:
         r = route_fn(key)
-        return replace(r, rows=rows[r.name]) if r is not None and r.name in rows else r
+        return replace(r, span=spans[r.name]) if r is not None and r.name in spans else r
     return route
 
 
@@ -169,7 +170,7 @@ def expert_shard_route(route_fn: Callable[[str], _Route | None], first: int, cou
                 return None
             return replace(r, expert=r.expert - first)
         if _PACKED_EXPERTS.search(r.name):
-            return replace(r, rows=(first, first + count))
+            return replace(r, span=(0, first, first + count))
         return r
     return route
 
@@ -444,16 +445,21 @@ class _Source:
     info: _Info
     scale: _Info | None = None
     scale_key: str | None = None
-    rows: tuple[int, int] | None = None  # only rows [a, b) of dim 0 (weight and scale)
+    span: tuple[int, int, int] | None = None  # only [a, b) along dim d, (d, a, b)
+
+    @property
+    def full_shape(self) -> Shape:
+        # Packed FP4 holds two values per byte along the last dim.
+        if self.scale is not None and self.info.dtype in _PACKED_FP4:
+            return (*self.info.shape[:-1], 2 * self.info.shape[-1])
+        return self.info.shape
 
     @property
     def shape(self) -> Shape:
-        shape = self.info.shape
-        if self.rows is not None:
-            shape = (self.rows[1] - self.rows[0], *shape[1:])
-        # Packed FP4 holds two values per byte along the last dim.
-        if self.scale is not None and self.info.dtype in _PACKED_FP4:
-            return (*shape[:-1], 2 * shape[-1])
+        shape = self.full_shape
+        if self.span is not None:
+            d, a, b = self.span
+            shape = (*shape[:d], b - a, *shape[d + 1:])
         return shape
 
 
@@ -501,10 +507,12 @@ def _make_plan(model_dir: str, expected: Expected, route_fn: Callable[[str], _Ro
             n_ignored += 1
             continue
         sk = scale_of.get(k)
-        if route.rows is not None and (not info.shape or route.rows[1] > info.shape[0]):
-            other.append(f"{k}: {_fmt(info.shape)} has no rows {route.rows[0]}..{route.rows[1] - 1} to shard")
-            continue
-        src = _Source(k, info, infos[sk] if sk else None, sk, route.rows)
+        src = _Source(k, info, infos[sk] if sk else None, sk, route.span)
+        if route.span is not None:
+            d, a, b = route.span
+            if len(src.full_shape) <= d or b > src.full_shape[d]:
+                other.append(f"{k}: {_fmt(src.full_shape)} has no [{a}, {b}) along dim {d} to shard")
+                continue
         if sk is None and info.dtype in _FLOAT8:
             other.append(f"{k}: {info.dtype} tensor without a scale (`.weight_scale_inv` or `.scale`)")
         if sk is not None and info.dtype not in _FLOAT8 | _PACKED_FP4:
@@ -579,14 +587,15 @@ class _Files:
         self._stack = stack
         self._handles: dict[str, object] = {}
 
-    def get(self, info: _Info, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The tensor `key`, or only its rows [a, b) of dim 0 (read without the rest)."""
+    def get(self, info: _Info, key: str, span: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """The tensor `key`, or only its [a, b) along dim d for span (d, a, b) (read without the rest)."""
         try:
             if info.file not in self._handles:
                 self._handles[info.file] = self._stack.enter_context(safe_open(info.file, framework="pt",
                                                                                device="cpu"))
-            if rows is not None:
-                return self._handles[info.file].get_slice(key)[rows[0]: rows[1]]
+            if span is not None:
+                d, a, b = span
+                return self._handles[info.file].get_slice(key)[(slice(None),) * d + (slice(a, b),)]
             return self._handles[info.file].get_tensor(key)
         except Exception as e:
             raise CheckpointError(f"cannot read tensor {key!r} from {info.file}: {e}") from None
@@ -594,10 +603,16 @@ class _Files:
 
 def _read(src: _Source, files: _Files, device: torch.device, dtype: torch.dtype,
           hint: tuple[int, int] | None) -> torch.Tensor:
-    t = files.get(src.info, src.key, src.rows).to(device)
+    span = src.span
+    if span is not None and src.scale is not None and not (span[0] == 0 and len(src.full_shape) == 3):
+        # a quantized 2-D weight sliced across its scale blocks: dequantize the whole (dense attention weights
+        # are small), then keep the slice; expert-major [E, R, C] tensors slice their scales by expert below
+        d, a, b = span
+        return _read(replace(src, span=None), files, device, dtype, hint).narrow(d, a, b - a).contiguous()
+    t = files.get(src.info, src.key, span).to(device)
     if src.scale is None:
         return t.to(dtype)
-    s = files.get(src.scale, src.scale_key, src.rows).to(device)
+    s = files.get(src.scale, src.scale_key, span).to(device)
     try:
         block = block_size_for(src.shape, tuple(s.shape), hint)
     except ValueError as e:
@@ -660,17 +675,18 @@ def expected_from_module(module: nn.Module) -> dict[str, tuple[Shape, torch.dtyp
 
 @torch.no_grad()
 def load_into_module(module: nn.Module, model_dir: str, route_fn: Callable[[str], _Route | None] = _route,
-                     experts: tuple[int, int] | None = None, rows: dict[str, tuple[int, int]] | None = None) -> None:
+                     experts: tuple[int, int] | None = None,
+                     spans: dict[str, tuple[int, int, int]] | None = None) -> None:
     """Fill `module`'s parameters and persistent buffers in place from the checkpoint, tensor by tensor, each in
     the dtype and on the device it already has (build the module with `param_dtype`). Every state-dict entry must
     be in the checkpoint (V4 never ties `lm_head` to the embedding, so tied weights are not handled).
     `experts` = (first, count): the module holds those routed experts only (expert parallelism): only they are read.
-    `rows`: {internal name: (a, b)}: those tensors hold rows [a, b) of dim 0 only (the vocabulary-parallel embedding
-    and head), read by slice."""
+    `spans`: {internal name: (dim, a, b)}: those tensors hold [a, b) along dim only (the vocabulary-parallel
+    embedding and head, the attention heads of a tensor-parallel rank), read by slice."""
     if experts is not None:
         route_fn = expert_shard_route(route_fn, *experts)
-    if rows:
-        route_fn = _row_route(route_fn, rows)
+    if spans:
+        route_fn = _span_route(route_fn, spans)
     targets = module.state_dict()
     plan = _make_plan(model_dir, expected_from_module(module), route_fn)
     for name, tensor in _iterate(plan, list(targets), lambda n: targets[n].dtype, lambda n: targets[n].device):
