@@ -20,8 +20,9 @@ Implemented so far (issue 9, first steps):
   loader reads those rows only).
 - tensor parallelism of the attention: each rank keeps its share of the output groups and their query heads; the
   single shared KV head, compressors and indexers are replicated; one all-reduce sums the output projection.
-Not yet: tensor parallelism of the other dense layers (mHC, shared expert, engram), Engram tables shared by the
-ranks of a host beyond what memory-mapping the same file gives, any run on several GPUs.
+- Engram tables stay in host memory, memory-mapped by every rank from the checkpoint file: the page cache of a host
+  holds one copy, and each rank gathers the rows its (replicated) Engram layers need.
+Not yet: tensor parallelism of the other dense layers (mHC, shared expert), any run on several GPUs.
 """
 
 from __future__ import annotations
