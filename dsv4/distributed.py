@@ -1,4 +1,4 @@
-"""Several processes (GPUs or CPU ranks) over torch.distributed: the process group and expert parallelism.
+"""Several processes (GPUs or CPU ranks) over torch.distributed: the process group, and the model split over them.
 
 Launch: `torchrun --nproc-per-node N ... --tensor-parallel-size N --expert-parallel` (or any launcher that sets
 RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, LOCAL_RANK on GPUs). NCCL on GPUs, gloo on CPUs; no transport of our
@@ -16,10 +16,10 @@ Implemented so far (issue 9, first steps):
 - the vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary's rows; an
   embedding lookup is summed over the ranks (the owner contributes the row, the others 0, so the sum is exact),
   the logits are gathered, so every rank samples from the same full logits;
-- each rank builds and loads only its slices (`shard_experts`, `shard_vocab` on the meta-device model, then the
-  loader reads those rows only).
 - tensor parallelism of the attention: each rank keeps its share of the output groups and their query heads; the
-  single shared KV head, compressors and indexers are replicated; one all-reduce sums the output projection.
+  single shared KV head, compressors and indexers are replicated; one all-reduce sums the output projection;
+- each rank builds and loads only its slices (`shard_experts`, `shard_vocab`, `shard_attention` on the meta-device
+  model, then the loader reads those slices only);
 - Engram tables stay in host memory, memory-mapped by every rank from the checkpoint file: the page cache of a host
   holds one copy, and each rank gathers the rows its (replicated) Engram layers need.
 Not yet: tensor parallelism of the other dense layers (mHC, shared expert), any run on several GPUs.
@@ -63,8 +63,8 @@ class ParallelConfig:
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and not self.expert_parallel:
-            raise ConfigError("tensor_parallel_size > 1 needs --expert-parallel: tensor parallelism of the dense "
-                              "layers is not implemented yet (the experts, which dominate the weights, can be split)")
+            raise ConfigError("tensor_parallel_size > 1 needs --expert-parallel: the routed experts are split whole "
+                              "over the ranks (splitting each expert's matrices is not implemented)")
         if self.init_timeout_s <= 0:
             raise ConfigError(f"init_timeout_s must be > 0, got {self.init_timeout_s}")
 
