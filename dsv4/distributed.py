@@ -11,8 +11,8 @@ own. Two ways to keep the ranks in step:
 
 Implemented so far (issue 9, first steps):
 - expert parallelism: the routed experts of every MoE layer are split into WORLD_SIZE contiguous slices, one per
-  rank; routing and the shared expert are replicated; each rank computes the (token, slot) rows of its own experts
-  (the others weigh 0) and one all-reduce sums the partial outputs;
+  rank, and the shared expert's intermediate size likewise; routing is replicated; each rank computes the (token,
+  slot) rows of its own experts (the others weigh 0) and its part of the shared expert, and one all-reduce sums;
 - the vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary's rows; an
   embedding lookup is summed over the ranks (the owner contributes the row, the others 0, so the sum is exact),
   the logits are gathered, so every rank samples from the same full logits;
@@ -22,7 +22,8 @@ Implemented so far (issue 9, first steps):
   model, then the loader reads those slices only);
 - Engram tables stay in host memory, memory-mapped by every rank from the checkpoint file: the page cache of a host
   holds one copy, and each rank gathers the rows its (replicated) Engram layers need.
-Not yet: tensor parallelism of the other dense layers (mHC, shared expert), any run on several GPUs.
+Not yet: tensor parallelism of the remaining dense layers (mHC mixes, compressors, indexers, engram), any run on
+several GPUs.
 """
 
 from __future__ import annotations
@@ -143,15 +144,21 @@ class StepChannel:
         return box[0]
 
 
-def shard_experts(model: nn.Module, par: Parallel) -> ExpertShard | None:
+# a shared expert's (gate, up, down) projections, by model
+_SHARED_PARAMS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+def shard_experts(model: nn.Module, par: Parallel) -> tuple[ExpertShard | None, dict[str, tuple[int, int, int]]]:
     """Keep this rank's slice of every MoE layer's routed experts (modules with an `experts` holding gate_up_proj
-    [E, 2I, D] and down_proj [E, D, I]) and give the layer its `ExpertShard`, which is returned (the same for every
-    layer; None alone). On a meta-device model (before loading) only the shapes shrink: the load then reads this
-    rank's experts only (`loader.expert_shard_route`)."""
+    [E, 2I, D] and down_proj [E, D, I]) and of its shared expert's intermediate size (gate/up rows, down columns:
+    its output is then partial too, and joins the routed experts' all-reduce), and give the layer its
+    `ExpertShard`. Returns it (the same for every layer; None alone) and the shared experts' {state-dict name:
+    (dim, a, b)} for the loader. On a meta-device model (before loading) only the shapes shrink: the load then reads
+    this rank's slices only (`loader.expert_shard_route`)."""
     if par.world_size == 1:
-        return None
-    shard = None
-    for module in model.modules():
+        return None, {}
+    shard, spans = None, {}
+    for name, module in model.named_modules():
         experts = getattr(module, "experts", None)
         if experts is None or not hasattr(experts, "gate_up_proj") or not hasattr(module, "ep"):
             continue
@@ -161,11 +168,26 @@ def shard_experts(model: nn.Module, par: Parallel) -> ExpertShard | None:
         count = E // par.world_size
         first = par.rank * count
         with torch.no_grad():
-            for name in ("gate_up_proj", "down_proj"):
-                full = getattr(experts, name)
-                setattr(experts, name, nn.Parameter(full.data[first: first + count].clone(), requires_grad=False))
-        module.ep = shard = ExpertShard(first, count, par)
-    return shard
+            for attr in ("gate_up_proj", "down_proj"):
+                full = getattr(experts, attr)
+                setattr(experts, attr, nn.Parameter(full.data[first: first + count].clone(), requires_grad=False))
+        shared = module.shared_experts
+        names = next((n for n in _SHARED_PARAMS if all(hasattr(shared, a) for a in n)), None)
+        inter = getattr(shared, names[0]).out_features if names else 0
+        split = names is not None and inter % par.world_size == 0
+        if split:
+            i = inter // par.world_size
+            i0 = par.rank * i
+            for attr, d in zip(names, (0, 0, 1)):
+                lin = getattr(shared, attr)
+                lin.weight = nn.Parameter(lin.weight.data.narrow(d, i0, i).clone(), requires_grad=False)
+                if d == 0:
+                    lin.out_features = i
+                else:
+                    lin.in_features = i
+                spans[f"{name}.shared_experts.{attr}.weight"] = (d, i0, i0 + i)
+        module.ep = shard = ExpertShard(first, count, par, shared_split=split)
+    return shard, spans
 
 
 @dataclass(frozen=True)
@@ -175,6 +197,7 @@ class ExpertShard:
     first: int
     count: int
     par: Parallel
+    shared_split: bool = False  # the shared expert's output is this rank's part too (summed with the routed ones)
 
     def local_routes(self, weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, local expert ids) of the routes [T, k]: a route to another rank's expert weighs 0 and points

@@ -173,8 +173,8 @@ def test_serve_with_two_ranks_rank0_drives() -> None:
 def test_each_rank_loads_only_its_experts(which: str, world: int, tiny_v4: str,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Per-expert checkpoints (the golden V4.1) skip other ranks' experts; packed ones (tiny-v4, HF layout) are read
-    by row slice, as are the embedding, the LM head and the attention heads' tensors: every rank's module holds
-    exactly its slices of the full model's experts, vocabulary and attention groups, and nothing else is read."""
+    by row slice, as are the embedding, the LM head, the attention heads' and the shared expert's tensors: every
+    rank's module holds exactly its slices of the full model's, and nothing else is read."""
     import torch
 
     from dsv4.distributed import Parallel
@@ -210,7 +210,12 @@ def test_each_rank_loads_only_its_experts(which: str, world: int, tiny_v4: str,
                  "sinks": (0, h0, h1), "attn_sink": (0, h0, h1), "o_a_proj.weight": (0, g0 * lora, g1 * lora),
                  "wo_a.weight": (0, g0 * lora, g1 * lora), "o_b_proj.weight": (1, g0 * lora, g1 * lora),
                  "wo_b.weight": (1, g0 * lora, g1 * lora)}
-        sharded = vocab = attn = 0
+        # the shared expert: its intermediate size split evenly (gate/up rows, down columns)
+        i = cfg.moe_intermediate_size // world
+        shared = {"gate_proj.weight": (0, rank * i, (rank + 1) * i), "up_proj.weight": (0, rank * i, (rank + 1) * i),
+                  "down_proj.weight": (1, rank * i, (rank + 1) * i), "w1.weight": (0, rank * i, (rank + 1) * i),
+                  "w3.weight": (0, rank * i, (rank + 1) * i), "w2.weight": (1, rank * i, (rank + 1) * i)}
+        sharded = vocab = attn = split = 0
         for (name, p), (name_full, q) in zip(part.named_parameters(), full.named_parameters()):
             assert name == name_full
             tail = ".".join(name.split(".")[-2:]) if name.endswith(".weight") else name.split(".")[-1]
@@ -220,6 +225,10 @@ def test_each_rank_loads_only_its_experts(which: str, world: int, tiny_v4: str,
             elif name in ("lm_head.weight", "model.embed.weight", "model.embed_tokens.weight"):
                 assert torch.equal(p, q[rank * V: (rank + 1) * V]), name
                 vocab += 1
+            elif ".shared_experts." in name:
+                d, a, b = shared[tail]
+                assert torch.equal(p, q.narrow(d, a, b - a)), name
+                split += 1
             elif tail in heads and ".indexer." not in name:
                 d, a, b = heads[tail]
                 assert torch.equal(p, q.narrow(d, a, b - a)), name
@@ -227,6 +236,7 @@ def test_each_rank_loads_only_its_experts(which: str, world: int, tiny_v4: str,
             else:
                 assert torch.equal(p, q), name
         assert sharded == 2 * cfg.num_hidden_layers and vocab == 2 and attn == 4 * cfg.num_hidden_layers
+        assert split == 3 * cfg.num_hidden_layers
         for key, span in reads:
             m = re.search(r"experts\.(\d+)\.", key)
             assert m is None or lo <= int(m.group(1)) < hi, key  # another rank's expert was read

@@ -48,7 +48,8 @@ def build_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, dev
     if cfg.v41 is None:
         with torch.device("meta"):
             model = DeepseekV4ForCausalLM(cfg)
-        shard, spans = shard_experts(model, par), {**shard_vocab(model, par), **shard_attention(model, par)}
+        shard, spans = shard_experts(model, par)
+        spans |= {**shard_vocab(model, par), **shard_attention(model, par)}
         model = _materialize(model, device, lambda n: param_dtype(n, dtype))
         if model_dir is not None:
             load_into_module(model, model_dir, experts=shard and (shard.first, shard.count), spans=spans)
@@ -58,7 +59,8 @@ def build_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, dev
 
     with torch.device("meta"):
         model = DeepseekV41ForCausalLM(cfg)
-    shard, spans = shard_experts(model, par), {**shard_vocab(model, par), **shard_attention(model, par)}
+    shard, spans = shard_experts(model, par)
+    spans |= {**shard_vocab(model, par), **shard_attention(model, par)}
     model = _materialize(model, device, lambda n: vision_param_dtype(n, dtype) if n.startswith(f"{VISION_MODULE}.")
                          else v41_param_dtype(n, dtype))
     if model_dir is not None:

@@ -101,10 +101,13 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
     read once: at that batch size nearly all of them are hit anyway).
     V4 weights the expert output after w2 (in the model dtype); V4.1 before w2, in fp32 (`weight_before_down`).
     With expert parallelism (`ep`), gate_up / down hold this rank's experts only: the routes to other ranks' experts
-    weigh 0, the partial outputs are summed over the ranks, then the (replicated) shared expert is added.
+    weigh 0 and the partial outputs are summed over the ranks, with the shared expert's parts when it is split too
+    (else the replicated shared expert is added after the sum).
     """
     if ep is not None:
         w, i = ep.local_routes(weights, idx)
+        if ep.shared_split:  # `shared` is this rank's part of the shared expert: one all-reduce sums everything
+            return ep.par.all_reduce_(moe_output(x, w, i, gate_up, down, limit, weight_before_down, fixed, shared))
         part = moe_output(x, w, i, gate_up, down, limit, weight_before_down, fixed, torch.zeros_like(shared))
         return ep.par.all_reduce_(part) + shared
     T, k = idx.shape
