@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+from collections.abc import Callable
 from typing import Any
 
 
@@ -11,3 +13,13 @@ def write_json(path: str, result: dict[str, Any]) -> None:
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(result, fh, indent=2)
         fh.write("\n")
+
+
+def run_and_report(args: argparse.Namespace, run: Callable[[argparse.Namespace], dict[str, Any]],
+                   print_result: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """A benchmark's `main`: run it, print its table, write --output-json if asked; returns the result."""
+    res = run(args)
+    print_result(res)
+    if args.output_json:
+        write_json(args.output_json, res)
+    return res

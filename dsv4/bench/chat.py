@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dsv4.bench import write_json
+from dsv4.bench import run_and_report
 from dsv4.bench.latency import environment, random_prompts, resolve_device_dtype, sync
 from dsv4.models.config import load_model_config
 
@@ -111,8 +111,4 @@ def print_result(res: dict[str, Any]) -> None:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """`dsv4 bench chat`: run, print the table, write --output-json."""
-    res = run(args)
-    print_result(res)
-    if args.output_json:
-        write_json(args.output_json, res)
-    return res
+    return run_and_report(args, run, print_result)
