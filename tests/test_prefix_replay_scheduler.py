@@ -66,6 +66,13 @@ def step(sched: Scheduler) -> SchedulerOutput:
     return so
 
 
+def run_to_end(sched: Scheduler, req: Request) -> None:
+    """Submit `req` and step until nothing is left: its computed units stay cached, its blocks free."""
+    sched.add_request(req)
+    while sched.has_unfinished_requests():
+        step(sched)
+
+
 def new_data(so: SchedulerOutput, req_id: str):  # noqa: ANN201 (NewRequestData)
     return next(r for r in so.scheduled_new_reqs if r.req_id == req_id)
 
@@ -111,9 +118,7 @@ def test_hit_replays_the_window_without_reallocating() -> None:
 def test_replay_only_chunks_progress_and_a_chunk_ending_at_the_hit_allocates_nothing() -> None:
     sched = make_scheduler(budget=4)
     prompt = tokens(2, 40)
-    sched.add_request(request("a", prompt, max_tokens=1))
-    while sched.has_unfinished_requests():
-        step(sched)
+    run_to_end(sched, request("a", prompt, max_tokens=1))
     c1, c2, wi = group(sched, "compressed_1"), group(sched, "compressed_2"), group(sched, "window")
     sched.add_request(request("b", prompt + tokens(3, 6), max_tokens=1))
     so = step(sched)
@@ -136,9 +141,7 @@ def test_replay_only_chunks_progress_and_a_chunk_ending_at_the_hit_allocates_not
 def test_chunk_ending_exactly_at_the_hit_takes_only_window_blocks() -> None:
     sched = make_scheduler(budget=8)
     prompt = tokens(4, 40)
-    sched.add_request(request("a", prompt, max_tokens=1))
-    while sched.has_unfinished_requests():
-        step(sched)
+    run_to_end(sched, request("a", prompt, max_tokens=1))
     kv = sched.kv_manager
     free_before = [p.num_free for p in kv.pools]
     sched.add_request(request("b", prompt + tokens(5, 3)))
@@ -156,9 +159,7 @@ def test_chunk_ending_exactly_at_the_hit_takes_only_window_blocks() -> None:
 def test_hit_shorter_than_the_window_replays_all_of_it() -> None:
     sched = make_scheduler(replay=16)
     prompt = tokens(6, 8)
-    sched.add_request(request("a", prompt, max_tokens=1))
-    while sched.has_unfinished_requests():
-        step(sched)
+    run_to_end(sched, request("a", prompt, max_tokens=1))
     sched.add_request(request("b", prompt + tokens(7, 4)))
     b = new_data(step(sched), "b")
     assert (b.num_computed_tokens, b.replay_start, b.replay_end) == (0, 0, 8)
@@ -169,9 +170,7 @@ def test_a_prompt_is_never_served_whole_from_the_cache() -> None:
     """At least one token is computed (it makes the logits): a prompt of exactly 5 units hits 4."""
     sched = make_scheduler()
     prompt = tokens(8, 40)
-    sched.add_request(request("a", prompt, max_tokens=1))
-    while sched.has_unfinished_requests():
-        step(sched)
+    run_to_end(sched, request("a", prompt, max_tokens=1))
     sched.add_request(request("b", prompt))
     b = new_data(step(sched), "b")
     assert b.replay_end == 32 and b.replay_start == 24
@@ -208,9 +207,7 @@ def test_free_cached_blocks_are_taken_back_and_evicted_lazily() -> None:
     sched = make_scheduler(comp_blocks=16, budget=64)
     kv = sched.kv_manager
     prompt = tokens(11, 24)
-    sched.add_request(request("a", prompt, max_tokens=1))
-    while sched.has_unfinished_requests():
-        step(sched)
+    run_to_end(sched, request("a", prompt, max_tokens=1))
     assert len(kv.prefix) == 3  # three full units, held by nobody, still cached
     c1 = group(sched, "compressed_1")
     free = kv.pools[c1].num_free
@@ -221,9 +218,7 @@ def test_free_cached_blocks_are_taken_back_and_evicted_lazily() -> None:
         step(sched)
     # other prompts fill the 15-block pool: the free queue hands the cached blocks out again, forgetting them
     for i in range(4):
-        sched.add_request(request(f"x{i}", tokens(20 + i, 25), max_tokens=1))
-        while sched.has_unfinished_requests():
-            step(sched)
+        run_to_end(sched, request(f"x{i}", tokens(20 + i, 25), max_tokens=1))
     sched.add_request(request("c", prompt + [5]))
     c = new_data(step(sched), "c")
     assert c.replay_end == 0  # evicted: a cold start
