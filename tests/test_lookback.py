@@ -75,12 +75,13 @@ def test_triton_kernel_matches_torch_in_interpreter() -> None:
             hist = torch.randint(0, 10**6, (6, 40), generator=g)
             for R in (0, 1, 4, 6):
                 idx = torch.randperm(6, generator=g)[:R]
-                starts = torch.randint(0, 40, (R,), generator=g)
-                a = torch.full((8, depth), 7, dtype=torch.int32)
-                b = a.clone()
-                gather_lookback_torch(a, idx, starts, hist, R)
-                gather_lookback_triton(b, idx, starts, hist, R)
-                assert torch.equal(a, b), (depth, R, a, b)
+                for q in (1, 3):  # q > 1: every q-th entry of a positions-like buffer (a strided view)
+                    starts = torch.randint(0, 40, (R * q,), generator=g)[::q]
+                    a = torch.full((8, depth), 7, dtype=torch.int32)
+                    b = a.clone()
+                    gather_lookback_torch(a, idx, starts, hist, R)
+                    gather_lookback_triton(b, idx, starts, hist, R)
+                    assert torch.equal(a, b), (depth, R, q, a, b)
         print("ok")
     """)
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -34,14 +34,14 @@ def gather_lookback_torch(out: torch.Tensor, idx_mapping: torch.Tensor, chunk_st
 if triton is not None:
 
     @triton.jit
-    def _gather_lookback_kernel(out_ptr, idx_ptr, start_ptr, hist_ptr, hist_stride, num_reqs,
+    def _gather_lookback_kernel(out_ptr, idx_ptr, start_ptr, start_stride, hist_ptr, hist_stride, num_reqs,
                                 DEPTH: tl.constexpr, BLOCK: tl.constexpr):
         b = tl.program_id(0)
         d = tl.arange(0, BLOCK)
         dmask = d < DEPTH
         if b < num_reqs:
             row = tl.load(idx_ptr + b).to(tl.int64)
-            pos = tl.load(start_ptr + b).to(tl.int64) - 1 - d
+            pos = tl.load(start_ptr + b * start_stride).to(tl.int64) - 1 - d
             ok = dmask & (pos >= 0)
             ids = tl.load(hist_ptr + row * hist_stride + pos, mask=ok, other=-1)
             tl.store(out_ptr + b * DEPTH + d, ids.to(out_ptr.dtype.element_ty), mask=dmask)
@@ -51,11 +51,13 @@ if triton is not None:
 
 def gather_lookback_triton(out: torch.Tensor, idx_mapping: torch.Tensor, chunk_starts: torch.Tensor,
                            token_history: torch.Tensor, num_reqs: int) -> torch.Tensor:
-    """The same gather as one Triton launch over every row of `out` (rows past the batch get -1)."""
+    """The same gather as one Triton launch over every row of `out` (rows past the batch get -1). `chunk_starts`
+    may be a strided view (a uniform decode's starts are every q-th position: no index op needed)."""
     assert triton is not None, "triton is not installed"
+    assert chunk_starts.dim() == 1, "chunk_starts is one start per row"
     depth = out.shape[1]
     _gather_lookback_kernel[(out.shape[0],)](
-        out, idx_mapping, chunk_starts, token_history, token_history.stride(0), num_reqs,
+        out, idx_mapping, chunk_starts, chunk_starts.stride(0), token_history, token_history.stride(0), num_reqs,
         DEPTH=depth, BLOCK=triton.next_power_of_2(depth))
     return out
 

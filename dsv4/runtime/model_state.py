@@ -198,7 +198,8 @@ class DeepseekV41SpecializedDecodeModelState(DeepseekV41ModelState):
         super().__init__(groups, max_num_reqs, max_model_len, window, device, depth)
         self.graphs = AttnMetadataGraphs(capture_sizes, decode_query_len, max_num_reqs, fork_builds)
         self._req_state: RequestState | None = None  # from the first prepare_inputs: the side-stream gather reads it
-        self._side: tuple[torch.cuda.Stream, torch.cuda.Event] | None = None
+        # the gather's stream, the event it waits for on the main stream, the event it records when done
+        self._side: tuple[torch.cuda.Stream, torch.cuda.Event, torch.cuda.Event] | None = None
         self._staged: tuple[InputBatch, torch.cuda.Event] | None = None  # a gather issued beside a metadata replay
 
     def metadata_builds(self, buffers: InputBuffers, block_tables: BlockTables) -> list[GroupBuild]:
@@ -251,18 +252,30 @@ class DeepseekV41SpecializedDecodeModelState(DeepseekV41ModelState):
 
     def _stage_lookback(self, batch: InputBatch) -> None:
         """Issue the batch's lookback gather on the side stream, beside the metadata graph about to replay (it
-        reads the batch's state rows, positions and the token history, all written by now)."""
+        reads the batch's state rows, positions and the token history, all written by now).
+
+        This runs on the host between two graph launches, so it is kept to one kernel and a few stream calls
+        (measured: the generic gather with `torch.cuda.stream(...)` and an index op cost more host time than the
+        metadata graph saved): a uniform decode's chunk starts are every q-th position, a strided view of the
+        positions buffer the kernel reads directly; the stream is switched with set_stream, not the context."""
         if self.lookback_token_ids is None or self._req_state is None or not batch.positions.is_cuda:
             return
         if self._side is None:
-            self._side = (torch.cuda.Stream(device=batch.positions.device), torch.cuda.Event())
+            self._side = (torch.cuda.Stream(device=batch.positions.device), torch.cuda.Event(), torch.cuda.Event())
         self._join_staged()
-        stream, event = self._side
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._gather_lookback(batch, self._req_state)
-        event.record(stream)
-        self._staged = (batch, event)
+        stream, ready, done = self._side
+        main = torch.cuda.current_stream()
+        ready.record(main)
+        stream.wait_event(ready)
+        R, q = batch.num_reqs, self.graphs.decode_query_len
+        torch.cuda.set_stream(stream)
+        try:  # no allocation on the side stream: every tensor here is a persistent buffer or a view of one
+            gather_lookback(self.lookback_token_ids, batch.idx_mapping, batch.positions[: R * q: q],
+                            self._req_state.token_history, R)
+        finally:
+            torch.cuda.set_stream(main)
+        done.record(stream)
+        self._staged = (batch, done)
 
     def _join_staged(self) -> InputBatch | None:
         """Make the current stream wait for a staged gather, if any; returns the batch it gathered."""

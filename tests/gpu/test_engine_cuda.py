@@ -22,12 +22,13 @@ def test_triton_lookback_matches_torch_on_gpu() -> None:
         hist = torch.randint(0, 2**31 - 1, (64, 1000), device="cuda", generator=g)
         for R in (0, 1, 17, 64):
             idx = torch.randperm(64, device="cuda", generator=g)[:R]
-            starts = torch.randint(0, 1000, (R,), device="cuda", generator=g)
-            a = torch.full((64, depth), 7, dtype=torch.int32, device="cuda")
-            b = a.clone()
-            gather_lookback_torch(a, idx, starts, hist, R)
-            gather_lookback_triton(b, idx, starts, hist, R)
-            assert torch.equal(a, b)
+            for q in (1, 2):  # q 2: a strided view of starts, as a decode of query length 2 passes
+                starts = torch.randint(0, 1000, (R * q,), device="cuda", generator=g)[::q]
+                a = torch.full((64, depth), 7, dtype=torch.int32, device="cuda")
+                b = a.clone()
+                gather_lookback_torch(a, idx, starts, hist, R)
+                gather_lookback_triton(b, idx, starts, hist, R)
+                assert torch.equal(a, b)
 
 
 def _drain(eng: LLMEngine) -> dict:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dsv4.engine.engine import LLMEngine
+from dsv4.ops.lookback import gather_lookback_torch
 from dsv4.runtime.input_batch import InputBatch
 from dsv4.runtime.model_state import DeepseekV41SpecializedDecodeModelState
 from dsv4.sampling_params import SamplingParams
@@ -61,6 +62,9 @@ def test_replayed_builds_equal_eager_builds_for_every_key(fork: bool) -> None:
     keys = state.graphs.capture_keys()
     assert state.graphs.recorded() == sorted(keys) and len(keys) == 8
     gen = torch.Generator().manual_seed(int(fork))
+    hist = runner.req_state.token_history
+    hist.copy_(torch.randint(0, 1000, hist.shape, generator=gen, dtype=hist.dtype))
+    state._req_state = runner.req_state  # (set by the first real step) the staged lookback gather reads it
     for key in keys:
         R, P = key[0], key[1]
         for _ in range(3):
@@ -73,6 +77,13 @@ def test_replayed_builds_equal_eager_builds_for_every_key(fork: bool) -> None:
             want = _fields(eager)
             for f in want:
                 assert torch.equal(got[f], want[f]), (key, f)
+            # the lookback gather staged beside the replay, joined by prepare_inputs, equals the reference gather
+            staged = state._staged
+            assert staged is not None and staged[0] is batch
+            window = state.prepare_inputs(batch, runner.req_state)["lookback_token_ids"].clone()
+            ref = gather_lookback_torch(torch.empty_like(window), batch.idx_mapping,
+                                        batch.positions[batch.query_start_loc[:R].long()], hist, R)
+            assert torch.equal(window, ref), key
     assert state.graphs.num_replays == 3 * len(keys) and state.graphs.num_misses == 0
 
 
