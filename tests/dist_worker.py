@@ -1,15 +1,71 @@
 """One rank of a multi-process engine run, started the way torchrun starts ranks (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT in the environment): `python tests/dist_worker.py SPEC_JSON`. SPEC: {"model", "engine": from_args
 kwargs, "prompts": [[ids]], "max_tokens", "out": path}; writes {"tokens": [...], "preemptions": n} to out.RANK.
-Used by tests/test_distributed.py; also the reference single-process run (no RANK set, tensor_parallel_size 1)."""
+Used by tests/test_distributed.py and tests/gpu/test_distributed_gpu.py; also the reference single-process run (no
+RANK set, tensor_parallel_size 1). The launch helpers below start ranks the same way."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
+
+WORKER = os.path.abspath(__file__)
+ROOT = os.path.dirname(os.path.dirname(WORKER))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(spec: dict, world: int, ranks: list[int] | None = None, timeout: float = 600
+           ) -> list[subprocess.CompletedProcess]:
+    """Start `ranks` (default: all) of a `world`-rank job like torchrun; wait for them all."""
+    port = free_port()
+    procs = []
+    for rank in ranks if ranks is not None else range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out
+
+
+def equality_spec(model: str, out: Path, world: int, **engine_kw: object) -> dict:
+    """Five prompts, chunked prefills and preemption (small budget and pool); `engine_kw` adds engine knobs
+    (device, dtype, decode_backend on GPUs)."""
+    prompts = [[3 + (7 * i + 5 * j) % 250 for j in range(n)] for i, n in enumerate([37, 12, 50, 5, 23])]
+    # a 16-token budget chunks the prefills; a pool of 16 window blocks (and compressed pools sized from it) cannot
+    # hold every request at once: preemption
+    engine = {"max_model_len": 96, "max_num_seqs": 4, "max_num_batched_tokens": 16, "block_size": 4,
+              "num_kv_blocks": 16, **engine_kw}
+    if world > 1:
+        engine.update(tensor_parallel_size=world, expert_parallel=True, parallel_init_timeout_s=120)
+    return {"model": model, "engine": engine, "prompts": prompts, "max_tokens": 12, "out": str(out)}
+
+
+def launch_cli(args: list[str], world: int = 2) -> list[tuple[str, str]]:
+    """`python -m dsv4.cli ARGS` as `world` torchrun-style ranks; every rank must succeed; (stdout, stderr) each."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "dsv4.cli", *args],
+                              env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port), "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(world)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0] * world, "".join(err[-2000:] for _, err in outs)
+    return outs
 
 
 def run(spec: dict) -> dict:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,49 +16,14 @@ import pytest
 
 from dsv4.make_model import make_model
 from dsv4.models.config import ConfigError
+from dist_worker import equality_spec, free_port, launch, launch_cli
 
-WORKER = os.path.join(os.path.dirname(__file__), "dist_worker.py")
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "deepseek-v41-tiny")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _launch(spec: dict, world: int, ranks: list[int] | None = None, timeout: float = 600) -> list[subprocess.CompletedProcess]:
-    """Start `ranks` (default: all) of a `world`-rank job like torchrun; wait for them all."""
-    port = _free_port()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    procs = []
-    for rank in ranks if ranks is not None else range(world):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-        procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(spec)], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=timeout)
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    return out
 
 
 @pytest.fixture(scope="module")
 def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_model("tiny-v4", str(tmp_path_factory.mktemp("dist") / "tiny-v4"), seed=0)
-
-
-def _spec(model: str, out: Path, world: int) -> dict:
-    prompts = [[3 + (7 * i + 5 * j) % 250 for j in range(n)] for i, n in enumerate([37, 12, 50, 5, 23])]
-    # a 16-token budget chunks the prefills; a pool of 16 window blocks (and compressed pools sized from it) cannot
-    # hold every request at once: preemption
-    engine = {"max_model_len": 96, "max_num_seqs": 4, "max_num_batched_tokens": 16, "block_size": 4,
-              "num_kv_blocks": 16}
-    if world > 1:
-        engine.update(tensor_parallel_size=world, expert_parallel=True, parallel_init_timeout_s=120)
-    return {"model": model, "engine": engine, "prompts": prompts, "max_tokens": 12, "out": str(out)}
 
 
 @pytest.mark.parametrize("which,world", [("v4", 2), ("v41", 2), ("v41", 4)])
@@ -68,9 +32,9 @@ def test_expert_parallel_ranks_give_the_single_process_tokens(which: str, world:
     from dist_worker import run
 
     model = tiny_v4 if which == "v4" else GOLDEN
-    want = run(_spec(model, tmp_path / "ref", 1))  # the single-process engine, in this process
+    want = run(equality_spec(model, tmp_path / "ref", 1))  # the single-process engine, in this process
     assert want["preemptions"] > 0  # the pool is small enough to preempt
-    runs = _launch(_spec(model, tmp_path / "ep", world), world)
+    runs = launch(equality_spec(model, tmp_path / "ep", world), world)
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
     for rank in range(world):
@@ -80,9 +44,9 @@ def test_expert_parallel_ranks_give_the_single_process_tokens(which: str, world:
 
 
 def test_a_missing_rank_fails_start_up_clearly(tmp_path: Path) -> None:
-    spec = _spec(GOLDEN, tmp_path / "x", 2)
+    spec = equality_spec(GOLDEN, tmp_path / "x", 2)
     spec["engine"]["parallel_init_timeout_s"] = 5
-    (only,) = _launch(spec, 2, ranks=[0], timeout=120)  # rank 1 never starts
+    (only,) = launch(spec, 2, ranks=[0], timeout=120)  # rank 1 never starts
     assert only.returncode != 0
     assert "did not form within 5 s" in only.stderr and "failed to start" in only.stderr, only.stderr[-2000:]
 
@@ -105,19 +69,26 @@ def test_bad_parallel_configs_are_refused(monkeypatch: pytest.MonkeyPatch) -> No
         LLMEngine.from_args(GOLDEN, tensor_parallel_size=2, expert_parallel=True, **kw)
 
 
-def test_generate_under_torchrun_style_ranks_prints_once(tmp_path: Path) -> None:
+def test_generate_under_torchrun_style_ranks_prints_once() -> None:
     """`dsv4 generate --tensor-parallel-size 2 --expert-parallel` with two torchrun-style ranks: both finish, rank 0
     prints the completions, rank 1 prints nothing."""
-    port = _free_port()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cmd = [sys.executable, "-m", "dsv4.cli", "generate", "--model", GOLDEN, "--prompt", "hello", "--max-tokens", "4",
-           "--max-model-len", "64", "--tensor-parallel-size", "2", "--expert-parallel"]
-    procs = [subprocess.Popen(cmd, env={**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                                        "MASTER_PORT": str(port), "PYTHONPATH": root}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    outs = launch_cli(["generate", "--model", GOLDEN, "--prompt", "hello", "--max-tokens", "4", "--max-model-len",
+                        "64", "--tensor-parallel-size", "2", "--expert-parallel"])
     assert "--- prompt: 'hello'" in outs[0][0] and outs[1][0] == ""
+
+
+def test_bench_latency_under_torchrun_style_ranks_rank0_reports(tmp_path: Path) -> None:
+    """`dsv4 bench latency --tensor-parallel-size 2 --expert-parallel`: both ranks run the batch, rank 0 alone prints
+    and writes the JSON, which records the world size and divides the floor by the world's bandwidth."""
+    out = tmp_path / "lat.json"
+    outs = launch_cli(["bench", "latency", "--model", GOLDEN, "--device", "cpu", "--batch-size", "2", "--input-len",
+                        "8", "--output-len", "3", "--num-iters", "1", "--num-iters-warmup", "0", "--copy-bytes",
+                        str(1 << 20), "--tensor-parallel-size", "2", "--expert-parallel", "--output-json", str(out)])
+    assert "decode step (ms)" in outs[0][0] and "per GPU, 2 GPUs" in outs[0][0] and outs[1][0] == ""
+    res = json.loads(out.read_text())
+    assert res["tensor_parallel_size"] == 2 and res["engine_kwargs"]["tensor_parallel_size"] == 2
+    assert res["decode_steps"] == 2  # output 3 = one prefill step + two decode steps of the whole batch
+    assert res["floor_time_s"] == pytest.approx(res["floor_bytes"] / (2 * res["copy_bandwidth_Bps"]))
 
 
 def test_serve_with_two_ranks_rank0_drives() -> None:
@@ -130,7 +101,7 @@ def test_serve_with_two_ranks_rank0_drives() -> None:
     from dsv4.engine.engine import LLMEngine
     from dsv4.sampling_params import SamplingParams
 
-    port, http = _free_port(), _free_port()
+    port, http = free_port(), free_port()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cmd = [sys.executable, "-m", "dsv4.cli", "serve", "--model", GOLDEN, "--port", str(http), "--max-model-len", "96",
            "--tensor-parallel-size", "2", "--expert-parallel", "--log-level", "warning"]

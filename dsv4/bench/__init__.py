@@ -17,8 +17,13 @@ def write_json(path: str, result: dict[str, Any]) -> None:
 
 def run_and_report(args: argparse.Namespace, run: Callable[[argparse.Namespace], dict[str, Any]],
                    print_result: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
-    """A benchmark's `main`: run it, print its table, write --output-json if asked; returns the result."""
+    """A benchmark's `main`: run it, print its table, write --output-json if asked; returns the result. Under
+    torchrun every rank runs the benchmark (the ranks serve one model together) and rank 0 reports."""
+    import torch.distributed as dist
+
     res = run(args)
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return res
     print_result(res)
     if args.output_json:
         write_json(args.output_json, res)

@@ -325,6 +325,8 @@ def build_engine(args: argparse.Namespace, device: str, dtype: str) -> tuple[Any
         kwargs["async_scheduling"] = args.async_scheduling
     if args.decode_backend != "default":
         kwargs["decode_backend"] = args.decode_backend
+    if args.tensor_parallel_size > 1:  # under torchrun, one process per GPU
+        kwargs.update(tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel)
     knobs, ignored = engine_knobs(LLMEngine.from_args, args.enforce_eager, args.gpu_memory_utilization)
     engine = LLMEngine.from_args(args.model, **kwargs, **knobs)
     resolved = {"async_scheduling": engine.config.scheduler.async_scheduling}  # what the engine chose by default
@@ -428,6 +430,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "engine's, on for CUDA)")
     parser.add_argument("--decode-backend", choices=["default", "latency_specialized"], default="default",
                         help="latency_specialized: record the decode-metadata builds as CUDA graphs (V4.1)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="GPUs serving the model (launch with torchrun --nproc-per-node N; rank 0 reports)")
+    parser.add_argument("--expert-parallel", action="store_true", help="split the routed experts over those GPUs")
     parser.add_argument("--cudagraph-capture-sizes", type=int, nargs="+",
                         help="decode graph sizes (default: the engine's, 1, 2, 4, 8, 16, ... up to the batch)")
     parser.add_argument("--num-iters-warmup", type=int, default=1, help="untimed batches first (default 1)")
@@ -483,14 +488,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     floor = mean_decode_floor(cfg, b, i, o, dtype)
     copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
     bandwidth = measure_copy_bandwidth(device, copy_bytes)
-    floor_time = floor.total / bandwidth
+    # several GPUs read their shares at the same time: the floor divides by the world's bandwidth (optimistic: the
+    # shared KV head, compressors, indexers and mHC mixes are replicated, so each GPU reads them whole)
+    world = max(1, args.tensor_parallel_size)
+    floor_time = floor.total / (bandwidth * world)
     result: dict[str, Any] = {
         "benchmark": "latency", "model": args.model, "model_type": cfg.model_type, **environment(args, device),
         "dtype": dtype, "batch_size": b, "input_len": i, "output_len": o, "num_iters": args.num_iters,
         "num_iters_warmup": args.num_iters_warmup, "enforce_eager": bool(args.enforce_eager), **engine_info,
         "decode_step_s": stats, "decode_steps": len(decode_steps), "decode_step_times_s": decode_steps,
         "decode_host_launch_s": summarize(host_times), "decode_metadata_host_s": summarize(md_times),
-        "decode_backend": args.decode_backend,
+        "decode_backend": args.decode_backend, "tensor_parallel_size": world,
         "decode_tokens_per_s": b / stats["median"], "prefill_s": summarize(prefill_times), "e2e_s": summarize(e2e),
         "floor_bytes": floor.total, "floor": {**asdict(floor), "total": floor.total},
         "copy_bytes": copy_bytes, "copy_bandwidth_Bps": bandwidth, "floor_time_s": floor_time,
@@ -529,7 +537,9 @@ def print_result(res: dict[str, Any]) -> None:
     print(f"{'decode tokens/s':24}{res['decode_tokens_per_s']:10.1f}")
     print(f"{'floor bytes/step':24}{res['floor_bytes'] / 1e9:10.4f} GB  (weights {f['weight_bytes'] / 1e9:.4f}, "
           f"experts {f['expert_bytes'] / 1e9:.4f}, KV {f['kv_bytes'] / 1e9:.4f})")
-    print(f"{'copy bandwidth':24}{res['copy_bandwidth_Bps'] / 1e9:10.1f} GB/s")
+    world = res.get("tensor_parallel_size", 1)
+    print(f"{'copy bandwidth':24}{res['copy_bandwidth_Bps'] / 1e9:10.1f} GB/s" + (f" per GPU, {world} GPUs" if world > 1
+                                                                               else ""))
     print(f"{'floor time/step (ms)':24}{_ms(res['floor_time_s'])}")
     print(f"{'fraction of floor':24}{res['fraction_of_floor'] * 100:9.1f} %")
     print(f"{'achieved (GB/s)':24}{res['achieved_Bps'] / 1e9:10.1f}")
