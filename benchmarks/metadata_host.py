@@ -6,10 +6,13 @@ usage: PYTHONPATH=. python3 benchmarks/metadata_host.py MODEL_DIR [--batch 1 4] 
 For each backend and batch: B greedy requests of 256 prompt tokens, one FULL decode graph of size B; after a few
 warm steps, `--steps` decode steps are timed with the parts of `prepare_decode_attn` wrapped in perf_counter
 timers: the eager build (default backend, or a specialized miss), the lookback gather staged on the side stream,
-the metadata graph's replay. `--profile` adds a cProfile of the metadata part (the functions under it with the most
-host time; its overhead inflates the timers, so take those from a run without it). `--trace` adds the GPU side:
-kernels by device time over 10 profiled steps, and the device time of 100 back-to-back metadata-graph replays and
-staged gathers (CUDA events). CUDA only.
+the metadata graph's replay; then the forward graph's device time alone (back-to-back replays, CUDA events).
+`--profile` adds a cProfile of the metadata part (the functions under it with the most host time; its overhead
+inflates the timers, so take those from a run without it). `--trace` adds kernels by device time over 10 profiled
+steps and the device time of back-to-back metadata-graph replays. `--backends` takes variants (see `run`) that
+isolate why a specialized engine's forward graph replays slower (results/2026-11-30-h200-specialized-decode).
+Each engine runs in this one process: run a variant first in a process of its own when the order matters (the
+first engine of a process was measured faster). CUDA only.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ def _gpu_side(eng: LLMEngine) -> dict[str, Any]:
     """Kernels of 10 decode steps by device time; device time of the metadata-side pieces alone."""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
-    runner, state = eng.runner, eng.runner.model_state
+    state = eng.runner.model_state
     torch.cuda.synchronize()
     with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
@@ -68,14 +71,22 @@ def _gpu_side(eng: LLMEngine) -> dict[str, Any]:
     if hasattr(state, "graphs") and state.graphs.recorded():
         key = state.graphs.recorded()[0]
         out["md_graph_replay_device_us"] = _device_us(lambda: state.graphs._graphs[key][0].replay())
-    fwd = runner.graphs.graphs
-    size = next(iter(fwd))
-    out["forward_graph_replay_device_us"] = _device_us(lambda: fwd[size][0].replay(), 20)
     return out
 
 
+def forward_graph_us(eng: LLMEngine) -> float:
+    """Device time of the (one) forward graph replayed alone, back to back: median of 5 x 20 replays."""
+    fwd = eng.runner.graphs.graphs
+    graph = fwd[next(iter(fwd))][0]
+    return statistics.median(_device_us(graph.replay, 20) for _ in range(5))
+
+
 def run(model: str, backend: str, batch: int, steps: int, profile: bool, trace: bool = False) -> dict[str, Any]:
-    variant = backend.partition(":")[2]  # "nostage": the lookback gather on the main stream, as the default does
+    # variants (comma-separated after a colon), to find what slows the forward graph of a specialized engine:
+    # nostage: the lookback gather on the main stream, as the default does; serial: the metadata builds recorded
+    # without forking (one stream); sidestream: a default engine that makes one empty round trip through a side
+    # stream every step (event wait both ways)
+    variant = set(backend.partition(":")[2].split(","))
     eng = LLMEngine.from_args(model, dtype="bfloat16", device="cuda", max_model_len=512, max_num_seqs=batch,
                               max_num_batched_tokens=max(2048, 256 * batch), cudagraph_capture_sizes=(batch,),
                               load_tokenizer=False, decode_backend=backend.partition(":")[0])
@@ -92,7 +103,20 @@ def run(model: str, backend: str, batch: int, steps: int, profile: bool, trace: 
     state.prepare_decode_attn = _timed(state.prepare_decode_attn, parts["prepare_decode_attn"])
     eager = DefaultModelState.prepare_decode_attn
     DefaultModelState.prepare_decode_attn = _timed(eager, parts["eager build"])  # type: ignore[method-assign]
-    if variant == "nostage":
+    if "serial" in variant:
+        state.graphs.fork = False
+        runner.capture_graphs()
+    if "sidestream" in variant:
+        side = torch.cuda.Stream()
+        prepare_inputs = state.prepare_inputs
+
+        def round_trip(*args: Any) -> Any:
+            main = torch.cuda.current_stream()
+            side.wait_stream(main)
+            main.wait_stream(side)
+            return prepare_inputs(*args)
+        state.prepare_inputs = round_trip
+    if "nostage" in variant:
         state._stage_lookback = lambda batch: None
     elif hasattr(state, "graphs"):
         state._stage_lookback = _timed(state._stage_lookback, parts["stage lookback (side stream)"])
@@ -125,6 +149,7 @@ def run(model: str, backend: str, batch: int, steps: int, profile: bool, trace: 
         pstats.Stats(prof, stream=s).sort_stats("cumulative").print_callees("prepare_decode_attn")
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
         out["profile"] = s.getvalue()
+    out["forward_graph_replay_device_us"] = forward_graph_us(eng)
     if trace:
         out.update(_gpu_side(eng))
     del eng
@@ -140,7 +165,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--trace", action="store_true")
     ap.add_argument("--backends", nargs="+", default=["default", "latency_specialized"],
-                    help="latency_specialized:nostage runs the lookback gather on the main stream")
+                    help="BACKEND[:VARIANT,...], variants nostage, serial, sidestream (see run)")
     args = ap.parse_args()
     for b in args.batch:
         for backend in args.backends:

@@ -264,7 +264,7 @@ LATENCY_FIELDS = {"benchmark", "model", "model_type", "date", "device", "device_
                   "num_iters_warmup", "enforce_eager", "engine_kwargs", "ignored_engine_kwargs", "decode_step_s",
                   "decode_steps", "decode_step_times_s", "decode_tokens_per_s", "prefill_s", "e2e_s", "floor_bytes",
                   "floor", "copy_bytes", "copy_bandwidth_Bps", "floor_time_s", "fraction_of_floor", "achieved_Bps",
-                  "hf", "decode_host_launch_s", "decode_metadata_host_s", "decode_backend"}
+                  "hf", "decode_host_launch_s", "decode_metadata_host_s", "decode_backend", "tensor_parallel_size"}
 
 
 @pytest.mark.parametrize("which", ["tiny-v4", "tiny-v41"])
