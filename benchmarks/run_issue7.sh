@@ -2,6 +2,10 @@
 # Issue 7's GPU runs (specialized decode: CUDA graphs of the decode-metadata builds). From the repo root, PYTHONPATH=.:
 #   benchmarks/run_issue7.sh OUTDIR PART [PART ...]
 #   tests   tests/gpu/test_metadata_graphs_gpu.py, then the rest of tests/gpu
+#   variants  V4.1-Flash-8l at b1, one process per engine (the first engine of a process was measured faster):
+#           the forward graph's device time and step time of default, default:sidestream, latency_specialized and
+#           its serial / nostage / serial,nostage variants (benchmarks/metadata_host.py): what slows the forward
+#           graph of a specialized engine
 #   bench   V4.1-Flash-8l decode at batch $BATCHES (default "1 4 16 64"), FULL graphs (capture size = batch) and
 #           async scheduling, with --decode-backend default and latency_specialized; each JSON carries the decode
 #           step time, the host launch time per step and the metadata build's host time inside it
@@ -15,6 +19,13 @@ for part in "$@"; do
       tail -3 "$out/gpu_md_tests.log"
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu --deselect tests/gpu/test_metadata_graphs_gpu.py \
         > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log" ;;
+    variants)
+      [ -d /tmp/$p ] || timeout 150 python3 -m dsv4.cli make-model --preset $p --out /tmp/$p --device cuda > /dev/null
+      for v in default default:sidestream latency_specialized latency_specialized:serial latency_specialized:nostage \
+               latency_specialized:serial,nostage default; do
+        timeout 120 python3 benchmarks/metadata_host.py /tmp/$p --batch 1 --steps 60 --backends $v 2>&1 \
+          | grep "^{" | tee -a "$out/variants.log"
+      done ;;
     bench)
       [ -d /tmp/$p ] || timeout 150 python3 -m dsv4.cli make-model --preset $p --out /tmp/$p --device cuda > /dev/null
       for b in ${BATCHES:-1 4 16 64}; do for backend in default latency_specialized; do
