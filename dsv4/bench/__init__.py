@@ -7,6 +7,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+import torch.distributed as dist
+
 
 def write_json(path: str, result: dict[str, Any]) -> None:
     """Write a benchmark result (every number it printed, and how it was run) as indented JSON."""
@@ -19,8 +21,6 @@ def run_and_report(args: argparse.Namespace, run: Callable[[argparse.Namespace],
                    print_result: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """A benchmark's `main`: run it, print its table, write --output-json if asked; returns the result. Under
     torchrun every rank runs the benchmark (the ranks serve one model together) and rank 0 reports."""
-    import torch.distributed as dist
-
     res = run(args)
     if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
         return res

@@ -538,8 +538,8 @@ def print_result(res: dict[str, Any]) -> None:
     print(f"{'floor bytes/step':24}{res['floor_bytes'] / 1e9:10.4f} GB  (weights {f['weight_bytes'] / 1e9:.4f}, "
           f"experts {f['expert_bytes'] / 1e9:.4f}, KV {f['kv_bytes'] / 1e9:.4f})")
     world = res.get("tensor_parallel_size", 1)
-    print(f"{'copy bandwidth':24}{res['copy_bandwidth_Bps'] / 1e9:10.1f} GB/s" + (f" per GPU, {world} GPUs" if world > 1
-                                                                               else ""))
+    per_gpu = f" per GPU, {world} GPUs" if world > 1 else ""
+    print(f"{'copy bandwidth':24}{res['copy_bandwidth_Bps'] / 1e9:10.1f} GB/s{per_gpu}")
     print(f"{'floor time/step (ms)':24}{_ms(res['floor_time_s'])}")
     print(f"{'fraction of floor':24}{res['fraction_of_floor'] * 100:9.1f} %")
     print(f"{'achieved (GB/s)':24}{res['achieved_Bps'] / 1e9:10.1f}")
