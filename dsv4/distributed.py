@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.models.config import ConfigError
+from dsv4.models.config import ConfigError, ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +128,27 @@ def _destroy_process_group() -> None:
     # interpreter finalization, where gloo's worker threads are joined without a live interpreter (an abort,
     # "terminate called without an active exception", seen once in ~70 two-rank runs). Collect it now.
     gc.collect()
+
+
+def split_over_ranks(name: str, cfg: ModelConfig, world: int) -> bool:
+    """Whether the tensor `name` (checkpoint or module naming, V4 or V4.1) is split over `world` ranks, each holding
+    1/world of it (`shard_experts`, `shard_vocab`, `shard_attention` above); every other tensor is replicated. For
+    what a rank reads per step (the benchmarks' per-GPU floor)."""
+    if world == 1:
+        return False
+    parts = name.split(".")
+    if "shared_experts" in parts:  # one shared expert of the routed experts' width, split when that divides
+        return cfg.moe_intermediate_size % world == 0
+    if "experts" in parts:  # routed (their count must divide: shard_experts refuses otherwise)
+        return True
+    if "engram" not in parts and len(parts) >= 2 and parts[-2] in ("embed", "embed_tokens", "lm_head"):
+        return True
+    # the attention's own query up-projection, sinks and output projections (not its indexer's), when its output
+    # groups split
+    owner = parts[-3] if parts[-1] == "weight" and len(parts) >= 3 else parts[-2] if len(parts) >= 2 else ""
+    leaf = parts[-2] if parts[-1] == "weight" else parts[-1]
+    return (owner in ("attn", "self_attn") and any(leaf in names for names in _ATTN_PARAMS)
+            and cfg.o_groups % world == 0)
 
 
 class StepChannel:

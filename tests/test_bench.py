@@ -119,6 +119,44 @@ def test_floor_v4_flash_batch1_is_the_issue_figure() -> None:
     assert floor.expert_bytes == pytest.approx(4 * 6 * 3 * 2048 * 4096 * 2)  # 6 experts in each of 4 layers
 
 
+@pytest.mark.parametrize("preset,world", [("v4-flash-4l", 2), ("v41-flash-8l", 2), ("v41-flash-8l", 4),
+                                          ("tiny-v41", 2)])
+def test_per_rank_floor_is_what_the_sharded_model_drops(preset: str, world: int) -> None:
+    """One rank's floor under tensor/expert parallelism, against the module rank 0 actually builds (meta device, so
+    free): the non-expert weights it reads shrink by exactly the elements its sharding removed (all fp32 here; the
+    embedding is read as the batch's rows, so its part shrinks by half of those), the routed experts by 1/world,
+    and the KV not at all (the single KV head is replicated)."""
+    from dsv4.distributed import Parallel, shard_attention, shard_experts, shard_vocab
+    from dsv4.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from dsv4.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    cfg = _preset_cfg(preset)
+    cls = DeepseekV41ForCausalLM if cfg.v41 is not None else DeepseekV4ForCausalLM
+    with torch.device("meta"):
+        full, rank0 = cls(cfg), cls(cfg)
+    par = Parallel(0, world, None)
+    shard_experts(rank0, par), shard_vocab(rank0, par), shard_attention(rank0, par)
+    kept = dict(rank0.named_parameters())
+    dropped = embed_rows_dropped = 0
+    for name, p in full.named_parameters():
+        if "experts" in name.split(".") or name.startswith("vision"):  # routed experts: counted apart; no encoder
+            continue
+        gone = p.numel() - kept[name].numel()
+        if name in ("model.embed.weight", "model.embed_tokens.weight"):
+            embed_rows_dropped = gone // p.shape[1]
+            continue
+        dropped += gone
+    batch = 3
+    one, mine = decode_floor(cfg, batch, 300, "float32"), decode_floor(cfg, batch, 300, "float32", world)
+    assert dropped > 0 and embed_rows_dropped == cfg.vocab_size - cfg.vocab_size // world
+    embed_row = cfg.hidden_size * F32
+    assert one.weight_bytes - mine.weight_bytes == pytest.approx(
+        dropped * F32 + batch * embed_row * (1 - 1 / world))
+    assert mine.expert_bytes == pytest.approx(one.expert_bytes / world)
+    assert mine.kv_bytes == one.kv_bytes
+    assert decode_floor(cfg, batch, 300, "float32", 1) == one
+
+
 # ---- the presets ----------------------------------------------------------------------------------------------
 def test_v4_flash_config() -> None:
     cfg = _preset_cfg("v4-flash-4l")

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from dsv4.bench.latency import mean_decode_floor
 from dsv4.make_model import make_model
+from dsv4.models.config import load_model_config
 from dsv4.models.config import ConfigError
 from dist_worker import equality_spec, free_port, launch, launch_cli
 
@@ -84,11 +86,14 @@ def test_bench_latency_under_torchrun_style_ranks_rank0_reports(tmp_path: Path) 
     outs = launch_cli(["bench", "latency", "--model", GOLDEN, "--device", "cpu", "--batch-size", "2", "--input-len",
                         "8", "--output-len", "3", "--num-iters", "1", "--num-iters-warmup", "0", "--copy-bytes",
                         str(1 << 20), "--tensor-parallel-size", "2", "--expert-parallel", "--output-json", str(out)])
-    assert "decode step (ms)" in outs[0][0] and "per GPU, 2 GPUs" in outs[0][0] and outs[1][0] == ""
+    assert "decode step (ms)" in outs[0][0] and "per GPU (2 GPUs)" in outs[0][0] and outs[1][0] == ""
     res = json.loads(out.read_text())
     assert res["tensor_parallel_size"] == 2 and res["engine_kwargs"]["tensor_parallel_size"] == 2
     assert res["decode_steps"] == 2  # output 3 = one prefill step + two decode steps of the whole batch
-    assert res["floor_time_s"] == pytest.approx(res["floor_bytes"] / (2 * res["copy_bandwidth_Bps"]))
+    # one GPU's share over one GPU's bandwidth
+    assert res["floor_time_s"] == pytest.approx(res["floor_bytes"] / res["copy_bandwidth_Bps"])
+    cfg = load_model_config(GOLDEN)
+    assert res["floor_bytes"] == pytest.approx(mean_decode_floor(cfg, 2, 8, 3, res["dtype"], world=2).total)
 
 
 def test_serve_with_two_ranks_rank0_drives() -> None:

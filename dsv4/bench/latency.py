@@ -4,7 +4,8 @@ One batch of B requests (I random prompt tokens each, `ignore_eos`, greedy, O ou
 step by step; every step is timed with a device sync on both sides. Steps in which all B requests decode are the
 decode steps; the others (prefill, or prefill mixed with decode) are reported apart. The floor is what a decode step
 must at least read from device memory (`decode_floor`) over the measured device copy bandwidth
-(`measure_copy_bandwidth`); the fraction of the floor reached is floor time / measured median decode step.
+(`measure_copy_bandwidth`); the fraction of the floor reached is floor time / measured median decode step. Under
+torchrun (`--tensor-parallel-size N --expert-parallel`) the floor is what one GPU reads, over one GPU's bandwidth.
 
 `--baseline hf` runs transformers' DeepseekV4ForCausalLM on the same checkpoint in the same process (eager
 attention, a manual greedy decode loop with its DynamicCache) on the same prompts, for a side-by-side ratio.
@@ -31,6 +32,7 @@ from typing import Any
 import torch
 
 from dsv4.bench import run_and_report
+from dsv4.distributed import split_over_ranks
 from dsv4.models.config import CSA, ModelConfig, load_model_config
 from dsv4.models.presets import tensor_shapes
 
@@ -103,9 +105,14 @@ def _kv_rows(cfg: ModelConfig, ctx_len: int) -> tuple[int, int]:
     return rows, index_rows
 
 
-def decode_floor(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | torch.dtype) -> DecodeFloor:
+def decode_floor(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | torch.dtype, world: int = 1
+                 ) -> DecodeFloor:
     """The bytes a decode step of `batch` requests, each with `ctx_len` tokens of context (the decoded token
-    included), must read from device memory, for weights and KV cache in `dtype`.
+    included), must read from device memory, for weights and KV cache in `dtype`; with `world` > 1, what one of
+    that many ranks reads (tensor and expert parallelism, `dsv4.distributed`): a tensor the ranks split
+    (`split_over_ranks`) counts 1/world (the embedding: its share of the batch's rows; routed experts: its
+    expected share of the distinct experts), a replicated one whole, and the KV cache whole (one shared KV head:
+    every rank attends over all of it).
 
     Assumptions (a floor, not a model of any kernel):
     - weights: every tensor of the checkpoint layout (`tensor_shapes`) is read once per step at its checkpoint
@@ -128,7 +135,8 @@ def decode_floor(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | torch.
     distinct = expected_distinct_experts(cfg.n_routed_experts, cfg.num_experts_per_tok, batch)
     weights = experts = 0.0
     for tensor, (shape, dt) in tensor_shapes(cfg, name).items():
-        nbytes = math.prod(shape) * dt.itemsize
+        share = 1 / world if split_over_ranks(tensor, cfg, world) else 1.0
+        nbytes = math.prod(shape) * dt.itemsize * share
         row = nbytes / shape[0]
         if _is_embedding(tensor) or tensor.endswith("tid2eid"):
             weights += batch * row
@@ -151,9 +159,10 @@ def decode_floor_bytes(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | 
     return decode_floor(cfg, batch, ctx_len, dtype).total
 
 
-def mean_decode_floor(cfg: ModelConfig, batch: int, input_len: int, output_len: int, dtype: str) -> DecodeFloor:
+def mean_decode_floor(cfg: ModelConfig, batch: int, input_len: int, output_len: int, dtype: str, world: int = 1
+                      ) -> DecodeFloor:
     """The floor averaged over the decode steps of a run: decode step j (1 <= j < O) reads a context of I + j."""
-    floors = [decode_floor(cfg, batch, input_len + j, dtype) for j in range(1, output_len)]
+    floors = [decode_floor(cfg, batch, input_len + j, dtype, world) for j in range(1, output_len)]
     n = len(floors)
     return DecodeFloor(*(sum(getattr(f, k) for f in floors) / n for k in ("weight_bytes", "expert_bytes", "kv_bytes")))
 
@@ -485,13 +494,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.empty_cache()
 
     stats = summarize(decode_steps)
-    floor = mean_decode_floor(cfg, b, i, o, dtype)
+    # several GPUs read their shares at the same time: the floor is what one of them reads over its bandwidth
+    world = max(1, args.tensor_parallel_size)
+    floor = mean_decode_floor(cfg, b, i, o, dtype, world)
     copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
     bandwidth = measure_copy_bandwidth(device, copy_bytes)
-    # several GPUs read their shares at the same time: the floor divides by the world's bandwidth (optimistic: the
-    # shared KV head, compressors, indexers and mHC mixes are replicated, so each GPU reads them whole)
-    world = max(1, args.tensor_parallel_size)
-    floor_time = floor.total / (bandwidth * world)
+    floor_time = floor.total / bandwidth
     result: dict[str, Any] = {
         "benchmark": "latency", "model": args.model, "model_type": cfg.model_type, **environment(args, device),
         "dtype": dtype, "batch_size": b, "input_len": i, "output_len": o, "num_iters": args.num_iters,
@@ -535,10 +543,10 @@ def print_result(res: dict[str, Any]) -> None:
     p = res["prefill_s"]
     print(f"{'prefill steps (ms)':24}{_ms(p['median'])} {_ms(p['mean'])} {_ms(p['p90'])}")
     print(f"{'decode tokens/s':24}{res['decode_tokens_per_s']:10.1f}")
-    print(f"{'floor bytes/step':24}{res['floor_bytes'] / 1e9:10.4f} GB  (weights {f['weight_bytes'] / 1e9:.4f}, "
-          f"experts {f['expert_bytes'] / 1e9:.4f}, KV {f['kv_bytes'] / 1e9:.4f})")
     world = res.get("tensor_parallel_size", 1)
-    per_gpu = f" per GPU, {world} GPUs" if world > 1 else ""
+    per_gpu = f" per GPU ({world} GPUs)" if world > 1 else ""
+    print(f"{'floor bytes/step':24}{res['floor_bytes'] / 1e9:10.4f} GB  (weights {f['weight_bytes'] / 1e9:.4f}, "
+          f"experts {f['expert_bytes'] / 1e9:.4f}, KV {f['kv_bytes'] / 1e9:.4f}){per_gpu}")
     print(f"{'copy bandwidth':24}{res['copy_bandwidth_Bps'] / 1e9:10.1f} GB/s{per_gpu}")
     print(f"{'floor time/step (ms)':24}{_ms(res['floor_time_s'])}")
     print(f"{'fraction of floor':24}{res['fraction_of_floor'] * 100:9.1f} %")
