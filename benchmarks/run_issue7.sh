@@ -5,7 +5,7 @@
 #   variants  V4.1-Flash-8l at b1, one process per engine (the first engine of a process was measured faster):
 #           the forward graph's device time and step time of default, default:sidestream, latency_specialized and
 #           its serial / nostage / serial,nostage variants (benchmarks/metadata_host.py): what slows the forward
-#           graph of a specialized engine
+#           graph of a specialized engine; first benchmarks/graph_streams_repro.py (the same question, no engine)
 #   bench   V4.1-Flash-8l decode at batch $BATCHES (default "1 4 16 64"), FULL graphs (capture size = batch) and
 #           async scheduling, with --decode-backend default and latency_specialized; each JSON carries the decode
 #           step time, the host launch time per step and the metadata build's host time inside it
@@ -20,6 +20,7 @@ for part in "$@"; do
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu --deselect tests/gpu/test_metadata_graphs_gpu.py \
         > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log" ;;
     variants)
+      timeout 60 python3 benchmarks/graph_streams_repro.py 2>&1 | tee "$out/graph_streams_repro.log"
       [ -d /tmp/$p ] || timeout 150 python3 -m dsv4.cli make-model --preset $p --out /tmp/$p --device cuda > /dev/null
       for v in default default:sidestream latency_specialized latency_specialized:serial latency_specialized:nostage \
                latency_specialized:serial,nostage default; do
