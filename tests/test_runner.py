@@ -3,6 +3,8 @@ the ModelState hook order, and dummy batches that never touch a real request's K
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from hf_reference import build_hf_model, make_prompt, save_hf_model
@@ -106,3 +108,37 @@ def test_dummy_run_leaves_real_kv_untouched(ckpt: str) -> None:
     for c, b in zip(eng.runner.kv_caches, before):
         # only the null block (slots [0, bs)) may change
         assert torch.equal(c.window[bs:], b[bs:])
+
+
+GOLDEN_V41 = os.path.join(os.path.dirname(__file__), "data", "deepseek-v41-tiny")
+
+
+def _greedy_tokens(eng: LLMEngine) -> list[list[int]]:
+    for i, n in enumerate((9, 30)):
+        eng.add_request([5 + (3 * i + j) % 200 for j in range(n)], SamplingParams(temperature=0, max_tokens=6,
+                                                                                ignore_eos=True), request_id=str(i))
+    done: dict[str, list[int]] = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    return [done[str(i)] for i in range(2)]
+
+
+def test_start_up_warms_the_step_kernels_outside_the_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine construction launches the decode-metadata build and the engram lookback gather once (their JIT
+    compilation then happens at start-up, not in the first request's step), and the warm-up changes no token."""
+    import dsv4.runtime.model_state as ms
+    from dsv4.runtime.attn_metadata import DecodeMetadataBuffers
+
+    want = _greedy_tokens(LLMEngine.from_args(GOLDEN_V41, load_tokenizer=False, max_model_len=64))
+    calls: list[str] = []
+    build, gather = DecodeMetadataBuffers.build, ms.gather_lookback
+    monkeypatch.setattr(DecodeMetadataBuffers, "build", lambda self, *a: calls.append("build") or build(self, *a))
+    monkeypatch.setattr(ms, "gather_lookback", lambda *a: calls.append("gather") or gather(*a))
+    eng = LLMEngine.from_args(GOLDEN_V41, load_tokenizer=False, max_model_len=64)
+    assert eng.runner.num_warm_ups == 1 and calls == ["build", "gather"]  # before any request
+    # poison what the warm-up wrote: every step must rewrite it before reading it
+    eng.runner.model_state.lookback_token_ids.fill_(7)
+    eng.runner.model_state.decode.window_slots.fill_(3)
+    assert _greedy_tokens(eng) == want

@@ -78,6 +78,12 @@ class DefaultModelState:
     def release_graphs(self) -> None:
         """Drop recorded builds (before graphs are captured again)."""
 
+    def warm_up(self, batch: InputBatch, block_tables: BlockTables, req_state: RequestState) -> None:
+        """Launch once, on a dummy decode batch, the kernels a step launches outside the model's forward (here the
+        decode-metadata build), so their JIT compilation happens at start-up, before memory profiling and graph
+        capture, not in the first request's step. Writes only buffers every step rewrites before reading."""
+        self.decode.build(batch.num_reqs, batch.num_reqs, batch.positions, batch.idx_mapping, block_tables.tables)
+
     def prepare_dummy_decode_attn(self, num_padded: int) -> DecodeMetadata:
         """All-padding decode metadata of `num_padded` rows (graph capture, warm-up)."""
         return self.decode.build_torch(0, num_padded, self.decode.positions[:0], {})
@@ -171,6 +177,11 @@ class DeepseekV41ModelState(DefaultModelState):
         # chunk start of each row = the position of its first query token (a device gather, no host sync)
         starts = batch.positions[batch.query_start_loc[: batch.num_reqs].long()]
         gather_lookback(self.lookback_token_ids, batch.idx_mapping, starts, req_state.token_history, batch.num_reqs)
+
+    def warm_up(self, batch: InputBatch, block_tables: BlockTables, req_state: RequestState) -> None:
+        super().warm_up(batch, block_tables, req_state)
+        if self.lookback_token_ids is not None:  # the lookback gather too; the window is refilled before any read
+            self._gather_lookback(batch, req_state)
 
     def prepare_dummy_inputs(self, num_reqs: int, num_tokens: int) -> dict[str, torch.Tensor]:
         inputs = super().prepare_dummy_inputs(num_reqs, num_tokens)

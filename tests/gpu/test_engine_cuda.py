@@ -95,3 +95,17 @@ def test_v4_bf16_on_cuda_close_to_fp32_cpu(tmp_path) -> None:
     assert common, "bf16 top-5 shares nothing with fp32"
     for t in common:
         assert abs(lp_cpu[t].logprob - lp_gpu[t].logprob) < 0.15
+
+
+def test_start_up_compiles_the_triton_step_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the start-up warm-up runs the Triton decode-metadata build and lookback gather (so they compile
+    before memory profiling and capture, not in the first request's step): both launched before any request."""
+    import dsv4.ops.decode_metadata as dm
+    import dsv4.ops.lookback as lb
+
+    calls: list[str] = []
+    build, gather = dm.build_decode_metadata_triton, lb.gather_lookback_triton
+    monkeypatch.setattr(dm, "build_decode_metadata_triton", lambda *a, **k: calls.append("build") or build(*a, **k))
+    monkeypatch.setattr(lb, "gather_lookback_triton", lambda *a, **k: calls.append("gather") or gather(*a, **k))
+    eng = LLMEngine.from_args(GOLDEN, device="cuda", dtype="float32", max_model_len=128, load_tokenizer=False)
+    assert "build" in calls and "gather" in calls and eng.runner.num_warm_ups >= 1
