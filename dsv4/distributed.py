@@ -85,6 +85,15 @@ class Parallel:
             dist.all_reduce(t, group=self.group)
         return t
 
+    def min_(self, value: int, device: torch.device | str) -> int:
+        """The smallest of every rank's `value` (itself alone): for start-up decisions the ranks must share (the KV
+        pool's size, whether decode runs in CUDA graphs, whose captures run collectives on every rank)."""
+        if self.world_size == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return int(t.item())
+
 
 def init_parallel(cfg: ParallelConfig, device: str) -> Parallel:
     """Join (or reuse) the default process group for `cfg`. A rank that cannot reach the others within

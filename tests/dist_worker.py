@@ -58,8 +58,13 @@ def equality_spec(model: str, out: Path, world: int, **engine_kw: object) -> dic
 
 def launch_cli(args: list[str], world: int = 2) -> list[tuple[str, str]]:
     """`python -m dsv4.cli ARGS` as `world` torchrun-style ranks; every rank must succeed; (stdout, stderr) each."""
+    return launch_python(["-m", "dsv4.cli", *args], world)
+
+
+def launch_python(argv: list[str], world: int = 2) -> list[tuple[str, str]]:
+    """`python ARGV` as `world` torchrun-style ranks; every rank must succeed; (stdout, stderr) each."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "dsv4.cli", *args],
+    procs = [subprocess.Popen([sys.executable, *argv],
                               env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": str(port), "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(world)]

@@ -18,7 +18,7 @@ from dsv4.bench.latency import mean_decode_floor
 from dsv4.make_model import make_model
 from dsv4.models.config import load_model_config
 from dsv4.models.config import ConfigError
-from dist_worker import equality_spec, free_port, launch, launch_cli
+from dist_worker import equality_spec, free_port, launch, launch_cli, launch_python
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "deepseek-v41-tiny")
 
@@ -69,6 +69,16 @@ def test_bad_parallel_configs_are_refused(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("MASTER_PORT", "1")
     with pytest.raises(ConfigError, match="WORLD_SIZE=4"):
         LLMEngine.from_args(GOLDEN, tensor_parallel_size=2, expert_parallel=True, **kw)
+
+
+def test_ranks_agree_on_start_up_decisions() -> None:
+    """`Parallel.min_`, what the ranks decide start-up choices with (KV pool size, engram tables on the device and
+    so CUDA graphs): every rank gets the smallest value, whatever it proposed."""
+    code = ("import os; from dsv4.distributed import ParallelConfig, init_parallel; "
+            "par = init_parallel(ParallelConfig(3, True, 60.0), 'cpu'); "
+            "r = int(os.environ['RANK']); print('min', par.min_([7, 3, 9][r], 'cpu'), par.min_(int(r != 1), 'cpu'))")
+    outs = launch_python(["-c", code], world=3)
+    assert [out.strip() for out, _ in outs] == ["min 3 0"] * 3
 
 
 def test_generate_under_torchrun_style_ranks_prints_once() -> None:

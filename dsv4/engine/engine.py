@@ -157,10 +157,7 @@ class LLMEngine:
                 f"step ({peak / 2**30:.2f} GiB); lower max_model_len or max_num_batched_tokens, or raise "
                 "gpu_memory_utilization")
         blocks = min(blocks, default_num_blocks(cfg))
-        if self.parallel.world_size > 1:  # every rank must schedule into the same pool: the smallest one
-            t = torch.tensor([blocks], dtype=torch.int64, device=torch.device(cfg.device))
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN, group=self.parallel.group)
-            blocks = int(t.item())
+        blocks = self.parallel.min_(blocks, cfg.device)  # every rank schedules into the same pool: the smallest
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB); worst-case step peak %.2f GiB", blocks, bs,
                     kv_cache_bytes(cfg.model, make_kv_groups(cfg.model, bs, blocks, sc.max_num_seqs), dtype) / 2**30,
                     peak / 2**30)

@@ -66,15 +66,15 @@ def build_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, dev
     if model_dir is not None:
         load_into_module(model, model_dir, route_v41, experts=shard and (shard.first, shard.count), spans=spans)
         if cfg.v41.engram is not None:
-            bind_engram(model, model_dir, torch.device(device))
+            bind_engram(model, model_dir, torch.device(device), par)
     return model.eval()
 
 
-def bind_engram(model: nn.Module, model_dir: str, device: torch.device) -> None:
+def bind_engram(model: nn.Module, model_dir: str, device: torch.device, par: Parallel | None = None) -> None:
     """Token map from the checkpoint's tokenizer (its size must equal engram_compressed_vocab_size) and one
     memory-mapped host table per engram layer. On a GPU, tables that fit in a quarter of the free memory move to
     the device (gathers then need no host round trip and decode steps can be captured in CUDA graphs); the
-    released ~98 GB tables stay in host memory."""
+    released ~98 GB tables stay in host memory. Several ranks decide together (`par`): all move them or none."""
     import tokenizers
 
     from dsv4.models.engram import HostTable, build_compressed_token_map
@@ -105,7 +105,10 @@ def bind_engram(model: nn.Module, model_dir: str, device: torch.device) -> None:
                                   f"needs {layout.rows[layer]}")
         tables[layer] = table
     total = sum(t.weight.numel() * t.weight.element_size() for t in tables.values())
-    if device.type == "cuda" and total <= torch.cuda.mem_get_info(device)[0] // 4:
+    # host tables turn the CUDA graphs off (runner._graph_safe); a rank capturing graphs runs collectives in its
+    # warm-ups that a rank without graphs would never join: the ranks must agree
+    if device.type == "cuda" and (par or Parallel()).min_(int(total <= torch.cuda.mem_get_info(device)[0] // 4),
+                                                          device):
         tables = {layer: t.to_device(device) for layer, t in tables.items()}
     model.bind_engram(torch.from_numpy(token_map).long(), tables)
 
