@@ -107,9 +107,10 @@ def bind_engram(model: nn.Module, model_dir: str, device: torch.device, par: Par
     total = sum(t.weight.numel() * t.weight.element_size() for t in tables.values())
     # host tables turn the CUDA graphs off (runner._graph_safe); a rank capturing graphs runs collectives in its
     # warm-ups that a rank without graphs would never join: the ranks must agree
-    if device.type == "cuda" and (par or Parallel()).min_(int(total <= torch.cuda.mem_get_info(device)[0] // 4),
-                                                          device):
-        tables = {layer: t.to_device(device) for layer, t in tables.items()}
+    if device.type == "cuda":
+        fits = total <= torch.cuda.mem_get_info(device)[0] // 4
+        if (par or Parallel()).min_(int(fits), device):
+            tables = {layer: t.to_device(device) for layer, t in tables.items()}
     model.bind_engram(torch.from_numpy(token_map).long(), tables)
 
 
