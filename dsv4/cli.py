@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from typing import Any
 
@@ -103,7 +104,8 @@ _GPU_ARGS = ("enforce_eager", "gpu_memory_utilization", "encoder_cudagraphs", "c
 def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
     """The runtime knobs shared by `generate` and `serve` (vLLM's names)."""
     parser.add_argument("--tensor-parallel-size", type=int,
-                        help="processes (GPUs) serving the model; launch that many with torchrun (default 1)")
+                        help="processes (GPUs) serving the model (default 1); started for you, or by torchrun "
+                             "--nproc-per-node N")
     parser.add_argument("--expert-parallel", action="store_true", default=None,
                         help="split the routed experts over the tensor-parallel ranks (needed with several)")
     parser.add_argument("--decode-backend", choices=["default", "latency_specialized"],
@@ -182,10 +184,38 @@ def _bench(args: argparse.Namespace) -> None:
     importlib.import_module(f"dsv4.bench.{args.bench_command}").main(args)
 
 
+def _spawn_ranks(args: argparse.Namespace, argv: list[str]) -> int | None:
+    """Like vLLM, start the tensor-parallel workers ourselves: `dsv4 generate | serve | bench latency
+    --tensor-parallel-size N` run outside torchrun re-runs the same command under `torch.distributed.run` with N
+    local processes (one per GPU; rank 0 prints and serves) and returns its exit status. None: nothing to spawn (one
+    rank, or already a rank of a launcher)."""
+    n = getattr(args, "tensor_parallel_size", None) or 1
+    if n <= 1 or "RANK" in os.environ:
+        return None
+    from dsv4.distributed import ParallelConfig
+
+    ParallelConfig(n, bool(getattr(args, "expert_parallel", False))).validate()  # one clear error, not N
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m", "dsv4.cli",
+           *argv]
+    proc = subprocess.Popen(cmd)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:  # the launcher got the same signal and stops its ranks: give it time to
+        try:
+            return proc.wait(timeout=30)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            proc.terminate()
+            return proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `dsv4` script; returns the exit status (2 for user errors)."""
+    argv = sys.argv[1:] if argv is None else argv
     args = _build_parser().parse_args(argv)
     try:
+        spawned = _spawn_ranks(args, argv)
+        if spawned is not None:
+            return spawned
         commands = {"make-model": _make_model, "generate": _generate, "serve": _serve, "bench": _bench}
         commands[args.command](args)
     except _user_errors() as e:

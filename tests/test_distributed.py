@@ -89,6 +89,27 @@ def test_generate_under_torchrun_style_ranks_prints_once() -> None:
     assert "--- prompt: 'hello'" in outs[0][0] and outs[1][0] == ""
 
 
+def _cli(args: list[str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-m", "dsv4.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_tensor_parallel_outside_torchrun_starts_its_own_ranks() -> None:
+    """As with vLLM, `dsv4 generate --tensor-parallel-size 2 --expert-parallel` needs no launcher: it runs itself
+    under torch.distributed.run with two ranks, prints the completion once, the single process's completion; a
+    config the ranks would refuse fails before anything is started, with one error."""
+    args = ["generate", "--model", GOLDEN, "--prompt", "hello", "--max-tokens", "6", "--max-model-len", "64",
+            "--temperature", "0"]
+    one = _cli(args)
+    two = _cli([*args, "--tensor-parallel-size", "2", "--expert-parallel"])
+    assert one.returncode == 0 and two.returncode == 0, two.stderr[-2000:]
+    assert two.stdout.count("--- prompt: 'hello'") == 1 and two.stdout == one.stdout
+    bad = _cli([*args, "--tensor-parallel-size", "2"])
+    assert bad.returncode == 2 and "needs --expert-parallel" in bad.stderr and "torch.distributed" not in bad.stderr
+
+
 def test_bench_latency_under_torchrun_style_ranks_rank0_reports(tmp_path: Path) -> None:
     """`dsv4 bench latency --tensor-parallel-size 2 --expert-parallel`: both ranks run the batch, rank 0 alone prints
     and writes the JSON, which records the world size and divides the floor by the world's bandwidth."""

@@ -440,7 +440,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-backend", choices=["default", "latency_specialized"], default="default",
                         help="latency_specialized: record the decode-metadata builds as CUDA graphs (V4.1)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
-                        help="GPUs serving the model (launch with torchrun --nproc-per-node N; rank 0 reports)")
+                        help="GPUs serving the model (started for you, or by torchrun --nproc-per-node N; rank 0 "
+                             "reports)")
     parser.add_argument("--expert-parallel", action="store_true", help="split the routed experts over those GPUs")
     parser.add_argument("--cudagraph-capture-sizes", type=int, nargs="+",
                         help="decode graph sizes (default: the engine's, 1, 2, 4, 8, 16, ... up to the batch)")
