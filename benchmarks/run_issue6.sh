@@ -4,19 +4,20 @@
 #   tests   tests/gpu
 #   chat    `dsv4 bench chat` on the V4.1-Flash-8l preset, 30 turns, for each turn length in $TURN_LENS (default
 #           "512") and each mode in $MODES (default "off bounded exact"); writes OUTDIR/chat-<len>-<mode>.json
-set -uo pipefail
-out=$1; shift; mkdir -p "$out"
+. "$(dirname "$0")/device_lib.sh"
 p=v41-flash-8l
-for part in "$@"; do
-  case $part in
-    tests)
-      timeout 330 python3 -m pytest -q -p no:cacheprovider tests/gpu > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log" ;;
-    chat)
-      [ -d /tmp/$p ] || timeout 150 python3 -m dsv4.cli make-model --preset $p --out /tmp/$p --device cuda > /dev/null
-      for len in ${TURN_LENS:-512}; do for mode in ${MODES:-off bounded exact}; do
-        timeout ${CHAT_LIMIT:-150} python3 -m dsv4.cli bench chat --model /tmp/$p --turns 30 --turn-len $len \
-          --output-len 16 --prefix-caching $mode --output-json "$out/chat-$len-$mode.json" > "$out/chat-$len-$mode.log" 2>&1
-        echo "chat $len $mode (rc $?): $(grep -E 'TTFT|cache|Error' "$out/chat-$len-$mode.log" | tr -s ' ' | tr '\n' ' ')"
-      done; done ;;
-  esac
-done
+
+part_tests() { gpu_pytest 330 gpu_tests.log tests/gpu; }
+
+part_chat() {
+  make_preset $p
+  local len mode log
+  for len in ${TURN_LENS:-512}; do for mode in ${MODES:-off bounded exact}; do
+    log="$out/chat-$len-$mode.log"
+    timeout ${CHAT_LIMIT:-150} python3 -m dsv4.cli bench chat --model /tmp/$p --turns 30 --turn-len $len \
+      --output-len 16 --prefix-caching $mode --output-json "$out/chat-$len-$mode.json" > "$log" 2>&1
+    summary "chat $len $mode" $? "$log" 'TTFT|cache|Error'
+  done; done
+}
+
+run_parts "$@"

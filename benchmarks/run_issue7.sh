@@ -9,31 +9,36 @@
 #   bench   V4.1-Flash-8l decode at batch $BATCHES (default "1 4 16 64"), FULL graphs (capture size = batch) and
 #           async scheduling, with --decode-backend default and latency_specialized; each JSON carries the decode
 #           step time, the host launch time per step and the metadata build's host time inside it
-set -uo pipefail
-out=$1; shift; mkdir -p "$out"
+. "$(dirname "$0")/device_lib.sh"
 p=v41-flash-8l
-for part in "$@"; do
-  case $part in
-    tests)
-      timeout 120 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_metadata_graphs_gpu.py > "$out/gpu_md_tests.log" 2>&1
-      tail -3 "$out/gpu_md_tests.log"
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu --deselect tests/gpu/test_metadata_graphs_gpu.py \
-        > "$out/gpu_tests.log" 2>&1; tail -3 "$out/gpu_tests.log" ;;
-    variants)
-      timeout 60 python3 benchmarks/graph_streams_repro.py 2>&1 | tee "$out/graph_streams_repro.log"
-      [ -d /tmp/$p ] || timeout 150 python3 -m dsv4.cli make-model --preset $p --out /tmp/$p --device cuda > /dev/null
-      for v in default default:sidestream latency_specialized latency_specialized:serial latency_specialized:nostage \
-               latency_specialized:serial,nostage default; do
-        timeout 120 python3 benchmarks/metadata_host.py /tmp/$p --batch 1 --steps 60 --backends $v 2>&1 \
-          | grep "^{" | tee -a "$out/variants.log"
-      done ;;
-    bench)
-      [ -d /tmp/$p ] || timeout 150 python3 -m dsv4.cli make-model --preset $p --out /tmp/$p --device cuda > /dev/null
-      for b in ${BATCHES:-1 4 16 64}; do for backend in default latency_specialized; do
-        timeout 90 python3 -m dsv4.cli bench latency --model /tmp/$p --batch-size $b --input-len 512 --output-len 32 \
-          --num-iters 2 --cudagraph-capture-sizes $b --decode-backend $backend \
-          --output-json "$out/$p-b$b-$backend.json" > "$out/$p-b$b-$backend.log" 2>&1
-        echo "$p b$b $backend (rc $?): $(grep -E 'decode step|host launch|metadata|Error' "$out/$p-b$b-$backend.log" | tr -s ' ' | tr '\n' ' ')"
-      done; done ;;
-  esac
-done
+md_tests=tests/gpu/test_metadata_graphs_gpu.py
+
+part_tests() {
+  gpu_pytest 120 gpu_md_tests.log $md_tests
+  gpu_pytest 300 gpu_tests.log tests/gpu --deselect $md_tests
+}
+
+part_variants() {
+  timeout 60 python3 benchmarks/graph_streams_repro.py 2>&1 | tee "$out/graph_streams_repro.log"
+  make_preset $p
+  local v
+  for v in default default:sidestream latency_specialized latency_specialized:serial latency_specialized:nostage \
+           latency_specialized:serial,nostage default; do
+    timeout 120 python3 benchmarks/metadata_host.py /tmp/$p --batch 1 --steps 60 --backends $v 2>&1 \
+      | grep "^{" | tee -a "$out/variants.log"
+  done
+}
+
+part_bench() {
+  make_preset $p
+  local b backend tag
+  for b in ${BATCHES:-1 4 16 64}; do for backend in default latency_specialized; do
+    tag="$p-b$b-$backend"
+    timeout 90 python3 -m dsv4.cli bench latency --model /tmp/$p --batch-size $b --input-len 512 --output-len 32 \
+      --num-iters 2 --cudagraph-capture-sizes $b --decode-backend $backend \
+      --output-json "$out/$tag.json" > "$out/$tag.log" 2>&1
+    summary "$p b$b $backend" $? "$out/$tag.log" 'decode step|host launch|metadata|Error'
+  done; done
+}
+
+run_parts "$@"

@@ -1,0 +1,30 @@
+# Shared by the benchmarks/run_issue*.sh device scripts (sourced): each defines a function part_NAME per part it
+# offers and ends with `run_parts "$@"`. Every command carries its own time limit, so a slow part cannot eat the
+# device call's budget; each writes its log under $out and prints one summary line.
+set -uo pipefail
+
+# make_preset NAME: the random-weight checkpoint /tmp/NAME (drawn on the GPU), unless it is there already
+make_preset() {
+  [ -d "/tmp/$1" ] || timeout 150 python3 -m dsv4.cli make-model --preset "$1" --out "/tmp/$1" --device cuda > /dev/null
+}
+
+# gpu_pytest LIMIT LOGNAME PYTEST_ARGS...: run pytest quietly into $out/LOGNAME, print its last lines
+gpu_pytest() {
+  local limit=$1 log=$2; shift 2
+  timeout "$limit" python3 -m pytest -q -p no:cacheprovider "$@" > "$out/$log" 2>&1
+  tail -3 "$out/$log"
+}
+
+# summary LABEL RC LOG PATTERN: one line with the run's exit status and the log lines matching PATTERN
+summary() {
+  echo "$1 (rc $2): $(grep -E "$4" "$3" | tr -s ' ' | tr '\n' ' ')"
+}
+
+# run_parts OUTDIR PART...: run part_PART for each PART, in order, with $out set to OUTDIR (created)
+run_parts() {
+  out=$1; shift; mkdir -p "$out"
+  local part
+  for part in "$@"; do
+    if declare -F "part_$part" > /dev/null; then "part_$part"; else echo "unknown part: $part" >&2; fi
+  done
+}
