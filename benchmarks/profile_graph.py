@@ -2,8 +2,10 @@
 around it, and the kernels inside the graph.
 
 usage: PYTHONPATH=. python3 benchmarks/profile_graph.py MODEL_DIR [BATCH] [STEPS] [--compile]
+       PYTHONPATH=. torchrun --nproc-per-node N benchmarks/profile_graph.py MODEL_DIR [BATCH] [STEPS] --tp=N
 
-One capture size (BATCH).
+One capture size (BATCH). With --tp=N (under torchrun): tensor + expert parallelism over N ranks; every rank runs
+the same steps (their collectives meet), rank 0 prints.
 
 Prints (median over STEPS):
 - step: wall time of `LLMEngine.step()` for a uniform-decode step (sync on both sides);
@@ -59,11 +61,14 @@ def main() -> None:
     model, batch = args[0], int(args[1]) if len(args) > 1 else 1
     steps = int(args[2]) if len(args) > 2 else 20
     compile_decode = "--compile" in sys.argv
+    tp = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--tp=")), 1)
     t0 = time.perf_counter()
     eng = LLMEngine.from_args(model, dtype="bfloat16", device="cuda", max_model_len=1024, max_num_seqs=batch,
                               max_num_batched_tokens=max(2048, 512 * batch), load_tokenizer=False,
-                              cudagraph_capture_sizes=(batch,), compile_decode=compile_decode)
-    print(f"engine start-up {time.perf_counter() - t0:.1f} s (compile_decode={compile_decode})")
+                              cudagraph_capture_sizes=(batch,), compile_decode=compile_decode,
+                              tensor_parallel_size=tp, expert_parallel=tp > 1)
+    out = print if eng.parallel.rank == 0 else (lambda *a, **k: None)
+    out(f"engine start-up {time.perf_counter() - t0:.1f} s (compile_decode={compile_decode})")
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
         ids = torch.randint(10, eng.config.model.vocab_size, (512,), generator=g).tolist()
@@ -99,20 +104,20 @@ def main() -> None:
     runner.execute = _timed(runner.execute, "execute (all)", acc)
     step_t = _step_times(eng, steps)
     sched.schedule = orig_schedule
-    print(f"{model} batch {batch} (graph size {P}), median over {steps}:")
-    print(f"  engine step (unsynced inside)  {statistics.median(walls):8.3f} ms")
-    print(f"  graph replay alone (events)    {statistics.median(reps):8.3f} ms")
-    print(f"  engine step with synced phases {statistics.median(step_t):8.3f} ms")
+    out(f"{model} batch {batch} (graph size {P}), median over {steps}:")
+    out(f"  engine step (unsynced inside)  {statistics.median(walls):8.3f} ms")
+    out(f"  graph replay alone (events)    {statistics.median(reps):8.3f} ms")
+    out(f"  engine step with synced phases {statistics.median(step_t):8.3f} ms")
     for k, v in acc.items():
-        print(f"    {k:28s} {statistics.median(v):8.3f} ms")
+        out(f"    {k:28s} {statistics.median(v):8.3f} ms")
     # 4. kernels in one replay
     del runner.graphs.replay
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             runner.graphs.replay(P)
         torch.cuda.synchronize()
-    print("kernels of 5 replays:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
+    out("kernels of 5 replays:")
+    out(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
 
 
 class _SamplerProxy:
