@@ -235,10 +235,11 @@ class ExpertShard:
     shared_split: bool = False  # the shared expert's output is this rank's part too (summed with the routed ones)
 
     def local_routes(self, weights: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, local expert ids) of the routes [T, k]: a route to another rank's expert weighs 0 and points
-        at local expert 0 (its row is computed and discarded; fixed shapes, no host sync)."""
+        """(weights, local expert ids) of the routes [T, k]: a route to another rank's expert weighs 0 and has id -1,
+        which the expert matmuls skip (no weights read, a row of zeros: `dsv4.ops.moe`); fixed shapes, no host
+        sync."""
         local = (idx >= self.first) & (idx < self.first + self.count)
-        return torch.where(local, weights, torch.zeros_like(weights)), torch.where(local, idx - self.first, 0)
+        return torch.where(local, weights, torch.zeros_like(weights)), torch.where(local, idx - self.first, -1)
 
 
 class ShardedEmbedding(nn.Embedding):

@@ -70,9 +70,11 @@ def test_expert_gemv_kernel_matches_torch() -> None:
             w = torch.randn(E, N, K, generator=g)
             x = torch.randn(T, K, generator=g)
             idx = torch.randint(0, E, (T * k,), generator=g)
+            idx[::3] = -1  # rows with no expert (another rank's): zeros
             ref = expert_gemv_torch(x, w, idx, k)
             got = expert_gemv_triton(x, w, idx, k)
             assert torch.allclose(ref, got, rtol=1e-4, atol=1e-4), (ref - got).abs().max()
+            assert got[idx < 0].eq(0).all()
             h = torch.randn(T * k, N, generator=g)
             w2 = torch.randn(E, K, N, generator=g)
             assert torch.allclose(expert_gemv_torch(h, w2, idx, 1), expert_gemv_triton(h, w2, idx, 1), rtol=1e-4, atol=1e-4)
@@ -98,7 +100,10 @@ def test_expert_grouped_kernel_matches_torch() -> None:
                 if R > M:
                     idx[: M + 9] = 1  # one expert with more than a block
                     idx[idx == 0] = 2  # and one with none
+                if R % 2:  # rows with no expert (-1, another rank's): zeros, in a block of their own
+                    idx[R // 3:: 2] = -1
                 ref, got = expert_grouped_torch(x, w, idx, k), expert_grouped_triton(x, w, idx, k)
+                assert got[idx < 0].eq(0).all()
                 assert ref.dtype == got.dtype == dtype and ref.shape == got.shape == (R, N)
                 if dtype == torch.float32:
                     assert torch.allclose(ref, got, rtol=1e-5, atol=1e-5), (R, E, (ref - got).abs().max())

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dsv4.distributed import ExpertShard, Parallel
 from dsv4.models.layers.moe import moe_output
 from dsv4.ops.swiglu import clamped_swiglu
 
@@ -38,3 +39,31 @@ def test_moe_output_matches_a_loop(T: int, k: int, E: int, before: bool, fixed: 
     assert got.dtype == torch.float32 and got.shape == x.shape
     ref = _reference(x, weights, idx, gate_up, down, 1.5, before) + shared.double()
     assert torch.allclose(got.double(), ref, atol=1e-4)
+
+
+@pytest.mark.parametrize("T,k,E,world", [(1, 6, 16, 2), (3, 2, 8, 4), (5, 6, 16, 2), (40, 2, 4, 2)])
+@pytest.mark.parametrize("before", [False, True])
+@pytest.mark.parametrize("fixed", [False, True])
+def test_expert_parallel_parts_sum_to_the_whole(T: int, k: int, E: int, world: int, before: bool,
+                                                 fixed: bool) -> None:
+    """Expert parallelism in one process: each rank's part (its slice of the experts, the other ranks' routes
+    skipped as id -1, its share of the shared expert's output), summed over the ranks as the all-reduce would, is
+    the whole layer's output; all three paths (grouped, per-slot GEMV, all experts)."""
+    g = torch.Generator().manual_seed(T * 100 + k * 10 + E + world)
+    D, inter = 24, 10
+    x = torch.randn(T, D, generator=g)
+    gate_up, down = torch.randn(E, 2 * inter, D, generator=g), torch.randn(E, D, inter, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    weights = torch.rand(T, k, generator=g)
+    shared = torch.randn(T, D, generator=g)
+    total = torch.zeros(T, D, dtype=torch.float64)
+    n = E // world
+    for rank in range(world):
+        ep = ExpertShard(rank * n, n, Parallel(), shared_split=True)  # Parallel(): the sum is done here
+        w, i = ep.local_routes(weights, idx)
+        assert (i == -1).eq(w == 0).all() and i.max() < n
+        part = moe_output(x, weights, idx, gate_up[rank * n:(rank + 1) * n], down[rank * n:(rank + 1) * n], 1.5,
+                          weight_before_down=before, fixed=fixed, shared=shared / world, ep=ep)
+        total += part.double()
+    ref = _reference(x, weights, idx, gate_up, down, 1.5, before) + shared.double()
+    assert torch.allclose(total, ref, atol=1e-4), (total - ref).abs().max()

@@ -1,7 +1,8 @@
 """Routed-expert matmuls: out[r] = W[idx[r]] @ x[r // x_div] for every (token, slot) row r.
 
 W [E, N, K] (row-major, nn.Linear layout), idx [R] expert per row, x [R / x_div, K] -> out [R, N], fp32
-accumulation, output in x's dtype. Two shapes of the same product:
+accumulation, output in x's dtype. idx -1 marks a row with no expert here (under expert parallelism, a route to
+another rank's expert): its output row is 0 and none of W is read for it. Two shapes of the same product:
 - `expert_gemv`, small decode batches: a program per row reads its expert's weights in place (the torch reference
   gathers W[idx] into a temporary first: twice the bytes and a copy kernel). Fixed shapes, no host sync.
 - `expert_grouped`, prefill and mixed steps (many rows per expert): rows sorted by expert, one tiled matmul per
@@ -24,7 +25,7 @@ except ImportError:  # CPU-only installs use the torch reference
 def expert_gemv_torch(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x_div: int) -> torch.Tensor:
     """Reference: gather the experts' weights, then one batched matmul."""
     xr = x.repeat_interleave(x_div, dim=0) if x_div > 1 else x
-    return torch.bmm(w[idx], xr[:, :, None])[..., 0]
+    return torch.bmm(w[idx.clamp(min=0)], xr[:, :, None])[..., 0].masked_fill((idx < 0)[:, None], 0)
 
 
 if triton is not None:
@@ -39,7 +40,7 @@ if triton is not None:
         xrow = x_ptr + (r // x_div) * K
         wbase = w_ptr + e * N * K
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, tl.where(e >= 0, K, 0), BLOCK_K):  # no expert (-1): no loads, a row of zeros
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < K
             xv = tl.load(xrow + k, mask=km, other=0.0).to(tl.float32)
@@ -70,10 +71,10 @@ def expert_gemv(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x_div: int)
 # ---- grouped: many rows per expert ------------------------------------------------------------------------------
 def expert_grouped_torch(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x_div: int) -> torch.Tensor:
     """Reference: one F.linear per expert over its rows (in expert order)."""
-    out = torch.empty(idx.numel(), w.shape[1], dtype=x.dtype, device=x.device)
+    out = torch.zeros(idx.numel(), w.shape[1], dtype=x.dtype, device=x.device)  # rows with no expert stay 0
     order = torch.argsort(idx, stable=True)
-    start = 0
-    for e, c in enumerate(torch.bincount(idx, minlength=w.shape[0]).tolist()):
+    start = int((idx < 0).sum())  # (they sort first)
+    for e, c in enumerate(torch.bincount(idx[idx >= 0], minlength=w.shape[0]).tolist()):
         rows = order[start:start + c]
         start += c
         if c:
@@ -90,14 +91,15 @@ if triton is not None:
     def _expert_grouped_kernel(x_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, block_ends_ptr, out_ptr, E, N, K,
                                x_div, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                BLOCK_E: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-        # program (b, n): row block b of the expert whose block range holds b (block_ends = inclusive cumsum of the
-        # experts' block counts; the grid is sized for the worst case, surplus programs store nothing)
+        # program (b, n): row block b of the bucket whose block range holds b (block_ends = inclusive cumsum of the
+        # E + 1 buckets' block counts: the experts, then the rows with no expert, which get zeros and read no
+        # weights; the grid is sized for the worst case, surplus programs store nothing)
         b = tl.program_id(0)
         ev = tl.arange(0, BLOCK_E)
-        ends = tl.load(block_ends_ptr + ev, mask=ev < E, other=2147483647)
+        ends = tl.load(block_ends_ptr + ev, mask=ev <= E, other=2147483647)
         e = tl.sum((ends <= b).to(tl.int32), axis=0)
-        e_safe = tl.minimum(e, E - 1)
-        cnt = tl.where(e < E, tl.load(counts_ptr + e_safe), 0)
+        e_safe = tl.minimum(e, E)
+        cnt = tl.where(e <= E, tl.load(counts_ptr + e_safe), 0)
         first_block = tl.load(block_ends_ptr + e_safe) - (cnt + BLOCK_M - 1) // BLOCK_M
         m = (b - first_block) * BLOCK_M + tl.arange(0, BLOCK_M)
         mm = m < cnt
@@ -105,9 +107,9 @@ if triton is not None:
         xrows = rows // x_div
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
-        wbase = w_ptr + e_safe.to(tl.int64) * N * K
+        wbase = w_ptr + tl.minimum(e_safe, E - 1).to(tl.int64) * N * K
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(0, tl.where(e_safe < E, K, 0), BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             km = k < K
             a = tl.load(x_ptr + xrows[:, None] * K + k[None, :], mask=mm[:, None] & km[None, :], other=0.0)
@@ -131,15 +133,16 @@ def expert_grouped_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x
     out = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R:
         bm = GROUPED_BLOCK_M
+        idx = torch.where(idx < 0, E, idx)  # no expert (-1): bucket E, after the experts' (zero rows)
         order = torch.argsort(idx, stable=True)
-        counts = torch.bincount(idx, minlength=E)
+        counts = torch.bincount(idx, minlength=E + 1)
         offsets = torch.cumsum(counts, 0) - counts
         block_ends = torch.cumsum((counts + bm - 1) // bm, 0)
         block_n, block_k = 64, 64 if x.dtype == torch.float32 else 128
-        grid = (triton.cdiv(R, bm) + min(E, R), triton.cdiv(N, block_n))
+        grid = (triton.cdiv(R, bm) + min(E + 1, R), triton.cdiv(N, block_n))
         _expert_grouped_kernel[grid](x.contiguous(), w, order, counts, offsets, block_ends, out, E, N, K, x_div,
                                      BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k,
-                                     BLOCK_E=triton.next_power_of_2(E), IEEE=x.dtype == torch.float32,
+                                     BLOCK_E=triton.next_power_of_2(E + 1), IEEE=x.dtype == torch.float32,
                                      INTERPRET=INTERPRET)
     return out
 

@@ -101,7 +101,8 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
     read once: at that batch size nearly all of them are hit anyway).
     V4 weights the expert output after w2 (in the model dtype); V4.1 before w2, in fp32 (`weight_before_down`).
     With expert parallelism (`ep`), gate_up / down hold this rank's experts only: the routes to other ranks' experts
-    weigh 0 and the partial outputs are summed over the ranks, with the shared expert's parts when it is split too
+    weigh 0 and have id -1 (the matmuls skip them: a decode step reads only this rank's hit experts) and the partial
+    outputs are summed over the ranks, with the shared expert's parts when it is split too
     (else the replicated shared expert is added after the sum).
     """
     if ep is not None:
@@ -123,8 +124,8 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
             return combine_experts(matmul(h, down, flat, 1), None, shared, k)
         h = swiglu(g, u, limit, fp32=False)
         return combine_experts(matmul(h, down, flat, 1), weights.flatten(), shared, k)
-    # (add, not set: under expert parallelism other ranks' routes all point at local expert 0 with weight 0)
-    wmat = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, idx, weights.float())
+    # (other ranks' routes, id -1, weigh 0: clamped onto expert 0 they add nothing, hence add, not set)
+    wmat = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, idx.clamp(min=0), weights.float())
     gu = torch.einsum("td,efd->etf", x, gate_up).reshape(E * T, 2 * inter)  # expert-major rows
     g, u = gu[:, :inter], gu[:, inter:]
     if weight_before_down:
