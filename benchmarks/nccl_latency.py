@@ -67,6 +67,7 @@ def main() -> None:
                 fn()
             graph = _time_ms(g.replay) * 1e3 / N
             rows[(b, name)] = (eager, graph, x.numel() * 2 if name == "all_reduce" else logits.numel() * 4)
+    del g  # a graph holding NCCL work alive at teardown hangs it (benchmarks/nccl_graph_exit.py)
     if rank == 0:
         print(f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, {world} ranks, {torch.cuda.get_device_name()}")
         print(f"{'batch':>5} {'collective':<18} {'bytes/rank':>10} {'eager us':>9} {'graph us':>9}")

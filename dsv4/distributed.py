@@ -32,6 +32,8 @@ import atexit
 import gc
 import logging
 import os
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -125,9 +127,26 @@ def init_parallel(cfg: ParallelConfig, device: str) -> Parallel:
     return Parallel(rank, world, dist.group.WORLD)
 
 
+_before_teardown: list[weakref.WeakMethod] = []
+
+
+def release_before_teardown(release: Callable[[], None]) -> None:
+    """Call the bound method `release` (held weakly) before the process group is torn down at exit. For whatever
+    holds CUDA graphs with captured NCCL collectives (`CudaGraphManager`): with such a graph still alive, the
+    teardown's barrier hung on two H200s (an engine left in a module global, or in a reference cycle, lives until
+    after atexit)."""
+    _before_teardown[:] = [r for r in _before_teardown if r() is not None] + [weakref.WeakMethod(release)]
+
+
 def _destroy_process_group() -> None:
+    for ref in _before_teardown:
+        if (release := ref()) is not None:
+            release()
+    _before_teardown.clear()
     if not dist.is_initialized():
         return
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     try:  # leave together: a rank tearing its connections down while another still uses them aborts that one
         dist.barrier()
     except Exception:  # noqa: BLE001 (another rank is gone: nothing to wait for)

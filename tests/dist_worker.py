@@ -61,14 +61,20 @@ def launch_cli(args: list[str], world: int = 2) -> list[tuple[str, str]]:
     return launch_python(["-m", "dsv4.cli", *args], world)
 
 
-def launch_python(argv: list[str], world: int = 2) -> list[tuple[str, str]]:
-    """`python ARGV` as `world` torchrun-style ranks; every rank must succeed; (stdout, stderr) each."""
+def launch_python(argv: list[str], world: int = 2, timeout: float = 300) -> list[tuple[str, str]]:
+    """`python ARGV` as `world` torchrun-style ranks; every rank must succeed within `timeout` s (else all are
+    killed and the test fails); (stdout, stderr) each."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, *argv],
                               env={**os.environ, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": str(port), "PYTHONPATH": ROOT}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(world)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        raise AssertionError(f"{argv}: not every rank exited within {timeout:g} s") from None
     assert [p.returncode for p in procs] == [0] * world, "".join(err[-2000:] for _, err in outs)
     return outs
 

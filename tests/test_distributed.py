@@ -251,3 +251,22 @@ def test_each_rank_loads_only_its_experts(which: str, world: int, tiny_v4: str,
                 assert span == (0, lo, hi), key  # a packed tensor: only this rank's rows
             if re.search(r"(^|\.)(lm_head|head|embed|embed_tokens)\.weight$", key) and "engram" not in key:
                 assert span == (0, rank * V, (rank + 1) * V), key
+
+
+def test_graph_holders_are_released_before_the_teardown() -> None:
+    """What holds CUDA graphs with captured collectives registers its release; the exit-time teardown calls the
+    live ones (a dead holder is skipped) before leaving the process group."""
+    from dsv4 import distributed
+
+    class Holder:
+        released = 0
+
+        def release(self) -> None:
+            Holder.released += 1
+
+    live, dead = Holder(), Holder()
+    distributed.release_before_teardown(live.release)
+    distributed.release_before_teardown(dead.release)
+    del dead
+    distributed._destroy_process_group()  # no group here: only the releases
+    assert Holder.released == 1 and not distributed._before_teardown

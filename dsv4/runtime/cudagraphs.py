@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from dsv4.distributed import release_before_teardown
+
 logger = logging.getLogger(__name__)
 
 
@@ -52,6 +54,7 @@ class CudaGraphManager:
         if not self.enabled:
             return
         self.pool = torch.cuda.graph_pool_handle()
+        release_before_teardown(self.release)  # the graphs may hold NCCL collectives (several ranks)
         for size in sorted(self.capture_sizes, reverse=True):
             for _ in range(warmups):  # every kernel compiled and every lazy allocation made outside the graph
                 run(size)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from dist_worker import equality_spec, launch, run  # noqa: E402
+from dist_worker import equality_spec, launch, launch_python, run  # noqa: E402
 
 from dsv4.make_model import make_model  # noqa: E402
 
@@ -38,3 +38,16 @@ def test_nccl_ranks_give_the_single_gpu_tokens(which: str, backend: str, tmp_pat
         got = json.loads((tmp_path / f"ep.{rank}").read_text())
         assert got["tokens"] == want["tokens"], rank
         assert got["preemptions"] == want["preemptions"]
+
+
+def test_ranks_exit_with_the_engine_still_alive(tmp_path: Path) -> None:
+    """A script under torchrun that leaves its engine (CUDA graphs with captured all-reduces) in a module global
+    exits: the graphs are released before the process group's teardown, which hung while they lived."""
+    model = make_model("tiny-v4", str(tmp_path / "tiny-v4"), seed=0)
+    code = ("from dsv4.engine.engine import LLMEngine\nfrom dsv4.sampling_params import SamplingParams\n"
+            f"eng = LLMEngine.from_args({model!r}, device='cuda', dtype='float32', load_tokenizer=False, "
+            "cudagraph_capture_sizes=[1], tensor_parallel_size=2, expert_parallel=True, max_model_len=64)\n"
+            "eng.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), request_id='0')\n"
+            "while eng.has_unfinished_requests():\n    eng.step()\nprint('generated')\n")
+    outs = launch_python(["-c", code], world=2, timeout=150)  # every rank must exit 0 in time
+    assert all("generated" in out for out, _ in outs)
