@@ -9,10 +9,11 @@ own. Two ways to keep the ranks in step:
 - serving (`follow_rank0`): the requests reach rank 0 only, so rank 0's scheduler drives: every step's
   SchedulerOutput goes to the other ranks (`StepChannel`), which execute it (`LLMEngine.follow`).
 
-Implemented so far (issue 9, first steps):
+What is split:
 - expert parallelism: the routed experts of every MoE layer are split into WORLD_SIZE contiguous slices, one per
   rank, and the shared expert's intermediate size likewise; routing is replicated; each rank computes the (token,
-  slot) rows of its own experts (the others weigh 0) and its part of the shared expert, and one all-reduce sums;
+  slot) rows of its own experts (routes to the others' get id -1 and are skipped: `ExpertShard.local_routes`) and
+  its part of the shared expert, and one all-reduce sums;
 - the vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary's rows; an
   embedding lookup is summed over the ranks (the owner contributes the row, the others 0, so the sum is exact),
   the logits are gathered, so every rank samples from the same full logits;
@@ -22,8 +23,8 @@ Implemented so far (issue 9, first steps):
   model, then the loader reads those slices only);
 - Engram tables stay in host memory, memory-mapped by every rank from the checkpoint file: the page cache of a host
   holds one copy, and each rank gathers the rows its (replicated) Engram layers need.
-Not yet: tensor parallelism of the remaining dense layers (mHC mixes, compressors, indexers, engram), any run on
-several GPUs.
+Replicated: the query down-projection, the KV head, compressors, indexers, mHC mixes, norms and engram layers; at
+batch 1 they are most of a step (benchmarks/results/2026-11-30-h200x2-tp2).
 """
 
 from __future__ import annotations
