@@ -12,7 +12,9 @@ inflates the timers, so take those from a run without it). `--trace` adds kernel
 steps and the device time of back-to-back metadata-graph replays. `--backends` takes variants (see `run`) that
 isolate why a specialized engine's forward graph replays slower (results/2026-11-30-h200-specialized-decode).
 Each engine runs in this one process: run a variant first in a process of its own when the order matters (the
-first engine of a process was measured faster). CUDA only.
+first engine of a process was measured faster). `--dump DIR` writes each engine's forward graph as Graphviz text
+(`CUDAGraph.debug_dump`, kernels with their launch parameters) to DIR/BACKEND-bBATCH.dot, to diff a slow engine's
+graph against a fast one's. CUDA only.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import time
@@ -81,7 +84,16 @@ def forward_graph_us(eng: LLMEngine) -> float:
     return statistics.median(_device_us(graph.replay, 20) for _ in range(5))
 
 
-def run(model: str, backend: str, batch: int, steps: int, profile: bool, trace: bool = False) -> dict[str, Any]:
+class _DebugGraph(torch.cuda.CUDAGraph):
+    """A CUDAGraph that keeps its graph description after instantiation, so that it can be dumped."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.enable_debug_mode()
+
+
+def run(model: str, backend: str, batch: int, steps: int, profile: bool, trace: bool = False,
+        dump: str | None = None) -> dict[str, Any]:
     # variants (comma-separated after a colon), to find what slows the forward graph of a specialized engine:
     # nostage: the lookback gather on the main stream, as the default does; serial: the metadata builds recorded
     # without forking (one stream); sidestream: a default engine that makes one empty round trip through a side
@@ -152,6 +164,11 @@ def run(model: str, backend: str, batch: int, steps: int, profile: bool, trace: 
     out["forward_graph_replay_device_us"] = forward_graph_us(eng)
     if trace:
         out.update(_gpu_side(eng))
+    if dump is not None:
+        fwd = eng.runner.graphs.graphs
+        path = os.path.join(dump, f"{backend.replace(':', '-').replace(',', '-')}-b{batch}.dot")
+        fwd[next(iter(fwd))][0].debug_dump(path)
+        out["dot"] = path
     del eng
     torch.cuda.empty_cache()
     return out
@@ -164,12 +181,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--dump", metavar="DIR", help="write each engine's forward graph (Graphviz) under DIR")
     ap.add_argument("--backends", nargs="+", default=["default", "latency_specialized"],
                     help="BACKEND[:VARIANT,...], variants nostage, serial, sidestream (see run)")
     args = ap.parse_args()
+    if args.dump:  # every graph captured from here on (recaptures included) keeps its description for the dump
+        os.makedirs(args.dump, exist_ok=True)
+        torch.cuda.CUDAGraph = _DebugGraph  # type: ignore[misc]
     for b in args.batch:
         for backend in args.backends:
-            r = run(args.model, backend, b, args.steps, args.profile, args.trace)
+            r = run(args.model, backend, b, args.steps, args.profile, args.trace, args.dump)
             texts = [r.pop(k) for k in ("profile", "kernels") if k in r]
             print(r, flush=True)
             for t in texts:

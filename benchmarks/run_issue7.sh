@@ -5,7 +5,8 @@
 #   variants  V4.1-Flash-8l at b1, one process per engine (the first engine of a process was measured faster):
 #           the forward graph's device time and step time of default, default:sidestream, latency_specialized and
 #           its serial / nostage / serial,nostage variants (benchmarks/metadata_host.py): what slows the forward
-#           graph of a specialized engine; first benchmarks/graph_streams_repro.py (the same question, no engine)
+#           graph of a specialized engine; first benchmarks/graph_streams_repro.py (the same question, no engine).
+#           DUMP=1: each forward graph also goes to OUTDIR/dot/VARIANT-b1.dot (Graphviz, to diff fast and slow)
 #   bench   V4.1-Flash-8l decode at batch $BATCHES (default "1 4 16 64"), FULL graphs (capture size = batch) and
 #           async scheduling, with --decode-backend default and latency_specialized; each JSON carries the decode
 #           step time, the host launch time per step and the metadata build's host time inside it
@@ -24,7 +25,7 @@ part_variants() {
   local v
   for v in default default:sidestream latency_specialized latency_specialized:serial latency_specialized:nostage \
            latency_specialized:serial,nostage default; do
-    timeout 120 python3 benchmarks/metadata_host.py /tmp/$p --batch 1 --steps 60 --backends $v 2>&1 \
+    timeout 120 python3 benchmarks/metadata_host.py /tmp/$p --batch 1 --steps 60 --backends $v ${DUMP:+--dump $out/dot} 2>&1 \
       | grep "^{" | tee -a "$out/variants.log"
   done
 }
