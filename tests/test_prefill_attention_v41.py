@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dsv4.engine.engine import LLMEngine
-from dsv4.models.deepseek_v41 import AttentionV41, StepState, candidate_blocks
+from dsv4.models.deepseek_v41 import AttentionV41, StepState, candidate_blocks, candidate_pool
 from dsv4.models.layers.attention import grouped_projection, write_slots
 from dsv4.ops.fake_quant import fp8_fake_quant
 from dsv4.ops.rope import apply_rope
@@ -248,3 +248,18 @@ def test_many_small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     _install_check(monkeypatch, rec)
     run_waves(_engine(23), [[17, 9], [30]], max_tokens=5, seed=2)
     assert rec.multi_chunk_picks and rec.max_diff < 1e-5
+
+
+@pytest.mark.parametrize("R,C,n,block", [(1, 4, 37, 8), (5, 16, 64, 8), (3, 2048, 136, 8), (4, 6, 9, 4), (2, 3, 1, 8)])
+def test_candidate_pool_is_the_entry_by_candidate_comparison(R: int, C: int, n: int, block: int) -> None:
+    """The pool mask through a per-row block map equals comparing every entry's block with every candidate (the
+    formula as written first), with -1 (none), repeated ids and ids past the last block among the candidates."""
+    g = torch.Generator().manual_seed(R * 1000 + C + n)
+    nb = -(-n // block)
+    cands = torch.randint(-1, nb + 3, (R, C), generator=g)  # -1, every block, and ids beyond the entries
+    cands[0, : min(C, 2)] = -1
+    entry_block = torch.arange(n) // block
+    want = (entry_block[None, None, :] == cands[:, :, None]).any(dim=1)
+    got = candidate_pool(cands, n, block)
+    assert got.dtype == torch.bool and torch.equal(got, want)
+    assert not candidate_pool(torch.full((R, C), -1), n, block).any()
