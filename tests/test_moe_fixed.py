@@ -24,17 +24,21 @@ def _reference(x, weights, idx, gate_up, down, limit, before):
     return out
 
 
-@pytest.mark.parametrize("T,k,E", [(1, 2, 8), (3, 2, 8), (8, 3, 6), (5, 6, 16), (40, 2, 3)])
-@pytest.mark.parametrize("before", [False, True])
-@pytest.mark.parametrize("fixed", [False, True])
-def test_moe_output_matches_a_loop(T: int, k: int, E: int, before: bool, fixed: bool) -> None:
-    g = torch.Generator().manual_seed(T * 100 + k * 10 + E)
+def _layer(seed: int, T: int, k: int, E: int) -> tuple[torch.Tensor, ...]:
+    """Random inputs of one MoE layer: x [T, D], gate_up, down, distinct routes idx [T, k], weights, shared."""
+    g = torch.Generator().manual_seed(seed)
     D, inter = 24, 10
     x = torch.randn(T, D, generator=g)
     gate_up, down = torch.randn(E, 2 * inter, D, generator=g), torch.randn(E, D, inter, generator=g)
     idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    weights = torch.rand(T, k, generator=g)
-    shared = torch.randn(T, D, generator=g)
+    return x, gate_up, down, idx, torch.rand(T, k, generator=g), torch.randn(T, D, generator=g)
+
+
+@pytest.mark.parametrize("T,k,E", [(1, 2, 8), (3, 2, 8), (8, 3, 6), (5, 6, 16), (40, 2, 3)])
+@pytest.mark.parametrize("before", [False, True])
+@pytest.mark.parametrize("fixed", [False, True])
+def test_moe_output_matches_a_loop(T: int, k: int, E: int, before: bool, fixed: bool) -> None:
+    x, gate_up, down, idx, weights, shared = _layer(T * 100 + k * 10 + E, T, k, E)
     got = moe_output(x, weights, idx, gate_up, down, 1.5, weight_before_down=before, fixed=fixed, shared=shared)
     assert got.dtype == torch.float32 and got.shape == x.shape
     ref = _reference(x, weights, idx, gate_up, down, 1.5, before) + shared.double()
@@ -49,13 +53,8 @@ def test_expert_parallel_parts_sum_to_the_whole(T: int, k: int, E: int, world: i
     """Expert parallelism in one process: each rank's part (its slice of the experts, the other ranks' routes
     skipped as id -1, its share of the shared expert's output), summed over the ranks as the all-reduce would, is
     the whole layer's output; all three paths (grouped, per-slot GEMV, all experts)."""
-    g = torch.Generator().manual_seed(T * 100 + k * 10 + E + world)
-    D, inter = 24, 10
-    x = torch.randn(T, D, generator=g)
-    gate_up, down = torch.randn(E, 2 * inter, D, generator=g), torch.randn(E, D, inter, generator=g)
-    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
-    weights = torch.rand(T, k, generator=g)
-    shared = torch.randn(T, D, generator=g)
+    x, gate_up, down, idx, weights, shared = _layer(T * 100 + k * 10 + E + world, T, k, E)
+    D = x.shape[1]
     total = torch.zeros(T, D, dtype=torch.float64)
     n = E // world
     for rank in range(world):
