@@ -13,7 +13,9 @@ from dsv4.bench.chat import add_cli_args as add_bench_chat_args
 from dsv4.bench.latency import add_cli_args as add_bench_latency_args
 from dsv4.bench.serve import add_cli_args as add_bench_serve_args
 from dsv4.bench.throughput import add_cli_args as add_bench_throughput_args
+from dsv4.config import LOAD_FORMATS
 from dsv4.models.config import ConfigError
+from dsv4.quant.config import QUANTIZATION_CHOICES
 from dsv4.sampling_params import SamplingParams, SamplingParamsError
 
 DEFAULT_PROMPT = "The quick brown fox"
@@ -78,7 +80,14 @@ def _build_parser() -> argparse.ArgumentParser:
     mk = sub.add_parser("make-model", help="write a random-weight checkpoint of a preset")
     mk.add_argument("--preset", default="tiny-v4",
                     help="tiny-v4 (default), tiny-v41 (engram on), tiny-v41-noengram; GPU-sized bf16: v4-flash-4l, "
-                         "v41-flash-8l (engram on), v41-flash-8l-noengram")
+                         "v41-flash-8l (engram on), v41-flash-8l-noengram; full released size, --config-only: "
+                         "v4-flash, v41-flash")
+    mk.add_argument("--quant", choices=["none", "released", "released-fp8-experts"], default="none",
+                    help="none (default): float weights, HF names; released: the release's layout (original names, "
+                         "FP8 block-scaled linears, MXFP4 experts, UE8M0 scales: 128x128 for V4, 32x32 for V4.1); "
+                         "released-fp8-experts: the V4 Base layout (FP8 experts, float32 scales)")
+    mk.add_argument("--config-only", action="store_true",
+                    help="write config.json, tokenizer and generation_config only (run with --load-format dummy)")
     mk.add_argument("--out", required=True, help="output directory")
     mk.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
     mk.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the preset's, float32 for tiny-*)")
@@ -92,13 +101,16 @@ def _make_model(args: argparse.Namespace) -> None:
     from dsv4.models.presets import preset_dtype
 
     dtype = args.dtype or preset_dtype(args.preset)
-    out = make_model(args.preset, args.out, seed=args.seed, dtype=dtype, device=args.device)
-    print(f"wrote {args.preset} (seed {args.seed}, {dtype}) to {out}")
+    out = make_model(args.preset, args.out, seed=args.seed, dtype=dtype, device=args.device, quant=args.quant,
+                     config_only=args.config_only)
+    what = "config of " if args.config_only else ""
+    quant = "" if args.quant == "none" else f", {args.quant} layout"
+    print(f"wrote {what}{args.preset} (seed {args.seed}, {dtype}{quant}) to {out}")
 
 
 _GPU_ARGS = ("enforce_eager", "gpu_memory_utilization", "encoder_cudagraphs", "compile_decode", "async_scheduling",
              "enable_prefix_caching", "swa_bounded_replay", "decode_backend", "tensor_parallel_size",
-             "expert_parallel")
+             "expert_parallel", "quantization", "load_format")
 
 
 def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
@@ -117,6 +129,12 @@ def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
                         help="after a prefix hit, rebuild the sliding-window KV from the hit's last window only "
                              "(default on: fast, approximate); --no-swa-bounded-replay replays n_layers*(W-1) "
                              "tokens and matches a cold prefill")
+    parser.add_argument("--quantization", "-q", choices=list(QUANTIZATION_CHOICES),
+                        help="auto (default): keep the checkpoint's FP8 / MXFP4 weights as stored; none: dequantize "
+                             "them at load (the reference path; 2-4x the memory)")
+    parser.add_argument("--load-format", choices=list(LOAD_FORMATS),
+                        help="dummy: random weights of the checkpoint's layout, no weight files (config.json and "
+                             "tokenizer only): for measuring full-size shapes (default auto)")
     parser.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     parser.add_argument("--gpu-memory-utilization", type=float,
                         help="share of the GPU for weights, activations and the KV cache (default 0.9)")

@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 from dsv4.distributed import ParallelConfig
 from dsv4.models.config import ConfigError, ModelConfig
+from dsv4.quant.config import QuantConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 DECODE_BACKENDS = ("default", "latency_specialized")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,11 @@ class EngineConfig:
     decode_backend: str = "default"
     # several processes (dsv4.distributed): tensor_parallel_size ranks, the routed experts split over them
     parallel: ParallelConfig = ParallelConfig()
+    # the checkpoint's FP8 / MXFP4 format, kept in memory as stored (dsv4.quant); None: every weight in `dtype`
+    # (FP8 / FP4 tensors dequantized at load). Resolved from the checkpoint and the `quantization` switch.
+    quant: QuantConfig | None = None
+    # "dummy": random weights of the checkpoint's layout, no weight files (vLLM's --load-format dummy)
+    load_format: str = "auto"
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -93,6 +100,8 @@ class EngineConfig:
         if self.decode_backend == "latency_specialized" and self.model.v41 is None:
             raise ConfigError("decode_backend='latency_specialized' needs a DeepSeek-V4.1 checkpoint "
                               f"(this one is {self.model.model_type})")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.scheduler.max_model_len > self.model.max_position_embeddings:

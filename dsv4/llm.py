@@ -27,7 +27,7 @@ class LLM:
                  encoder_cudagraphs: bool = False, compile_decode: bool = False,
                  async_scheduling: bool | None = None, enable_prefix_caching: bool = True,
                  swa_bounded_replay: bool = True, decode_backend: str = "default", tensor_parallel_size: int = 1,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, quantization: str | None = None, load_format: str = "auto") -> None:
         if model is None:
             from dsv4.models.presets import default_model_dir
 
@@ -45,7 +45,8 @@ class LLM:
                                           async_scheduling=async_scheduling,
                                           enable_prefix_caching=enable_prefix_caching,
                                           swa_bounded_replay=swa_bounded_replay, decode_backend=decode_backend,
-                                          tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel)
+                                          tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel,
+                                          quantization=quantization, load_format=load_format)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],

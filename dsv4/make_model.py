@@ -32,8 +32,10 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 
 from dsv4.models.image_processor import IMAGE_PLACEHOLDER
 from dsv4.models.config import parse_config_dict
-from dsv4.models.presets import (LARGE_PRESETS, TOKENIZER_VOCAB_SIZE, VISION_PRESETS, preset_config, preset_dtype,
-                                 tensor_shapes, text_config, vision_tensor_shapes)
+from dsv4.models.presets import (CONFIG_ONLY_PRESETS, LARGE_PRESETS, TOKENIZER_VOCAB_SIZE, VISION_PRESETS,
+                                 preset_config, preset_dtype, tensor_shapes, text_config, vision_tensor_shapes)
+from dsv4.quant.config import QuantConfig
+from dsv4.quant.released import release_quant, released_config, write_released
 from dsv4.models.vision import parse_vision_config
 
 # Bump when anything make_model writes changes, so cached default models are rebuilt.
@@ -360,14 +362,26 @@ def _write_json(path: str, obj: dict) -> None:
 
 
 def make_model(preset: str, out_dir: str, seed: int = 0, dtype: str | None = None, device: str | None = None,
-               overrides: dict[str, Any] | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> str:
+               overrides: dict[str, Any] | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+               quant: str | QuantConfig | None = None, config_only: bool = False) -> str:
     """Write preset `preset` with random weights (seeded) to `out_dir`; return out_dir.
 
     `dtype` defaults to the preset's (`preset_dtype`: bf16 for the large presets). The large presets, or any preset
     given a `device` (e.g. "cuda", which draws much faster), are streamed by `write_random_safetensors`; the tiny
     presets otherwise keep their single-generator draws and single file. `overrides` replace text-config fields
     (a scaled-down variant of a preset). The presets of `VISION_PRESETS` also get the vision encoder's weights
-    and the image placeholder as the tokenizer's last id."""
+    and the image placeholder as the tokenizer's last id.
+
+    `quant` ("none" | "released" | "released-fp8-experts" | a QuantConfig; `dsv4.quant.released.release_quant`):
+    write the released checkpoint layout instead (original DeepSeek names, FP8 / MXFP4 weights quantized from the
+    same float draws, `quantization_config` in config.json). `config_only`: config.json, tokenizer and
+    generation_config only (for `--load-format dummy`); the only way to "write" a `CONFIG_ONLY_PRESETS` preset."""
+    if preset in CONFIG_ONLY_PRESETS and not config_only:
+        raise ValueError(f"preset {preset!r} is the full released model (hundreds of GB of weights): its weights are "
+                         f"not written. Write its config with `dsv4 make-model --preset {preset} --out DIR "
+                         f"--config-only` and run it with `--load-format dummy`")
+    if quant not in (None, "none") and preset in VISION_PRESETS:
+        raise ValueError(f"preset {preset!r}: the released layout is written without a vision tower (quant {quant!r})")
     dtype = dtype or preset_dtype(preset)
     config = preset_config(preset, overrides)
     text_config(config)["dtype"] = dtype  # V4.1 parses the dtype from text_config, as HF writes it
@@ -379,12 +393,20 @@ def make_model(preset: str, out_dir: str, seed: int = 0, dtype: str | None = Non
         raise ValueError(f"preset {preset!r}: a vision preset needs a vision_config and image_token_id = "
                          f"vocab_size - 1 (the tokenizer's placeholder id), got {cfg.v41.image_token_id}")
 
+    qcfg = release_quant(quant, cfg)
     os.makedirs(out_dir, exist_ok=True)
-    _write_json(os.path.join(out_dir, "config.json"), config)
-    if preset in LARGE_PRESETS or device is not None:
+    streamed = preset in LARGE_PRESETS or device is not None
+    if config_only:
+        _write_json(os.path.join(out_dir, "config.json"), config if qcfg is None else released_config(config, qcfg))
+    elif qcfg is not None:
+        write_released(config, out_dir, qcfg, seed=seed, dtype=dtype, device=device, stream=streamed,
+                       max_shard_bytes=max_shard_bytes)
+    elif streamed:
+        _write_json(os.path.join(out_dir, "config.json"), config)
         write_random_safetensors(config, out_dir, seed=seed, dtype=dtype, device=device or "cpu",
                                  max_shard_bytes=max_shard_bytes, vision=vision)
     else:
+        _write_json(os.path.join(out_dir, "config.json"), config)
         tensors = random_weights(config, seed=seed, dtype=dtype, vision=vision)
         save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     write_tokenizer_files(out_dir, cfg.max_position_embeddings, cfg.vocab_size, image_token=vision)

@@ -14,11 +14,13 @@ import torch
 from safetensors import safe_open
 
 from dsv4 import LLM, SamplingParams
-from dsv4.bench.latency import decode_floor, decode_floor_bytes, expected_distinct_experts, mean_decode_floor
+from dsv4.bench.latency import (decode_floor, decode_floor_bytes, expected_distinct_experts, floor_quantization,
+                                mean_decode_floor)
 from dsv4.cli import main
 from dsv4.make_model import make_model, synthetic_tokenizer
 from dsv4.models.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig, load_model_config, parse_config_dict
 from dsv4.models.engram import EngramLayout, build_compressed_token_map
+from dsv4.quant.released import V4_BASE_RELEASE, V4_RELEASE, V41_RELEASE
 from dsv4.models.presets import (LARGE_PRESETS, checkpoint_size, preset_config, preset_dtype, tensor_shapes,
                                  v4_tensor_shapes, v41_tensor_shapes)
 
@@ -117,6 +119,56 @@ def test_floor_v4_flash_batch1_is_the_issue_figure() -> None:
     floor = mean_decode_floor(cfg, 1, 512, 128, "bfloat16")
     assert 3.3e9 < floor.total < 3.45e9
     assert floor.expert_bytes == pytest.approx(4 * 6 * 3 * 2048 * 4096 * 2)  # 6 experts in each of 4 layers
+
+
+def test_floor_with_quant_tiny_by_hand() -> None:
+    # The release layout (dsv4.quant.released): FP8 dense linears (1 B per value + one scale per block), MXFP4
+    # experts (0.5 B per value + 1 B per 32), FP8 engram rows (+1 B per 32); everything else as in the bf16 floor.
+    batch, ctx = 3, 40
+    distinct = expected_distinct_experts(8, 2, batch)
+    # tiny-v4, 128x128 UE8M0 blocks (every tiny matrix is one block): per layer q_a [32,64], q_b [128,32], kv [32,64],
+    # o_a [32,64], o_b [64,32], shared gate/up [32,64] + down [64,32] = 18432 values, 8 blocks; CSA layers 1 and 3:
+    # indexer q_b [32,32]. An expert: w1, w3 [32,64] and w2 [64,32] = 3 x (1024 + 64) bytes in MXFP4.
+    cfg = _preset_cfg("tiny-v4")
+    bf16 = decode_floor(cfg, batch, ctx, "bfloat16")
+    q = decode_floor(cfg, batch, ctx, "bfloat16", quant=V4_RELEASE)
+    assert q.weight_bytes == bf16.weight_bytes - 4 * (2 * 18432 - (18432 + 8)) - 2 * (2 * 1024 - (1024 + 1))
+    assert q.expert_bytes == pytest.approx(4 * distinct * 3 * (1024 + 64))
+    assert q.kv_bytes == bf16.kv_bytes
+    # the Base format: float32 scales, FP8 experts (w1, w3 and w2 are one 4-byte-scaled block each)
+    base = decode_floor(cfg, batch, ctx, "bfloat16", quant=V4_BASE_RELEASE)
+    assert base.weight_bytes == bf16.weight_bytes - 4 * (2 * 18432 - (18432 + 8 * 4)) - 2 * (2 * 1024 - (1024 + 4))
+    assert base.expert_bytes == pytest.approx(4 * distinct * 3 * (2048 + 4))
+    # tiny-v41, 32x32 UE8M0 blocks: per layer wq_a [32,64] (2 blocks), wq_b [256,32] (8), wkv [64,64] (4),
+    # wo_a [32,128] (4), wo_b [64,32] (2), shared w1/w3 [32,64] + w2 [64,32] (2 each) = 26624 values, 26 blocks;
+    # index sources 1, 3, 5: indexer wq_b [64,32] (2); engram layer 1: wkv [320,128] (40), and the batch's
+    # 3 x 2 n-gram sizes x 2 heads rows of the table at 32 + 1 bytes instead of 32 bf16 values.
+    cfg = _preset_cfg("tiny-v41")
+    bf16 = decode_floor(cfg, batch, ctx, "bfloat16")
+    q = decode_floor(cfg, batch, ctx, "bfloat16", quant=V41_RELEASE)
+    assert q.weight_bytes == (bf16.weight_bytes - 6 * (2 * 26624 - (26624 + 26)) - 3 * (2 * 2048 - (2048 + 2))
+                              - (2 * 40960 - (40960 + 40)) - 12 * (2 * 32 - (32 + 1)))
+    assert q.expert_bytes == pytest.approx(6 * distinct * 3 * (1024 + 64))
+    assert mean_decode_floor(cfg, batch, 20, 4, "bfloat16", quant=V41_RELEASE) != \
+        mean_decode_floor(cfg, batch, 20, 4, "bfloat16")
+
+
+def test_floor_v4_flash_batch1_bf16_over_release() -> None:
+    """V4-Flash at batch 1 (ctx 1024): the routed experts read 64/17 = 3.76x fewer bytes in MXFP4 (17/32 B per value
+    vs 2), the dense linears 2 / (1 + 2^-14) fewer in FP8 (every dim a multiple of 128), the rest (lm_head 1.06 GB,
+    compressors, indexer weights_proj, router, norms, mHC) and the KV are unchanged. By these counts the whole step
+    reads 26.62 / 11.23 GB = 2.37x fewer bytes with the release's weights than with bf16 ones."""
+    cfg = _preset_cfg("v4-flash")
+    bf16 = decode_floor(cfg, 1, 1024, "bfloat16")
+    q = decode_floor(cfg, 1, 1024, "bfloat16", quant=V4_RELEASE)
+    experts = 43 * 6 * 3 * 2048 * 4096  # values read: 6 experts per layer
+    assert bf16.expert_bytes == pytest.approx(2 * experts) and q.expert_bytes == pytest.approx(experts * 17 / 32)
+    D, ql, H, hd, G, ol, I = 4096, 1024, 64, 512, 8, 1024, 2048
+    per_layer = ql * D + H * hd * ql + hd * D + G * ol * (H * hd // G) + D * G * ol + 3 * I * D
+    dense = 43 * per_layer + 21 * (64 * 128 * ql)  # + the indexer query projection of the 21 CSA layers
+    assert q.weight_bytes == bf16.weight_bytes - 2 * dense + dense * (1 + 2 ** -14)
+    assert q.kv_bytes == bf16.kv_bytes
+    assert bf16.total / q.total == pytest.approx(2.3707, abs=1e-4)
 
 
 @pytest.mark.parametrize("preset,world", [("v4-flash-4l", 2), ("v41-flash-8l", 2), ("v41-flash-8l", 4),
@@ -302,7 +354,8 @@ LATENCY_FIELDS = {"benchmark", "model", "model_type", "date", "device", "device_
                   "num_iters_warmup", "enforce_eager", "engine_kwargs", "ignored_engine_kwargs", "decode_step_s",
                   "decode_steps", "decode_step_times_s", "decode_tokens_per_s", "prefill_s", "e2e_s", "floor_bytes",
                   "floor", "copy_bytes", "copy_bandwidth_Bps", "floor_time_s", "fraction_of_floor", "achieved_Bps",
-                  "hf", "decode_host_launch_s", "decode_metadata_host_s", "decode_backend", "tensor_parallel_size"}
+                  "hf", "decode_host_launch_s", "decode_metadata_host_s", "decode_backend", "tensor_parallel_size",
+                  "quantization", "load_format", "model_load_s", "weight_bytes_on_device", "max_memory_allocated"}
 
 
 @pytest.mark.parametrize("which", ["tiny-v4", "tiny-v41"])
@@ -331,6 +384,24 @@ def test_bench_latency_end_to_end(which: str, tiny_v4: str, tiny_v41: str, tmp_p
     # host time to launch a decode step, and the metadata build inside it (on the CPU the whole step is host time)
     h, m = res["decode_host_launch_s"], res["decode_metadata_host_s"]
     assert 0 < m["median"] < h["median"] <= res["decode_step_s"]["max"] and res["decode_backend"] == "default"
+
+
+def test_bench_latency_floor_follows_the_quantization(tiny_v4: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    # the floor assumes the weight format the engine runs: the checkpoint's quantization_config unless overridden
+    released = make_model("tiny-v4", str(tmp_path / "rel"), seed=0, quant="released")
+    assert floor_quantization(released) == V4_RELEASE and floor_quantization(released, "none") is None
+    assert floor_quantization(tiny_v4) is None
+    out = tmp_path / "lat.json"
+    argv = ["bench", "latency", "--model", released, "--batch-size", "2", "--input-len", "8", "--output-len", "3",
+            "--num-iters", "1", "--num-iters-warmup", "0", "--device", "cpu", "--copy-bytes", str(1 << 20),
+            "--quantization", "none", "--output-json", str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    res = json.loads(out.read_text())
+    cfg = load_model_config(released)
+    assert res["quantization"] is None and res["engine_kwargs"]["quantization"] == "none"
+    assert res["floor_bytes"] == pytest.approx(mean_decode_floor(cfg, 2, 8, 3, "float32").total)
 
 
 def test_bench_latency_hf_baseline(tiny_v4: str, tiny_v41: str, tmp_path: Path,

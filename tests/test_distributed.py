@@ -28,12 +28,18 @@ def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_model("tiny-v4", str(tmp_path_factory.mktemp("dist") / "tiny-v4"), seed=0)
 
 
-@pytest.mark.parametrize("which,world", [("v4", 2), ("v41", 2), ("v41", 4)])
+@pytest.fixture(scope="module")
+def tiny_v41_released(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """tiny-v41 in the released layout (FP8 32x32 dense, MXFP4 experts), kept as stored by the ranks."""
+    return make_model("tiny-v41", str(tmp_path_factory.mktemp("dist") / "tiny-v41-rel"), seed=0, quant="released")
+
+
+@pytest.mark.parametrize("which,world", [("v4", 2), ("v41", 2), ("v41", 4), ("v41-released", 2)])
 def test_expert_parallel_ranks_give_the_single_process_tokens(which: str, world: int, tiny_v4: str,
-                                                              tmp_path: Path) -> None:
+                                                              tiny_v41_released: str, tmp_path: Path) -> None:
     from dist_worker import run
 
-    model = tiny_v4 if which == "v4" else GOLDEN
+    model = {"v4": tiny_v4, "v41": GOLDEN, "v41-released": tiny_v41_released}[which]
     want = run(equality_spec(model, tmp_path / "ref", 1))  # the single-process engine, in this process
     assert want["preemptions"] > 0  # the pool is small enough to preempt
     runs = launch(equality_spec(model, tmp_path / "ep", world), world)

@@ -288,3 +288,16 @@ def test_cli_make_model_v41(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert all(os.path.isfile(tmp_path / "m" / f) for f in FILES)
     assert {"tiny-v4", *V41_PRESETS} <= set(PRESETS)
     parse_config_dict(preset_config("tiny-v41-noengram"))  # every preset parses on its own
+
+
+def test_quant_none_is_the_float_checkpoint(tiny_dir: str, tmp_path: Path) -> None:
+    # `--quant none` (the default) writes exactly today's float checkpoint; `released` another layout of the model
+    d = make_model("tiny-v4", str(tmp_path / "none"), seed=0, quant="none")
+    for name in FILES:
+        assert _digest(os.path.join(tiny_dir, name)) == _digest(os.path.join(d, name)), name
+    r = make_model("tiny-v4", str(tmp_path / "rel"), seed=0, quant="released")
+    assert _digest(os.path.join(tiny_dir, "tokenizer.json")) == _digest(os.path.join(r, "tokenizer.json"))
+    with safe_open(os.path.join(r, "model.safetensors"), framework="pt") as f:
+        assert "embed.weight" in f.keys() and f.get_slice("layers.0.attn.wq_a.weight").get_dtype() == "F8_E4M3"
+    with pytest.raises(ValueError, match="not one of"):
+        make_model("tiny-v4", str(tmp_path / "bad"), quant="fp8")

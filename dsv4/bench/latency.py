@@ -18,8 +18,10 @@ import contextlib
 import argparse
 import gc
 import inspect
+import json
 import logging
 import math
+import os
 import platform
 import random
 import statistics
@@ -35,6 +37,9 @@ from dsv4.bench import run_and_report
 from dsv4.distributed import split_over_ranks
 from dsv4.models.config import CSA, ModelConfig, load_model_config
 from dsv4.models.presets import tensor_shapes
+from dsv4.config import LOAD_FORMATS
+from dsv4.quant.config import QUANTIZATION_CHOICES, QuantConfig, resolve_quantization
+from dsv4.quant.released import quant_kind, stored_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +110,8 @@ def _kv_rows(cfg: ModelConfig, ctx_len: int) -> tuple[int, int]:
     return rows, index_rows
 
 
-def decode_floor(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | torch.dtype, world: int = 1
-                 ) -> DecodeFloor:
+def decode_floor(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | torch.dtype, world: int = 1,
+                 quant: QuantConfig | None = None) -> DecodeFloor:
     """The bytes a decode step of `batch` requests, each with `ctx_len` tokens of context (the decoded token
     included), must read from device memory, for weights and KV cache in `dtype`; with `world` > 1, what one of
     that many ranks reads (tensor and expert parallelism, `dsv4.distributed`): a tensor the ranks split
@@ -128,6 +133,10 @@ def decode_floor(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | torch.
       their keys (index_head_dim); V4 HCA attends all; V4.1 layers with ratio > 0 attend min(index_topk, entries)
       of their KV source's entries, and index sources scan all keys (a re-index source after the candidate source:
       at most candidate_topk_blocks * candidate_block_size). KV and keys are stored in `dtype`.
+    - `quant` (the engine keeps the checkpoint's low-precision weights, `dsv4.quant`): the tensors the release
+      stores quantized (`dsv4.quant.released.quant_kind`: FP8 dense linears, routed experts, engram tables) count
+      their stored bytes with scales (`stored_nbytes`; engram rows: head_dim FP8 bytes + head_dim/32 scale bytes);
+      every other tensor stays at `dtype` as above. KV unchanged. None: every weight at `dtype`.
     - not counted: activations, the compressor rings (a few rows per step), writes, sampling, host traffic.
     """
     name = _dtype_name(dtype)
@@ -136,7 +145,9 @@ def decode_floor(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | torch.
     weights = experts = 0.0
     for tensor, (shape, dt) in tensor_shapes(cfg, name).items():
         share = 1 / world if split_over_ranks(tensor, cfg, world) else 1.0
-        nbytes = math.prod(shape) * dt.itemsize * share
+        stored = (stored_nbytes(tensor, shape, cfg, quant) if quant is not None and quant_kind(tensor)
+                  else math.prod(shape) * dt.itemsize)
+        nbytes = stored * share
         row = nbytes / shape[0]
         if _is_embedding(tensor) or tensor.endswith("tid2eid"):
             weights += batch * row
@@ -154,15 +165,24 @@ def decode_floor(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | torch.
     return DecodeFloor(weights, experts, kv)
 
 
-def decode_floor_bytes(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | torch.dtype) -> float:
-    """`decode_floor(cfg, batch, ctx_len, dtype).total`: bytes a decode step must read (see `decode_floor`)."""
-    return decode_floor(cfg, batch, ctx_len, dtype).total
+def decode_floor_bytes(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | torch.dtype,
+                       quant: QuantConfig | None = None) -> float:
+    """`decode_floor(cfg, batch, ctx_len, dtype, quant=quant).total`: bytes a decode step must read."""
+    return decode_floor(cfg, batch, ctx_len, dtype, quant=quant).total
 
 
-def mean_decode_floor(cfg: ModelConfig, batch: int, input_len: int, output_len: int, dtype: str, world: int = 1
-                      ) -> DecodeFloor:
+def floor_quantization(model_dir: str, requested: str | None = None) -> QuantConfig | None:
+    """The weight format the engine runs the checkpoint in `model_dir` with, for the floor: its config.json's
+    `quantization_config` (`parse_quant_config`) under the engine's `quantization` switch (`requested`: None/"auto"
+    = what the checkpoint says, "none" = dequantized at load)."""
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        return resolve_quantization(requested, json.load(f))
+
+
+def mean_decode_floor(cfg: ModelConfig, batch: int, input_len: int, output_len: int, dtype: str, world: int = 1,
+                      quant: QuantConfig | None = None) -> DecodeFloor:
     """The floor averaged over the decode steps of a run: decode step j (1 <= j < O) reads a context of I + j."""
-    floors = [decode_floor(cfg, batch, input_len + j, dtype, world) for j in range(1, output_len)]
+    floors = [decode_floor(cfg, batch, input_len + j, dtype, world, quant) for j in range(1, output_len)]
     n = len(floors)
     return DecodeFloor(*(sum(getattr(f, k) for f in floors) / n for k in ("weight_bytes", "expert_bytes", "kv_bytes")))
 
@@ -313,6 +333,11 @@ class StepTime:
     md_host_s: float = 0.0  # of which the decode-metadata build (ModelRunner.last_decode_md_s)
 
 
+def weight_bytes(engine: Any) -> int:
+    """Bytes of the model's parameters and buffers as held (stored FP8 / FP4 bytes and scales when quantized)."""
+    return sum(t.numel() * t.element_size() for t in engine.runner.model.state_dict().values())
+
+
 def build_engine(args: argparse.Namespace, device: str, dtype: str) -> tuple[Any, dict[str, Any]]:
     """LLMEngine.from_args for a batch of `batch_size` prompts of `input_len` + `output_len` tokens; the knobs this
     engine build does not know (enforce_eager, gpu_memory_utilization) are reported, not passed."""
@@ -337,6 +362,10 @@ def build_engine(args: argparse.Namespace, device: str, dtype: str) -> tuple[Any
     if args.tensor_parallel_size > 1:  # under torchrun, one process per GPU
         kwargs.update(tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel)
     knobs, ignored = engine_knobs(LLMEngine.from_args, args.enforce_eager, args.gpu_memory_utilization)
+    if args.quantization is not None:  # the floor assumes the same format (floor_quantization)
+        kwargs["quantization"] = args.quantization
+    if args.load_format != "auto":
+        kwargs["load_format"] = args.load_format
     engine = LLMEngine.from_args(args.model, **kwargs, **knobs)
     resolved = {"async_scheduling": engine.config.scheduler.async_scheduling}  # what the engine chose by default
     return engine, {"engine_kwargs": {**kwargs, **knobs, **resolved}, "ignored_engine_kwargs": ignored}
@@ -457,6 +486,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="bytes per copy for the bandwidth measure (default 2 GiB on CUDA, 256 MiB on the CPU)")
     parser.add_argument("--baseline", choices=["hf"], help="also run transformers' DeepSeek-V4 (V4 checkpoints)")
     parser.add_argument("--seed", type=int, default=0, help="prompt and engine seed (default 0)")
+    parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES,
+                        help="weight format: auto (default: the checkpoint's quantization_config) | none (dequantized "
+                             "at load) | fp8 | deepseek_v4_fp8; sets the floor's weight bytes")
+    parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                        help="dummy: random weights of the checkpoint's layout, no weight files (full-size shapes)")
     parser.add_argument("--output-json", metavar="FILE", help="write every number as JSON")
 
 
@@ -489,6 +523,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         md_times += [s.md_host_s for s in steps if s.decode]
         prefill_times.append(sum(s.seconds for s in steps if not s.decode))  # the batch's prefill step(s)
         e2e.append(sum(s.seconds for s in steps))
+    held = {"model_load_s": engine.model_load_s, "weight_bytes_on_device": weight_bytes(engine),
+            "max_memory_allocated": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     del engine
     gc.collect()
     if device.type == "cuda":
@@ -497,7 +533,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stats = summarize(decode_steps)
     # several GPUs read their shares at the same time: the floor is what one of them reads over its bandwidth
     world = max(1, args.tensor_parallel_size)
-    floor = mean_decode_floor(cfg, b, i, o, dtype, world)
+    # the weight format the engine runs: the checkpoint's, unless --quantization says otherwise
+    quant = floor_quantization(args.model, getattr(args, "quantization", None))
+    floor = mean_decode_floor(cfg, b, i, o, dtype, world, quant)
     copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
     bandwidth = measure_copy_bandwidth(device, copy_bytes)
     floor_time = floor.total / bandwidth
@@ -509,6 +547,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_host_launch_s": summarize(host_times), "decode_metadata_host_s": summarize(md_times),
         "decode_backend": args.decode_backend, "tensor_parallel_size": world,
         "decode_tokens_per_s": b / stats["median"], "prefill_s": summarize(prefill_times), "e2e_s": summarize(e2e),
+        "quantization": None if quant is None else quant.to_json(), "load_format": args.load_format, **held,
         "floor_bytes": floor.total, "floor": {**asdict(floor), "total": floor.total},
         "copy_bytes": copy_bytes, "copy_bandwidth_Bps": bandwidth, "floor_time_s": floor_time,
         "fraction_of_floor": floor_time / stats["median"], "achieved_Bps": floor.total / stats["median"],
@@ -552,6 +591,10 @@ def print_result(res: dict[str, Any]) -> None:
     print(f"{'floor time/step (ms)':24}{_ms(res['floor_time_s'])}")
     print(f"{'fraction of floor':24}{res['fraction_of_floor'] * 100:9.1f} %")
     print(f"{'achieved (GB/s)':24}{res['achieved_Bps'] / 1e9:10.1f}")
+    q = res["quantization"]
+    fmt = "in the model dtype" if q is None else f"FP8 {q['weight_block_size']} + {q['expert_dtype']} experts"
+    print(f"{'weights':24}{res['weight_bytes_on_device'] / 1e9:10.3f} GB  {fmt}, load {res['model_load_s']:.1f} s "
+          f"({res['load_format']})")
     if res["hf"] is not None:
         h = res["hf"]["decode_step_s"]
         print(f"{'HF decode step (ms)':24}{_ms(h['median'])} {_ms(h['mean'])} {_ms(h['p90'])}")

@@ -25,6 +25,7 @@ from dsv4.kv.manager import KVCacheManager
 from dsv4.kv.spec import make_kv_groups, replay_tokens
 from dsv4.models.build import build_model
 from dsv4.models.config import ConfigError, ModelConfig, load_model_config
+from dsv4.quant.config import load_quant_config
 from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
 from dsv4.runtime.kv_cache import kv_cache_bytes
 from dsv4.runtime.runner import ModelRunner, PendingOutput
@@ -110,7 +111,10 @@ class LLMEngine:
         self.parallel = init_parallel(config.parallel, config.device)
         self._channel = (StepChannel(self.parallel) if config.parallel.follow_rank0 and self.parallel.world_size > 1
                          else None)
-        model = build_model(config.model, config.model_dir, dtype, config.device, self.parallel)
+        t0 = time.perf_counter()
+        model = build_model(config.model, config.model_dir, dtype, config.device, self.parallel, config.quant,
+                            config.load_format)
+        self.model_load_s = time.perf_counter() - t0  # checkpoint -> device weights (bench latency reports it)
         num_blocks = config.cache.num_blocks or default_num_blocks(config)
         if config.device.startswith("cuda") and config.cache.num_blocks is None:
             num_blocks = self._size_kv_pool(model, dtype)
@@ -173,9 +177,12 @@ class LLMEngine:
                   enable_prefix_caching: bool = True, swa_bounded_replay: bool = True,
                   decode_backend: str = "default", tensor_parallel_size: int = 1,
                   expert_parallel: bool = False, parallel_init_timeout_s: float = 300.0,
-                  follow_rank0: bool = False) -> "LLMEngine":
-        """Build an engine from a checkpoint directory and the usual knobs (async_scheduling None: on for CUDA)."""
+                  follow_rank0: bool = False, quantization: str | None = None,
+                  load_format: str = "auto") -> "LLMEngine":
+        """Build an engine from a checkpoint directory and the usual knobs (async_scheduling None: on for CUDA;
+        quantization None / "auto": the checkpoint's format, "none": dequantize FP8 / FP4 weights at load)."""
         mc = load_model_config(model)
+        quant = load_quant_config(model, quantization)
         max_model_len = max_model_len or min(mc.max_position_embeddings, 4096)
         batched = max_num_batched_tokens or max(2048, max_model_len)
         cfg = EngineConfig(
@@ -190,6 +197,7 @@ class LLMEngine:
             encoder_cudagraphs=encoder_cudagraphs, compile_decode=compile_decode, decode_backend=decode_backend,
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel,
                                     init_timeout_s=parallel_init_timeout_s, follow_rank0=follow_rank0),
+            quant=quant, load_format=load_format,
         )
         tok = Tokenizer.from_dir(model) if load_tokenizer else None
         return cls(cfg, tok)

@@ -5,16 +5,24 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from dsv4.config import LOAD_FORMATS
 from dsv4.distributed import Parallel, shard_attention, shard_experts, shard_vocab
 from dsv4.models.config import ConfigError, ModelConfig
 from dsv4.models.deepseek_v4 import DeepseekV4ForCausalLM
 from dsv4.models.layers.rope import RotaryTable
-from dsv4.models.loader import VISION_MODULE, CheckpointError, load_into_module, param_dtype, route_v41
+from dsv4.models.loader import (DUMMY_FILE, VISION_MODULE, CheckpointError, dummy_infos, load_into_module,
+                                param_dtype, route_v4, route_v41, stored_formats)
 from dsv4.models.vision import vision_param_dtype
+from dsv4.quant.config import QuantConfig
+from dsv4.quant.layers import quantize_model
+
+if TYPE_CHECKING:
+    from dsv4.models.engram import HostTable
 
 # V4.1 keeps the mHC parameters, attention sinks and router biases in fp32 (its norms follow the model dtype), and
 # here also the router and ratio-2 gate weights: the model computes with them in fp32 (model.md 5, 6), so storing
@@ -39,42 +47,65 @@ def _materialize(model: nn.Module, device: torch.device | str, dtype_of) -> nn.M
     return model
 
 
+def checkpoint_layout(cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig | None
+                      ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The tensors of the checkpoint a model of `cfg` loads, without files (load_format "dummy"): the released
+    layout when quantized, else the float layout in the model dtype."""
+    if quant is not None:
+        from dsv4.quant.released import released_layout
+
+        return released_layout(cfg, quant)
+    from dsv4.models.presets import tensor_shapes
+
+    return tensor_shapes(cfg, str(dtype).removeprefix("torch."))
+
+
 def build_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, device: torch.device | str,
-                par: Parallel | None = None) -> nn.Module:
+                par: Parallel | None = None, quant: QuantConfig | None = None, load_format: str = "auto"
+                ) -> nn.Module:
     """Create the module on the meta device, materialize every tensor in its load dtype on `device`, then load
     the checkpoint (all tensors must be present). V4.1 also binds the engram token map and host tables. With
-    expert parallelism (`par` of several ranks) the module holds, and the load reads, this rank's experts only."""
+    expert parallelism (`par` of several ranks) the module holds, and the load reads, this rank's experts only.
+    `quant` (the checkpoint's QuantConfig, or None): the weights the checkpoint stores in FP8 / MXFP4 stay so, in
+    quantized layers (`dsv4.quant.layers`); None dequantizes them at load. `load_format` "dummy": no weight files,
+    random weights of the checkpoint's layout drawn on `device` (config.json and tokenizer only)."""
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     par = par or Parallel()
-    if cfg.v41 is None:
-        with torch.device("meta"):
-            model = DeepseekV4ForCausalLM(cfg)
-        shard, spans = shard_experts(model, par)
-        spans |= {**shard_vocab(model, par), **shard_attention(model, par)}
-        model = _materialize(model, device, lambda n: param_dtype(n, dtype))
-        if model_dir is not None:
-            load_into_module(model, model_dir, experts=shard and (shard.first, shard.count), spans=spans)
-        return model.eval()
-
-    from dsv4.models.deepseek_v41 import DeepseekV41ForCausalLM
-
+    v41 = cfg.v41 is not None
+    if v41:
+        from dsv4.models.deepseek_v41 import DeepseekV41ForCausalLM as model_cls
+    else:
+        model_cls = DeepseekV4ForCausalLM
     with torch.device("meta"):
-        model = DeepseekV41ForCausalLM(cfg)
+        model = model_cls(cfg)
     shard, spans = shard_experts(model, par)
     spans |= {**shard_vocab(model, par), **shard_attention(model, par)}
-    model = _materialize(model, device, lambda n: vision_param_dtype(n, dtype) if n.startswith(f"{VISION_MODULE}.")
-                         else v41_param_dtype(n, dtype))
+    layout = checkpoint_layout(cfg, dtype, quant) if load_format == "dummy" else None
+    route = route_v41 if v41 else route_v4
+    if quant is not None and model_dir is not None:
+        infos = dummy_infos(layout) if layout is not None else None
+        quantize_model(model, stored_formats(model_dir, route, infos), spans)
+    if v41:
+        model = _materialize(model, device, lambda n: vision_param_dtype(n, dtype)
+                             if n.startswith(f"{VISION_MODULE}.") else v41_param_dtype(n, dtype))
+    else:
+        model = _materialize(model, device, lambda n: param_dtype(n, dtype))
     if model_dir is not None:
-        load_into_module(model, model_dir, route_v41, experts=shard and (shard.first, shard.count), spans=spans)
-        if cfg.v41.engram is not None:
-            bind_engram(model, model_dir, torch.device(device), par)
+        load_into_module(model, model_dir, route, experts=shard and (shard.first, shard.count), spans=spans,
+                         dummy_layout=layout, dummy_int_high=cfg.n_routed_experts)
+        if v41 and cfg.v41.engram is not None:
+            bind_engram(model, model_dir, torch.device(device), par, layout)
     return model.eval()
 
 
-def bind_engram(model: nn.Module, model_dir: str, device: torch.device, par: Parallel | None = None) -> None:
+def bind_engram(model: nn.Module, model_dir: str, device: torch.device, par: Parallel | None = None,
+                dummy_layout: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> None:
     """Token map from the checkpoint's tokenizer (its size must equal engram_compressed_vocab_size) and one
     memory-mapped host table per engram layer. On a GPU, tables that fit in a quarter of the free memory move to
     the device (gathers then need no host round trip and decode steps can be captured in CUDA graphs); the
-    released ~98 GB tables stay in host memory. Several ranks decide together (`par`): all move them or none."""
+    released ~98 GB tables stay in host memory. Several ranks decide together (`par`): all move them or none.
+    `dummy_layout` (load_format "dummy"): random tables of the layout's shapes and dtypes, drawn on `device`."""
     import tokenizers
 
     from dsv4.models.engram import HostTable, build_compressed_token_map
@@ -89,7 +120,7 @@ def bind_engram(model: nn.Module, model_dir: str, device: torch.device, par: Par
                           f"the config says {eng.compressed_vocab_size}; refusing to run with a mismatched engram")
     if len(token_map) < model.cfg.vocab_size:
         raise ConfigError(f"the tokenizer covers {len(token_map)} ids but vocab_size is {model.cfg.vocab_size}")
-    files = _tensor_files(model_dir)
+    files = _tensor_files(model_dir) if dummy_layout is None else dict.fromkeys(dummy_layout, DUMMY_FILE)
     tables = {}
     layout = model.engram_layout
     for layer in eng.layer_ids:
@@ -99,7 +130,10 @@ def bind_engram(model: nn.Module, model_dir: str, device: torch.device, par: Par
             raise CheckpointError(f"missing engram table of layer {layer} (layers.{layer}.engram.embed.weight)")
         key, path = w
         scale = _find(files, [key.replace("embed.weight", "embed.scale"), key.replace(".weight", ".weight_scale_inv")])
-        table = HostTable.from_safetensors(path, key, scale[0] if scale else None, scale[1] if scale else None)
+        if dummy_layout is not None:
+            table = _dummy_table(dummy_layout, key, scale[0] if scale else None, device)
+        else:
+            table = HostTable.from_safetensors(path, key, scale[0] if scale else None, scale[1] if scale else None)
         if table.num_rows < layout.rows[layer]:
             raise CheckpointError(f"engram table of layer {layer} has {table.num_rows} rows; the hash layout "
                                   f"needs {layout.rows[layer]}")
@@ -112,6 +146,21 @@ def bind_engram(model: nn.Module, model_dir: str, device: torch.device, par: Par
         if (par or Parallel()).min_(int(fits), device):
             tables = {layer: t.to_device(device) for layer, t in tables.items()}
     model.bind_engram(torch.from_numpy(token_map).long(), tables)
+
+
+def _dummy_table(layout: dict[str, tuple[tuple[int, ...], torch.dtype]], key: str, scale_key: str | None,
+                 device: torch.device) -> HostTable:
+    """A random engram table of the layout's shape and dtype on `device` (FP8 codes with UE8M0 scales near 1 when
+    the layout stores it so; float tables in +-1)."""
+    from dsv4.models.engram import HostTable
+
+    shape, dt = layout[key]
+    gen = torch.Generator(device=device).manual_seed(1)
+    values = torch.empty(shape, device=device).uniform_(-1.0, 1.0, generator=gen)
+    if dt != torch.float8_e4m3fn:
+        return HostTable(values.to(dt))
+    scale = torch.randint(124, 128, layout[scale_key][0], dtype=torch.uint8, device=device, generator=gen)
+    return HostTable((values * 64).to(dt), scale)
 
 
 def _tensor_files(model_dir: str) -> dict[str, str]:

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dsv4.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
-from dsv4.models.layers.attention import grouped_projection, write_slots
+from dsv4.models.layers.attention import project_groups, write_slots
 from dsv4.models.layers.mhc import HyperConnection, HyperHead, collapse, expand
 from dsv4.models.layers.moe import MoE
 from dsv4.models.layers.norm import RMSNorm, unweighted_rms_norm
@@ -266,7 +266,7 @@ class Attention(nn.Module):
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         """The grouped output projection; under tensor parallelism (`tp`) this rank's groups, summed over ranks."""
-        y = self.o_b_proj(grouped_projection(out, self.o_a_proj.weight, self.o_groups))
+        y = self.o_b_proj(project_groups(out, self.o_a_proj, self.o_groups))
         return y if self.tp is None else self.tp.all_reduce_(y)
 
     def _attend_rows(self, q: torch.Tensor, qi: torch.Tensor | None, iw: torch.Tensor | None,

@@ -20,10 +20,10 @@ from torch import nn
 from dsv4.kv.spec import PAD_SLOT
 from dsv4.models.config import ModelConfig
 from dsv4.models.engram import Engram, EngramLayout, HostTable, engram_hash
-from dsv4.models.layers.attention import grouped_projection, write_slots
+from dsv4.models.layers.attention import project_groups, write_slots
 from dsv4.models.layers.mhc import hc_mixes
 from dsv4.models.layers.norm import rms_norm_v41_torch
-from dsv4.models.layers.moe import moe_output
+from dsv4.models.layers.moe import Experts, moe_output
 from dsv4.models.layers.rope import RotaryTable
 from dsv4.models.vision import VisionEncoder
 from dsv4.ops.decode_attention import decode_sink_attention
@@ -367,7 +367,7 @@ class AttentionV41(nn.Module):
     def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The attention output back to the hidden size: inverse rope (keys are roped values), grouped wo_a, wo_b."""
         out = apply_rope(out, cos, sin, inverse=True)
-        y = self.wo_b(grouped_projection(out, self.wo_a.weight, self.o_groups))
+        y = self.wo_b(project_groups(out, self.wo_a, self.o_groups))
         return y if self.tp is None else self.tp.all_reduce_(y)  # tensor parallelism: this rank's groups only
 
     def _attend_rows(self, q: torch.Tensor, qi: torch.Tensor | None, iw: torch.Tensor | None,
@@ -442,9 +442,7 @@ class MoEV41(nn.Module):
         self.gate.weight = nn.Parameter(torch.zeros(E, D))
         self.gate.bias = nn.Parameter(torch.zeros(E, dtype=torch.float32))
         self.gate.bias_vl = nn.Parameter(torch.zeros(E, dtype=torch.float32))
-        self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.zeros(E, 2 * I, D))
-        self.experts.down_proj = nn.Parameter(torch.zeros(E, D, I))
+        self.experts = Experts(E, D, I, cfg.swiglu_limit)
         self.shared_experts = nn.Module()
         self.shared_experts.w1 = nn.Linear(D, I, bias=False)
         self.shared_experts.w2 = nn.Linear(I, D, bias=False)
@@ -460,7 +458,7 @@ class MoEV41(nn.Module):
         weights, idx = self.route(x, is_image)
         se = self.shared_experts
         shared = se.w2(swiglu(se.w1(x), se.w3(x), self.limit, fp32=True))
-        return moe_output(x, weights, idx, self.experts.gate_up_proj, self.experts.down_proj, self.limit,
+        return moe_output(x, weights, idx, self.experts.gate_up, self.experts.down, self.limit,
                           weight_before_down=True, fixed=fixed, shared=shared, ep=self.ep)
 
 

@@ -29,6 +29,7 @@ from tokenizers import Regex, normalizers
 from torch import nn
 
 from dsv4.ops.engram import engram_update
+from dsv4.quant.formats import scale_to_float
 
 _REPLACEMENT = "\ufffd"
 _SENTINEL = "\ue000"  # private-use stand-in that lets a whitespace-only token survive Strip as " "
@@ -258,14 +259,6 @@ def mmap_safetensors_tensor(path: str, name: str) -> torch.Tensor:
     return t.view(torch_dtype) if torch_dtype is not None else t
 
 
-def _e8m0_to_float(e: torch.Tensor) -> torch.Tensor:
-    """uint8 exponents -> fp32 2^(e-127), built from bits (exact everywhere): e=0 is the subnormal 2^-127, 255 NaN."""
-    bits = e.to(torch.int32) << 23
-    bits = torch.where(e == 0, torch.full_like(bits, 0x00400000), bits)
-    bits = torch.where(e == 255, torch.full_like(bits, 0x7FC00000), bits)
-    return bits.view(torch.float32)
-
-
 class HostTable:
     """An Engram table [rows, dim] kept in host memory (usually memory-mapped), gathered row by row.
 
@@ -332,7 +325,7 @@ class HostTable:
             out = rows if dtype is None else rows.to(dtype)
             return out.reshape(*row_ids.shape, self.dim)
         scale = self.scale.index_select(0, flat.to(self.scale.device)).to(device)
-        scale = _e8m0_to_float(scale) if scale.dtype == torch.uint8 else scale.float()
+        scale = scale_to_float(scale)
         block = self.dim // scale.shape[1]
         val = rows.float().reshape(-1, scale.shape[1], block) * scale[..., None]
         return val.to(dtype or torch.bfloat16).reshape(*row_ids.shape, self.dim)
@@ -359,5 +352,5 @@ class Engram(nn.Module):
     def forward(self, h: torch.Tensor, rows: torch.Tensor, gate_mask: torch.Tensor | None = None) -> torch.Tensor:
         """h [T, hc, D] hc streams; rows [T, cols, head_dim] gathered table rows; gate_mask [T] bool, True = gate 0
         (image-span tokens). Returns the updated streams in h's dtype."""
-        kv = self.wkv(rows.reshape(h.shape[0], -1).to(self.wkv.weight.dtype))
+        kv = self.wkv(rows.reshape(h.shape[0], -1).to(h.dtype))  # (wkv's weight may be FP8: h's dtype is the model's)
         return engram_update(h, kv, self.q_weight, self.k_weight, self.eps, gate_mask)

@@ -25,7 +25,6 @@ import contextlib
 import glob
 import json
 import logging
-import math
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
@@ -35,11 +34,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from dsv4.quant.formats import MX_BLOCK, block_size_for, dequantize, unpack_fp4  # noqa: F401  (re-exported)
+from dsv4.quant.weight import StoredFormat
+
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-DEFAULT_BLOCK = 128
 _MAX_LISTED = 100  # per error category in the message; the exception attributes keep everything
 
 Shape = tuple[int, ...]
@@ -191,7 +192,7 @@ def _split_layer(bare: str, top: dict[str, str], experts: str) -> _Route | tuple
     return prefix, rest
 
 
-def _route(key: str) -> _Route | None:
+def route_v4(key: str) -> _Route | None:
     """Internal name of a (weight, not scale) checkpoint key; None for ignored (`mtp.*`) keys. Unknown keys come
     back unchanged (with the `model.` prefix) so that they are reported as unexpected."""
     bare = key[len("model."):] if key.startswith("model.") else key
@@ -291,21 +292,25 @@ def route_v41_text(key: str) -> _Route | None:
 
 
 def has_vision_weights(model_dir: str) -> bool:
-    """Whether the checkpoint in `model_dir` holds vision-encoder tensors (reads the headers only)."""
+    """Whether the checkpoint in `model_dir` holds vision-encoder tensors (reads the headers only). A directory
+    with no weight files (config and tokenizer for load_format "dummy") has none: its model is text-only."""
+    if not glob.glob(os.path.join(model_dir, "*.safetensors")) and not os.path.isfile(
+            os.path.join(model_dir, INDEX_FILE)):
+        return False
     return any(is_vision_key(k) for k in _scan(model_dir))
 
 
 def canonical_name(key: str) -> str | None:
     """Internal (HF) name for a checkpoint key in any accepted spelling; per-expert keys give the packed name
     (`...mlp.experts.gate_up_proj` / `down_proj`). None for ignored keys (`mtp.*`)."""
-    r = _route(key)
+    r = route_v4(key)
     return None if r is None else r.name
 
 
 # ---- quantization ----------------------------------------------------------------------------------------------
 _FLOAT8 = {"F8_E4M3", "F8_E5M2"}
 _PACKED_FP4 = {"I8", "U8"}  # two e2m1 values per byte, low nibble first (as transformers' Fp8Dequantize)
-_FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+SCALE_SUFFIX = "_scale"  # a quantized layer's scale buffer: `X.weight` -> `X.weight_scale` (dsv4.quant.layers)
 
 
 def _scale_target(key: str) -> str:
@@ -318,54 +323,6 @@ def _scale_target(key: str) -> str:
     if key.endswith("_scale_inv"):
         return key[: -len("_scale_inv")]
     return ""
-
-
-def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    """Packed e2m1 (two values per byte, low nibble = even column) -> float32, last dim doubled."""
-    lut = torch.tensor(_FP4_E2M1, dtype=torch.float32, device=packed.device)
-    u8 = packed.contiguous().view(torch.uint8)
-    pairs = torch.stack([lut[(u8 & 0xF).long()], lut[(u8 >> 4).long()]], dim=-1)
-    return pairs.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
-
-
-def _scale_to_float(scale: torch.Tensor) -> torch.Tensor:
-    # Raw uint8 scales are UE8M0 exponents (2 ** (byte - 127)); float8_e8m0fnu converts by itself.
-    if scale.dtype == torch.uint8:
-        return (scale.float() - 127.0).exp2()
-    return scale.float()
-
-
-def block_size_for(shape: Shape, scale_shape: Shape, hint: tuple[int, int] | None = None) -> tuple[int, int]:
-    """Block (rows, cols) of a block-scaled weight of logical `shape` [..., R, C] with scales [..., ceil(R/br),
-    ceil(C/bc)]: the config's block (`hint`) if it fits both dims, else 128x128 if it does, else the smallest
-    block per dim that gives the scale count (exact whenever the dim is a multiple of its block). Raises
-    ValueError when nothing fits."""
-    if len(scale_shape) != len(shape) or len(shape) < 2 or tuple(scale_shape[:-2]) != tuple(shape[:-2]):
-        raise ValueError(f"scale shape {list(scale_shape)} does not fit weight shape {list(shape)}")
-    (rows, cols), (srows, scols) = shape[-2:], scale_shape[-2:]
-
-    def fits(br: int, bc: int) -> bool:
-        return br > 0 and bc > 0 and math.ceil(rows / br) == srows and math.ceil(cols / bc) == scols
-
-    # Try whole pairs first: a hint that happens to fit one dim says nothing when the other dim disagrees.
-    for block in (hint, (DEFAULT_BLOCK, DEFAULT_BLOCK)):
-        if block and fits(*block):
-            return block
-    derived = (math.ceil(rows / srows) if srows else 0, math.ceil(cols / scols) if scols else 0)
-    if fits(*derived):
-        return derived
-    raise ValueError(f"no block size maps weight shape {list(shape)} onto scale shape {list(scale_shape)}")
-
-
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, block_size: tuple[int, int] | None = None) -> torch.Tensor:
-    """Block-scaled FP8 (float8 weight) or packed FP4 (int8/uint8 weight) -> float32:
-    `w[..., i, j] * scale[..., i // br, j // bc]`. `block_size` is derived from the shapes when not given."""
-    w = unpack_fp4(weight) if weight.dtype in (torch.int8, torch.uint8) else weight.float()
-    s = _scale_to_float(scale)
-    br, bc = block_size or block_size_for(tuple(w.shape), tuple(s.shape))
-    rows, cols = w.shape[-2:]
-    s = s.repeat_interleave(br, dim=-2)[..., :rows, :].repeat_interleave(bc, dim=-1)[..., :cols]
-    return w * s
 
 
 # ---- checkpoint files ------------------------------------------------------------------------------------------
@@ -446,11 +403,12 @@ class _Source:
     scale: _Info | None = None
     scale_key: str | None = None
     span: tuple[int, int, int] | None = None  # only [a, b) along dim d, (d, a, b)
+    raw: bool = False  # read as stored (a quantized layer keeps the bytes), not dequantized
 
     @property
     def full_shape(self) -> Shape:
-        # Packed FP4 holds two values per byte along the last dim.
-        if self.scale is not None and self.info.dtype in _PACKED_FP4:
+        # Packed FP4 holds two values per byte along the last dim (as stored, when raw).
+        if self.scale is not None and self.info.dtype in _PACKED_FP4 and not self.raw:
             return (*self.info.shape[:-1], 2 * self.info.shape[-1])
         return self.info.shape
 
@@ -483,8 +441,42 @@ def _fmt(shape: Shape) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
-def _make_plan(model_dir: str, expected: Expected, route_fn: Callable[[str], _Route | None] = _route) -> _Plan:
-    infos = _scan(model_dir)
+def _scale_source(src: _Source, hint: tuple[int, int] | None, other: list[str], stacked: bool) -> _Source | None:
+    """The scale of a weight read as stored, as a source of its own (the quantized layer's `_scale` buffer): its
+    span is the weight's cut in blocks, so a cut must fall on a block boundary. `stacked`: the piece is stacked
+    on another along its rows (w1 over w3), which keeps one scale grid only if its rows fill whole blocks."""
+    logical = replace(src, raw=False, span=None).full_shape
+    try:
+        block = block_size_for(logical, src.scale.shape, hint)
+    except ValueError as e:
+        other.append(f"{src.key} (scale {src.scale_key}): {e}")
+        return None
+    if stacked and logical[-2] % block[0]:
+        other.append(f"{src.key}: {logical[-2]} rows are not a multiple of its scale block {block}; stacked with "
+                     f"its sibling (w1 over w3) the blocks would straddle both")
+        return None
+    span = None
+    if src.span is not None:
+        d, a, b = src.span
+        if d == len(logical) - 1 and src.info.dtype in _PACKED_FP4:
+            other.append(f"{src.key}: a packed FP4 weight cannot be cut along its packed dim")
+            return None
+        per = block[d - len(logical) + 2] if d >= len(logical) - 2 else 1
+        if a % per:
+            other.append(f"{src.key}: the cut [{a}, {b}) along dim {d} does not start on a scale block ({per})")
+            return None
+        span = (d, a // per, -(-b // per))
+    return _Source(src.scale_key, src.scale, span=span, raw=True)
+
+
+def _make_plan(model_dir: str, expected: Expected, route_fn: Callable[[str], _Route | None] = route_v4,
+               infos: dict[str, _Info] | None = None) -> _Plan:
+    """Which checkpoint tensors fill which of `expected`'s names, validated (one CheckpointError listing every
+    problem). A weight whose name + `_scale` is expected is read as stored, its scale into that name (a quantized
+    layer); other quantized weights are dequantized. `infos`: the checkpoint's tensors when not read from the
+    files' headers (dummy weights)."""
+    infos = _scan(model_dir) if infos is None else infos
+    hint = _block_hint(model_dir)
     other: list[str] = []
 
     # Pair scales with their weights. A key like `attn_hc.scale` is an mHC parameter, not a scale: a key only
@@ -507,7 +499,8 @@ def _make_plan(model_dir: str, expected: Expected, route_fn: Callable[[str], _Ro
             n_ignored += 1
             continue
         sk = scale_of.get(k)
-        src = _Source(k, info, infos[sk] if sk else None, sk, route.span)
+        raw = sk is not None and route.name + SCALE_SUFFIX in expected
+        src = _Source(k, info, infos[sk] if sk else None, sk, route.span, raw)
         if route.span is not None:
             d, a, b = route.span
             if len(src.full_shape) <= d or b > src.full_shape[d]:
@@ -517,15 +510,23 @@ def _make_plan(model_dir: str, expected: Expected, route_fn: Callable[[str], _Ro
             other.append(f"{k}: {info.dtype} tensor without a scale (`.weight_scale_inv` or `.scale`)")
         if sk is not None and info.dtype not in _FLOAT8 | _PACKED_FP4:
             other.append(f"{k}: has scale {sk} but is {info.dtype}, not FP8 or packed FP4")
-        t = targets.setdefault(route.name, _Target(route.name))
-        sources_of.setdefault(route.name, []).append(k)
-        if route.expert is None:
-            t.single = src
-        elif (route.expert, route.half) in t.pieces:
-            other.append(f"{route.name}: expert {route.expert} given twice "
-                         f"({t.pieces[(route.expert, route.half)].key} and {k})")
-        else:
-            t.pieces[(route.expert, route.half)] = src
+        if sk is None and route.name + SCALE_SUFFIX in expected:
+            other.append(f"{k}: stored as {info.dtype} without a scale, but the model keeps it quantized")
+        pairs = [(route.name, src)]
+        if raw:
+            scale_src = _scale_source(src, hint, other, stacked=route.expert is not None and
+                                      route.name.endswith("gate_up_proj"))
+            pairs += [(route.name + SCALE_SUFFIX, scale_src)] if scale_src is not None else []
+        for name, one in pairs:
+            t = targets.setdefault(name, _Target(name))
+            sources_of.setdefault(name, []).append(one.key)
+            if route.expert is None:
+                t.single = one
+            elif (route.expert, route.half) in t.pieces:
+                other.append(f"{name}: expert {route.expert} given twice "
+                             f"({t.pieces[(route.expert, route.half)].key} and {one.key})")
+            else:
+                t.pieces[(route.expert, route.half)] = one
     if n_ignored:
         logger.info("not loading %d tensors of %s into the module (mtp.* drafter weights until speculative "
                     "decoding lands; engram tables, which stay memory-mapped; other ranks' experts)", n_ignored,
@@ -539,7 +540,7 @@ def _make_plan(model_dir: str, expected: Expected, route_fn: Callable[[str], _Ro
             t.shape = t.single.shape
             continue
         n_experts = max(e for e, _ in t.pieces) + 1
-        halves = (0, 1) if name.endswith("gate_up_proj") else (0,)
+        halves = (0, 1) if name.endswith(("gate_up_proj", "gate_up_proj" + SCALE_SUFFIX)) else (0,)
         absent = [f"expert {e} {'w1' if h == 0 and len(halves) == 2 else 'w3' if h else 'w2'}"
                   for e in range(n_experts) for h in halves if (e, h) not in t.pieces]
         shapes = {h: {t.pieces[(e, h)].shape for e in range(n_experts) if (e, h) in t.pieces} for h in halves}
@@ -576,7 +577,43 @@ def _make_plan(model_dir: str, expected: Expected, route_fn: Callable[[str], _Ro
             parts.append(section("invalid", other))
         raise CheckpointError(f"checkpoint {model_dir} does not match the model:\n  " + "\n  ".join(parts),
                               missing=missing, unexpected=unexpected, mismatched=mismatched, other=other)
-    return _Plan(targets, _block_hint(model_dir))
+    return _Plan(targets, hint)
+
+
+_SCALE_DTYPES = {"F8_E8M0": torch.uint8, "U8": torch.uint8, "F32": torch.float32}
+
+
+def stored_formats(model_dir: str, route_fn: Callable[[str], _Route | None] = route_v4,
+                   infos: dict[str, _Info] | None = None) -> dict[str, StoredFormat]:
+    """{internal name: StoredFormat} of every weight the checkpoint stores quantized (FP8 or packed FP4 with a
+    scale), from the headers (or `infos`): what `dsv4.quant.layers.quantize_model` builds quantized layers for.
+    Per-expert pieces give their packed name once; pieces stored in different formats are refused."""
+    infos = _scan(model_dir) if infos is None else infos
+    hint = _block_hint(model_dir)
+    out: dict[str, StoredFormat] = {}
+    for k, info in infos.items():
+        sk, w = k, _scale_target(k)
+        if not w or w not in infos or infos[w].dtype not in _FLOAT8 | _PACKED_FP4:
+            continue
+        route = route_fn(w)
+        if route is None:
+            continue
+        winfo, fp4 = infos[w], infos[w].dtype in _PACKED_FP4
+        logical = (*winfo.shape[:-1], 2 * winfo.shape[-1]) if fp4 else winfo.shape
+        if info.dtype not in _SCALE_DTYPES:
+            raise CheckpointError(f"{sk}: scale stored as {info.dtype}; supported: F8_E8M0/U8 (UE8M0) or float")
+        try:
+            block = block_size_for(logical, info.shape, hint)
+        except ValueError as e:
+            raise CheckpointError(f"{w} (scale {sk}): {e}") from None
+        fmt = StoredFormat(fp4, block, _SCALE_DTYPES[info.dtype])
+        if fp4 and block != (1, MX_BLOCK):
+            raise CheckpointError(f"{w}: packed FP4 with scale blocks of {block}; only MXFP4 (1 x {MX_BLOCK}) is "
+                                  f"supported")
+        if out.setdefault(route.name, fmt) != fmt:
+            raise CheckpointError(f"{route.name}: its pieces are stored in different formats "
+                                  f"({out[route.name]} and {fmt}, {w})")
+    return out
 
 
 # ---- reading ---------------------------------------------------------------------------------------------------
@@ -603,6 +640,11 @@ class _Files:
 
 def _read(src: _Source, files: _Files, device: torch.device, dtype: torch.dtype,
           hint: tuple[int, int] | None) -> torch.Tensor:
+    if src.raw:  # the stored bytes, viewed as the layer's dtype (int8 FP4 as uint8, E8M0 scales as uint8)
+        t = files.get(src.info, src.key, src.span).to(device)
+        if t.element_size() != torch.empty(0, dtype=dtype).element_size():
+            raise CheckpointError(f"{src.key}: stored as {src.info.dtype}, which the model cannot keep as {dtype}")
+        return t.view(dtype)
     span = src.span
     if span is not None and src.scale is not None and not (span[0] == 0 and len(src.full_shape) == 3):
         # a quantized 2-D weight sliced across its scale blocks: dequantize the whole (dense attention weights
@@ -633,10 +675,51 @@ def _materialize(t: _Target, files: _Files, device: torch.device, dtype: torch.d
     return out
 
 
+# ---- dummy weights (load_format "dummy") --------------------------------------------------------------------
+DUMMY_FILE = "<dummy>"
+_ST_NAMES = {torch.float8_e4m3fn: "F8_E4M3", torch.int8: "I8", torch.uint8: "U8", torch.bfloat16: "BF16",
+             torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
+if hasattr(torch, "float8_e8m0fnu"):
+    _ST_NAMES[torch.float8_e8m0fnu] = "F8_E8M0"
+_ST_TORCH = {v: k for k, v in _ST_NAMES.items()}
+
+
+def dummy_infos(layout: Mapping[str, tuple[Shape, torch.dtype]]) -> dict[str, _Info]:
+    """A checkpoint's tensors as the loader sees them, from a layout {name: (shape, dtype)} with no files."""
+    return {k: _Info(DUMMY_FILE, tuple(shape), _ST_NAMES[dt]) for k, (shape, dt) in layout.items()}
+
+
+class _DummyFiles:
+    """Stands in for `_Files`: random tensors of each key's stored shape and dtype, drawn on `device` (no host
+    copy of a full-size model): floats uniform in +-0.02 (norms and scales of mHC 1), FP8 codes of that range,
+    UE8M0 scales near 2^0, packed FP4 any byte, integer tables (hash routing) below `int_high`."""
+
+    def __init__(self, device: torch.device, int_high: int, seed: int = 0) -> None:
+        self.device, self.int_high = device, int_high
+        self.gen = torch.Generator(device=device).manual_seed(seed)
+
+    def get(self, info: _Info, key: str, span: tuple[int, int, int] | None = None) -> torch.Tensor:
+        shape = list(info.shape)
+        if span is not None:
+            shape[span[0]] = span[2] - span[1]
+        kw = {"device": self.device, "generator": self.gen}
+        if info.dtype in ("F8_E8M0", "U8") and key.endswith(("scale", "scale_inv")):
+            return torch.randint(120, 128, shape, dtype=torch.uint8, **kw).view(_ST_TORCH[info.dtype])
+        if info.dtype in ("I8", "U8"):
+            return torch.randint(0, 256, shape, dtype=torch.int16, **kw).to(torch.uint8).view(_ST_TORCH[info.dtype])
+        if info.dtype == "I64":
+            return torch.randint(0, self.int_high, shape, dtype=torch.int64, **kw)
+        if "norm" in key or key.endswith("scale"):
+            return torch.ones(shape, device=self.device).to(_ST_TORCH[info.dtype])
+        t = torch.empty(shape, dtype=torch.float32, device=self.device).uniform_(-0.02, 0.02, generator=self.gen)
+        return (t * 4096 if info.dtype == "F8_E4M3" else t).to(_ST_TORCH[info.dtype])
+
+
 def _iterate(plan: _Plan, names: list[str], dtype_of: Callable[[str], torch.dtype],
-             device_of: Callable[[str], torch.device]) -> Iterator[tuple[str, torch.Tensor]]:
+             device_of: Callable[[str], torch.device], dummy: _DummyFiles | None = None
+             ) -> Iterator[tuple[str, torch.Tensor]]:
     with contextlib.ExitStack() as stack:
-        files = _Files(stack)
+        files = dummy or _Files(stack)
         for name in names:
             yield name, _materialize(plan.targets[name], files, device_of(name), dtype_of(name), plan.block_hint)
 
@@ -674,20 +757,30 @@ def expected_from_module(module: nn.Module) -> dict[str, tuple[Shape, torch.dtyp
 
 
 @torch.no_grad()
-def load_into_module(module: nn.Module, model_dir: str, route_fn: Callable[[str], _Route | None] = _route,
+def load_into_module(module: nn.Module, model_dir: str, route_fn: Callable[[str], _Route | None] = route_v4,
                      experts: tuple[int, int] | None = None,
-                     spans: dict[str, tuple[int, int, int]] | None = None) -> None:
+                     spans: dict[str, tuple[int, int, int]] | None = None,
+                     dummy_layout: Mapping[str, tuple[Shape, torch.dtype]] | None = None,
+                     dummy_int_high: int = 1) -> None:
     """Fill `module`'s parameters and persistent buffers in place from the checkpoint, tensor by tensor, each in
     the dtype and on the device it already has (build the module with `param_dtype`). Every state-dict entry must
     be in the checkpoint (V4 never ties `lm_head` to the embedding, so tied weights are not handled).
     `experts` = (first, count): the module holds those routed experts only (expert parallelism): only they are read.
     `spans`: {internal name: (dim, a, b)}: those tensors hold [a, b) along dim only (the vocabulary-parallel
-    embedding and head, the attention heads of a tensor-parallel rank), read by slice."""
+    embedding and head, the attention heads of a tensor-parallel rank), read by slice.
+    `dummy_layout`: no weight files; random tensors of this checkpoint layout {name: (shape, stored dtype)} are
+    drawn on the module's device (load_format "dummy"; integer tables below `dummy_int_high`)."""
     if experts is not None:
         route_fn = expert_shard_route(route_fn, *experts)
     if spans:
         route_fn = _span_route(route_fn, spans)
     targets = module.state_dict()
-    plan = _make_plan(model_dir, expected_from_module(module), route_fn)
-    for name, tensor in _iterate(plan, list(targets), lambda n: targets[n].dtype, lambda n: targets[n].device):
+    infos = dummy_infos(dummy_layout) if dummy_layout is not None else None
+    plan = _make_plan(model_dir, expected_from_module(module), route_fn, infos)
+    dummy = None
+    if dummy_layout is not None:
+        device = next(iter(targets.values())).device if targets else torch.device("cpu")
+        dummy = _DummyFiles(device, dummy_int_high)
+    for name, tensor in _iterate(plan, list(targets), lambda n: targets[n].dtype, lambda n: targets[n].device,
+                                 dummy):
         targets[name].copy_(tensor)

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from dsv4.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
-from dsv4.models.config_v41 import IMAGE_TOKEN_ID
+from dsv4.models.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
+from dsv4.models.config_v41 import IMAGE_TOKEN_ID, RELEASED_INDEX_SOURCES, RELEASED_KV_SOURCES, RELEASED_RATIOS
 from dsv4.models.vision import VisionConfig, vision_param_dtype
 
 # Tensors kept in float32 whatever the checkpoint dtype, as DeepSeek ships them and HF keeps them: the mHC
@@ -279,6 +279,41 @@ _V41_FLASH_8L_TEXT: dict[str, Any] = {
     "dspark_noise_token_id": 128799,  # the released id (inside the 129280-id vocabulary)
 }
 
+# ---- config-only presets: the released models at full size --------------------------------------------------------
+# Their checkpoints are hundreds of GB, so make_model refuses to write weights for them; `--config-only` writes
+# config.json + tokenizer for `--load-format dummy`, and the layout/size code (released.py, the decode floor) reads
+# their shapes. Fields the release does not publish keep the cut-down presets' choices (noted per field).
+
+# DeepSeek-V4-Flash (peers_v4.md 1.1, model.md 1.1): _V4_FLASH_4L at the released depth and expert count. The
+# released compress_ratios [0, 0] + [4, 128] * 20 + [4] become layer kinds; the first 3 layers are hash-routed.
+_V4_FLASH: dict[str, Any] = {
+    **_V4_FLASH_4L,
+    "num_hidden_layers": 43,
+    "n_routed_experts": 256,
+    "layer_types": [SLIDING] * 2 + [CSA, HCA] * 20 + [CSA],
+    "mlp_layer_types": [HASH_MOE] * 3 + [MOE] * 40,
+    # released: num_nextn_predict_layers 1 (one MTP layer, `mtp.0.*`); the engine has no MTP, so none is declared
+}
+
+# DeepSeek-V4.1-Flash (peers_v4.md 1.2, model.md 1.2): _V41_FLASH_8L_TEXT with the released 40-layer schedule instead
+# of its 8-layer miniature (ratios 0,0 | 2 x 18 | 1 x 20; KV sources 2, 8, 14, 20; index sources 2, 8, ..., 36;
+# candidate source = the last KV source, 20), 384 experts, engram on layers 1 and 14 with the released prime base
+# 16,000,000 (rows 384,006,168 and 384,016,682, as released). Not published / not modeled, kept from the 8l preset:
+# engram_compressed_vocab_size is our synthetic tokenizer's (released 99092, from DeepSeek's tokenizer; the engine
+# requires the config to match the tokenizer it ships with); num_nextn_predict_layers 0 (released 3 DSpark stages,
+# not modeled; the released compress_ratios list also carries their 3 trailing zeros); gate_temp 1.0 (HF default).
+_V41_FLASH_TEXT: dict[str, Any] = {
+    **_V41_FLASH_8L_TEXT,
+    "num_hidden_layers": 40,
+    "n_routed_experts": 384,
+    "compress_ratios": RELEASED_RATIOS[:40],
+    "kv_source_layer_ids": list(RELEASED_KV_SOURCES),
+    "index_source_layer_ids": list(RELEASED_INDEX_SOURCES),
+    "candidate_source_layer_id": RELEASED_KV_SOURCES[-1],
+    "engram_layer_ids": [1, 14],
+    "engram_vocab_size": 16000000,
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-v4": _TINY_V4,
     "tiny-v41": _composite_v41(_TINY_V41_TEXT),
@@ -290,7 +325,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     "v4-flash-4l": _V4_FLASH_4L,
     "v41-flash-8l": _composite_v41(_V41_FLASH_8L_TEXT),
     "v41-flash-8l-noengram": _composite_v41({**_V41_FLASH_8L_TEXT, "engram_layer_ids": []}),
+    "v4-flash": _V4_FLASH,
+    "v41-flash": _composite_v41(_V41_FLASH_TEXT),
 }
+
+# Presets whose weights are never written (hundreds of GB): make_model refuses them unless asked for the config only.
+CONFIG_ONLY_PRESETS = frozenset({"v4-flash", "v41-flash"})
 
 # Presets written in bf16 by default and streamed tensor by tensor (per-chunk seeded draws, sharded safetensors):
 # they are several GB. The tiny presets keep float32 and their original single-generator draws.
@@ -303,7 +343,7 @@ VISION_PRESETS = frozenset({"tiny-v41-vl"})
 
 def preset_dtype(name: str) -> str:
     """The checkpoint dtype `dsv4 make-model` uses for preset `name` when none is given."""
-    return "bfloat16" if name in LARGE_PRESETS else "float32"
+    return "bfloat16" if name in LARGE_PRESETS | CONFIG_ONLY_PRESETS else "float32"
 
 
 def text_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -431,17 +471,21 @@ def v4_tensor_shapes(cfg: ModelConfig, dtype: str = "float32") -> dict[str, tupl
         shapes[f + "shared_experts.up_proj.weight"] = (I, D)
         shapes[f + "shared_experts.down_proj.weight"] = (D, I)
 
-    def disk_dtype(name: str) -> torch.dtype:
-        if name.endswith("tid2eid"):
-            return torch.int64
-        return torch.float32 if name.endswith(_FP32_SUFFIXES) else wdtype
-
-    return {name: (shape, disk_dtype(name)) for name, shape in shapes.items()}
+    return {name: (shape, disk_dtype(name, wdtype)) for name, shape in shapes.items()}
 
 
 # V4.1 tensors HF-V41 keeps in float32 whatever the save dtype (model.md 11.1); the engram scale is a dummy F32.
 _V41_FP32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
                       "attn.attn_sink", "gate.bias", "gate.bias_vl", "engram.embed.scale")
+
+
+def disk_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The on-disk dtype of tensor `name` (a `tensor_shapes` name, V4 or V4.1) in a checkpoint of float dtype `dtype`:
+    int64 for `tid2eid`, float32 for the precision-critical tensors of either version, else `dtype`. The V4 and V4.1
+    suffix sets do not overlap in meaning (V4 names never end like V4.1's and vice versa), so one rule serves both."""
+    if name.endswith("tid2eid"):
+        return torch.int64
+    return torch.float32 if name.endswith(_FP32_SUFFIXES + _V41_FP32_SUFFIXES) else dtype
 
 
 def v41_tensor_shapes(cfg: ModelConfig, dtype: str = "float32") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -518,8 +562,7 @@ def v41_tensor_shapes(cfg: ModelConfig, dtype: str = "float32") -> dict[str, tup
             shapes[g + "q_weight"] = (N, D)
             shapes[g + "k_weight"] = (N, D)
 
-    return {name: (shape, torch.float32 if name.endswith(_V41_FP32_SUFFIXES) else wdtype)
-            for name, shape in shapes.items()}
+    return {name: (shape, disk_dtype(name, wdtype)) for name, shape in shapes.items()}
 
 
 def vision_tensor_shapes(vcfg: VisionConfig, hidden_size: int, dtype: str = "float32"

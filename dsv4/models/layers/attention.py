@@ -4,6 +4,7 @@ reference of dsv4/ops/decode_attention.py), and the grouped output projection.""
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from dsv4.kv.spec import PAD_SLOT
 
@@ -24,6 +25,14 @@ def grouped_projection(out: torch.Tensor, weight: torch.Tensor, groups: int) -> 
     grouped = out.reshape(T, groups, -1).transpose(0, 1)  # [G, T, H*D/G]
     w = weight.view(groups, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
     return torch.bmm(grouped, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)
+
+
+def project_groups(out: torch.Tensor, proj: nn.Module, groups: int) -> torch.Tensor:
+    """`grouped_projection` through the layer `proj` (an nn.Linear, or a quantized layer computing the same
+    product from its stored weight: `dsv4.quant.layers.Fp8Linear`)."""
+    if isinstance(proj, nn.Linear):
+        return grouped_projection(out, proj.weight, groups)
+    return proj(out.reshape(out.shape[0], -1), groups=groups)
 
 
 def sink_attention_rows(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, sinks: torch.Tensor,

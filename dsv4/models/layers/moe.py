@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.ops.moe import combine_experts, expert_gemv, expert_grouped
+from dsv4.ops.moe_quant import expert_gemv_q, expert_grouped_q
+from dsv4.quant.weight import QuantWeight
 from dsv4.ops.router import score
 from dsv4.ops.swiglu import swiglu
 from dsv4.ops.topk import stable_topk
@@ -67,6 +69,15 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.zeros(n_experts, hidden, inter))
         self.limit = limit
 
+    # the weights as `moe_output` takes them (dsv4.quant.layers.QuantExperts gives QuantWeights under these names)
+    @property
+    def gate_up(self) -> torch.Tensor:
+        return self.gate_up_proj
+
+    @property
+    def down(self) -> torch.Tensor:
+        return self.down_proj
+
 
 class MoE(nn.Module):
     """routed(x) + shared(x)."""
@@ -84,13 +95,13 @@ class MoE(nn.Module):
         """fixed: shapes fixed by the batch and no host sync (captured decode steps), see `moe_output`."""
         weights, idx = self.gate(x, input_ids)
         e = self.experts
-        return moe_output(x, weights, idx, e.gate_up_proj, e.down_proj, e.limit, weight_before_down=False,
+        return moe_output(x, weights, idx, e.gate_up, e.down, e.limit, weight_before_down=False,
                           fixed=fixed, shared=self.shared_experts(x), ep=self.ep)
 
 
-def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-               limit: float, weight_before_down: bool, fixed: bool, shared: torch.Tensor,
-               ep: ExpertShard | None = None) -> torch.Tensor:
+def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor | QuantWeight,
+               down: torch.Tensor | QuantWeight, limit: float, weight_before_down: bool, fixed: bool,
+               shared: torch.Tensor, ep: ExpertShard | None = None) -> torch.Tensor:
     """The MoE layer's output [T, D] in x's dtype: the routed experts as per-(token, slot) rows, summed over the
     slots with the shared expert's output `shared` [T, D] (`combine_experts` gives the numerics).
 
@@ -100,6 +111,8 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
     hit); otherwise every expert runs on every token and the routing weights mask the sum (each expert's weights are
     read once: at that batch size nearly all of them are hit anyway).
     V4 weights the expert output after w2 (in the model dtype); V4.1 before w2, in fp32 (`weight_before_down`).
+    Quantized experts (QuantWeight: MXFP4 or FP8 as stored) take the same row paths through `dsv4.ops.moe_quant`;
+    a captured step always uses the per-row path with them (the every-expert path would decode all the experts).
     With expert parallelism (`ep`), gate_up / down hold this rank's experts only: the routes to other ranks' experts
     weigh 0 and have id -1 (the matmuls skip them: a decode step reads only this rank's hit experts) and the partial
     outputs are summed over the ranks, with the shared expert's parts when it is split too
@@ -114,8 +127,12 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
     T, k = idx.shape
     E = gate_up.shape[0]
     inter = down.shape[2]
-    if not fixed or T * k <= E:
-        matmul = expert_gemv if fixed else expert_grouped
+    quant = isinstance(gate_up, QuantWeight)
+    if not fixed or T * k <= E or quant:
+        if quant:
+            matmul = expert_gemv_q if fixed else expert_grouped_q
+        else:
+            matmul = expert_gemv if fixed else expert_grouped
         flat = idx.flatten()
         gu = matmul(x, gate_up, flat, k)  # [T*k, 2I]
         g, u = gu[:, :inter], gu[:, inter:]
