@@ -21,7 +21,7 @@ from dsv4.ops.moe import expert_gemv_torch, expert_grouped_torch
 from dsv4.ops.moe_quant import expert_gemv_q, expert_gemv_q_torch, expert_grouped_q, expert_grouped_q_torch
 from dsv4.quant.weight import QuantWeight
 
-FP8_SPECIAL = (0x01, 0x02, 0x07, 0x81, 0x87, 0x08, 0x7E, 0xFE, 0x00, 0x80)  # subnormals, the smallest normal, +-448
+FP8_SPECIAL = (0x01, 0x02, 0x07, 0x81, 0x87, 0x08, 0x7E, 0xFE, 0x00, 0x80)  # subnormals, smallest normal, +-448, +-0
 
 
 def mxfp4_weight(E: int, N: int, K: int, g: torch.Generator, scales: tuple[int, int] = (118, 130),
@@ -111,8 +111,8 @@ def _weights(kind: str, E: int, N: int, K: int, g: torch.Generator) -> QuantWeig
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_references_equal_the_bf16_path_on_dequantized_weights(kind: str, N: int, K: int, dtype: torch.dtype) -> None:
     """`expert_*_q_torch(x, w, ...)` == `expert_*_torch(x, w.dequantize(x.dtype), ...)` bit for bit (a model whose
-    experts were dequantized at load gives the same numbers), idx with -1, x_div 1 and 3; on the CPU the dispatchers
-    are the references."""
+    experts were dequantized at load gives the same numbers), idx with -1, x_div 1, 2 and 3; on the CPU the
+    dispatchers are the references."""
     g = torch.Generator().manual_seed(sum(map(ord, kind)) + (dtype == torch.bfloat16))
     E = 6
     w = _weights(kind, E, N, K, g)

@@ -75,6 +75,7 @@ def fp8_linear_torch(x: torch.Tensor, w: QuantWeight, groups: int = 1) -> torch.
 
 # ---- Triton ------------------------------------------------------------------------------------------------------
 _PREFILL_M = 64  # above this many rows: the tiled GEMM; at most this many: one M tile (the weight read once)
+DECODE_ROWS = _PREFILL_M  # fp8_linear: the W8A16 kernel up to this many rows, dequantize + cuBLAS above
 _REDUCE_BLOCK = 1024
 
 if triton is not None:
@@ -200,6 +201,33 @@ if triton is not None:
         tl.store(out_ptr + i, cast_rne(acc, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
+    @triton.jit
+    def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, s_stride, bn, bk, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        E8M0: tl.constexpr, INTERPRET: tl.constexpr):
+        # one [BLOCK_N, BLOCK_K] tile: fp32 code * scale, rounded once to the output dtype (the reference's numbers)
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (n < N)[:, None] & (k < K)[None, :]
+        off = n.to(tl.int64)[:, None] * K + k[None, :]
+        w = tl.load(w_ptr + off, mask=mask, other=0.0).to(tl.float32)
+        s = _block_scale(s_ptr + (n // bn)[:, None] * s_stride + (k // bk)[None, :], mask, E8M0)
+        tl.store(out_ptr + off, cast_rne(w * s, out_ptr.dtype.element_ty, INTERPRET), mask=mask)
+
+
+def dequantize_triton(w: QuantWeight, dtype: torch.dtype) -> torch.Tensor:
+    """`w.dequantize(dtype)` in one launch (the same numbers: fp32 code * scale, one rounding to `dtype`)."""
+    assert triton is not None, "triton is not installed"
+    N, K = w.data.shape
+    out = torch.empty(N, K, dtype=dtype, device=w.data.device)
+    scale = w.scale.view(torch.uint8) if w.scale.dtype == getattr(torch, "float8_e8m0fnu", None) else w.scale
+    e8m0 = scale.dtype == torch.uint8
+    scale = scale.contiguous() if e8m0 else scale.float().contiguous()
+    grid = (triton.cdiv(N, 32), triton.cdiv(K, 128))
+    _dequant_kernel[grid](w.data.contiguous(), scale, out, N, K, scale.stride(0), *w.block, BLOCK_N=32, BLOCK_K=128,
+                          E8M0=e8m0, INTERPRET=INTERPRET)
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of `device` (132 on an H200; the interpreter's CPU gets that too)."""
@@ -298,9 +326,21 @@ def fp8_linear_w8a8_triton(x: torch.Tensor, w: QuantWeight, groups: int = 1) -> 
     return _launch(x, w, groups, w8a8=True)
 
 
+def fp8_linear_dequant(x: torch.Tensor, w: QuantWeight, groups: int = 1) -> torch.Tensor:
+    """Prefill: the weight dequantized to x's dtype in one launch, then the dense (cuBLAS) product. It writes and
+    reads the weight again in 16 bits (5 bytes an element instead of 1), which a GEMM of many rows hides; the
+    result is bit-identical to the reference's, which multiplies the same numbers with the same call."""
+    _check(x, w, groups)
+    return dense_linear(x, dequantize_triton(w, x.dtype), groups)
+
+
 def fp8_linear(x: torch.Tensor, w: QuantWeight, groups: int = 1) -> torch.Tensor:
-    """Triton (W8A16) on CUDA, the torch reference elsewhere (and for a K block the kernel cannot tile: bk without
-    a power-of-two divisor >= 16; the released checkpoints' 128 and 32 are fine)."""
+    """On CUDA: up to DECODE_ROWS rows (decode) the W8A16 kernel, which reads the FP8 bytes once; more rows
+    (prefill) `fp8_linear_dequant` (faster than both Triton GEMMs there: benchmarks/results/*-h200-quant). The torch
+    reference elsewhere (and for a K block the kernel cannot tile: bk without a power-of-two divisor >= 16; the
+    released checkpoints' 128 and 32 are fine)."""
     if x.is_cuda and triton is not None and w.block[1] % 16 == 0:
-        return fp8_linear_triton(x, w, groups)
+        if x.numel() // x.shape[-1] <= DECODE_ROWS:
+            return fp8_linear_triton(x, w, groups)
+        return fp8_linear_dequant(x, w, groups)
     return fp8_linear_torch(x, w, groups)

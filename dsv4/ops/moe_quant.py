@@ -270,7 +270,7 @@ if triton is not None:
                 part += _weight(w2, sc, ROUND_W, dt, INTERPRET) * x2[None, :, :]
                 part += _weight(w3, sc, ROUND_W, dt, INTERPRET) * x3[None, :, :]
             part = tl.sum(part, axis=2)
-            acc += part if ROUND_W else part * sc  # (a power of two or 1: the products as the reference's)
+            acc += part if ROUND_W else part * sc  # (UE8M0: a power of two, the reference's products exactly)
             wq, sq, xq, kg = wq_next, sq_next, xq_next, kg + BLOCK_K
         y = tl.sum(acc, axis=1)
         tl.store(out_ptr + r.to(tl.int64) * N + n, cast_rne(y, dt, INTERPRET), mask=nm)
@@ -402,7 +402,8 @@ def expert_grouped_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, 
         bm = cfg["block_m"] or min(cfg["max_block_m"], max(16, triton.next_power_of_2(2 * triton.cdiv(R, E))))
         idx = torch.where(idx < 0, E, idx)  # no expert (-1): bucket E, after the experts' (zero rows)
         order = torch.argsort(idx, stable=True)
-        counts = torch.bincount(idx, minlength=E + 1)
+        # counted by scatter_add, not bincount (which syncs with the host for its size): capturable in a decode graph
+        counts = torch.zeros(E + 1, dtype=torch.int64, device=idx.device).scatter_add_(0, idx.long(), torch.ones_like(idx, dtype=torch.int64))
         offsets = torch.cumsum(counts, 0) - counts
         block_ends = torch.cumsum((counts + bm - 1) // bm, 0)
         fp32 = x.dtype == torch.float32

@@ -111,8 +111,10 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
     hit); otherwise every expert runs on every token and the routing weights mask the sum (each expert's weights are
     read once: at that batch size nearly all of them are hit anyway).
     V4 weights the expert output after w2 (in the model dtype); V4.1 before w2, in fp32 (`weight_before_down`).
-    Quantized experts (QuantWeight: MXFP4 or FP8 as stored) take the same row paths through `dsv4.ops.moe_quant`;
-    a captured step always uses the per-row path with them (the every-expert path would decode all the experts).
+    Quantized experts (QuantWeight: MXFP4 or FP8 as stored) go through `dsv4.ops.moe_quant`: a captured step with
+    more routes than experts groups its rows by expert (`expert_grouped_q` counts them without a host sync), so each
+    hit expert's bytes are read once per block of rows, instead of the every-expert einsum (which would need the
+    experts in the model dtype).
     With expert parallelism (`ep`), gate_up / down hold this rank's experts only: the routes to other ranks' experts
     weigh 0 and have id -1 (the matmuls skip them: a decode step reads only this rank's hit experts) and the partial
     outputs are summed over the ranks, with the shared expert's parts when it is split too
@@ -129,10 +131,11 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
     inter = down.shape[2]
     quant = isinstance(gate_up, QuantWeight)
     if not fixed or T * k <= E or quant:
+        per_row = fixed and T * k <= E
         if quant:
-            matmul = expert_gemv_q if fixed else expert_grouped_q
+            matmul = expert_gemv_q if per_row else expert_grouped_q
         else:
-            matmul = expert_gemv if fixed else expert_grouped
+            matmul = expert_gemv if per_row else expert_grouped
         flat = idx.flatten()
         gu = matmul(x, gate_up, flat, k)  # [T*k, 2I]
         g, u = gu[:, :inter], gu[:, inter:]
