@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--m", default=",".join(map(str, MS)))
     ap.add_argument("--rep", type=int, default=20, help="do_bench rep (ms)")
     ap.add_argument("--override", default="", help="W8A16 config entries, e.g. BLOCK_N=128,num_stages=5")
+    ap.add_argument("--methods", default="bf16,w8a16,w8a8,deq+bf16", help="which of them to time")
     args = ap.parse_args()
     override = {k: int(v) for k, v in (kv.split("=") for kv in args.override.split(",") if kv)}
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -85,6 +86,8 @@ def main() -> None:
                        "deq+bf16": (lambda q: fp8_linear_dequant(x, q, G), fp8s, w.nbytes)}
             base = dense_linear(x, dense[0], G).float()
             for method, (fn, ws, wbytes) in methods.items():
+                if method not in args.methods.split(","):
+                    continue
                 try:
                     err = ((fn(ws[0]).float() - base).norm() / base.norm()).item()
                     us = _time_us(_rotating(fn, ws), args.rep)
