@@ -6,6 +6,6 @@ out=$1; mkdir -p "$out"
 shapes=v4.wq_b,v41.wq_a,v41.wq_b
 for o in "" BLOCK_N=32 BLOCK_N=128 num_warps=8 num_stages=2 BLOCK_N=32,num_warps=2 split=1; do
   timeout 60 python3 benchmarks/fp8_linear_bench.py --shapes $shapes --m 1,32 --methods w8a16 --rep 10 \
-    ${o:+--override $o} > "$out/sweep-${o:-default}.log" 2>&1
-  grep -E "w8a16|FAILED" "$out/sweep-${o:-default}.log" | awk -v o="${o:-default}" '{print o, $1, $2, $4}'
+    ${o:+--override $o} > "$out/sweep-$(echo "${o:-default}" | tr '=,' '-_').log" 2>&1  # names $OUT keeps
+  grep -E "w8a16|FAILED" "$out/sweep-$(echo "${o:-default}" | tr '=,' '-_').log" | awk -v o="${o:-default}" '{print o, $1, $2, $4}'
 done

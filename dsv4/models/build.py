@@ -156,11 +156,16 @@ def _dummy_table(layout: dict[str, tuple[tuple[int, ...], torch.dtype]], key: st
 
     shape, dt = layout[key]
     gen = torch.Generator(device=device).manual_seed(1)
-    values = torch.empty(shape, device=device).uniform_(-1.0, 1.0, generator=gen)
+    table = torch.empty(shape, dtype=dt, device=device)
+    step = max(1, (1 << 26) // shape[1])  # drawn in chunks: a released table is ~98 GB as stored, 4x that in fp32
+    for r in range(0, shape[0], step):
+        part = table[r: r + step]
+        part.copy_(torch.empty(part.shape, device=device).uniform_(-1.0, 1.0, generator=gen)
+                   * (64 if dt == torch.float8_e4m3fn else 1))
     if dt != torch.float8_e4m3fn:
-        return HostTable(values.to(dt))
+        return HostTable(table)
     scale = torch.randint(124, 128, layout[scale_key][0], dtype=torch.uint8, device=device, generator=gen)
-    return HostTable((values * 64).to(dt), scale)
+    return HostTable(table, scale)
 
 
 def _tensor_files(model_dir: str) -> dict[str, str]:

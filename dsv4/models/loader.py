@@ -131,6 +131,17 @@ _LAYER_PARAMS = {
     "ffn.gate.tid2eid": "mlp.gate.tid2eid",
 }
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def v4_original_names() -> tuple[dict[str, str], dict[str, str]]:
+    """The inverse of the V4 renames: (top-level HF name -> original name, layer-relative HF name -> original name),
+    what a checkpoint in DeepSeek's own spelling calls each tensor (`dsv4.quant.released` writes that layout).
+    `attn.norm` (transformers' re-save of kv_norm) is read, never written."""
+    top = {hf: orig for orig, hf in _TOP_LEVEL.items() if orig in ("embed.weight", "head.weight", "norm.weight")
+           or orig.startswith("hc_head_")}
+    layer = {f"{hf}.weight": f"{orig}.weight" for orig, hf in _LAYER_MODULES.items() if orig != "attn.norm"}
+    layer |= {hf: orig for orig, hf in _LAYER_PARAMS.items()}
+    return top, layer
 _EXPERT_RE = re.compile(r"^(?:ffn|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight$")
 # Per-expert piece -> (packed HF parameter, which half). w1 = gate, w3 = up, w2 = down.
 _EXPERT_PART = {"w1": ("gate_up_proj", 0), "gate_proj": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1),

@@ -28,6 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from dsv4.models.config import ModelConfig, parse_config_dict
+from dsv4.models.loader import v4_original_names
 from dsv4.models.presets import disk_dtype, tensor_shapes, text_config
 from dsv4.quant.config import QuantConfig
 from dsv4.quant.formats import MX_BLOCK, quantize_fp8, quantize_mxfp4
@@ -86,35 +87,7 @@ def release_quant(choice: str | QuantConfig | None, cfg: ModelConfig) -> QuantCo
 
 
 # ---- names -------------------------------------------------------------------------------------------------------
-_V4_TOP = {"model.embed_tokens.weight": "embed.weight", "lm_head.weight": "head.weight",
-           "model.norm.weight": "norm.weight", "model.hc_head.hc_fn": "hc_head_fn",
-           "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
-# V4 layer-relative HF name -> original (model.md 10.1). Compressor.indexer entries precede compressor ones only for
-# reading; lookups are exact.
-_V4_LAYER = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "attn_hc.fn": "hc_attn_fn", "attn_hc.base": "hc_attn_base", "attn_hc.scale": "hc_attn_scale",
-    "ffn_hc.fn": "hc_ffn_fn", "ffn_hc.base": "hc_ffn_base", "ffn_hc.scale": "hc_ffn_scale",
-    "self_attn.q_a_proj.weight": "attn.wq_a.weight", "self_attn.q_a_norm.weight": "attn.q_norm.weight",
-    "self_attn.q_b_proj.weight": "attn.wq_b.weight", "self_attn.kv_proj.weight": "attn.wkv.weight",
-    "self_attn.kv_norm.weight": "attn.kv_norm.weight", "self_attn.o_a_proj.weight": "attn.wo_a.weight",
-    "self_attn.o_b_proj.weight": "attn.wo_b.weight", "self_attn.sinks": "attn.attn_sink",
-    "self_attn.compressor.kv_proj.weight": "attn.compressor.wkv.weight",
-    "self_attn.compressor.gate_proj.weight": "attn.compressor.wgate.weight",
-    "self_attn.compressor.position_bias": "attn.compressor.ape",
-    "self_attn.compressor.kv_norm.weight": "attn.compressor.norm.weight",
-    "self_attn.compressor.indexer.kv_proj.weight": "attn.indexer.compressor.wkv.weight",
-    "self_attn.compressor.indexer.gate_proj.weight": "attn.indexer.compressor.wgate.weight",
-    "self_attn.compressor.indexer.position_bias": "attn.indexer.compressor.ape",
-    "self_attn.compressor.indexer.kv_norm.weight": "attn.indexer.compressor.norm.weight",
-    "self_attn.compressor.indexer.q_b_proj.weight": "attn.indexer.wq_b.weight",
-    "self_attn.compressor.indexer.scorer.weights_proj.weight": "attn.indexer.weights_proj.weight",
-    "mlp.gate.weight": "ffn.gate.weight", "mlp.gate.e_score_correction_bias": "ffn.gate.bias",
-    "mlp.gate.tid2eid": "ffn.gate.tid2eid",
-    "mlp.shared_experts.gate_proj.weight": "ffn.shared_experts.w1.weight",
-    "mlp.shared_experts.up_proj.weight": "ffn.shared_experts.w3.weight",
-    "mlp.shared_experts.down_proj.weight": "ffn.shared_experts.w2.weight",
-}
+_V4_TOP, _V4_LAYER = v4_original_names()  # internal (HF) name -> the release's, the loader's renames inverted
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 # One released tensor cut from an internal one: (original name, logical shape, index into the internal tensor).
