@@ -84,16 +84,27 @@ def expert_grouped_torch(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x_
 
 GROUPED_BLOCK_M = 64  # rows of one expert per program: a tl.dot tile; at most one partly filled block per expert
 
+
+def group_rows(idx: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, ...]:
+    """The device-side plan of a grouped expert matmul: rows sorted by expert, with no expert (-1) last in a bucket
+    E of their own; the buckets' row counts, first rows and inclusive cumsum of blocks of `block_m` rows. Counted
+    with scatter_add, not bincount (which syncs with the host for its size): capturable in a decode graph."""
+    idx = torch.where(idx < 0, E, idx).long()
+    order = torch.argsort(idx, stable=True)
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx))
+    offsets = torch.cumsum(counts, 0) - counts
+    return order, counts, offsets, torch.cumsum((counts + block_m - 1) // block_m, 0)
+
+
 if triton is not None:
     from dsv4.ops.rmsnorm import INTERPRET, cast_rne  # the interpreter's fp32 -> bf16 cast truncates
 
     @triton.jit
-    def _expert_grouped_kernel(x_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, block_ends_ptr, out_ptr, E, N, K,
-                               x_div, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               BLOCK_E: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
-        # program (b, n): row block b of the bucket whose block range holds b (block_ends = inclusive cumsum of the
-        # E + 1 buckets' block counts: the experts, then the rows with no expert, which get zeros and read no
-        # weights; the grid is sized for the worst case, surplus programs store nothing)
+    def block_rows(order_ptr, counts_ptr, offsets_ptr, block_ends_ptr, E, x_div, BLOCK_M: tl.constexpr,
+                   BLOCK_E: tl.constexpr):
+        """Program b's rows of `group_rows`' plan: row block b of the bucket whose block range holds b (buckets:
+        the experts, then the rows with no expert, which get zeros and read no weights; the grid is sized for the
+        worst case, surplus programs store nothing). Returns (bucket, its rows [BLOCK_M], mask, x rows)."""
         b = tl.program_id(0)
         ev = tl.arange(0, BLOCK_E)
         ends = tl.load(block_ends_ptr + ev, mask=ev <= E, other=2147483647)
@@ -104,7 +115,14 @@ if triton is not None:
         m = (b - first_block) * BLOCK_M + tl.arange(0, BLOCK_M)
         mm = m < cnt
         rows = tl.load(order_ptr + tl.load(offsets_ptr + e_safe) + m, mask=mm, other=0).to(tl.int64)
-        xrows = rows // x_div
+        return e_safe, rows, mm, rows // x_div
+
+    @triton.jit
+    def _expert_grouped_kernel(x_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, block_ends_ptr, out_ptr, E, N, K,
+                               x_div, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               BLOCK_E: tl.constexpr, IEEE: tl.constexpr, INTERPRET: tl.constexpr):
+        e_safe, rows, mm, xrows = block_rows(order_ptr, counts_ptr, offsets_ptr, block_ends_ptr, E, x_div, BLOCK_M,
+                                             BLOCK_E)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
         wbase = w_ptr + tl.minimum(e_safe, E - 1).to(tl.int64) * N * K
@@ -133,11 +151,7 @@ def expert_grouped_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x
     out = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R:
         bm = GROUPED_BLOCK_M
-        idx = torch.where(idx < 0, E, idx)  # no expert (-1): bucket E, after the experts' (zero rows)
-        order = torch.argsort(idx, stable=True)
-        counts = torch.bincount(idx, minlength=E + 1)
-        offsets = torch.cumsum(counts, 0) - counts
-        block_ends = torch.cumsum((counts + bm - 1) // bm, 0)
+        order, counts, offsets, block_ends = group_rows(idx, E, bm)
         block_n, block_k = 64, 64 if x.dtype == torch.float32 else 128
         grid = (triton.cdiv(R, bm) + min(E + 1, R), triton.cdiv(N, block_n))
         _expert_grouped_kernel[grid](x.contiguous(), w, order, counts, offsets, block_ends, out, E, N, K, x_div,

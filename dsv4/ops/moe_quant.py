@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dsv4.ops.moe import expert_gemv_torch
+from dsv4.ops.moe import expert_gemv_torch, group_rows
 from dsv4.quant.weight import QuantWeight
 
 try:
@@ -89,6 +89,7 @@ GROUPED_Q_CONFIG = dict(block_n=64, block_k=128, block_k_fp32=64, num_warps=4, b
 PTX_DECODE = True
 
 if triton is not None:
+    from dsv4.ops.moe import block_rows
     from dsv4.ops.rmsnorm import INTERPRET, cast_rne  # the interpreter's fp32 -> bf16 cast truncates
 
     @triton.jit
@@ -281,19 +282,9 @@ if triton is not None:
                                  BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
                                  SUB: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr, PTX: tl.constexpr,
                                  INTERPRET: tl.constexpr):
-        # the row-block -> expert map of `_expert_grouped_kernel` (dsv4/ops/moe.py): block_ends = inclusive cumsum
-        # of the E + 1 buckets' block counts (the experts, then the rows with no expert: zeros, no weights read)
-        b = tl.program_id(0)
-        ev = tl.arange(0, BLOCK_E)
-        ends = tl.load(block_ends_ptr + ev, mask=ev <= E, other=2147483647)
-        e = tl.sum((ends <= b).to(tl.int32), axis=0)
-        e_safe = tl.minimum(e, E)
-        cnt = tl.where(e <= E, tl.load(counts_ptr + e_safe), 0)
-        first_block = tl.load(block_ends_ptr + e_safe) - (cnt + BLOCK_M - 1) // BLOCK_M
-        m = (b - first_block) * BLOCK_M + tl.arange(0, BLOCK_M)
-        mm = m < cnt
-        rows = tl.load(order_ptr + tl.load(offsets_ptr + e_safe) + m, mask=mm, other=0).to(tl.int64)
-        xrows = rows // x_div
+        # the row-block -> expert map of dsv4/ops/moe.py's grouped kernel (`group_rows`' plan)
+        e_safe, rows, mm, xrows = block_rows(order_ptr, counts_ptr, offsets_ptr, block_ends_ptr, E, x_div, BLOCK_M,
+                                             BLOCK_E)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
         ew = tl.minimum(e_safe, E - 1).to(tl.int64)
@@ -400,12 +391,7 @@ def expert_grouped_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, 
         # rows of one expert per program: every block decodes its expert's weights again, so about twice the mean
         # rows per expert (most experts in one block); the MMA's width (x's rows, wgmma's N) can be that small
         bm = cfg["block_m"] or min(cfg["max_block_m"], max(16, triton.next_power_of_2(2 * triton.cdiv(R, E))))
-        idx = torch.where(idx < 0, E, idx)  # no expert (-1): bucket E, after the experts' (zero rows)
-        order = torch.argsort(idx, stable=True)
-        # counted by scatter_add, not bincount (which syncs with the host for its size): capturable in a decode graph
-        counts = torch.zeros(E + 1, dtype=torch.int64, device=idx.device).scatter_add_(0, idx.long(), torch.ones_like(idx, dtype=torch.int64))
-        offsets = torch.cumsum(counts, 0) - counts
-        block_ends = torch.cumsum((counts + bm - 1) // bm, 0)
+        order, counts, offsets, block_ends = group_rows(idx, E, bm)  # no host sync: capturable
         fp32 = x.dtype == torch.float32
         G, SUB = _groups(w.block[1], w.fp4, cfg["block_k_fp32" if fp32 else "block_k"], K)
         block_n = min(cfg["block_n"], max(triton.next_power_of_2(N), 16))
