@@ -702,8 +702,9 @@ def dummy_infos(layout: Mapping[str, tuple[Shape, torch.dtype]]) -> dict[str, _I
 
 class _DummyFiles:
     """Stands in for `_Files`: random tensors of each key's stored shape and dtype, drawn on `device` (no host
-    copy of a full-size model): floats uniform in +-0.02 (norms and scales of mHC 1), FP8 codes of that range,
-    UE8M0 scales near 2^0, packed FP4 any byte, integer tables (hash routing) below `int_high`."""
+    copy of a full-size model), at magnitudes that keep activations finite: floats uniform in +-0.02 (norms and
+    mHC scales 1), FP8 codes in +-1 and packed FP4 any byte (|code| <= 6) under block scales of 2^-9 .. 2^-6
+    (UE8M0, or float32 2^-7), integer tables (hash routing) below `int_high`."""
 
     def __init__(self, device: torch.device, int_high: int, seed: int = 0) -> None:
         self.device, self.int_high = device, int_high
@@ -714,8 +715,11 @@ class _DummyFiles:
         if span is not None:
             shape[span[0]] = span[2] - span[1]
         kw = {"device": self.device, "generator": self.gen}
-        if info.dtype in ("F8_E8M0", "U8") and key.endswith(("scale", "scale_inv")):
-            return torch.randint(120, 128, shape, dtype=torch.uint8, **kw).view(_ST_TORCH[info.dtype])
+        block_scale = key.endswith((".scale", "_scale_inv"))
+        if info.dtype in ("F8_E8M0", "U8") and block_scale:
+            return torch.randint(118, 122, shape, dtype=torch.uint8, **kw).view(_ST_TORCH[info.dtype])
+        if info.dtype == "F32" and block_scale:
+            return torch.full(shape, 2.0 ** -7, device=self.device)
         if info.dtype in ("I8", "U8"):
             return torch.randint(0, 256, shape, dtype=torch.int16, **kw).to(torch.uint8).view(_ST_TORCH[info.dtype])
         if info.dtype == "I64":
@@ -723,7 +727,7 @@ class _DummyFiles:
         if "norm" in key or key.endswith("scale"):
             return torch.ones(shape, device=self.device).to(_ST_TORCH[info.dtype])
         t = torch.empty(shape, dtype=torch.float32, device=self.device).uniform_(-0.02, 0.02, generator=self.gen)
-        return (t * 4096 if info.dtype == "F8_E4M3" else t).to(_ST_TORCH[info.dtype])
+        return (t * 50 if info.dtype == "F8_E4M3" else t).to(_ST_TORCH[info.dtype])
 
 
 def _iterate(plan: _Plan, names: list[str], dtype_of: Callable[[str], torch.dtype],
