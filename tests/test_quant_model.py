@@ -171,3 +171,20 @@ def test_dummy_load_format_needs_no_weight_files(tmp_path, preset: str, quant: s
     for tokens, lps in _run(llm):  # random but sane magnitudes: finite logits
         assert len(tokens) == 12
         assert all(math.isfinite(lp) for step in lps for lp in step.values())
+
+
+def test_cli_quantization_switch(released: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    """`dsv4 generate --quantization auto|none` give the same greedy text; a value dsv4 does not take is refused by
+    the parser (exit 2) before any model is built."""
+    from dsv4.cli import main
+
+    d = released[("tiny-v41", "released")]
+    texts = []
+    for q in ("auto", "none"):
+        assert main(["generate", "--model", d, "--prompt", "hello", "--max-tokens", "6", "--temperature", "0",
+                     "--device", "cpu", "--quantization", q]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and "--- prompt: 'hello'" in texts[0]
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--model", d, "--quantization", "awq"])
+    assert exc.value.code == 2
