@@ -42,9 +42,8 @@ overflows with the folded 2^6; the data's last dim must be a multiple of 4 bytes
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from dsv4.ops.moe import expert_gemv_torch, group_rows
+from dsv4.ops.moe import expert_gemv_torch, expert_grouped_torch, group_rows
 from dsv4.quant.weight import QuantWeight
 
 try:
@@ -55,26 +54,22 @@ except ImportError:  # CPU-only installs use the torch reference
 
 
 # ---- torch references -------------------------------------------------------------------------------------------
-def expert_gemv_q_torch(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_div: int) -> torch.Tensor:
-    """Reference: `expert_gemv_torch` on the experts' weights `w.dequantize(x.dtype)` (only the experts the rows
-    name are dequantized; the gathered weights are the same values, so the result is bit-identical)."""
+def _used_experts(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts `idx` names, dequantized to x's dtype (only those), and idx renumbered onto them (-1 kept). They
+    keep their order, so a reference runs the same calls on the same values as on the whole dequantized weight."""
     used, local = torch.unique(idx.clamp(min=0), return_inverse=True)
-    local = torch.where(idx < 0, -1, local)
-    return expert_gemv_torch(x, w[used].dequantize(x.dtype), local, x_div)
+    return w[used].dequantize(x.dtype), torch.where(idx < 0, -1, local)
+
+
+def expert_gemv_q_torch(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_div: int) -> torch.Tensor:
+    """Reference: `expert_gemv_torch` on the experts' weights `w.dequantize(x.dtype)` (bit-identical)."""
+    return expert_gemv_torch(x, *_used_experts(x, w, idx), x_div)
 
 
 def expert_grouped_q_torch(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_div: int) -> torch.Tensor:
-    """Reference: `expert_grouped_torch` on `w.dequantize(x.dtype)`, dequantizing only the experts that have rows
-    (one F.linear per expert over its rows, the same calls on the same values: bit-identical)."""
-    out = torch.zeros(idx.numel(), w.shape[-2], dtype=x.dtype, device=x.device)  # rows with no expert stay 0
-    order = torch.argsort(idx, stable=True)
-    start = int((idx < 0).sum())  # (they sort first)
-    for e, c in enumerate(torch.bincount(idx[idx >= 0], minlength=w.shape[0]).tolist()):
-        rows = order[start:start + c]
-        start += c
-        if c:
-            out[rows] = F.linear(x[rows // x_div], w[e].dequantize(x.dtype))
-    return out
+    """Reference: `expert_grouped_torch` on `w.dequantize(x.dtype)` (one F.linear per expert over its rows:
+    bit-identical)."""
+    return expert_grouped_torch(x, *_used_experts(x, w, idx), x_div)
 
 
 # ---- Triton -----------------------------------------------------------------------------------------------------

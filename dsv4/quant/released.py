@@ -250,25 +250,14 @@ def iter_released(config: dict[str, Any], qcfg: QuantConfig, seed: int = 0, dtyp
         yield from quantize_released(name, t, cfg, qcfg).items()
 
 
-def _plan_shards(layout: Layout, max_shard_bytes: int) -> list[list[str]]:
-    shards: list[list[str]] = [[]]
-    used = 0
-    for name, (shape, dt) in layout.items():
-        size = math.prod(shape) * dt.itemsize
-        if shards[-1] and used + size > max_shard_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(name)
-        used += size
-    return shards
-
-
 def write_sharded(layout: Layout, tensors: Iterator[tuple[str, torch.Tensor]], out_dir: str,
                   max_shard_bytes: int) -> list[str]:
     """Write `tensors` (every name of `layout` once, in any order) into safetensors shards + index (one
     model.safetensors if it fits). Headers come from `layout` first, so each tensor is written at its final offset
     as it arrives (one tensor in memory at a time); within a shard, wider dtypes come first so every tensor starts at
     a multiple of its item size. Returns the files written."""
+    from dsv4.make_model import _plan_shards  # lazy: make_model imports this module
+
     shards = _plan_shards(layout, max_shard_bytes)
     files = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
