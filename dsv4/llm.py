@@ -71,11 +71,13 @@ class LLM:
         params = [final[id(sp)] for sp in params]
         ids = []
         try:
-            for i, (p, sp) in enumerate(zip(prompts, params)):
-                ids.append(self.engine.add_request(_prompt_of(p, i), sp, images=_images_of(p)))
-        except ValueError as e:
+            for p, sp in zip(prompts, params):
+                ids.append(self.engine.add_request(_prompt_of(p), sp, images=_images_of(p)))
+        except Exception as e:  # all or nothing, whatever failed: no earlier prompt stays queued for a later call
             self.engine.abort_request(ids)
-            raise type(e)(f"prompt {len(ids)}: {e}") from None
+            if isinstance(e, ValueError):
+                raise type(e)(f"prompt {len(ids)}: {e}") from None
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
@@ -116,11 +118,11 @@ def _images_of(p: PromptType) -> list[Any] | None:
     return list(images) if isinstance(images, (list, tuple)) else [images]
 
 
-def _prompt_of(p: PromptType, i: int) -> str | list[int]:
+def _prompt_of(p: PromptType) -> str | list[int]:
     if isinstance(p, dict):
         if "prompt_token_ids" in p:
             return list(p["prompt_token_ids"])
         if "prompt" in p:
             return p["prompt"]
-        raise ValueError(f"prompt {i}: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
     return p

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 _GREEDY_EPS = 1e-5
+_OPTIONAL_INTS = ("max_tokens", "logprobs", "seed")  # None allowed
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class RequestOutputKind(IntEnum):
@@ -51,8 +61,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):  # lists (or tuples, or None); anything else is named, not iterated
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (list, tuple)):
+                raise SamplingParamsError(f"sampling parameter `{name}` must be a list, got {type(value).__name__}")
+            setattr(self, name, list(value or []))
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -65,8 +78,19 @@ class SamplingParams:
         """Raise SamplingParamsError naming the first invalid field."""
 
         def bad(name: str, why: str) -> SamplingParamsError:
-            return SamplingParamsError(f"sampling parameter `{name}` {why}, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            shown = repr(value) if isinstance(value, (int, float, type(None))) else type(value).__name__
+            return SamplingParamsError(f"sampling parameter `{name}` {why}, got {shown}")
 
+        # the types first, so that a None or a string is named rather than failing a comparison (a TypeError)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(name, "must be a finite number")
+        for name in ("n", "top_k", "min_tokens", "max_tokens", "logprobs", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not (isinstance(value, int) or value is None and name in _OPTIONAL_INTS):
+                raise bad(name, "must be an integer")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be an integer >= 1")
         if not self.temperature >= 0.0:
@@ -91,12 +115,14 @@ class SamplingParams:
             raise bad("min_tokens", f"must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise bad("logprobs", "must be an integer >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise bad("seed", "must fit in 64 bits")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "must be non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must be non-negative integers")
+            raise SamplingParamsError("sampling parameter `stop` must be non-empty strings")
+        if any(not _encodable(s) for s in self.stop):
+            raise SamplingParamsError("sampling parameter `stop` must be valid Unicode text (a lone surrogate)")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise SamplingParamsError("sampling parameter `stop_token_ids` must be non-negative integers")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "must be a RequestOutputKind")
         if self.logit_bias is not None:

@@ -52,3 +52,33 @@ def test_bad_prompt_in_a_batch_names_it_and_runs_nothing(llm: LLM) -> None:
         llm.generate(["fine", {"prompt_token_ids": []}], SamplingParams(max_tokens=3))
     assert not llm.engine.has_unfinished_requests()
     assert len(llm.generate("still serving", SamplingParams(max_tokens=3))[0].outputs[0].token_ids) >= 1
+
+
+def test_a_failing_call_leaves_nothing_queued_whatever_the_error(llm: LLM) -> None:
+    """All or nothing for every error type: a later prompt that fails (a lone surrogate, a prompt of the wrong
+    type, a bad dict) leaves no earlier prompt in the engine to run inside the next, unrelated call."""
+    params = SamplingParams(temperature=0, max_tokens=3)
+    for bad in ("b\ud800", 3.5, {"neither": 1}):
+        with pytest.raises(ValueError, match="prompt 1: ") as info:
+            llm.generate(["a", bad], params)
+        assert "prompt 1: prompt" not in str(info.value)  # the index once
+        assert "\ud800" not in str(info.value)  # not echoed
+        assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate(["a"], params)) == 1
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(stop=5), "stop"), (dict(stop_token_ids=5), "stop_token_ids"), (dict(temperature=None), "temperature"),
+    (dict(temperature="0.5"), "temperature"), (dict(top_p=None), "top_p"), (dict(temperature=float("inf")),
+                                                                          "temperature"),
+    (dict(temperature=float("nan")), "temperature"), (dict(seed=2**64), "seed"), (dict(max_tokens=True), "max_tokens"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"), (dict(stop=["\ud800"]), "stop"), (dict(n=None), "n"),
+])
+def test_bad_sampling_params_are_value_errors_naming_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        SamplingParams(**kwargs)
+
+
+def test_booleans_are_not_token_ids(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, True, 3]], SamplingParams(max_tokens=2))

@@ -301,6 +301,31 @@ def test_errors_are_openai_shaped_and_leave_others_alone(server: Server) -> None
     assert server.client().models.list().data  # still serving
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "us\\udfffer", "content": "hi"}], "max_tokens": 2}'),
+    ("/v1/chat/completions", '{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"]}'),
+    ("/v1/completions", '{"prompt": "x\\ud800", "max_tokens": 2}'),
+    ("/v1/completions", '{"prompt": ["ok", "\\udc00"], "max_tokens": 2}'),
+    ("/v1/chat/completions", '{"messages": [{"role": 5, "content": "hi"}], "max_tokens": 2}'),
+    ("/v1/chat/completions", '{"messages": [{"content": "hi"}], "max_tokens": 2}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}'),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": 5}], "max_tokens": 2}'),
+])
+def test_unencodable_or_mistyped_input_is_a_clean_400(server: Server, path: str, body: str) -> None:
+    """Lone surrogates (valid JSON escapes, invalid Unicode) anywhere in a body, a role that is not a string, text
+    parts that are not strings: 400 with the OpenAI error body, whose message does not echo the input; the server
+    keeps serving."""
+    status, reply = _post(server, path, body.encode(), {"Authorization": f"Bearer {KEY}"})
+    assert status == 400, reply
+    assert set(reply["error"]) == {"message", "type", "param", "code"}
+    assert reply["error"]["type"] == "invalid_request_error"
+    assert "\ufffd" not in reply["error"]["message"]  # refused by name, not echoed with the bad character replaced
+    assert server.client().models.list().data
+
+
 # ---- load, disconnects, metrics -----------------------------------------------------------------------------
 
 def test_32_concurrent_streams_with_metrics(server: Server) -> None:

@@ -73,6 +73,15 @@ class _UserRequest:
     first_token_time: float | None = None
 
 
+def _check_text(text: str, what: str) -> None:
+    """Refuse text that is not valid Unicode (a lone surrogate cannot be encoded, so it cannot be tokenized), without
+    echoing it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise RequestError(f"{what} is not valid Unicode text (a lone surrogate at character {e.start})") from None
+
+
 def default_num_blocks(config: EngineConfig) -> int:
     """Window-group blocks for max_num_seqs requests of max_model_len tokens (plus the null block)."""
     sc, bs = config.scheduler, config.cache.block_size
@@ -207,7 +216,7 @@ class LLMEngine:
         vocab = self.config.model.vocab_size
         if not prompt_ids:
             raise RequestError("the prompt is empty")
-        bad = [t for t in prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in prompt_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         max_len = self.config.scheduler.max_model_len
@@ -237,9 +246,12 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("a text prompt needs a tokenizer; pass prompt_token_ids")
+            _check_text(prompt, "the prompt")
             text, prompt_ids = prompt, self.tokenizer.encode(prompt)
-        else:
+        elif isinstance(prompt, (list, tuple)):
             text, prompt_ids = None, list(prompt)
+        else:
+            raise RequestError(f"a prompt is a string or a list of token ids, not {type(prompt).__name__}")
         image_inputs = None
         if images:
             vision = self.config.model.vision

@@ -81,6 +81,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     """Every error leaves as an OpenAI-style body, whatever raised it."""
 
     def reply(e: APIError) -> JSONResponse:
+        # a message that quotes unencodable input (a lone surrogate) must still leave as JSON, not as a 500
+        e.message = e.message.encode("utf-8", "replace").decode("utf-8")
         return JSONResponse(e.body(), status_code=e.status)
 
     @app.exception_handler(APIError)
@@ -104,6 +106,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def dead(_: Request, e: EngineDeadError) -> JSONResponse:
         return reply(APIError(503, str(e), type_="server_error"))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, e: Exception) -> JSONResponse:  # a bug: still the OpenAI shape, and logged
+        logger.exception("unexpected error answering a request")
+        return reply(APIError(500, f"internal error ({type(e).__name__})", type_="server_error"))
 
 
 class _SSEResponse(StreamingResponse):

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dsv4.engine.stop import stop_hold_back
 from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
@@ -45,10 +45,40 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param, code)
 
 
+def _unencodable(value: Any, path: str) -> str | None:
+    """The path of the first string in a JSON value that is not valid Unicode (a lone surrogate, which JSON's \\u
+    escapes can carry but UTF-8 cannot encode: tokenizing or echoing it would fail), or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            found = _unencodable(k, path) or _unencodable(v, f"{path}.{k}" if path else str(k))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _unencodable(v, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
 class _Request(BaseModel):
     """Fields shared by chat and completions requests."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        """Refuse a body carrying a lone surrogate anywhere, naming where and not echoing it."""
+        found = _unencodable(data, "")
+        if found is not None:
+            raise ValueError(f"`{found or 'body'}` is not valid Unicode text (a lone surrogate)")
+        return data
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
@@ -127,8 +157,16 @@ class ChatCompletionRequest(_Request):
         does not fetch arbitrary addresses."""
         messages = [{**m, "content": m.get("content") if m.get("content") is not None else ""} for m in self.messages]
         for i, m in enumerate(messages):
+            if not isinstance(m.get("role"), str):
+                raise bad_request(f"messages[{i}]: `role` must be a string", "messages")
+            if not isinstance(m["content"], (str, list)):
+                raise bad_request(f"messages[{i}]: `content` must be a string or a list of content parts",
+                                  "messages")
             if isinstance(m["content"], list) and not all(isinstance(p, dict) for p in m["content"]):
                 raise bad_request(f"messages[{i}]: content parts must be objects", "messages")
+            if isinstance(m["content"], list) and any(p.get("type") == "text" and not isinstance(p.get("text"), str)
+                                                      for p in m["content"]):
+                raise bad_request(f"messages[{i}]: a text part's `text` must be a string", "messages")
             if isinstance(m["content"], list) and any(p.get("type") == "image" for p in m["content"]):
                 raise bad_request(f"messages[{i}]: use image_url content parts", "messages")
         try:
