@@ -13,8 +13,9 @@ from dsv4.bench.chat import add_cli_args as add_bench_chat_args
 from dsv4.bench.latency import add_cli_args as add_bench_latency_args
 from dsv4.bench.serve import add_cli_args as add_bench_serve_args
 from dsv4.bench.throughput import add_cli_args as add_bench_throughput_args
+from dsv4 import __version__
 from dsv4.config import LOAD_FORMATS
-from dsv4.models.config import ConfigError
+from dsv4.models.config import ConfigError, hub_hint
 from dsv4.quant.config import QUANTIZATION_CHOICES
 from dsv4.sampling_params import SamplingParams, SamplingParamsError
 
@@ -35,6 +36,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv4", description="A compact inference engine for DeepSeek-V4.")
+    parser.add_argument("--version", action="version", version=f"dsv4 {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate completions for prompts (offline)")
@@ -101,6 +103,8 @@ def _make_model(args: argparse.Namespace) -> None:
     from dsv4.models.presets import preset_dtype
 
     dtype = args.dtype or preset_dtype(args.preset)
+    if os.path.isdir(args.out) and os.listdir(args.out):
+        print(f"note: {args.out} is not empty: files of the checkpoint's names are overwritten", file=sys.stderr)
     out = make_model(args.preset, args.out, seed=args.seed, dtype=dtype, device=args.device, quant=args.quant,
                      config_only=args.config_only)
     what = "config of " if args.config_only else ""
@@ -151,7 +155,7 @@ def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
 
 def _generate(args: argparse.Namespace) -> None:
     if args.model is not None and not os.path.isdir(args.model):
-        raise FileNotFoundError(f"--model {args.model!r} is not a directory")
+        raise FileNotFoundError(f"--model {args.model!r} is not a directory{hub_hint(args.model)}")
     prompts = args.prompt or [DEFAULT_PROMPT]
 
     sampling: dict[str, Any] = {"max_tokens": args.max_tokens}

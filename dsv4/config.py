@@ -100,6 +100,13 @@ class EngineConfig:
         if self.decode_backend == "latency_specialized" and self.model.v41 is None:
             raise ConfigError("decode_backend='latency_specialized' needs a DeepSeek-V4.1 checkpoint "
                               f"(this one is {self.model.model_type})")
+        if self.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError(f"device {self.device!r}: this torch ({torch.__version__}) "
+                                  f"{'sees no GPU' if torch.version.cuda else 'is a CPU-only build'}; use "
+                                  f"--device cpu, or install a CUDA build of torch")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -21,6 +21,7 @@ import math
 import os
 import shutil
 import string
+import sys
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -433,6 +434,8 @@ def default_model_dir() -> str:
     if os.path.isfile(os.path.join(final, "model.safetensors")):
         return final
     os.makedirs(root, exist_ok=True)
+    print(f"dsv4: first use: building the built-in random-weight {DEFAULT_PRESET} model in {final} "
+          f"(set $DSV4_HOME to move it)", file=sys.stderr)
     tmp = tempfile.mkdtemp(prefix=f".{DEFAULT_PRESET}-", dir=root)
     try:
         make_model(DEFAULT_PRESET, tmp, seed=0)

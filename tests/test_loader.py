@@ -364,6 +364,16 @@ def test_missing_unexpected_and_shape_in_one_error(tmp_path: Any, hf_dir: str, e
     assert "expert 3 w3" in msg
 
 
+def test_a_large_mismatch_lists_a_few_names_and_a_count(tmp_path: Any, hf_dir: str, expected: dict) -> None:
+    """A whole layer missing is a short message (the first few names, then how many more), not a line per tensor;
+    the exception keeps every name."""
+    t = {k: v for k, v in _hf_saved_tensors(hf_dir).items() if not k.startswith("model.layers.1.")}
+    err = _error(_write(tmp_path / "bad", t), expected)
+    assert len(err.missing) > 10
+    assert f"missing ({len(err.missing)})" in str(err) and f"... and {len(err.missing) - 5} more" in str(err)
+    assert len(str(err).splitlines()) <= 10
+
+
 @pytest.mark.parametrize("case", ["missing", "unexpected", "shape", "duplicate", "fp8_without_scale", "expert_shape"])
 def test_single_problem(tmp_path: Any, hf_dir: str, expected: dict, case: str) -> None:
     t = _hf_saved_tensors(hf_dir)

@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -302,9 +303,19 @@ def validate(cfg: ModelConfig) -> None:
         _require(0 <= e < cfg.vocab_size, "eos_token_id", f"{e} is outside the vocabulary [0, {cfg.vocab_size})")
 
 
+def hub_hint(model: str) -> str:
+    """For a model id that looks like a hub id (`org/name`) and is not a local path: how dsv4 takes checkpoints."""
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", model) and not os.path.exists(model):
+        return (" (dsv4 loads checkpoints from local directories and downloads nothing: fetch it first, e.g. "
+                f"`huggingface-cli download {model} --local-dir DIR`, then pass DIR)")
+    return ""
+
+
 def load_model_config(model_dir: str) -> ModelConfig:
     """Read `<model_dir>/config.json` and parse it."""
     path = os.path.join(model_dir, "config.json")
+    if not os.path.isdir(model_dir):
+        raise ConfigError(f"checkpoint directory {model_dir!r} does not exist{hub_hint(model_dir)}")
     if not os.path.isfile(path):
         raise ConfigError(f"no config.json in {model_dir!r}")
     try:

@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-_MAX_LISTED = 100  # per error category in the message; the exception attributes keep everything
+_MAX_LISTED = 5  # per error category in the message (then a count); the exception attributes keep everything
 
 Shape = tuple[int, ...]
 Expected = Mapping[str, "tuple[Shape, torch.dtype | None]"]

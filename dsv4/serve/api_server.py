@@ -29,6 +29,7 @@ from starlette.types import Receive, Scope, Send
 
 from dsv4.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from dsv4.engine.engine import LLMEngine, RequestError
+from dsv4.models.config import hub_hint
 from dsv4.outputs import RequestOutput
 from dsv4.sampling_params import SamplingParams
 from dsv4.serve.protocol import (APIError, ChatCompletionRequest, ChatFormat, ChoiceProgress, CompletionFormat,
@@ -342,7 +343,7 @@ def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000, api
         model, name = default_model_dir(), served_model_name or "tiny-v4"
     else:
         if not os.path.isdir(model):
-            raise FileNotFoundError(f"--model {model!r} is not a directory")
+            raise FileNotFoundError(f"--model {model!r} is not a directory{hub_hint(model)}")
         name = served_model_name or model
     device = engine_args.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = engine_args.pop("dtype", None) or ("bfloat16" if device.startswith("cuda") else "float32")

@@ -1,0 +1,55 @@
+"""First-use errors and messages of the `dsv4` command: each is one line naming what to do, not a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4 import __version__
+from dsv4.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.strip() == f"dsv4 {__version__}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a torch without CUDA")
+def test_cuda_device_without_cuda_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--device", "cuda", "--max-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "use --device cpu" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_hub_id_says_checkpoints_are_local(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--model", "deepseek-ai/DeepSeek-V4-Flash", "--prompt", "hi"]) == 2
+    assert "local directories" in capsys.readouterr().err
+    from dsv4 import LLM
+    from dsv4.models.config import ConfigError
+
+    with pytest.raises(ConfigError, match="local directories"):
+        LLM("deepseek-ai/DeepSeek-V4-Flash")
+
+
+def test_make_model_says_when_it_overwrites(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = str(tmp_path / "m")
+    assert main(["make-model", "--preset", "tiny-v4", "--out", out]) == 0
+    assert "overwritten" not in capsys.readouterr().err
+    assert main(["make-model", "--preset", "tiny-v4", "--out", out]) == 0
+    assert "is not empty" in capsys.readouterr().err
+
+
+def test_first_use_of_the_built_in_model_says_so(tmp_path: Path) -> None:
+    env = {**os.environ, "DSV4_HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+    code = "from dsv4.make_model import default_model_dir; default_model_dir(); default_model_dir()"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.count("first use: building the built-in") == 1  # once: the second call finds it
