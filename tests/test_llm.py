@@ -82,3 +82,14 @@ def test_bad_sampling_params_are_value_errors_naming_the_field(kwargs: dict, fie
 def test_booleans_are_not_token_ids(llm: LLM) -> None:
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[1, True, 3]], SamplingParams(max_tokens=2))
+
+
+def test_min_tokens_must_fit_and_leave_something_to_sample(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="`min_tokens` asks for 500 tokens"):
+        llm.generate(["a"], SamplingParams(max_tokens=None, min_tokens=500))  # max_model_len 128
+    everything = list(range(llm.engine.config.model.vocab_size))
+    with pytest.raises(ValueError, match="covers the whole vocabulary"):
+        llm.generate(["a"], SamplingParams(min_tokens=2, stop_token_ids=everything))
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate(["a"], SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=everything[:-1],
+                                                  ignore_eos=True))[0].outputs[0].token_ids) == 3

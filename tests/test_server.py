@@ -298,6 +298,7 @@ def test_errors_are_openai_shaped_and_leave_others_alone(server: Server) -> None
     assert status == 401 and body["error"]["type"] == "invalid_request_error"
     status, body = _post(server, "/v1/completions", b"{not json", {"Authorization": f"Bearer {KEY}"})
     assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["param"] is None  # not the character offset of the syntax error
     assert server.client().models.list().data  # still serving
 
 

@@ -114,6 +114,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None) -> None:
         config.validate()
         self.config, self.tokenizer = config, tokenizer
+        eos = set(config.model.eos_token_ids)  # the model's stop tokens and the tokenizer's
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self._eos = tuple(sorted(eos))
         torch.manual_seed(config.seed)
         dtype = _DTYPES[config.dtype]
         # every rank runs this same engine on the same requests (dsv4.distributed): decisions agree by determinism
@@ -235,6 +239,14 @@ class LLMEngine:
                 raise RequestError(f"token id {tok} in logit_bias/stop_token_ids is outside the vocabulary")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer")
+        room = max_len - len(prompt_ids)
+        if params.min_tokens > room:
+            raise RequestError(f"sampling parameter `min_tokens` asks for {params.min_tokens} tokens but the prompt "
+                               f"leaves room for {room} (max_model_len {max_len})")
+        masked = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self._eos))
+        if params.min_tokens and len(masked) >= vocab:  # below min_tokens the stop tokens are masked: none is left
+            raise RequestError("sampling parameter `stop_token_ids` covers the whole vocabulary, so `min_tokens` "
+                               "leaves nothing to sample")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     images: list[Any] | None = None) -> str:
@@ -263,9 +275,7 @@ class LLMEngine:
             except ValueError as e:
                 raise RequestError(str(e)) from None
         self._validate(prompt_ids, params)
-        eos = self.config.model.eos_token_ids
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos = tuple(sorted(set(eos) | {self.tokenizer.eos_token_id}))
+        eos = self._eos
         children = []
         for i in range(params.n):
             child_params = params

@@ -94,7 +94,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         errors = e.errors()
         first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        # a body that is not JSON names no field (its loc is a character offset)
+        loc = [] if first.get("type") == "json_invalid" else [str(p) for p in first.get("loc", ()) if p != "body"]
         message = "; ".join(f"{'.'.join(str(p) for p in err.get('loc', ()) if p != 'body')}: {err.get('msg')}"
                             for err in errors) or "invalid request"
         return reply(bad_request(message, loc[0] if loc else None))
