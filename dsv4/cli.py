@@ -60,7 +60,9 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     srv.add_argument("--api-key", default=os.environ.get("DSV4_API_KEY"),
-                     help="require `Authorization: Bearer KEY` on /v1 routes (default $DSV4_API_KEY)")
+                     help="require `Authorization: Bearer KEY` on /v1 and /metrics, and turn the API docs off "
+                          "(default $DSV4_API_KEY; --api-key-file keeps it out of the process list)")
+    srv.add_argument("--api-key-file", help="read the API key from this file (its first line)")
     srv.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA, else float32)")
     srv.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available)")
     srv.add_argument("--max-model-len", type=int, help="longest prompt + completion, in tokens")
@@ -187,6 +189,19 @@ def _generate(args: argparse.Namespace) -> None:
             print(completion.text)
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key-file, --api-key or $DSV4_API_KEY; an empty one is an error (it would lock every
+    client out, or look like protection that is not there)."""
+    key = args.api_key
+    if args.api_key_file is not None:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            key = f.readline().strip()
+    if key is not None and not key.strip():
+        raise ConfigError("the API key (--api-key, --api-key-file or $DSV4_API_KEY) is empty: set a key, or unset "
+                          "it to serve without one")
+    return key
+
+
 def _serve(args: argparse.Namespace) -> None:
     import logging
 
@@ -196,7 +211,7 @@ def _serve(args: argparse.Namespace) -> None:
     names = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
              "num_kv_blocks", "seed") + _GPU_ARGS
     engine_args = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
-    run_server(args.model, host=args.host, port=args.port, api_key=args.api_key,
+    run_server(args.model, host=args.host, port=args.port, api_key=_api_key(args),
                served_model_name=args.served_model_name, log_level=args.log_level.lower(), **engine_args)
 
 

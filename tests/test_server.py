@@ -61,9 +61,10 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def serve_process(model_dir: str, tmp: Path) -> Iterator[Server]:
     """`dsv4 serve` on a free loopback port until the block exits."""
-    port, log = _free_port(), tmp / "server.log"
-    cmd = [sys.executable, "-m", "dsv4.cli", "serve", "--model", model_dir, "--port", str(port), "--api-key", KEY,
-           "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--log-level", "warning"]
+    port, log, key_file = _free_port(), tmp / "server.log", tmp / "api-key"
+    key_file.write_text(KEY + "\n")  # from a file, as a deployment keeps it out of the process list
+    cmd = [sys.executable, "-m", "dsv4.cli", "serve", "--model", model_dir, "--port", str(port), "--api-key-file",
+           str(key_file), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--log-level", "warning"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with open(log, "wb") as out:  # a file, not a pipe: an unread pipe would block the server
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -100,7 +101,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 def _metrics(server: Server) -> dict[str, float]:
     """Prometheus samples by name; a `finished_reason` label is folded into the name (name:reason)."""
-    text = urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode()
+    req = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    text = urllib.request.urlopen(req, timeout=10).read().decode()
     out = {}
     for line in text.splitlines():
         m = re.match(r'^([\w:]+)(\{[^}]*\})? (\S+)$', line)
@@ -325,6 +327,26 @@ def test_unencodable_or_mistyped_input_is_a_clean_400(server: Server, path: str,
     assert reply["error"]["type"] == "invalid_request_error"
     assert "\ufffd" not in reply["error"]["message"]  # refused by name, not echoed with the bad character replaced
     assert server.client().models.list().data
+
+
+def test_with_a_key_only_health_is_open(server: Server) -> None:
+    """--api-key covers /metrics too and turns the API docs off; /health stays open for load balancers."""
+    assert urllib.request.urlopen(server.url + "/health", timeout=10).status == 200
+    for path in ("/metrics", "/docs", "/redoc", "/openapi.json"):
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(server.url + path, timeout=10)
+        assert info.value.code == (401 if path == "/metrics" else 404), path
+    assert "vllm:num_requests_running" in _metrics(server)
+
+
+def test_an_empty_api_key_is_an_error_at_start_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dsv4.cli import main
+
+    key_file = tmp_path / "key"
+    key_file.write_text("\n")
+    assert main(["serve", "--api-key", ""]) == 2
+    assert main(["serve", "--api-key-file", str(key_file)]) == 2
+    assert capsys.readouterr().err.count("is empty") == 2
 
 
 # ---- load, disconnects, metrics -----------------------------------------------------------------------------

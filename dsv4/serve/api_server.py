@@ -50,17 +50,11 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         yield
         await asyncio.to_thread(engine.shutdown)
 
-    app = FastAPI(title="dsv4", lifespan=lifespan)
+    # with a key, nothing but /health answers without it: the API docs are off, /metrics needs the key
+    docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="dsv4", lifespan=lifespan, **docs)
     server = _Server(engine, served_model_name)
     _install_error_handlers(app)
-
-    @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if engine.is_running else 503)
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def check_key(request: Request) -> None:
         if api_key is None:
@@ -69,6 +63,14 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         if not secrets.compare_digest(given, f"Bearer {api_key}".encode()):
             raise APIError(401, "Incorrect or missing API key: pass it as `Authorization: Bearer <key>`.",
                            code="invalid_api_key")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_running else 503)
+
+    @app.get("/metrics", dependencies=[Depends(check_key)])
+    async def metrics() -> Response:
+        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
     v1.add_api_route("/models", server.models, methods=["GET"])
