@@ -116,7 +116,7 @@ def _make_model(args: argparse.Namespace) -> None:
 
 _GPU_ARGS = ("enforce_eager", "gpu_memory_utilization", "encoder_cudagraphs", "compile_decode", "async_scheduling",
              "enable_prefix_caching", "swa_bounded_replay", "decode_backend", "tensor_parallel_size",
-             "expert_parallel", "quantization", "load_format")
+             "expert_parallel", "quantization", "load_format", "skip_tokenizer_init")
 
 
 def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
@@ -141,6 +141,8 @@ def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", choices=list(LOAD_FORMATS),
                         help="dummy: random weights of the checkpoint's layout, no weight files (config.json and "
                              "tokenizer only): for measuring full-size shapes (default auto)")
+    parser.add_argument("--skip-tokenizer-init", action="store_true", default=None,
+                        help="load no tokenizer: token-id prompts only (a checkpoint without tokenizer files)")
     parser.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
     parser.add_argument("--gpu-memory-utilization", type=float,
                         help="share of the GPU for weights, activations and the KV cache (default 0.9)")

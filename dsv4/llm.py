@@ -27,7 +27,8 @@ class LLM:
                  encoder_cudagraphs: bool = False, compile_decode: bool = False,
                  async_scheduling: bool | None = None, enable_prefix_caching: bool = True,
                  swa_bounded_replay: bool = True, decode_backend: str = "default", tensor_parallel_size: int = 1,
-                 expert_parallel: bool = False, quantization: str | None = None, load_format: str = "auto") -> None:
+                 expert_parallel: bool = False, quantization: str | None = None, load_format: str = "auto",
+                 skip_tokenizer_init: bool = False) -> None:
         if model is None:
             from dsv4.models.presets import default_model_dir
 
@@ -46,7 +47,8 @@ class LLM:
                                           enable_prefix_caching=enable_prefix_caching,
                                           swa_bounded_replay=swa_bounded_replay, decode_backend=decode_backend,
                                           tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel,
-                                          quantization=quantization, load_format=load_format)
+                                          quantization=quantization, load_format=load_format,
+                                          skip_tokenizer_init=skip_tokenizer_init)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],

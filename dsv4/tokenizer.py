@@ -122,7 +122,8 @@ class Tokenizer:
         """Load `<model_dir>/tokenizer.json` and (optionally) tokenizer_config.json and chat_template.jinja."""
         path = os.path.join(model_dir, "tokenizer.json")
         if not os.path.isfile(path):
-            raise TokenizerError(f"no tokenizer.json in {model_dir!r} (dsv4 needs a fast tokenizer file)")
+            raise TokenizerError(f"no tokenizer.json in {model_dir!r} (dsv4 needs a fast tokenizer file; "
+                                 f"--skip-tokenizer-init runs without one, on token ids only)")
         try:
             tok = _HFTokenizer.from_file(path)
         except Exception as e:  # the Rust error is the best description we have

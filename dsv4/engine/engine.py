@@ -191,7 +191,7 @@ class LLMEngine:
                   decode_backend: str = "default", tensor_parallel_size: int = 1,
                   expert_parallel: bool = False, parallel_init_timeout_s: float = 300.0,
                   follow_rank0: bool = False, quantization: str | None = None,
-                  load_format: str = "auto") -> "LLMEngine":
+                  load_format: str = "auto", skip_tokenizer_init: bool = False) -> "LLMEngine":
         """Build an engine from a checkpoint directory and the usual knobs (async_scheduling None: on for CUDA;
         quantization None / "auto": the checkpoint's format, "none": dequantize FP8 / FP4 weights at load)."""
         mc = load_model_config(model)
@@ -212,7 +212,8 @@ class LLMEngine:
                                     init_timeout_s=parallel_init_timeout_s, follow_rank0=follow_rank0),
             quant=quant, load_format=load_format,
         )
-        tok = Tokenizer.from_dir(model) if load_tokenizer else None
+        # skip_tokenizer_init (vLLM's name): token ids in and out, no tokenizer files needed
+        tok = Tokenizer.from_dir(model) if load_tokenizer and not skip_tokenizer_init else None
         return cls(cfg, tok)
 
     # ---- requests ------------------------------------------------------------------------------------
