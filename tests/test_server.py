@@ -341,6 +341,38 @@ def test_with_a_key_only_health_is_open(server: Server) -> None:
     assert "vllm:num_requests_running" in _metrics(server)
 
 
+def _raw_status(server: Server, head: bytes, body_parts: Iterator[bytes] = iter(())) -> int:
+    """Send a request head and then body parts over a raw socket, stopping when the server has answered or closed;
+    return the status the server answered with (a server may answer before reading the body)."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head)
+        try:
+            for part in body_parts:
+                sock.sendall(part)
+        except OSError:  # the server answered and closed while we were still sending
+            pass
+        reply = sock.recv(65536)
+    return int(reply.split(b" ", 2)[1])
+
+
+def test_key_before_body_and_a_body_limit(server: Server) -> None:
+    """Without the key a request is refused from its headers (401), before its body is sent; with the key, a body
+    over the limit (64 MiB by default) is a 413, by Content-Length or, chunked, once it grows past the limit; the
+    server keeps serving."""
+    def head(auth: bool, length: str) -> bytes:
+        key = f"Authorization: Bearer {KEY}\r\n" if auth else ""
+        return (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{key}"
+                f"{length}\r\n").encode()
+
+    assert _raw_status(server, head(False, f"Content-Length: {200 << 20}\r\n")) == 401  # no body sent at all
+    assert _raw_status(server, head(True, f"Content-Length: {65 << 20}\r\n")) == 413
+    chunk = b"y" * (1 << 20)
+    chunks = (b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(70))
+    assert _raw_status(server, head(True, "Transfer-Encoding: chunked\r\n"), chunks) == 413
+    assert server.client().models.list().data
+
+
 def test_an_empty_api_key_is_an_error_at_start_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from dsv4.cli import main
 

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -41,8 +41,55 @@ logger = logging.getLogger(__name__)
 
 # ---- the app ---------------------------------------------------------------------------------------------------
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving `engine` under `served_model_name`; /v1 routes need `api_key` when it is set."""
+DEFAULT_MAX_BODY_BYTES = 64 << 20  # a few data-URL images; --max-request-body-mb raises it
+
+
+class _Guard:
+    """ASGI middleware in front of the app: checks the API key of /v1 and /metrics from the headers, before a byte
+    of the body is read (a client without the key cannot make the server read 200 MB), and refuses a body larger
+    than `max_body` with 413, by its Content-Length or, for a chunked body, as soon as it grows past the limit."""
+
+    def __init__(self, app: Any, api_key: str | None, max_body: int) -> None:
+        self.app, self.api_key, self.max_body = app, api_key, max_body
+
+    async def _refuse(self, send: Send, e: APIError) -> None:
+        body = json.dumps(e.body()).encode()
+        await send({"type": "http.response.start", "status": e.status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        path = scope["path"]
+        if self.api_key is not None and (path.startswith("/v1") or path == "/metrics"):
+            if not secrets.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode()):
+                return await self._refuse(send, APIError(
+                    401, "Incorrect or missing API key: pass it as `Authorization: Bearer <key>`.",
+                    code="invalid_api_key"))
+        too_big = APIError(413, f"the request body exceeds {self.max_body} bytes (--max-request-body-mb)",
+                           type_="invalid_request_error")
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body:
+            return await self._refuse(send, too_big)
+        seen = 0
+
+        async def counted() -> Any:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_body:  # an HTTP error, which the app's handler answers with the OpenAI body
+                raise StarletteHTTPException(413, too_big.message)
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
+              max_body: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI app serving `engine` under `served_model_name`; /v1 and /metrics need `api_key` when it is set
+    (checked before the body is read); bodies above `max_body` bytes get 413."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -56,23 +103,17 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     server = _Server(engine, served_model_name)
     _install_error_handlers(app)
 
-    async def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "").encode()
-        if not secrets.compare_digest(given, f"Bearer {api_key}".encode()):
-            raise APIError(401, "Incorrect or missing API key: pass it as `Authorization: Bearer <key>`.",
-                           code="invalid_api_key")
+    app.add_middleware(_Guard, api_key=api_key, max_body=max_body)  # the key and the body size: see _Guard
 
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if engine.is_running else 503)
 
-    @app.get("/metrics", dependencies=[Depends(check_key)])
+    @app.get("/metrics")
     async def metrics() -> Response:
         return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    v1 = APIRouter(prefix="/v1")
     v1.add_api_route("/models", server.models, methods=["GET"])
     v1.add_api_route("/chat/completions", server.chat, methods=["POST"])
     v1.add_api_route("/completions", server.completions, methods=["POST"])
@@ -201,11 +242,15 @@ class _Server:
         req.check_supported()
         tok = self._tokenizer()
         messages, images = req.messages_for_template()
-        try:
-            rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
+
+        def render() -> tuple[str, list[int]]:
+            text = tok.apply_chat_template(messages, add_generation_prompt=True)
+            return text, tok.encode(text, add_special_tokens=False)  # the template already carries BOS
+
+        try:  # in a worker thread: a long body must not stall the event loop (and every other request) meanwhile
+            rendered, ids = await asyncio.to_thread(render)
         except TokenizerError as e:
             raise bad_request(str(e), "messages") from None
-        ids = tok.encode(rendered, add_special_tokens=False)  # the template already carries BOS
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         self._check_length(len(ids), max_tokens, "messages")
@@ -221,7 +266,7 @@ class _Server:
         prompts = []
         for p in req.prompts():
             if isinstance(p, str):
-                ids, text = self._tokenizer().encode(p), p
+                ids, text = await asyncio.to_thread(self._tokenizer().encode, p), p  # off the event loop
             else:
                 ids = list(p)
                 text = self.engine.tokenizer.decode(ids) if req.echo and self.engine.tokenizer else ""
@@ -335,7 +380,8 @@ async def _stream_chunks(jobs: list[_Job], params: SamplingParams, fmt: Response
 # ---- running it ------------------------------------------------------------------------------------------------
 
 def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-               served_model_name: str | None = None, log_level: str = "info", **engine_args: Any) -> None:
+               served_model_name: str | None = None, log_level: str = "info",
+               max_body: int = DEFAULT_MAX_BODY_BYTES, **engine_args: Any) -> None:
     """Build the engine (without `model`, the built-in default model), then serve until interrupted."""
     import torch
     import uvicorn
@@ -363,7 +409,7 @@ def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000, api
     logger.info("serving %s as %r on http://%s:%d (max_model_len %d)", model, name, host, port,
                 engine.max_model_len)
     try:
-        uvicorn.run(build_app(engine, name, api_key), host=host, port=port, log_level=log_level,
+        uvicorn.run(build_app(engine, name, api_key, max_body), host=host, port=port, log_level=log_level,
                     timeout_graceful_shutdown=5)
     finally:  # (the app's lifespan stopped the engine thread already, unless the server never started)
         engine.shutdown()
