@@ -373,6 +373,28 @@ def test_key_before_body_and_a_body_limit(server: Server) -> None:
     assert server.client().models.list().data
 
 
+def test_a_huge_prompt_does_not_stall_the_others(server: Server) -> None:
+    """Tokenizing a 10 MB chat body runs off the event loop: /health answers meanwhile (it took 7 s when the
+    tokenizer ran on the loop)."""
+    import threading
+
+    body = json.dumps({"messages": [{"role": "user", "content": "fox jumps " * (1 << 20)}], "max_tokens": 2})
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(_post(server, "/v1/chat/completions", body.encode(),
+                                                            {"Authorization": f"Bearer {KEY}"})[0]))
+    t.start()
+    time.sleep(0.5)  # the body is being tokenized
+    worst = 0.0
+    while t.is_alive():
+        t0 = time.monotonic()
+        assert urllib.request.urlopen(server.url + "/health", timeout=30).status == 200
+        worst = max(worst, time.monotonic() - t0)
+        time.sleep(0.05)
+    t.join()
+    assert result == [400]  # far over the context, refused once counted
+    assert worst < 1.0, worst
+
+
 def test_an_empty_api_key_is_an_error_at_start_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from dsv4.cli import main
 
