@@ -15,8 +15,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dsv4.models.loader import (CheckpointError, canonical_name, dequantize, expected_from_module, keeps_fp32,
-                                load_into_module, load_weights, param_dtype, unpack_fp4)
+from dsv4.models.build import build_model
+from dsv4.models.config import load_model_config
+from dsv4.models.loader import (CheckpointError, all_finite, canonical_name, dequantize, expected_from_module,
+                                keeps_fp32, load_into_module, load_weights, param_dtype, unpack_fp4)
 from hf_reference import build_hf_model, save_hf_model, tiny_config
 
 FP8_MAX = 448.0
@@ -372,6 +374,21 @@ def test_a_large_mismatch_lists_a_few_names_and_a_count(tmp_path: Any, hf_dir: s
     assert len(err.missing) > 10
     assert f"missing ({len(err.missing)})" in str(err) and f"... and {len(err.missing) - 5} more" in str(err)
     assert len(str(err).splitlines()) <= 10
+
+
+def test_nan_and_inf_weights_are_named_at_load(tmp_path: Any, hf_dir: str, expected: dict,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    t = _hf_saved_tensors(hf_dir)
+    t["model.layers.0.attn.wq_a.weight"][3, 5] = float("nan")
+    t["model.layers.2.ffn.experts.1.w2.weight"][0, 0] = float("inf")
+    d = _write(tmp_path / "nan", t)
+    module = build_model(load_model_config(hf_dir), None, torch.float32, "cpu")
+    with pytest.raises(CheckpointError, match="2 tensors hold NaN or infinite values") as info:
+        load_into_module(module, d)
+    assert info.value.other == ["model.layers.0.self_attn.q_a_proj.weight", "model.layers.2.mlp.experts.down_proj"]
+    load_into_module(module, d, check_finite=False)  # skippable
+    fp8 = torch.tensor([1.0, -2.0, 448.0]).to(torch.float8_e4m3fn)
+    assert all_finite(fp8) and not all_finite(torch.cat([fp8, torch.tensor([0x7F], dtype=torch.uint8).view(fp8.dtype)]))
 
 
 @pytest.mark.parametrize("case", ["missing", "unexpected", "shape", "duplicate", "fp8_without_scale", "expert_shape"])

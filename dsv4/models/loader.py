@@ -776,7 +776,8 @@ def load_into_module(module: nn.Module, model_dir: str, route_fn: Callable[[str]
                      experts: tuple[int, int] | None = None,
                      spans: dict[str, tuple[int, int, int]] | None = None,
                      dummy_layout: Mapping[str, tuple[Shape, torch.dtype]] | None = None,
-                     dummy_int_high: int = 1) -> None:
+                     dummy_int_high: int = 1,
+                     check_finite: bool = os.environ.get("DSV4_SKIP_FINITE_CHECK", "0") != "1") -> None:
     """Fill `module`'s parameters and persistent buffers in place from the checkpoint, tensor by tensor, each in
     the dtype and on the device it already has (build the module with `param_dtype`). Every state-dict entry must
     be in the checkpoint (V4 never ties `lm_head` to the embedding, so tied weights are not handled).
@@ -784,7 +785,9 @@ def load_into_module(module: nn.Module, model_dir: str, route_fn: Callable[[str]
     `spans`: {internal name: (dim, a, b)}: those tensors hold [a, b) along dim only (the vocabulary-parallel
     embedding and head, the attention heads of a tensor-parallel rank), read by slice.
     `dummy_layout`: no weight files; random tensors of this checkpoint layout {name: (shape, stored dtype)} are
-    drawn on the module's device (load_format "dummy"; integer tables below `dummy_int_high`)."""
+    drawn on the module's device (load_format "dummy"; integer tables below `dummy_int_high`).
+    `check_finite`: refuse a checkpoint whose tensors hold NaN or infinities, naming them (one pass over the weights
+    as they are loaded; `DSV4_SKIP_FINITE_CHECK=1` turns it off)."""
     if experts is not None:
         route_fn = expert_shard_route(route_fn, *experts)
     if spans:
@@ -796,6 +799,31 @@ def load_into_module(module: nn.Module, model_dir: str, route_fn: Callable[[str]
     if dummy_layout is not None:
         device = next(iter(targets.values())).device if targets else torch.device("cpu")
         dummy = _DummyFiles(device, dummy_int_high)
+    bad: list[str] = []
     for name, tensor in _iterate(plan, list(targets), lambda n: targets[n].dtype, lambda n: targets[n].device,
                                  dummy):
         targets[name].copy_(tensor)
+        if check_finite and dummy is None and not all_finite(targets[name]):
+            bad.append(name)
+    if bad:
+        shown = ", ".join(bad[:_MAX_LISTED]) + (f" ... and {len(bad) - _MAX_LISTED} more" if len(bad) > _MAX_LISTED
+                                                 else "")
+        raise CheckpointError(f"checkpoint {model_dir}: {len(bad)} tensors hold NaN or infinite values: {shown} "
+                              f"(a corrupt or badly converted checkpoint; DSV4_SKIP_FINITE_CHECK=1 loads it anyway)",
+                              other=bad)
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or infinity in `t`: float tensors, and FP8 e4m3 by its bit patterns (0x7F / 0xFF are its NaNs; it has
+    no infinity); integer tensors (FP4 pairs, UE8M0 scales, ids) have no such values to check. In chunks, so the
+    check never holds a mask of a whole multi-GB tensor."""
+    flat = t.reshape(-1)
+    step = 1 << 26
+    for i in range(0, flat.numel(), step):
+        part = flat[i: i + step]
+        if part.dtype == torch.float8_e4m3fn:
+            if ((part.view(torch.uint8) & 0x7F) == 0x7F).any():
+                return False
+        elif part.is_floating_point() and not torch.isfinite(part).all():
+            return False
+    return True
