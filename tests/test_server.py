@@ -395,6 +395,35 @@ def test_a_huge_prompt_does_not_stall_the_others(server: Server) -> None:
     assert worst < 1.0, worst
 
 
+def test_fan_out_caps(server: Server) -> None:
+    """A request of more sequences than the per-request cap (prompts x n) is a 400 before anything is tokenized or
+    queued (500 prompts x n=128 queued 64,000 sequences before); a request within the caps runs."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    status, body = _post(server, "/v1/completions", json.dumps(
+        {"prompt": ["fox"] * 500, "n": 128, "max_tokens": 2}).encode(), auth)
+    assert status == 400 and "64000 sequences" in body["error"]["message"] and body["error"]["param"] == "prompt"
+    status, body = _post(server, "/v1/chat/completions", json.dumps(
+        {"messages": MESSAGES, "n": 100, "max_tokens": 2}).encode(), auth)
+    assert status == 200  # within the caps
+    assert _metrics(server)["vllm:num_requests_waiting"] == 0
+
+
+def test_a_full_queue_answers_503_with_retry_after() -> None:
+    """The server's capacity check against a stub engine whose waiting gauge is at the cap."""
+    from types import SimpleNamespace
+
+    from dsv4.serve import api_server
+    from dsv4.serve.protocol import APIError
+
+    gauge = SimpleNamespace(value=float(api_server.MAX_WAITING))
+    srv = api_server._Server(SimpleNamespace(metrics=SimpleNamespace(waiting=gauge)), "m")
+    with pytest.raises(APIError) as info:
+        srv._check_capacity(1, 1)
+    assert info.value.status == 503 and info.value.headers == {"Retry-After": "1"}
+    gauge.value = 0.0
+    srv._check_capacity(1, 1)
+
+
 def test_an_empty_api_key_is_an_error_at_start_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from dsv4.cli import main
 

@@ -42,6 +42,8 @@ logger = logging.getLogger(__name__)
 # ---- the app ---------------------------------------------------------------------------------------------------
 
 DEFAULT_MAX_BODY_BYTES = 64 << 20  # a few data-URL images; --max-request-body-mb raises it
+MAX_SEQS_PER_REQUEST = 1024  # prompts x n of one request
+MAX_WAITING = 4096  # sequences waiting for the engine before new requests get 503
 
 
 class _Guard:
@@ -127,7 +129,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     def reply(e: APIError) -> JSONResponse:
         # a message that quotes unencodable input (a lone surrogate) must still leave as JSON, not as a 500
         e.message = e.message.encode("utf-8", "replace").decode("utf-8")
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError) -> JSONResponse:
@@ -220,6 +222,17 @@ class _Server:
                               f"completion). Please reduce the prompt or the completion length.", "max_tokens",
                               "context_length_exceeded")
 
+    def _check_capacity(self, num_prompts: int, n: int) -> None:
+        """Fan-out caps (as vLLM has): one request brings at most MAX_SEQS_PER_REQUEST sequences (prompts x n,
+        400), and none is taken while MAX_WAITING sequences already wait for the engine (503 with Retry-After): a
+        flood waits in the client, not as thousands of queued sequences the server must walk and abort."""
+        if num_prompts * n > MAX_SEQS_PER_REQUEST:
+            raise bad_request(f"this request asks for {num_prompts * n} sequences ({num_prompts} prompts x n={n}); "
+                              f"the limit is {MAX_SEQS_PER_REQUEST} per request", "n" if num_prompts == 1 else "prompt")
+        if self.engine.metrics.waiting.value + num_prompts * n > MAX_WAITING:
+            raise APIError(503, f"the server is busy ({int(self.engine.metrics.waiting.value)} sequences waiting); "
+                                f"retry shortly", type_="server_error", headers={"Retry-After": "1"})
+
     async def _start(self, prompts: list[tuple[list[int], str]], params: SamplingParams,
                      request_id: str, images: list[str] | None = None) -> list[_Job]:
         """Add every prompt to the engine; if one is refused, abort the others and answer 400."""
@@ -240,6 +253,7 @@ class _Server:
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
         req.check_supported()
+        self._check_capacity(1, req.n)
         tok = self._tokenizer()
         messages, images = req.messages_for_template()
 
@@ -263,8 +277,10 @@ class _Server:
         self._check_model(req.model)
         req.check_supported()
         params = req.sampling_params(req.max_tokens, req.logprobs)
+        batch = req.prompts()
+        self._check_capacity(len(batch), req.n)  # before tokenizing a batch that will not be taken
         prompts = []
-        for p in req.prompts():
+        for p in batch:
             if isinstance(p, str):
                 ids, text = await asyncio.to_thread(self._tokenizer().encode, p), p  # off the event loop
             else:

@@ -31,9 +31,10 @@ class APIError(Exception):
     """An error returned to the client as OpenAI's `{"error": {message, type, param, code}}` body."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers  # extra response headers (Retry-After of a 503)
 
     def body(self) -> dict[str, Any]:
         """The JSON body OpenAI clients parse into their exceptions."""
