@@ -36,7 +36,7 @@ from dsv4.models.config import parse_config_dict
 from dsv4.models.presets import (CONFIG_ONLY_PRESETS, LARGE_PRESETS, TOKENIZER_VOCAB_SIZE, VISION_PRESETS,
                                  preset_config, preset_dtype, tensor_shapes, text_config, vision_tensor_shapes)
 from dsv4.quant.config import QuantConfig
-from dsv4.quant.released import release_quant, released_config, write_released
+from dsv4.quant.released import release_quant, released_config, write_released, write_sharded
 from dsv4.models.vision import parse_vision_config
 
 # Bump when anything make_model writes changes, so cached default models are rebuilt.
@@ -268,7 +268,6 @@ def random_weights(config: dict, seed: int = 0, dtype: str = "float32", vision: 
 # ---- streamed writer (large presets) ---------------------------------------------------------------------------
 DEFAULT_SHARD_BYTES = 4 << 30  # safetensors shards of at most 4 GiB (a larger single tensor gets a shard of its own)
 _CHUNK_ELEMENTS = 1 << 26  # draw at most 64M values at a time: 128 MB in bf16, whatever the tensor size
-_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64"}
 
 
 def _chunk_generator(seed: int, name: str, chunk: int, device: torch.device) -> torch.Generator:
@@ -318,42 +317,20 @@ def write_random_safetensors(config: dict[str, Any], out_dir: str, seed: int = 0
     model-0000i-of-0000n.safetensors plus model.safetensors.index.json when the total exceeds `max_shard_bytes`.
     Returns the files written.
 
-    Peak memory is a few chunks, not the checkpoint. The values depend on (seed, device): a GPU draws other
+    Peak memory is one tensor (drawn in chunks), not the checkpoint. The values depend on (seed, device): a GPU draws
+    other
     numbers than the CPU from the same seed."""
     cfg = parse_config_dict(config)
     shapes = _checkpoint_shapes(config, dtype, vision)
     init = _init_v41 if cfg.v41 is not None else _init_v4
     dev = torch.device(device)
-    shards = _plan_shards(shapes, max_shard_bytes)
-    files = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
-    weight_map: dict[str, str] = {}
-    total = 0
-    for file, names in zip(files, shards):
-        # Wider dtypes first, so every tensor starts at a multiple of its item size (as safetensors' own writer).
-        names = sorted(names, key=lambda n: -shapes[n][1].itemsize)
-        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-        offset = 0
-        for name in names:
-            shape, dt = shapes[name]
-            size = math.prod(shape) * dt.itemsize
-            header[name] = {"dtype": _ST_DTYPE[dt], "shape": list(shape), "data_offsets": [offset, offset + size]}
-            offset += size
-            weight_map[name] = file
-        total += offset
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # the data must start 8-byte aligned
-        with open(os.path.join(out_dir, file), "wb") as f:
-            f.write(len(raw).to_bytes(8, "little"))
-            f.write(raw)
-            for name in names:
-                shape, dt = shapes[name]
-                for part in _stream_tensor(name, shape, dt, init(name), seed, cfg.n_routed_experts, dev):
-                    f.write(part.reshape(-1).view(torch.uint8).numpy().data)
-    if len(files) > 1:
-        _write_json(os.path.join(out_dir, "model.safetensors.index.json"),
-                    {"metadata": {"total_size": total}, "weight_map": weight_map})
-    return files
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:  # one tensor in memory at a time, drawn in chunks
+        for name, (shape, dt) in shapes.items():
+            parts = list(_stream_tensor(name, shape, dt, init(name), seed, cfg.n_routed_experts, dev))
+            yield name, parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    return write_sharded(shapes, tensors(), out_dir, max_shard_bytes)
 
 
 def _write_json(path: str, obj: dict) -> None:

@@ -688,16 +688,17 @@ def _materialize(t: _Target, files: _Files, device: torch.device, dtype: torch.d
 
 # ---- dummy weights (load_format "dummy") --------------------------------------------------------------------
 DUMMY_FILE = "<dummy>"
-_ST_NAMES = {torch.float8_e4m3fn: "F8_E4M3", torch.int8: "I8", torch.uint8: "U8", torch.bfloat16: "BF16",
-             torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
+# torch dtype <-> safetensors dtype name (the dummy layouts here, the released writer's headers)
+SAFETENSORS_DTYPES = {torch.float8_e4m3fn: "F8_E4M3", torch.int8: "I8", torch.uint8: "U8", torch.bfloat16: "BF16",
+                      torch.float16: "F16", torch.float32: "F32", torch.int64: "I64"}
 if hasattr(torch, "float8_e8m0fnu"):
-    _ST_NAMES[torch.float8_e8m0fnu] = "F8_E8M0"
-_ST_TORCH = {v: k for k, v in _ST_NAMES.items()}
+    SAFETENSORS_DTYPES[torch.float8_e8m0fnu] = "F8_E8M0"
+_ST_TORCH = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 def dummy_infos(layout: Mapping[str, tuple[Shape, torch.dtype]]) -> dict[str, _Info]:
     """A checkpoint's tensors as the loader sees them, from a layout {name: (shape, dtype)} with no files."""
-    return {k: _Info(DUMMY_FILE, tuple(shape), _ST_NAMES[dt]) for k, (shape, dt) in layout.items()}
+    return {k: _Info(DUMMY_FILE, tuple(shape), SAFETENSORS_DTYPES[dt]) for k, (shape, dt) in layout.items()}
 
 
 class _DummyFiles:

@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import save_file
 
 from dsv4.models.config import ModelConfig, parse_config_dict
-from dsv4.models.loader import v4_original_names
+from dsv4.models.loader import SAFETENSORS_DTYPES, v4_original_names
 from dsv4.models.presets import disk_dtype, tensor_shapes, text_config
 from dsv4.quant.config import QuantConfig
 from dsv4.quant.formats import MX_BLOCK, quantize_fp8, quantize_mxfp4
@@ -206,8 +206,6 @@ def quantize_released(name: str, t: torch.Tensor, cfg: ModelConfig, qcfg: QuantC
 
 
 # ---- write -------------------------------------------------------------------------------------------------------
-_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int64: "I64",
-             torch.int8: "I8", torch.uint8: "U8", torch.float8_e4m3fn: "F8_E4M3", E8M0: "F8_E8M0"}
 
 
 def released_config(config: dict[str, Any], qcfg: QuantConfig) -> dict[str, Any]:
@@ -271,7 +269,7 @@ def write_sharded(layout: Layout, tensors: Iterator[tuple[str, torch.Tensor]], o
         for name in names:
             shape, dt = layout[name]
             size = math.prod(shape) * dt.itemsize
-            header[name] = {"dtype": _ST_DTYPE[dt], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dt], "shape": list(shape), "data_offsets": [offset, offset + size]}
             weight_map[name] = file
             offset += size
         total += offset
