@@ -13,6 +13,7 @@ and the model-dtype pass of `dsv4.models.build`.
 from __future__ import annotations
 
 import logging
+
 import torch
 from torch import nn
 
