@@ -10,7 +10,9 @@ _GREEDY_EPS = 1e-5
 _OPTIONAL_INTS = ("max_tokens", "logprobs", "seed")  # None allowed
 
 
-def _encodable(text: str) -> bool:
+def is_valid_unicode(text: str) -> bool:
+    """Whether `text` encodes to UTF-8: a lone surrogate (which JSON's \\u escapes and Python strings can carry)
+    cannot be tokenized or echoed back, so every entry point refuses it, without quoting it."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
@@ -119,7 +121,7 @@ class SamplingParams:
             raise bad("seed", "must fit in 64 bits")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("sampling parameter `stop` must be non-empty strings")
-        if any(not _encodable(s) for s in self.stop):
+        if any(not is_valid_unicode(s) for s in self.stop):
             raise SamplingParamsError("sampling parameter `stop` must be valid Unicode text (a lone surrogate)")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise SamplingParamsError("sampling parameter `stop_token_ids` must be non-negative integers")

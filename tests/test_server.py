@@ -314,6 +314,7 @@ def test_errors_are_openai_shaped_and_leave_others_alone(server: Server) -> None
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud800"]}'),
     ("/v1/completions", '{"prompt": "x\\ud800", "max_tokens": 2}'),
     ("/v1/completions", '{"prompt": ["ok", "\\udc00"], "max_tokens": 2}'),
+    ("/v1/completions", '{"prompt": "ok", "\\ud800": 1}'),  # a key, at the top level
     ("/v1/chat/completions", '{"messages": [{"role": 5, "content": "hi"}], "max_tokens": 2}'),
     ("/v1/chat/completions", '{"messages": [{"content": "hi"}], "max_tokens": 2}'),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}'),

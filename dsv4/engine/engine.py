@@ -29,7 +29,7 @@ from dsv4.quant.config import load_quant_config
 from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
 from dsv4.runtime.kv_cache import kv_cache_bytes
 from dsv4.runtime.runner import ModelRunner, PendingOutput
-from dsv4.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
+from dsv4.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError, is_valid_unicode
 from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
 from dsv4.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -71,15 +71,6 @@ class _UserRequest:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
-
-
-def _check_text(text: str, what: str) -> None:
-    """Refuse text that is not valid Unicode (a lone surrogate cannot be encoded, so it cannot be tokenized), without
-    echoing it."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise RequestError(f"{what} is not valid Unicode text (a lone surrogate at character {e.start})") from None
 
 
 def default_num_blocks(config: EngineConfig) -> int:
@@ -259,7 +250,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("a text prompt needs a tokenizer; pass prompt_token_ids")
-            _check_text(prompt, "the prompt")
+            if not is_valid_unicode(prompt):
+                raise RequestError("the prompt is not valid Unicode text (a lone surrogate)")
             text, prompt_ids = prompt, self.tokenizer.encode(prompt)
         elif isinstance(prompt, (list, tuple)):
             text, prompt_ids = None, list(prompt)

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from dsv4.engine.stop import stop_hold_back
 from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
 from dsv4.engine.multimodal import split_chat_images
-from dsv4.sampling_params import SamplingParams, SamplingParamsError
+from dsv4.sampling_params import SamplingParams, SamplingParamsError, is_valid_unicode
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 
@@ -50,21 +50,15 @@ def _unencodable(value: Any, path: str) -> str | None:
     """The path of the first string in a JSON value that is not valid Unicode (a lone surrogate, which JSON's \\u
     escapes can carry but UTF-8 cannot encode: tokenizing or echoing it would fail), or None."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return path
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            found = _unencodable(k, path) or _unencodable(v, f"{path}.{k}" if path else str(k))
-            if found:
-                return found
+        return None if is_valid_unicode(value) else path
+    if isinstance(value, dict):
+        items = [(k, path) for k in value] + [(v, f"{path}.{k}" if path else str(k)) for k, v in value.items()]
     elif isinstance(value, list):
-        for i, v in enumerate(value):
-            found = _unencodable(v, f"{path}[{i}]")
-            if found:
-                return found
-    return None
+        items = [(v, f"{path}[{i}]") for i, v in enumerate(value)]
+    else:
+        return None
+    # (a bad top-level key has the empty path: compare with None, not by truth)
+    return next((found for v, p in items if (found := _unencodable(v, p)) is not None), None)
 
 
 class _Request(BaseModel):
