@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 
 from dsv4 import LLM, SamplingParams
-from dsv4.bench.latency import (decode_floor, decode_floor_bytes, expected_distinct_experts, floor_quantization,
-                                mean_decode_floor)
+from dsv4.bench.latency import decode_floor, decode_floor_bytes, expected_distinct_experts, mean_decode_floor
 from dsv4.cli import main
+from dsv4.quant.config import load_quant_config
 from dsv4.make_model import make_model, synthetic_tokenizer
 from dsv4.models.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig, load_model_config, parse_config_dict
 from dsv4.models.engram import EngramLayout, build_compressed_token_map
@@ -390,8 +390,8 @@ def test_bench_latency_floor_follows_the_quantization(tiny_v4: str, tmp_path: Pa
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     # the floor assumes the weight format the engine runs: the checkpoint's quantization_config unless overridden
     released = make_model("tiny-v4", str(tmp_path / "rel"), seed=0, quant="released")
-    assert floor_quantization(released) == V4_RELEASE and floor_quantization(released, "none") is None
-    assert floor_quantization(tiny_v4) is None
+    assert load_quant_config(released) == V4_RELEASE and load_quant_config(released, "none") is None
+    assert load_quant_config(tiny_v4) is None
     out = tmp_path / "lat.json"
     argv = ["bench", "latency", "--model", released, "--batch-size", "2", "--input-len", "8", "--output-len", "3",
             "--num-iters", "1", "--num-iters-warmup", "0", "--device", "cpu", "--copy-bytes", str(1 << 20),

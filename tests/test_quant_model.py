@@ -14,7 +14,6 @@ import math
 import os
 
 import pytest
-import torch
 from safetensors import safe_open
 
 from dsv4 import LLM, SamplingParams

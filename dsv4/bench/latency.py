@@ -18,10 +18,8 @@ import contextlib
 import argparse
 import gc
 import inspect
-import json
 import logging
 import math
-import os
 import platform
 import random
 import statistics
@@ -38,7 +36,7 @@ from dsv4.distributed import split_over_ranks
 from dsv4.models.config import CSA, ModelConfig, load_model_config
 from dsv4.models.presets import tensor_shapes
 from dsv4.config import LOAD_FORMATS
-from dsv4.quant.config import QUANTIZATION_CHOICES, QuantConfig, resolve_quantization
+from dsv4.quant.config import QUANTIZATION_CHOICES, QuantConfig
 from dsv4.quant.released import quant_kind, stored_nbytes
 
 logger = logging.getLogger(__name__)
@@ -169,14 +167,6 @@ def decode_floor_bytes(cfg: ModelConfig, batch: int, ctx_len: int, dtype: str | 
                        quant: QuantConfig | None = None) -> float:
     """`decode_floor(cfg, batch, ctx_len, dtype, quant=quant).total`: bytes a decode step must read."""
     return decode_floor(cfg, batch, ctx_len, dtype, quant=quant).total
-
-
-def floor_quantization(model_dir: str, requested: str | None = None) -> QuantConfig | None:
-    """The weight format the engine runs the checkpoint in `model_dir` with, for the floor: its config.json's
-    `quantization_config` (`parse_quant_config`) under the engine's `quantization` switch (`requested`: None/"auto"
-    = what the checkpoint says, "none" = dequantized at load)."""
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        return resolve_quantization(requested, json.load(f))
 
 
 def mean_decode_floor(cfg: ModelConfig, batch: int, input_len: int, output_len: int, dtype: str, world: int = 1,
@@ -362,7 +352,7 @@ def build_engine(args: argparse.Namespace, device: str, dtype: str) -> tuple[Any
     if args.tensor_parallel_size > 1:  # under torchrun, one process per GPU
         kwargs.update(tensor_parallel_size=args.tensor_parallel_size, expert_parallel=args.expert_parallel)
     knobs, ignored = engine_knobs(LLMEngine.from_args, args.enforce_eager, args.gpu_memory_utilization)
-    if args.quantization is not None:  # the floor assumes the same format (floor_quantization)
+    if args.quantization is not None:
         kwargs["quantization"] = args.quantization
     if args.load_format != "auto":
         kwargs["load_format"] = args.load_format
@@ -523,6 +513,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         md_times += [s.md_host_s for s in steps if s.decode]
         prefill_times.append(sum(s.seconds for s in steps if not s.decode))  # the batch's prefill step(s)
         e2e.append(sum(s.seconds for s in steps))
+    quant = engine.config.quant  # the weight format the engine runs, for the floor
     held = {"model_load_s": engine.model_load_s, "weight_bytes_on_device": weight_bytes(engine),
             "max_memory_allocated": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     del engine
@@ -533,8 +524,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stats = summarize(decode_steps)
     # several GPUs read their shares at the same time: the floor is what one of them reads over its bandwidth
     world = max(1, args.tensor_parallel_size)
-    # the weight format the engine runs: the checkpoint's, unless --quantization says otherwise
-    quant = floor_quantization(args.model, getattr(args, "quantization", None))
     floor = mean_decode_floor(cfg, b, i, o, dtype, world, quant)
     copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
     bandwidth = measure_copy_bandwidth(device, copy_bytes)

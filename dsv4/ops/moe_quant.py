@@ -359,7 +359,7 @@ def expert_gemv_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_d
     """`expert_gemv_q_torch` in one launch: a program per (row, block of outputs) decoding its expert's bytes in
     registers. Fixed shapes, no host sync (CUDA-graph capturable)."""
     assert triton is not None, "triton is not installed"
-    R, (E, N, K) = idx.numel(), w.shape
+    R, (N, K) = idx.numel(), w.shape[1:]
     out = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R:
         data, scale, fmt = _kernel_args(w)
