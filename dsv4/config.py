@@ -11,6 +11,7 @@ from dsv4.quant.config import QuantConfig
 DTYPES = ("float32", "bfloat16", "float16")
 DECODE_BACKENDS = ("default", "latency_specialized")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+SCHEDULING_POLICIES = ("fair", "fcfs")
 
 
 @dataclass(frozen=True)
@@ -26,8 +27,16 @@ class SchedulerConfig:
     # CUDA unless told otherwise (as vLLM does): on an H200 it cuts a batch-1 decode step by 25-30%. On the CPU the
     # "device" work runs on the host thread, so there is nothing to overlap and it stays off.
     async_scheduling: bool = False
+    # Who gets the running slots (dsv4.engine.scheduler). "fair": the sequences of a request (its n samples)
+    # share the slots with the other requests: while others wait, a request holding more slots than its share
+    # gives one up (preempted, recomputed later), so a short request is not stuck behind a large fan-out.
+    # "fcfs": strict arrival order over sequences, as vLLM's default. Alike while a single request is active.
+    scheduling_policy: str = "fair"
 
     def validate(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ConfigError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
+                              f"{self.scheduling_policy!r}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -182,7 +182,8 @@ class LLMEngine:
                   decode_backend: str = "default", tensor_parallel_size: int = 1,
                   expert_parallel: bool = False, parallel_init_timeout_s: float = 300.0,
                   follow_rank0: bool = False, quantization: str | None = None,
-                  load_format: str = "auto", skip_tokenizer_init: bool = False) -> "LLMEngine":
+                  load_format: str = "auto", skip_tokenizer_init: bool = False,
+                  scheduling_policy: str = "fair") -> "LLMEngine":
         """Build an engine from a checkpoint directory and the usual knobs (async_scheduling None: on for CUDA;
         quantization None / "auto": the checkpoint's format, "none": dequantize FP8 / FP4 weights at load)."""
         mc = load_model_config(model)
@@ -193,7 +194,8 @@ class LLMEngine:
             model_dir=model, model=mc,
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
                                       max_model_len=max_model_len,
-                                      async_scheduling=default_async_scheduling(device, async_scheduling)),
+                                      async_scheduling=default_async_scheduling(device, async_scheduling),
+                                      scheduling_policy=scheduling_policy),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               enable_prefix_caching=enable_prefix_caching, swa_bounded_replay=swa_bounded_replay),
             dtype=dtype, device=device, seed=seed, enforce_eager=enforce_eager,
@@ -276,7 +278,8 @@ class LLMEngine:
                 child_params = SamplingParams(**{**_params_fields(params), "n": 1,
                                                  "seed": None if params.seed is None else params.seed + i})
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(child_id, list(prompt_ids), child_params, eos_token_ids=eos, images=image_inputs)
+            req = Request(child_id, list(prompt_ids), child_params, eos_token_ids=eos, group_id=request_id,
+                          images=image_inputs)
             detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
                      if self.tokenizer is not None else None)
             children.append(_Child(req, detok, logprobs=[] if params.logprobs is not None else None,

@@ -46,6 +46,9 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
+    # The user request this sequence samples for (the engine fans `n > 1` out into one Request per sample); the
+    # "fair" scheduling policy shares running slots between groups, not sequences. "" (default): its own group.
+    group_id: str = ""
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -63,6 +66,10 @@ class Request:
     replay_start: int = 0
     replay_end: int = 0
     prefix_keys: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.group_id:
+            self.group_id = self.req_id
 
     @property
     def num_prompt_tokens(self) -> int:

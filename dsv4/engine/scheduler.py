@@ -6,6 +6,16 @@ most recently admitted running request is preempted: its blocks are freed and it
 waiting queue, to be recomputed from scratch (prompt + tokens generated so far) when there is room again. Then
 waiting requests are admitted in FIFO order while budget, sequence slots and blocks last.
 
+Fair share between requests (`SchedulerConfig.scheduling_policy = "fair"`, the default). The engine fans a request
+with `n` samples out into n sequences of one group (`Request.group_id`); FIFO over sequences would let one
+request with n = 64 take every running slot, and a later short request would wait for all 64 to finish. So slots
+are shared between groups, max-min fair: admission serves the waiting group with the fewest running sequences
+(FIFO order on a tie, so one request alone, or requests of one sequence each, are admitted exactly as FIFO), and
+when every slot is taken, or the KV pool could not hold the sequence admission wanted last step, a group running
+at least two sequences more than that waiting group gives one up: its newest sequence is preempted as above (at
+most one per step; each move narrows the gap, so it never thrashes). A group never loses slots that nobody else
+waits for. "fcfs" is plain FIFO over sequences: every sequence its own group.
+
 Length limits. A request's total tokens never exceed `max_len = min(max_model_len, KV capacity)`, where KV
 capacity is the most tokens ONE request can hold in the empty pools. A request reaching `max_len` finishes with
 "length"; a prompt of `max_len` tokens or more is rejected by `add_request` (it would leave no room for a single
@@ -30,7 +40,7 @@ replays all of it (replay_start = 0). Every step caches the units its requests' 
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 
 from dsv4.config import SchedulerConfig
@@ -47,8 +57,16 @@ class Scheduler:
         self.kv_manager = kv_manager
         self.max_len = _largest_fitting(kv_manager, scheduler_config.max_model_len)
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
-        self.waiting: deque[Request] = deque()
+        self._fair = scheduler_config.scheduling_policy == "fair"
+        # Waiting requests by group: each group's queue in admission order, and the groups in arrival order; a
+        # preempted request goes first in its group and its group first among the groups (under "fcfs" each
+        # group is one request, so this is one FIFO queue with preempted requests in front)
+        self._waiting: OrderedDict[str, deque[Request]] = OrderedDict()
+        self._num_waiting = 0
         self.running: list[Request] = []  # admission order: preemption takes from the tail
+        self._num_running_of: dict[str, int] = {}  # running requests per group; a group with none is absent
+        # "fair": the KV pool could not hold the sequence admission wanted last step (a reason to preempt)
+        self._admission_blocked = False
         # Ids the runner must forget at the start of the next step (finished, aborted, preempted).
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0  # total since start (a metric; tests check preemption really happened)
@@ -75,7 +93,7 @@ class Scheduler:
             )
         req.status = RequestStatus.WAITING
         self.requests[req.req_id] = req
-        self.waiting.append(req)
+        self._enqueue(req, first=False)
 
     def finish_requests(
         self, req_ids: Iterable[str], reason: str, stop_reason: int | str | None = None
@@ -113,7 +131,12 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         """Requests queued for admission, preempted ones included."""
-        return len(self.waiting)
+        return self._num_waiting
+
+    @property
+    def waiting(self) -> list[Request]:
+        """The waiting requests, group after group in queue order (a snapshot, for inspection)."""
+        return [req for queue in self._waiting.values() for req in queue]
 
     # ---- one step --------------------------------------------------------------------------------------------
 
@@ -124,6 +147,12 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted = False
+
+        # Before anything is scheduled (a victim must not have been): give a waiting group its fair share
+        if self._fair and self._waiting and (len(self.running) >= self.config.max_num_seqs
+                                             or self._admission_blocked):
+            self._preempt_for_fairness()
+        self._admission_blocked = False
 
         # Running requests first: they already hold blocks and a runner row.
         i = 0
@@ -156,14 +185,17 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Waiting requests, FIFO, without preempting anyone; not at all in a step that had to preempt (as vLLM:
-        # the pool is short, and a preempted id must not be re-admitted in the step that drops its row).
+        # Waiting requests, FIFO (by group under "fair"), without preempting anyone; not at all in a step that had
+        # to preempt for blocks (as vLLM: the pool is short).
         while (
-            not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+            not preempted and self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
         ):
-            req = self.waiting[0]
-            if req.num_output_placeholders:
-                break  # preempted while a step sampled for it: re-admit once that token has landed
+            group = self._next_group()
+            req = self._waiting[group][0]
+            if req.num_output_placeholders or req.req_id in self._finished_ids:
+                # preempted while a step sampled for it: re-admit once that token has landed; or preempted by this
+                # schedule (for fairness): the runner drops its row in this step, it comes back in the next
+                break
             assert req.num_computed_tokens == 0, "a waiting request holds no KV"
             kv = self.kv_manager
             hit = kv.find_prefix(req.prefix_keys, req.all_token_ids, req.images) if kv.prefix is not None else []
@@ -172,10 +204,12 @@ class Scheduler:
             n = min(req.num_tokens - start, budget)
             if (kv.allocate_with_prefix(req.req_id, hit, start, start + n) if hit
                     else kv.allocate_slots(req.req_id, n, 0)) is None:
+                self._admission_blocked = True
                 break  # FIFO: later requests wait behind the head rather than overtake it
-            self.waiting.popleft()
+            self._dequeue(group)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
+            self._num_running_of[group] = self._num_running_of.get(group, 0) + 1
             req.num_computed_tokens, req.replay_start, req.replay_end = start, start, hit_tokens
             if req.num_cached_tokens < 0:  # reported once: the first admission's hit
                 req.num_cached_tokens = hit_tokens
@@ -233,6 +267,62 @@ class Scheduler:
 
     # ---- internals -------------------------------------------------------------------------------------------
 
+    def _group(self, req: Request) -> str:
+        return req.group_id if self._fair else req.req_id
+
+    def _enqueue(self, req: Request, first: bool) -> None:
+        group = self._group(req)
+        queue = self._waiting.get(group)
+        if queue is None:
+            queue = self._waiting[group] = deque()
+        if first:
+            queue.appendleft(req)
+            self._waiting.move_to_end(group, last=False)
+        else:
+            queue.append(req)
+        self._num_waiting += 1
+
+    def _dequeue(self, group: str, req: Request | None = None) -> None:
+        # the head of `group`'s queue, or `req` wherever it is in it
+        queue = self._waiting[group]
+        if req is None:
+            queue.popleft()
+        else:
+            queue.remove(req)
+        if not queue:
+            del self._waiting[group]
+        self._num_waiting -= 1
+
+    def _next_group(self) -> str:
+        """The waiting group admission serves next: the one with the fewest running requests, the first in queue
+        order on a tie (under "fcfs", or with one waiting group, the first). The groups scanned before one with
+        none running all hold a slot, so this looks at max_num_seqs groups at most."""
+        running = self._num_running_of
+        best, fewest = "", -1
+        for group in self._waiting:
+            n = running.get(group, 0)
+            if n == 0:
+                return group
+            if fewest < 0 or n < fewest:
+                best, fewest = group, n
+        return best
+
+    def _preempt_for_fairness(self) -> None:
+        # A slot (or blocks) for the group admission serves next, taken from the group running the most if that
+        # one would still run at least as many: preempt its newest request (the least progress to recompute).
+        group = self._next_group()
+        if self._waiting[group][0].num_output_placeholders:
+            return  # not admissible this step anyway (a preempted request waiting for its in-flight token)
+        running = self._num_running_of
+        if not running:
+            return  # blocked last step, but every running request has finished since
+        richest = max(running, key=running.__getitem__)  # <= max_num_seqs groups
+        if running[richest] <= running.get(group, 0) + 1:
+            return
+        victim = next(r for r in reversed(self.running) if r.group_id == richest)
+        self.running.remove(victim)
+        self._preempt(victim)
+
     @staticmethod
     def _num_planned(req: Request) -> int:
         # tokens the next step may compute up to: the known ones plus those in-flight steps will sample
@@ -282,24 +372,35 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         # Recompute later from scratch: drop its KV, put it first in line, and tell the runner to drop its row.
+        # (The caller has taken it out of self.running.)
+        self._uncount_running(req)
         self.kv_manager.free(req.req_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = req.replay_start = req.replay_end = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, first=True)
         self._finished_ids.add(req.req_id)
 
     def _finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self._uncount_running(req)
         else:
-            self.waiting.remove(req)
+            self._dequeue(self._group(req), req)
         req.status = status
         req.stop_reason = stop_reason
         self.kv_manager.free(req.req_id)
         del self.requests[req.req_id]
         self._finished_ids.add(req.req_id)
+
+    def _uncount_running(self, req: Request) -> None:
+        group = self._group(req)
+        n = self._num_running_of[group] - 1
+        if n:
+            self._num_running_of[group] = n
+        else:
+            del self._num_running_of[group]
 
 
 def _largest_fitting(kv_manager: KVCacheManager, upper: int) -> int:
