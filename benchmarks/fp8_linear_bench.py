@@ -1,9 +1,10 @@
 """FP8 block-scaled dense linears on the GPU: bf16 (cuBLAS F.linear, bmm for the grouped wo_a) against the W8A16 and
-W8A8 Triton kernels of dsv4/ops/fp8_linear.py, at the released V4-Flash (blocks 128) and V4.1-Flash (blocks 32)
+W8A8 Triton kernels of dsv4/ops/fp8_linear.py and (one row) its CUDA-core gemv, at the released V4-Flash (blocks 128) and V4.1-Flash (blocks 32)
 dense shapes and M = 1 .. 16384 rows.
 
 usage: PYTHONPATH=. python3 benchmarks/fp8_linear_bench.py [--json PATH] [--shapes v4.wkv,v41.wo_b] [--m 1,8]
                                                            [--rep MS] [--override BLOCK_N=128,num_stages=5]
+                                                           [--methods bf16,gemv] [--gemv-config block_n=8,...]
 
 Each time is triton.testing.do_bench_cudagraph's median (the calls replayed from a CUDA graph, as in a decode step;
 plain do_bench timed the Python launch of these few-us kernels), with the weights rotated over
@@ -26,7 +27,8 @@ import torch
 import triton
 import triton.testing
 
-from dsv4.ops.fp8_linear import _launch, dense_linear, fp8_linear_dequant, fp8_linear_w8a8_triton
+from dsv4.ops import fp8_linear
+from dsv4.ops.fp8_linear import _launch, dense_linear, fp8_gemv_triton, fp8_linear_dequant, fp8_linear_w8a8_triton
 from dsv4.quant.formats import quantize_fp8
 from dsv4.quant.weight import QuantWeight
 
@@ -65,9 +67,14 @@ def main() -> None:
     ap.add_argument("--m", default=",".join(map(str, MS)))
     ap.add_argument("--rep", type=int, default=20, help="do_bench rep (ms)")
     ap.add_argument("--override", default="", help="W8A16 config entries, e.g. BLOCK_N=128,num_stages=5")
-    ap.add_argument("--methods", default="bf16,w8a16,w8a8,deq+bf16", help="which of them to time")
+    ap.add_argument("--methods", default="bf16,w8a16,w8a8,deq+bf16,gemv", help="which of them to time")
+    ap.add_argument("--gemv-config", default="", help="the one-row gemv's tiles for every shape, e.g. "
+                    "block_n=8,block_k=512,num_warps=4 (default: fp8_linear.gemv_config's choice by width)")
     args = ap.parse_args()
     override = {k: int(v) for k, v in (kv.split("=") for kv in args.override.split(",") if kv)}
+    if args.gemv_config:
+        gemv = {k: int(v) for k, v in (kv.split("=") for kv in args.gemv_config.split(","))}
+        fp8_linear.gemv_config = lambda n: gemv
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     print(f"{'shape':16s} {'M':>6s} {'method':6s} {'us':>9s} {'GB/s':>7s} {'TFLOP/s':>8s} {'floor us':>9s} "
@@ -83,10 +90,11 @@ def main() -> None:
             methods = {"bf16": (lambda d: dense_linear(x, d, G), dense, 2 * N * K),
                        "w8a16": (lambda q: _launch(x, q, G, False, **override), fp8s, w.nbytes),
                        "w8a8": (lambda q: fp8_linear_w8a8_triton(x, q, G), fp8s, w.nbytes),
-                       "deq+bf16": (lambda q: fp8_linear_dequant(x, q, G), fp8s, w.nbytes)}
+                       "deq+bf16": (lambda q: fp8_linear_dequant(x, q, G), fp8s, w.nbytes),
+                       "gemv": (lambda q: fp8_gemv_triton(x, q, G), fp8s, w.nbytes)}
             base = dense_linear(x, dense[0], G).float()
             for method, (fn, ws, wbytes) in methods.items():
-                if method not in args.methods.split(","):
+                if method not in args.methods.split(",") or (method == "gemv" and M > 1):  # the gemv: one row
                     continue
                 try:
                     err = ((fn(ws[0]).float() - base).norm() / base.norm()).item()

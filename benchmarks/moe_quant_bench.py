@@ -77,17 +77,18 @@ def run(formats: list[str], rows: list[dict], sweep: bool) -> None:
     for model, (E, projs) in MODELS.items():
         for proj, (N, K) in projs.items():
             weights = {fmt: make_weight(fmt, E, N, K) for fmt in ["bf16", *formats]}
-            for phase, T in (("decode", 1), ("decode", 32), ("prefill", 512), ("prefill", 4096)):
+            for phase, T in (("decode", 1), ("decode", 8), ("decode", 32), ("decode", 64), ("prefill", 512),
+                             ("prefill", 4096)):
                 sets = route_sets(T, E)
                 R = T * TOP_K
                 x_div = TOP_K if proj == "gate_up" else 1  # gate_up: one x row per token; down: one per route
                 x = torch.randn(R // x_div, K, device="cuda").to(torch.bfloat16)
                 distinct = sum(int(torch.unique(s).numel()) for s in sets) / len(sets)
-                for fmt, w in weights.items():
-                    if phase == "decode":
-                        fn = expert_gemv_triton if fmt == "bf16" else expert_gemv_q_triton
-                    else:
-                        fn = expert_grouped_triton if fmt == "bf16" else expert_grouped_q_triton
+                runs = [(fmt, w, fn) for fmt, w in weights.items() for fn in (
+                    ((expert_gemv_triton,) if fmt == "bf16" else (expert_gemv_q_triton, expert_grouped_q_triton))
+                    if phase == "decode" else
+                    ((expert_grouped_triton,) if fmt == "bf16" else (expert_grouped_q_triton,)))]
+                for fmt, w, fn in runs:
                     us = bench(fn, x, w, sets, x_div, graph=phase == "decode")
                     nbytes = distinct * expert_bytes(w)
                     row = dict(model=model, proj=proj, N=N, K=K, E=E, phase=phase, T=T, R=R, fmt=fmt,
@@ -96,7 +97,7 @@ def run(formats: list[str], rows: list[dict], sweep: bool) -> None:
                                tflops=round(2 * R * N * K / us / 1e6, 1))
                     rows.append(row)
                     extra = f"{row['tflops']:7.1f} TFLOP/s" if phase == "prefill" else ""
-                    print(f"{model:9s} {proj:7s} {phase:7s} T={T:<5d} {fmt:5s} {us:9.1f} us  {row['gbps']:7.1f} GB/s"
+                    print(f"{model:9s} {proj:7s} {phase:7s} T={T:<5d} {fmt:5s} {fn.__name__:24s} {us:9.1f} us  {row['gbps']:7.1f} GB/s"
                           f"  floor {row['floor_us']:8.1f} us  ({distinct:.0f} experts) {extra}", flush=True)
             if sweep and model == "v41-flash" and proj == "gate_up":
                 sweep(weights, E, K, rows)
@@ -149,7 +150,7 @@ def main() -> None:
             [r for r in rows if "sweep" not in r], key=lambda r: (r["model"], r["proj"], r["phase"], r["T"])):
         group = list(group)
         base = group[0]["us"]
-        cells = [f"{r['fmt']} {r['us']:8.1f} ({base / r['us']:4.2f}x, {100 * r['floor_us'] / r['us']:3.0f}%)"
+        cells = [f"{r['fmt']} {r['kernel'].split('_')[1]} {r['us']:8.1f} ({base / r['us']:4.2f}x, {100 * r['floor_us'] / r['us']:3.0f}%)"
                  for r in group]
         print(f"{model:9s} {proj:7s} {phase:7s} T={T:<5d} " + "  ".join(cells))
     if args.json:

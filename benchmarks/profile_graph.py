@@ -1,7 +1,7 @@
 """Where a graph-mode decode step's time goes: whole engine step, the decode graph's replay alone, the host phases
 around it, and the kernels inside the graph.
 
-usage: PYTHONPATH=. python3 benchmarks/profile_graph.py MODEL_DIR [BATCH] [STEPS] [--compile]
+usage: PYTHONPATH=. python3 benchmarks/profile_graph.py MODEL_DIR [BATCH] [STEPS] [--compile] [--load-format=dummy]
        PYTHONPATH=. torchrun --nproc-per-node N benchmarks/profile_graph.py MODEL_DIR [BATCH] [STEPS] --tp=N
 
 One capture size (BATCH). With --tp=N (under torchrun): tensor + expert parallelism over N ranks; every rank runs
@@ -62,11 +62,12 @@ def main() -> None:
     steps = int(args[2]) if len(args) > 2 else 20
     compile_decode = "--compile" in sys.argv
     tp = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--tp=")), 1)
+    load_format = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--load-format=")), "auto")
     t0 = time.perf_counter()
     eng = LLMEngine.from_args(model, dtype="bfloat16", device="cuda", max_model_len=1024, max_num_seqs=batch,
                               max_num_batched_tokens=max(2048, 512 * batch), load_tokenizer=False,
                               cudagraph_capture_sizes=(batch,), compile_decode=compile_decode,
-                              tensor_parallel_size=tp, expert_parallel=tp > 1)
+                              tensor_parallel_size=tp, expert_parallel=tp > 1, load_format=load_format)
     out = print if eng.parallel.rank == 0 else (lambda *a, **k: None)
     out(f"engine start-up {time.perf_counter() - t0:.1f} s (compile_decode={compile_decode})")
     g = torch.Generator().manual_seed(0)
@@ -117,7 +118,7 @@ def main() -> None:
             runner.graphs.replay(P)
         torch.cuda.synchronize()
     out("kernels of 5 replays:")
-    out(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90))
+    out(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
 
 
 class _SamplerProxy:

@@ -4,7 +4,8 @@
 #   tests     all of tests/gpu (the quantized kernels' tests among them)
 #   kernels   benchmarks/fp8_linear_bench.py and benchmarks/moe_quant_bench.py (W8A16 vs W8A8, W4A16 vs bf16)
 #   bench     $PRESETS (default "v4-flash-4l v41-flash-8l") written in bf16 and with --quant released; decode at
-#             batch $BATCHES (default "1 32", input 512, output 32, FULL graphs + async) and prefill 32 x 512
+#             batch $BATCHES (default "1 32", input 512, output 32, FULL graphs + async) and prefill 32 x 512;
+#             $FORMATS (default "bf16 released") picks which of the two run
 #   realsize  v4-flash with --load-format dummy at $DEPTH layers (default 30): memory map, decode at batch 1 and 32
 # Each bench writes OUTDIR/<checkpoint>-b<B>.json (+ .log); one summary line per run goes to stdout.
 . "$(dirname "$0")/device_lib.sh"
@@ -35,11 +36,11 @@ part_kernels() {
 part_bench() {
   local p b
   for p in ${PRESETS:-v4-flash-4l v41-flash-8l}; do
-    make_preset "$p"; make_quant "$p"
-    du -sb "/tmp/$p" "/tmp/$p-released"
+    case " ${FORMATS:-bf16 released} " in *" bf16 "*) make_preset "$p"; du -sb "/tmp/$p";; esac
+    make_quant "$p"; du -sb "/tmp/$p-released"
     for b in ${BATCHES:-1 32}; do
-      bench 150 "/tmp/$p" "$b" "$p-bf16"
-      bench 150 "/tmp/$p-released" "$b" "$p-released"
+      case " ${FORMATS:-bf16 released} " in *" bf16 "*) bench 150 "/tmp/$p" "$b" "$p-bf16";; esac
+      case " ${FORMATS:-bf16 released} " in *" released "*) bench 150 "/tmp/$p-released" "$b" "$p-released";; esac
     done
   done
 }

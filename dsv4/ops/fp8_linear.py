@@ -14,7 +14,9 @@ Kernels (Triton, one launch, plus a small fixed-order reduction launch for split
 * W8A16 (`fp8_linear_triton`): the FP8 tile is loaded as bytes and converted to x's dtype in registers (exact: every
   e4m3 value is a bf16/fp16/fp32 value), multiplied on the tensor cores with fp32 accumulation, and the block scale
   is applied to the fp32 partial product of each K-tile (BLOCK_K divides bk, so one scale per (row, K-tile); a
-  per-row scale vector, index n // bn, covers bn < BLOCK_N). Each tile's product starts from zero and is promoted
+  per-row scale vector, index n // bn, covers bn < BLOCK_N). Blocks narrower than 128 (V4.1's 32) would make the
+  K-tiles that narrow, so there the tile is 128 wide and its weights are scaled before the MMA (fp32 code * scale,
+  rounded to x's dtype: the reference's weight, exact for UE8M0 scales). Each tile's product starts from zero and is promoted
   into the fp32 accumulator, so the tensor cores' truncating accumulation spans one K-tile only. The product is
   computed transposed, acc[n, m] = W[n, :] . x[m, :] ("swap AB"): the converted weight is the MMA's A operand
   (which Hopper's wgmma takes from registers, so it need not go back through shared memory) and N, not the tiny
@@ -36,6 +38,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from dsv4.ops.moe_quant import expert_gemv_q_triton
 from dsv4.quant.weight import QuantWeight
 
 try:
@@ -138,7 +141,7 @@ if triton is not None:
     @triton.jit
     def _w8a16_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, x_stride, s_stride, bn, bk, TILES_N, GROUP_N, K_SPLIT,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      E8M0: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET: tl.constexpr):
+                      KS: tl.constexpr, E8M0: tl.constexpr, PARTIAL: tl.constexpr, INTERPRET: tl.constexpr):
         m, g, n, nmask = _tile(M, TILES_N, GROUP_N, BLOCK_M, BLOCK_N, GROUP_M)
         mmask = m < M
         x_cols = x_ptr + m.to(tl.int64)[None, :] * x_stride + g * K  # x^T tile [BLOCK_K, BLOCK_M]: group g's chunk
@@ -154,11 +157,23 @@ if triton is not None:
             xt = tl.load(x_cols + k[:, None], mask=kmask[:, None] & mmask[None, :], other=0.0)
             # fp32 x: full-precision products (not TF32), the fp32 path must match the CPU's. The interpreter
             # multiplies 16-bit tiles as raw bits, so there they go through fp32 (their products are exact in it)
-            if INTERPRET or dt == tl.float32:
-                part = tl.dot(wt.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+            if KS > 1:  # KS scale blocks across the tile: scale the weights (the reference's w * s, rounded to x's
+                # dtype: exact for UE8M0), so one wide MMA replaces KS narrow ones
+                sc = k0 // bk + tl.arange(0, KS)
+                s = _block_scale(s_rows[:, None] + sc[None, :], nmask[:, None] & (sc < tl.cdiv(K, bk))[None, :], E8M0)
+                ws = tl.reshape(tl.reshape(wt.to(tl.float32), [BLOCK_N, KS, BLOCK_K // KS]) * s[:, :, None],
+                                [BLOCK_N, BLOCK_K])
+                if INTERPRET or dt == tl.float32:
+                    acc += tl.dot(cast_rne(ws, dt, INTERPRET).to(tl.float32), xt.to(tl.float32),
+                                  input_precision="ieee")
+                else:
+                    acc += tl.dot(ws.to(dt), xt)
             else:
-                part = tl.dot(wt.to(dt), xt)
-            acc += part * _block_scale(s_rows + k0 // bk, nmask, E8M0)[:, None]
+                if INTERPRET or dt == tl.float32:
+                    part = tl.dot(wt.to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+                else:
+                    part = tl.dot(wt.to(dt), xt)
+                acc += part * _block_scale(s_rows + k0 // bk, nmask, E8M0)[:, None]
         _store(out_ptr, acc, m, n, mmask, nmask, M, N, True, PARTIAL, INTERPRET)
 
     @triton.jit
@@ -251,6 +266,8 @@ def _config(M: int, Ng: int, G: int, K: int, bk: int, w8a8: bool, fp32: bool, sm
         block_k = _pow2_divisor(bk, 32 if fp32 else 128)  # one weight scale per (row, K-tile)
         if block_k < 16:
             raise ValueError(f"bk = {bk} has no power-of-two divisor >= 16 to tile K with")
+        if not fp32 and block_k == bk < 128 and 128 % bk == 0:
+            block_k = 128  # V4.1's 32-wide blocks: 4 scales a tile, applied to the weights (KS > 1 in the kernel)
     if M <= _PREFILL_M:  # decode: one M tile; W8A16 keeps >= 8 KB of weight per K-step in flight per program
         block_m = 64 if w8a8 else max(16, triton.next_power_of_2(M))  # W8A8: FP8 MMAs want 64 rows (wgmma)
         # wider than 8 KB / BLOCK_K only to cut the x tile re-reads (one per column tile), and only while there
@@ -272,8 +289,10 @@ def _config(M: int, Ng: int, G: int, K: int, bk: int, w8a8: bool, fp32: bool, sm
     if tiles < sms:  # too few programs for the SMs: split K, while the fp32 partials [split, M, N] (L2-resident
         # between the two launches) stay within the weight's bytes: 4 M N split <= N K
         split = max(1, min(k_tiles, triton.cdiv(sms, tiles), K // (4 * min(M, _PREFILL_M))))
+    # the scaled-weights path holds the tile in fp32 too: 8 warps from 128 rows on (<= 64 fp32 a thread)
+    wide = block_m * block_n >= 128 * 64 or (block_k > bk and block_n * block_k >= 128 * 128)
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, split=split,
-                num_warps=8 if block_m * block_n >= 128 * 64 else 4, num_stages=stages)
+                num_warps=8 if wide else 4, num_stages=stages)
 
 
 def _launch(x: torch.Tensor, w: QuantWeight, groups: int, w8a8: bool, **override: int) -> torch.Tensor:
@@ -300,13 +319,14 @@ def _launch(x: torch.Tensor, w: QuantWeight, groups: int, w8a8: bool, **override
     split = triton.cdiv(K, k_split)  # no empty split
     dst = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else out
     tiles = triton.cdiv(N // groups, cfg["BLOCK_N"])
+    ks = max(1, cfg["BLOCK_K"] // bk)  # scale blocks across a K-tile (BLOCK_K a multiple of bk when above it)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]) * groups * tiles, split)
     if w8a8:
         _w8a8_kernel[grid](x2, data, scale, dst, M, N, K, x2.stride(0), scale.stride(0), bn, tiles, N // groups,
                            k_split, E8M0=e8m0, PARTIAL=split > 1, INTERPRET=INTERPRET, **cfg)
     else:
         _w8a16_kernel[grid](x2, data, scale, dst, M, N, K, x2.stride(0), scale.stride(0), bn, bk, tiles,
-                            N // groups, k_split, E8M0=e8m0, PARTIAL=split > 1, INTERPRET=INTERPRET, **cfg)
+                            N // groups, k_split, KS=ks, E8M0=e8m0, PARTIAL=split > 1, INTERPRET=INTERPRET, **cfg)
     if split > 1:
         _split_sum_kernel[(triton.cdiv(M * N, _REDUCE_BLOCK),)](dst, out, M * N, split, BLOCK=_REDUCE_BLOCK,
                                                               INTERPRET=INTERPRET)
@@ -334,13 +354,50 @@ def fp8_linear_dequant(x: torch.Tensor, w: QuantWeight, groups: int = 1) -> torc
     return dense_linear(x, dequantize_triton(w, x.dtype), groups)
 
 
+def _as_groups(w: QuantWeight, groups: int) -> QuantWeight | None:
+    """The weight [G*Ng, K] as G "experts" [G, Ng, K] for the gemv of dsv4/ops/moe_quant.py (views, no copies), or
+    None when a group's rows do not start on a scale block (Ng % bn)."""
+    (N, K), bn = w.data.shape, w.block[0]
+    if groups > 1 and (N // groups) % bn:
+        return None
+    return QuantWeight(w.data.view(groups, N // groups, K), w.scale.view(groups, -1, w.scale.shape[-1]), w.block)
+
+
+def gemv_config(N: int) -> dict[str, int]:
+    """Tiles of the one-row gemv (block_n rows x block_k columns a program per step) by output width, from the H200
+    sweep of benchmarks/fp8_linear_bench.py --methods gemv --gemv-config (benchmarks/results/*-h200-quant-gemv):
+    narrow outputs give few programs, so each takes fewer rows and more columns with more warps."""
+    if N <= 2048:
+        return dict(block_n=8, block_k=1024, num_warps=8)
+    if N < 16384:
+        return dict(block_n=8, block_k=512, num_warps=4)
+    return dict(block_n=16, block_k=256, num_warps=4)
+
+
+def fp8_gemv_triton(x: torch.Tensor, w: QuantWeight, groups: int = 1) -> torch.Tensor:
+    """One row (batch-1 decode): `fp8_linear_torch` on the CUDA cores, the FP8 expert gemv of dsv4/ops/moe_quant.py
+    run on the weight's G groups as G experts (a program per (group, block of outputs), bytes decoded in registers,
+    fp32 products). The W8A16 kernel pads one row to a 16-wide MMA and converts every weight to bf16 for it; this
+    reads the bytes once with fewer instructions a weight (H200: 0.5-0.9x its time)."""
+    _check(x, w, groups)
+    w3 = _as_groups(w, groups)
+    if w3 is None or x.numel() != x.shape[-1]:
+        raise ValueError("fp8_gemv_triton takes one row and groups that start on a scale block")
+    N, K = w.data.shape
+    out = expert_gemv_q_triton(x.reshape(groups, K), w3, None, 1, gemv_config(N))
+    return out.view(*x.shape[:-1], N)
+
+
 def fp8_linear(x: torch.Tensor, w: QuantWeight, groups: int = 1) -> torch.Tensor:
-    """On CUDA: up to DECODE_ROWS rows (decode) the W8A16 kernel, which reads the FP8 bytes once; more rows
-    (prefill) `fp8_linear_dequant` (faster than both Triton GEMMs there: benchmarks/results/*-h200-quant). The torch
-    reference elsewhere (and for a K block the kernel cannot tile: bk without a power-of-two divisor >= 16; the
-    released checkpoints' 128 and 32 are fine)."""
+    """On CUDA: one row (batch-1 decode) `fp8_gemv_triton`; up to DECODE_ROWS rows the W8A16 kernel, which reads the
+    FP8 bytes once; more rows (prefill) `fp8_linear_dequant` (faster than both Triton GEMMs there:
+    benchmarks/results/*-h200-quant). The torch reference elsewhere (and for a K block the kernel cannot tile: bk
+    without a power-of-two divisor >= 16; the released checkpoints' 128 and 32 are fine)."""
     if x.is_cuda and triton is not None and w.block[1] % 16 == 0:
-        if x.numel() // x.shape[-1] <= DECODE_ROWS:
+        rows = x.numel() // x.shape[-1]
+        if rows == 1 and _as_groups(w, groups) is not None and w.data.shape[1] % 4 == 0:
+            return fp8_gemv_triton(x, w, groups)
+        if rows <= DECODE_ROWS:
             return fp8_linear_triton(x, w, groups)
         return fp8_linear_dequant(x, w, groups)
     return fp8_linear_torch(x, w, groups)

@@ -218,14 +218,17 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _expert_gemv_q_kernel(x_ptr, w_ptr, s_ptr, idx_ptr, out_ptr, N, K, KW, SK, x_div, FP4: tl.constexpr,
+    def _expert_gemv_q_kernel(x_ptr, w_ptr, s_ptr, idx_ptr, out_ptr, E, N, K, KW, SK, x_div, FP4: tl.constexpr,
                               UE8M0: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROUND_W: tl.constexpr,
                               BLOCK_N: tl.constexpr, G: tl.constexpr, SUB: tl.constexpr, PTX: tl.constexpr,
                               INTERPRET: tl.constexpr):
         r = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
-        e = tl.load(idx_ptr + r).to(tl.int64)
+        if idx_ptr is None:  # a dense weight cut into E groups (fp8_linear's one-row path): row r uses group r % E
+            e = (r % E).to(tl.int64)
+        else:
+            e = tl.load(idx_ptr + r).to(tl.int64)
         xrow = x_ptr + (r // x_div).to(tl.int64) * K
         wbase = w_ptr + e * N * KW
         sbase = s_ptr + e * tl.cdiv(N, BN) * SK
@@ -355,21 +358,26 @@ def triton_supports(x: torch.Tensor, w: QuantWeight) -> bool:
             and bk >= 4 and bk & (bk - 1) == 0 and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
-def expert_gemv_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_div: int) -> torch.Tensor:
+def expert_gemv_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor | None, x_div: int,
+                         config: dict[str, int] | None = None) -> torch.Tensor:
     """`expert_gemv_q_torch` in one launch: a program per (row, block of outputs) decoding its expert's bytes in
-    registers. Fixed shapes, no host sync (CUDA-graph capturable)."""
+    registers. Fixed shapes, no host sync (CUDA-graph capturable). `idx` None: one row per x row, row r using
+    expert r % E (a dense weight cut into E groups; no index tensor to build inside a captured step). `config`
+    replaces GEMV_Q_CONFIG's entry for the format (block_n, block_k, num_warps)."""
     assert triton is not None, "triton is not installed"
-    R, (N, K) = idx.numel(), w.shape[1:]
+    E, N, K = w.shape
+    R = idx.numel() if idx is not None else x.shape[0] * x_div
     out = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R:
         data, scale, fmt = _kernel_args(w)
-        cfg = GEMV_Q_CONFIG["fp4" if w.fp4 else "fp8"]
+        cfg = config or GEMV_Q_CONFIG["fp4" if w.fp4 else "fp8"]
         G, SUB = _groups(w.block[1], w.fp4, cfg["block_k"], K)
         block_n = min(cfg["block_n"], triton.next_power_of_2(N))
         round_w = not fmt["UE8M0"] and x.dtype != torch.float32
         _expert_gemv_q_kernel[(R, triton.cdiv(N, block_n))](
-            x.contiguous(), data, scale, idx.contiguous(), out, N, K, data.shape[-1], scale.shape[-1], x_div,
-            **fmt, ROUND_W=round_w, BLOCK_N=block_n, G=G, SUB=SUB, INTERPRET=INTERPRET, num_warps=cfg["num_warps"])
+            x.contiguous(), data, scale, None if idx is None else idx.contiguous(), out, E, N, K, data.shape[-1],
+            scale.shape[-1], x_div, **fmt, ROUND_W=round_w, BLOCK_N=block_n, G=G, SUB=SUB, INTERPRET=INTERPRET,
+            num_warps=cfg["num_warps"])
     return out
 
 

@@ -3,7 +3,8 @@ V4.1-Flash (blocks 32) dense shapes at decode and prefill batch sizes, partial b
 capture, run-to-run determinism.
 
 Bounds (S = sum_k |x_k| |w_k| per output, K the per-group contraction length), as in tests/test_fp8_linear.py
-except for the accumulation term. bf16 MMAs do not accumulate as IEEE fp32: each 16-product step is aligned to the
+except for the accumulation term (and, as there, + 2^-8 S where float scales meet a bf16 x: the kernels that
+multiply the reference's bf16-rounded weight). bf16 MMAs do not accumulate as IEEE fp32: each 16-product step is aligned to the
 largest exponent and truncated, about one fp32 ulp of the running sum per step (K/16 of them), and the kernel adds
 each K-tile's sum into the fp32 accumulator (K/BLOCK_K more roundings); the fp32 reference (cuBLAS, no TF32) sums in
 its own order. So W8A16: |got - ref32| <= 2^-8 |ref32| + max(K + 8, K/8 + 2) 2^-23 S (the first term: the bf16
@@ -17,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.ops.fp8_linear import (DECODE_ROWS, fp8_linear, fp8_linear_torch, fp8_linear_triton,
+from dsv4.ops.fp8_linear import (DECODE_ROWS, fp8_gemv_triton, fp8_linear, fp8_linear_torch, fp8_linear_triton,
                                  fp8_linear_w8a8_triton)
 from dsv4.quant.formats import quantize_fp8
 from dsv4.quant.weight import QuantWeight
@@ -67,6 +68,8 @@ def _check(x: torch.Tensor, w: QuantWeight, groups: int, got: torch.Tensor, w8a8
     assert got.dtype == x.dtype and got.shape == ref.shape
     acc = max(K + 8, K / 8 + 2) * 2.0 ** -23 * S
     rnd = 0.0 if x.dtype == torch.float32 else 2.0 ** -8
+    if rnd and w.scale.dtype != torch.uint8 and not w8a8:  # the weight rounded to x's dtype, as the 16-bit
+        acc = acc + rnd * S  # reference has it (the gemv; W8A16 with 32-wide blocks): half an ulp of each w * s
     err = (got.float() - ref).abs()
     if w8a8:
         A = x.float().abs().amax(-1, keepdim=True)
@@ -87,7 +90,12 @@ def test_released_shapes(name: str, M: int) -> None:
     x = torch.randn(M, groups * K, device="cuda", generator=g).to(torch.bfloat16)
     got = fp8_linear_triton(x, w, groups)
     _check(x, w, groups, got)
-    if M <= DECODE_ROWS:  # the dispatcher: the W8A16 kernel for decode rows, dequantize + cuBLAS above
+    if M == 1:  # the dispatcher: the one-row gemv, the W8A16 kernel for decode rows, dequantize + cuBLAS above
+        one = fp8_gemv_triton(x, w, groups)
+        _check(x, w, groups, one)
+        _check(x.float(), w, groups, fp8_gemv_triton(x.float(), w, groups))
+        assert torch.equal(fp8_linear(x, w, groups), one)
+    elif M <= DECODE_ROWS:
         assert torch.equal(fp8_linear(x, w, groups), got)
     else:
         assert torch.equal(fp8_linear(x, w, groups), fp8_linear_torch(x, w, groups))  # the same numbers, same call
@@ -109,6 +117,8 @@ def test_partial_blocks_and_special_values(dtype: torch.dtype, N: int, K: int, b
                 x = torch.randn(M, groups * K, device="cuda", generator=g).to(dtype)
                 _check(x, w, groups, fp8_linear_triton(x, w, groups))
                 _check(x, w, groups, fp8_linear_w8a8_triton(x, w, groups), w8a8=True)
+                if M == 1 and (groups == 1 or (N // groups) % block[0] == 0):
+                    _check(x, w, groups, fp8_gemv_triton(x, w, groups))
 
 
 @pytest.mark.parametrize("name,M", [("v4.wkv", 1), ("v4.wkv", 64), ("v41.wo_b", 8), ("v4.wo_a", 32),
@@ -120,7 +130,7 @@ def test_cuda_graph_and_determinism(name: str, M: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(M)
     w = _weight(N, K, block, True, g)
     static_x = torch.randn(M, groups * K, device="cuda", generator=g).to(torch.bfloat16)
-    for fn in (fp8_linear_triton, fp8_linear_w8a8_triton):
+    for fn in (fp8_linear_triton, fp8_linear_w8a8_triton, *((fp8_gemv_triton,) if M == 1 else ())):
         fn(static_x, w, groups)  # compile outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
