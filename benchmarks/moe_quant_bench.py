@@ -1,11 +1,13 @@
 """Routed-expert matmuls from quantized weights against bf16, at the released expert shapes (one GPU).
 
 usage: PYTHONPATH=. python3 benchmarks/moe_quant_bench.py [--json PATH] [--formats mxfp4[,fp8]] [--sweep]
+                                                          [--tokens 32,64]
 
 For V4-Flash (256 experts: gate_up [4096, 4096], down [4096, 2048]) and V4.1-Flash (384 experts: gate_up
 [4608, 5120], down [5120, 2304]), bf16 x:
-- decode, batch 1 and 32: T tokens x top-6 routes on random distinct experts (gate_up reads one x row per token,
-  down one per route), `expert_gemv_triton` on bf16 experts vs `expert_gemv_q_triton` on the stored bytes;
+- decode, batch 1, 8, 32, 64: T tokens x top-6 routes on random distinct experts (gate_up reads one x row per
+  token, down one per route), `expert_gemv_triton` on bf16 experts vs, on the stored bytes, `expert_gemv_q_triton`
+  (per row), `expert_gemv_rows_q_triton` (2 or 4 rows of one expert a program) and `expert_grouped_q_triton`;
 - prefill, T = 512 and 4096: `expert_grouped_triton` vs `expert_grouped_q_triton`.
 Times are medians of CUDA-graph replays for decode (triton.testing.do_bench_cudagraph) and of do_bench for prefill;
 the calls rotate over 16 route sets, so no call finds its experts' bytes cached. GB/s counts the stored bytes (weights + scales) of the distinct
@@ -26,7 +28,7 @@ import triton.testing
 
 from dsv4.ops import moe_quant
 from dsv4.ops.moe import expert_gemv_triton, expert_grouped_triton
-from dsv4.ops.moe_quant import expert_gemv_q_triton, expert_grouped_q_triton
+from dsv4.ops.moe_quant import expert_gemv_q_triton, expert_gemv_rows_q_triton, expert_grouped_q_triton
 from dsv4.quant.weight import QuantWeight
 
 MODELS = {"v4-flash": (256, {"gate_up": (4096, 4096), "down": (4096, 2048)}),
@@ -34,6 +36,14 @@ MODELS = {"v4-flash": (256, {"gate_up": (4096, 4096), "down": (4096, 2048)}),
 TOP_K = 6
 HBM = 4.2e12  # B/s
 SETS = 16
+
+
+def expert_gemv_rows2(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_div: int) -> torch.Tensor:
+    return expert_gemv_rows_q_triton(x, w, idx, x_div, rows=2)
+
+
+def expert_gemv_rows4(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_div: int) -> torch.Tensor:
+    return expert_gemv_rows_q_triton(x, w, idx, x_div, rows=4)
 
 
 def make_weight(fmt: str, E: int, N: int, K: int) -> torch.Tensor | QuantWeight:
@@ -73,19 +83,22 @@ def bench(fn, x: torch.Tensor, w, sets: list[torch.Tensor], x_div: int, graph: b
     return 1e3 * triton.testing.do_bench(lambda: fn(x, w, next(it), x_div), warmup=25, rep=100, return_mode="median")
 
 
-def run(formats: list[str], rows: list[dict], sweep: bool) -> None:
+PHASES = (("decode", 1), ("decode", 8), ("decode", 32), ("decode", 64), ("prefill", 512), ("prefill", 4096))
+
+
+def run(formats: list[str], rows: list[dict], sweep: bool, phases: list[tuple[str, int]]) -> None:
     for model, (E, projs) in MODELS.items():
         for proj, (N, K) in projs.items():
             weights = {fmt: make_weight(fmt, E, N, K) for fmt in ["bf16", *formats]}
-            for phase, T in (("decode", 1), ("decode", 8), ("decode", 32), ("decode", 64), ("prefill", 512),
-                             ("prefill", 4096)):
+            for phase, T in phases:
                 sets = route_sets(T, E)
                 R = T * TOP_K
                 x_div = TOP_K if proj == "gate_up" else 1  # gate_up: one x row per token; down: one per route
                 x = torch.randn(R // x_div, K, device="cuda").to(torch.bfloat16)
                 distinct = sum(int(torch.unique(s).numel()) for s in sets) / len(sets)
                 runs = [(fmt, w, fn) for fmt, w in weights.items() for fn in (
-                    ((expert_gemv_triton,) if fmt == "bf16" else (expert_gemv_q_triton, expert_grouped_q_triton))
+                    ((expert_gemv_triton,) if fmt == "bf16" else
+                     (expert_gemv_q_triton, expert_gemv_rows2, expert_gemv_rows4, expert_grouped_q_triton))
                     if phase == "decode" else
                     ((expert_grouped_triton,) if fmt == "bf16" else (expert_grouped_q_triton,)))]
                 for fmt, w, fn in runs:
@@ -97,7 +110,7 @@ def run(formats: list[str], rows: list[dict], sweep: bool) -> None:
                                tflops=round(2 * R * N * K / us / 1e6, 1))
                     rows.append(row)
                     extra = f"{row['tflops']:7.1f} TFLOP/s" if phase == "prefill" else ""
-                    print(f"{model:9s} {proj:7s} {phase:7s} T={T:<5d} {fmt:5s} {fn.__name__:24s} {us:9.1f} us  {row['gbps']:7.1f} GB/s"
+                    print(f"{model:9s} {proj:7s} {phase:7s} T={T:<5d} {fmt:5s} {fn.__name__:26s} {us:9.1f} us  {row['gbps']:7.1f} GB/s"
                           f"  floor {row['floor_us']:8.1f} us  ({distinct:.0f} experts) {extra}", flush=True)
             if sweep and model == "v41-flash" and proj == "gate_up":
                 sweep(weights, E, K, rows)
@@ -141,16 +154,18 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--formats", default="mxfp4", help="comma-separated: mxfp4, fp8")
     ap.add_argument("--sweep", action="store_true", help="also sweep the kernels' tiles (V4.1 gate_up)")
+    ap.add_argument("--tokens", default="", help="only these T (comma-separated), e.g. 32,64")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     rows: list[dict] = []
-    run(args.formats.split(","), rows, args.sweep)
+    tokens = {int(t) for t in args.tokens.split(",") if t}
+    run(args.formats.split(","), rows, args.sweep, [(p, T) for p, T in PHASES if not tokens or T in tokens])
     print("\nsummary: us (x faster than bf16), % of the bandwidth floor")
     for (model, proj, phase, T), group in itertools.groupby(
             [r for r in rows if "sweep" not in r], key=lambda r: (r["model"], r["proj"], r["phase"], r["T"])):
         group = list(group)
         base = group[0]["us"]
-        cells = [f"{r['fmt']} {r['kernel'].split('_')[1]} {r['us']:8.1f} ({base / r['us']:4.2f}x, {100 * r['floor_us'] / r['us']:3.0f}%)"
+        cells = [f"{r['fmt']} {r['kernel'].replace('expert_', '').replace('_triton', '')} {r['us']:8.1f} ({base / r['us']:4.2f}x, {100 * r['floor_us'] / r['us']:3.0f}%)"
                  for r in group]
         print(f"{model:9s} {proj:7s} {phase:7s} T={T:<5d} " + "  ".join(cells))
     if args.json:

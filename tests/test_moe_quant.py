@@ -210,6 +210,38 @@ def test_gemv_kernel_matches_reference() -> None:
     """)
 
 
+def test_gemv_rows_kernel_matches_reference() -> None:
+    """The decode kernel over the rows of one expert (`expert_gemv_rows_q_triton`, 1, 2 and 4 rows a program):
+    MXFP4 and FP8 (UE8M0, float scales with partial 32 x 64 blocks), fp32 and bf16, experts with more rows than a
+    block and with none, rows with no expert, x_div 1 and 3, a zero row of x."""
+    _interpret("""
+        import torch
+        from test_moe_quant import mxfp4_weight, fp8_weight, routes, assert_close
+        from dsv4.ops.moe_quant import expert_gemv_q_torch, expert_gemv_rows_q_triton
+        cfg = dict(block_n=64, block_k=64, num_warps=4)  # K over two tiles; N over a full block and a partial one
+        g = torch.Generator().manual_seed(6)
+        f32, bf16 = torch.float32, torch.bfloat16
+        cases = [("mxfp4", 5, 40, 128, [(f32, 12, 1), (bf16, 3, 3)]), ("fp8-ue8m0", 4, 96, 128, [(bf16, 5, 1)]),
+                 ("fp8-f32-32x64", 3, 48, 96, [(f32, 3, 3), (bf16, 4, 1)])]
+        for kind, E, N, K, shapes in cases:
+            if kind == "mxfp4":
+                w = mxfp4_weight(E, N, K, g)
+            else:
+                w = fp8_weight(E, N, K, (32, 64) if kind.endswith("32x64") else (128, 128), "ue8m0" in kind, g)
+            for dtype, T, x_div in shapes:
+                for rows in (1, 2, 4):
+                    x = torch.randn(T, K, generator=g).to(dtype)
+                    x[-1] = 0
+                    idx = routes(T * x_div, E, g)
+                    ref = expert_gemv_q_torch(x, w, idx, x_div)
+                    got = expert_gemv_rows_q_triton(x, w, idx, x_div, rows, cfg)
+                    assert got.dtype == dtype and got.shape == (T * x_div, N)
+                    assert_close(got, ref, x, w, idx, x_div)
+                    assert got[(T - 1) * x_div:].eq(0).all()
+        print("ok")
+    """)
+
+
 def test_grouped_kernel_matches_reference() -> None:
     """The grouped kernel on random data (as the gemv test), plus the grouping: one expert with more than a block
     of rows (blocks of 64 and of 16: several full blocks and a partial one), experts with none, more experts than

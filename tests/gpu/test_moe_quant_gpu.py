@@ -1,7 +1,7 @@
 """The quantized-expert kernels (dsv4/ops/moe_quant.py) at the released shapes on the GPU: V4-Flash gate_up
 [4096, 4096] and down [4096, 2048], V4.1-Flash gate_up [4608, 5120] and down [5120, 2304] (16 experts instead of
 256/384), MXFP4 and FP8 (128 x 128 UE8M0 blocks), bf16 activations, against the torch reference in fp32 (cuBLAS
-without TF32). The decode kernel with and without its inline-PTX decoder; bit-exact on a grid where every sum
+without TF32). The decode kernels (per row, and per rows of one expert) with and without their inline-PTX decoder; bit-exact on a grid where every sum
 is exact; CUDA-graph replay equal to eager; rows with no expert zero. Builders and bound: tests/test_moe_quant.py."""
 
 from __future__ import annotations
@@ -12,12 +12,16 @@ import pytest
 import torch
 
 from dsv4.ops import moe_quant
-from dsv4.ops.moe_quant import expert_gemv_q_triton, expert_grouped_q_torch, expert_grouped_q_triton
+from dsv4.ops.moe_quant import (expert_gemv_q_triton, expert_gemv_rows_q_triton, expert_grouped_q_torch,
+                                expert_grouped_q_triton)
 from dsv4.quant.weight import QuantWeight
 from test_moe_quant import assert_close, fp8_weight, mxfp4_weight
 
 SHAPES = {"v4-gate_up": (4096, 4096), "v4-down": (4096, 2048), "v41-gate_up": (4608, 5120), "v41-down": (5120, 2304)}
 E, TOP_K = 16, 6
+# the decode kernels: a program per row, and per (rows of one expert) decoding each weight tile once for them
+GEMVS = {"per-row": expert_gemv_q_triton, "rows2": functools.partial(expert_gemv_rows_q_triton, rows=2),
+         "rows4": functools.partial(expert_gemv_rows_q_triton, rows=4)}
 
 
 @functools.lru_cache(maxsize=4)
@@ -58,7 +62,8 @@ def ptx(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("R", [1, 6, 48, 192])
-def test_gemv(fmt: str, shape: str, R: int, ptx: bool) -> None:
+@pytest.mark.parametrize("kernel", list(GEMVS))
+def test_gemv(fmt: str, shape: str, R: int, kernel: str, ptx: bool) -> None:
     """Random weights (UE8M0 scales 2^-15..2^-3, MXFP4 also 2^-27 and 2^23), rows spread over the 16 experts,
     some with none; within the fp32 summation bound plus the output's bf16 rounding."""
     w = _weights(fmt, *SHAPES[shape])
@@ -67,14 +72,15 @@ def test_gemv(fmt: str, shape: str, R: int, ptx: bool) -> None:
     idx = torch.randint(0, E, (R,), generator=g, device="cuda")
     if R > 1:
         idx[1::4] = -1
-    got = expert_gemv_q_triton(x, w, idx, x_div)
+    got = GEMVS[kernel](x, w, idx, x_div)
     assert got.dtype == torch.bfloat16 and got.shape == (R, w.shape[1])
     assert_close(got, expert_grouped_q_torch(x.float(), w, idx, x_div), x, w, idx, x_div)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
 @pytest.mark.parametrize("shape", ["v4-gate_up", "v41-gate_up", "v41-down"])
-def test_gemv_exact_on_a_coarse_grid(fmt: str, shape: str, ptx: bool) -> None:
+@pytest.mark.parametrize("kernel", list(GEMVS))
+def test_gemv_exact_on_a_coarse_grid(fmt: str, shape: str, kernel: str, ptx: bool) -> None:
     """Every fp32 sum exact in any order (coarse weights and x, see tests/test_moe_quant.py): the output is the
     exact product rounded once to bf16, bit for bit -- every decoded value and column is right."""
     w = _weights(fmt, *SHAPES[shape], coarse=True)
@@ -83,28 +89,30 @@ def test_gemv_exact_on_a_coarse_grid(fmt: str, shape: str, ptx: bool) -> None:
     idx = torch.randint(0, E, (48,), generator=g, device="cuda")
     idx[3::7] = -1
     ref = expert_grouped_q_torch(x.float(), w, idx, x_div)
-    assert torch.equal(expert_gemv_q_triton(x, w, idx, x_div), ref.to(torch.bfloat16))
-    assert torch.equal(expert_gemv_q_triton(x.float(), w, idx, x_div), ref)
+    assert torch.equal(GEMVS[kernel](x, w, idx, x_div), ref.to(torch.bfloat16))
+    assert torch.equal(GEMVS[kernel](x.float(), w, idx, x_div), ref)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
-def test_gemv_cuda_graph_replay(fmt: str) -> None:
+@pytest.mark.parametrize("kernel", list(GEMVS))
+def test_gemv_cuda_graph_replay(fmt: str, kernel: str) -> None:
     """Captured once, replayed on new x and routes (written into the captured tensors): equal to eager."""
+    gemv = GEMVS[kernel]
     w = _weights(fmt, *SHAPES["v41-gate_up"])
     g = torch.Generator(device="cuda").manual_seed(3)
     x, _ = _inputs("v41-gate_up", 48, g)
     idx = _routes(8, g)
-    expert_gemv_q_triton(x, w, idx, TOP_K)  # compile outside the capture
+    gemv(x, w, idx, TOP_K)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = expert_gemv_q_triton(x, w, idx, TOP_K)
+        out = gemv(x, w, idx, TOP_K)
     for _ in range(3):
         x.copy_(torch.randn(x.shape, generator=g, device="cuda"))
         idx.copy_(_routes(8, g))
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, expert_gemv_q_triton(x, w, idx, TOP_K))
+        assert torch.equal(out, gemv(x, w, idx, TOP_K))
         assert out[idx < 0].eq(0).all()
 
 
