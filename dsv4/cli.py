@@ -65,6 +65,9 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--api-key-file", help="read the API key from this file (its first line)")
     srv.add_argument("--max-request-body-mb", type=float, default=64.0,
                      help="larger request bodies are refused with 413 (default 64 MiB)")
+    srv.add_argument("--request-read-timeout", type=float, default=60.0,
+                     help="seconds a connection has to send a whole request (headers and body) from when it opens "
+                          "or starts the request; slower ones are closed (default 60)")
     srv.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA, else float32)")
     srv.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda if available)")
     srv.add_argument("--max-model-len", type=int, help="longest prompt + completion, in tokens")
@@ -216,7 +219,7 @@ def _serve(args: argparse.Namespace) -> None:
              "num_kv_blocks", "seed") + _GPU_ARGS
     engine_args = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     run_server(args.model, host=args.host, port=args.port, api_key=_api_key(args),
-               max_body=int(args.max_request_body_mb * (1 << 20)),
+               max_body=int(args.max_request_body_mb * (1 << 20)), request_read_timeout=args.request_read_timeout,
                served_model_name=args.served_model_name, log_level=args.log_level.lower(), **engine_args)
 
 

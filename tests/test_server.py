@@ -8,6 +8,7 @@ request is short, so the module stays well under two minutes on two CPU cores.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -32,6 +33,7 @@ from dsv4.tokenizer import Tokenizer
 REPO = Path(__file__).resolve().parents[1]
 KEY = "sk-test-key"
 MAX_MODEL_LEN = 256
+READ_TIMEOUT = 2.0  # --request-read-timeout of the module's server
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the fox."}]
 PROMPT = "The quick brown fox"
 
@@ -59,14 +61,15 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve_process(model_dir: str, tmp: Path, *extra: str) -> Iterator[Server]:
-    """`dsv4 serve` (with `extra` arguments) on a free loopback port until the block exits."""
+def serve_process(model_dir: str, tmp: Path, *extra: str, env: dict[str, str] | None = None) -> Iterator[Server]:
+    """`dsv4 serve` (with `extra` arguments, and `env` over this process's environment) on a free loopback port until
+    the block exits."""
     port, log, key_file = _free_port(), tmp / "server.log", tmp / "api-key"
     key_file.write_text(KEY + "\n")  # from a file, as a deployment keeps it out of the process list
     cmd = [sys.executable, "-m", "dsv4.cli", "serve", "--model", model_dir, "--port", str(port), "--api-key-file",
            str(key_file), "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "16", "--log-level", "warning",
            *extra]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **(env or {})}
     with open(log, "wb") as out:  # a file, not a pipe: an unread pipe would block the server
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -97,7 +100,8 @@ def serve_process(model_dir: str, tmp: Path, *extra: str) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("serve")
-    with serve_process(make_model("tiny-v4", str(tmp / "tiny"), seed=0), tmp) as s:
+    with serve_process(make_model("tiny-v4", str(tmp / "tiny"), seed=0), tmp, "--request-read-timeout",
+                       str(READ_TIMEOUT)) as s:
         yield s
 
 
@@ -374,6 +378,70 @@ def test_key_before_body_and_a_body_limit(server: Server) -> None:
     assert server.client().models.list().data
 
 
+def _seconds_until_dropped(server: Server, parts: list[bytes], gap: float = 0.0) -> float:
+    """Connect, send `parts` `gap` seconds apart, then wait: the seconds until the server closed the connection,
+    which it must do without answering."""
+    host, port = server.url.removeprefix("http://").split(":")
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        try:
+            for part in parts:
+                sock.sendall(part)
+                time.sleep(gap)
+            reply = sock.recv(65536)
+        except ConnectionError:  # reset: the server closed while we were still sending
+            reply = b""
+    assert reply == b"", reply[:200]
+    return time.monotonic() - t0
+
+
+def test_silent_and_half_sent_connections_are_dropped(server: Server) -> None:
+    """--request-read-timeout (2 s here): a connection that sends nothing, part of its headers, its headers and half
+    its body, or trickles its headers a byte at a time, is closed once the deadline passes (before, such a
+    connection was kept forever); meanwhile other requests are answered, one whose body comes late but within the
+    deadline is served, and a kept-alive connection idle past the deadline still serves its next request (uvicorn
+    closes idle ones after 5 s)."""
+    import http.client
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer {KEY}\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    cases = {"silent": ([], 0.0), "half the headers": ([head[:20]], 0.0),
+             "half the body": ([head + body[:len(body) // 2]], 0.0),
+             "trickled": ([head[i:i + 1] for i in range(len(head))], 0.2)}
+
+    def late_body() -> Iterator[bytes]:
+        time.sleep(READ_TIMEOUT / 2)  # the headers now, the body later, within the deadline
+        yield body
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        dropped = {name: pool.submit(_seconds_until_dropped, server, *case) for name, case in cases.items()}
+        t0 = time.monotonic()
+        assert server.client().completions.create(model=server.model_dir, prompt=PROMPT, max_tokens=2).choices
+        assert time.monotonic() - t0 < READ_TIMEOUT  # answered before the stalled connections were dropped
+        assert _raw_status(server, head, late_body()) == 200
+        host, port = server.url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        for pause in (READ_TIMEOUT + 0.5, 0.0):
+            conn.request("POST", "/v1/completions", body, {"Authorization": f"Bearer {KEY}",
+                                                           "Content-Type": "application/json"})
+            reply = conn.getresponse()
+            assert reply.status == 200 and reply.read()
+            time.sleep(pause)
+        conn.close()
+        seconds = {name: f.result() for name, f in dropped.items()}
+    assert all(READ_TIMEOUT - 0.1 < t < READ_TIMEOUT + 3 for t in seconds.values()), seconds
+
+
+def test_a_read_timeout_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    from dsv4.cli import main
+
+    for value in ("0", "-1", "nan"):
+        assert main(["serve", "--request-read-timeout", value]) == 2
+    assert capsys.readouterr().err.count("--request-read-timeout must be a positive number of seconds") == 3
+
+
 def test_a_huge_prompt_does_not_stall_the_others(server: Server) -> None:
     """Tokenizing a 10 MB chat body runs off the event loop: /health answers meanwhile (it took 7 s when the
     tokenizer ran on the loop)."""
@@ -394,6 +462,63 @@ def test_a_huge_prompt_does_not_stall_the_others(server: Server) -> None:
     t.join()
     assert result == [400]  # far over the context, refused once counted
     assert worst < 1.0, worst
+
+
+def _big_png_data_url(side: int) -> str:
+    """A side x side RGB PNG: a few hundred KB (gradients compress well) that decode to side^2 pixels."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    ramp = (np.add.outer(np.arange(side, dtype=np.uint16), np.arange(side, dtype=np.uint16)) % 256).astype(np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(np.stack([ramp, ramp.T, ramp // 2], -1)).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def vl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("vl-serve")
+    with serve_process(make_model("tiny-v41-vl", str(tmp / "tiny-v41-vl"), seed=0), tmp) as s:
+        yield s
+
+
+def test_image_decoding_stalls_no_one(vl_server: Server) -> None:
+    """A request's images are decoded and preprocessed in a worker thread, neither on the event loop nor on the
+    engine thread: while 4 PNGs of 4000x4000 pixels (about 0.4 s each on a CPU) are prepared, /health and short text
+    completions answer promptly (on the engine thread a completion waited 1.3 s for them). An image over the pixel
+    limit is a 400 naming it, refused from its header."""
+    import threading
+
+    from test_image_processor import _png_header
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    url = _big_png_data_url(4000)
+    content = [{"type": "text", "text": "Compare"}] + [{"type": "image_url", "image_url": {"url": url}}] * 4
+    body = json.dumps({"messages": [{"role": "user", "content": content}], "max_tokens": 2}).encode()
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(_post(vl_server, "/v1/chat/completions", body, auth)[0]))
+    t.start()
+    time.sleep(0.3)  # the body is in and the images are being decoded
+    short = json.dumps({"prompt": PROMPT, "max_tokens": 2}).encode()
+    health, completion = [], []
+    while t.is_alive():
+        t0 = time.monotonic()
+        assert urllib.request.urlopen(vl_server.url + "/health", timeout=30).status == 200
+        health.append(time.monotonic() - t0)
+        t0 = time.monotonic()
+        assert _post(vl_server, "/v1/completions", short, auth)[0] == 200
+        completion.append(time.monotonic() - t0)
+    t.join()
+    assert result == [200]
+    assert max(health) < 0.5 and max(completion) < 0.75, (health, completion)
+    assert len(completion) >= 2, "the images were decoded too fast for the test to mean anything"
+    bomb = "data:image/png;base64," + base64.b64encode(_png_header(9000, 9000)).decode()
+    status, reply = _post(vl_server, "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": bomb}}]}], "max_tokens": 2}).encode(), auth)
+    assert status == 400 and "image 0: image too large: 9000x9000" in reply["error"]["message"], reply
+    assert "Traceback" not in vl_server.log.read_text()
 
 
 def test_fan_out_caps(server: Server) -> None:

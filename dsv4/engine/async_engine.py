@@ -7,24 +7,29 @@ busy spin). Each request has an asyncio queue on its caller's event loop, fed wi
     stream = await engine.add_request(prompt, params, request_id)   # RequestError here, before any output
     async for out in stream: ...                                     # cumulative RequestOutputs, last one finished
 
-`generate()` does both. A stream left before its final output (client disconnect, cancellation, an exception in
-the consumer) aborts its request, so its KV blocks are freed at the next step boundary. Errors from add_request
-reach only that request's caller; an exception inside `step()` fails every request and marks the engine dead
-(`/health` then reports it), since the engine's state can no longer be trusted.
+`generate()` does both. A request's images are decoded and preprocessed in a small pool of worker threads before
+the request is queued (PIL and torch release the GIL while they work), so neither the event loop nor the engine
+thread waits for pixels: the engine thread gets ready patches. A stream left before its final output (client
+disconnect, cancellation, an exception in the consumer) aborts its request, so its KV blocks are freed at the next
+step boundary. Errors from add_request reach only that request's caller; an exception inside `step()` fails every
+request and marks the engine dead (`/health` then reports it), since the engine's state can no longer be trusted.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from dsv4.engine.engine import LLMEngine, RequestError
+from dsv4.engine.multimodal import PreparedImage, prepare_image
 from dsv4.outputs import RequestOutput
 from dsv4.sampling_params import SamplingParams
 from dsv4.serve.metrics import EngineMetrics
@@ -37,6 +42,11 @@ class EngineDeadError(RuntimeError):
 
 
 _ACCEPTED = object()  # the engine thread's acknowledgement that add_request succeeded
+
+# Threads decoding images: apart from asyncio's default pool (which tokenizes), so that image-heavy requests cannot
+# starve tokenization; at most half the cores, so that the engine thread and the event loop keep theirs; at most 4,
+# so that few decoded images (up to MAX_PIXELS RGB pixels, 192 MB, each) are in memory at once. The rest wait.
+IMAGE_WORKERS = min(4, max(1, (os.cpu_count() or 2) // 2))
 
 
 class RequestStream:
@@ -125,6 +135,7 @@ class AsyncLLMEngine:
         self._commands = _Commands()
         self._live: dict[str, _Live] = {}  # engine thread only
         self._thread: threading.Thread | None = None
+        self._image_pool = ThreadPoolExecutor(IMAGE_WORKERS, thread_name_prefix="dsv4-images")
         self.dead_error: BaseException | None = None
 
     @classmethod
@@ -162,15 +173,20 @@ class AsyncLLMEngine:
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._image_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests -----------------------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                           images: list[Any] | None = None) -> RequestStream:
-        """Queue a request and wait until the engine accepted it; RequestError (a ValueError) if it refused."""
+        """Queue a request and wait until the engine accepted it; RequestError (a ValueError) if it or one of its
+        images is refused."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self.dead_error
+        arrival = time.monotonic()  # before the images are decoded: their time is part of the time to first token
+        if images and self.engine.config.model.vision is not None:  # (without a tower the engine refuses them)
+            images = await self._prepare_images(list(images))
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        self._submit(_Add(request_id, prompt, params, stream, time.monotonic(), images))
+        self._submit(_Add(request_id, prompt, params, stream, arrival, images))
         try:
             first = await stream._queue.get()
         except asyncio.CancelledError:
@@ -180,6 +196,20 @@ class AsyncLLMEngine:
             stream.finished = True  # never added: nothing to abort (and the id may belong to someone else)
             raise first
         return stream
+
+    async def _prepare_images(self, sources: list[Any]) -> list[PreparedImage]:
+        """Decode and preprocess a request's images in the image pool, one task per image; RequestError naming the
+        first unusable one. A cancelled caller (its client left) cancels the images not yet started."""
+        loop = asyncio.get_running_loop()
+        vision = self.engine.config.model.vision
+        results = await asyncio.gather(*(loop.run_in_executor(self._image_pool, prepare_image, i, src, vision)
+                                         for i, src in enumerate(sources)), return_exceptions=True)
+        for r in results:
+            if isinstance(r, ValueError):  # ImageError, or a plan the vision config cannot satisfy
+                raise RequestError(str(r)) from None
+            if isinstance(r, BaseException):
+                raise r
+        return cast(list[PreparedImage], results)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:

@@ -1,19 +1,22 @@
 """Image inputs of a request: from user data to image spans in the prompt.
 
-A prompt marks each image with one image token (text `<｜deepseek_image｜>`, id `image_token_id`); the engine
-preprocesses the image, and replaces the marker with the image's span: `lh*(lw+1)+2` positions that all carry the
-image token id (so the router uses `bias_vl` and Engram treats them as DEAD), whose embeddings the vision encoder
-provides (model.md 8.4). Images are preprocessed once per request; the runner encodes them once per admission.
+A prompt marks each image with one image token (text `<｜deepseek_image｜>`, id `image_token_id`); each image is
+decoded and preprocessed (`prepare_image`: by the async engine in worker threads before the request reaches the
+engine thread, else by `LLMEngine.add_request`), and the engine replaces the marker with the image's span:
+`lh*(lw+1)+2` positions that all carry the image token id (so the router uses `bias_vl` and Engram treats them as
+DEAD), whose embeddings the vision encoder provides (model.md 8.4). Images are preprocessed once per request; the
+runner encodes them once per admission.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from dsv4.models.image_processor import IMAGE_PLACEHOLDER
+from dsv4.models.image_processor import (IMAGE_PLACEHOLDER, ImageError, ProcessedImage, image_content_hash,
+                                         load_image, preprocess)
 
 
 @dataclass(frozen=True)
@@ -81,19 +84,30 @@ def split_chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, An
     return out, images
 
 
-def process_images(sources: list[Any], vision: Any) -> list[tuple[Any, str]]:
-    """Load and preprocess every image of a request with the model's vision config; (processed, content hash)
-    per image. Raises ImageError (a ValueError) naming the bad image."""
-    from dsv4.models.image_processor import ImageError, image_content_hash, load_image, preprocess
+class PreparedImage(NamedTuple):
+    """One image decoded and preprocessed, with the digest of its pixels: what the engine needs of it. The async
+    engine prepares images in worker threads, so that decoding stalls neither the event loop nor the engine thread;
+    a (processed, hash) pair, as `expand_image_spans` takes it."""
 
-    out = []
-    for i, src in enumerate(sources):
-        try:
-            image = load_image(src)
-            processed = preprocess(image, patch_size=vision.patch_size, downsample=vision.downsample_ratio,
-                                   min_pixels=vision.min_pixels, max_n_token=vision.max_image_tokens,
-                                   max_wh_ratio=vision.max_wh_ratio)
-        except ImageError as e:
-            raise ImageError(f"image {i}: {e}") from None
-        out.append((processed, image_content_hash(image)))
-    return out
+    processed: ProcessedImage
+    content_hash: str
+
+
+def prepare_image(index: int, src: Any, vision: Any) -> PreparedImage:
+    """Load and preprocess image `index` of a request with the model's vision config (a PreparedImage passes as it
+    is). Raises ImageError (a ValueError) naming the image."""
+    if isinstance(src, PreparedImage):
+        return src
+    try:
+        image = load_image(src)
+        processed = preprocess(image, patch_size=vision.patch_size, downsample=vision.downsample_ratio,
+                               min_pixels=vision.min_pixels, max_n_token=vision.max_image_tokens,
+                               max_wh_ratio=vision.max_wh_ratio)
+    except ImageError as e:
+        raise ImageError(f"image {index}: {e}") from None
+    return PreparedImage(processed, image_content_hash(image))
+
+
+def process_images(sources: list[Any], vision: Any) -> list[PreparedImage]:
+    """`prepare_image` of every image of a request, in order."""
+    return [prepare_image(i, src, vision) for i, src in enumerate(sources)]

@@ -4,7 +4,8 @@ Endpoints: GET /health, GET /metrics (Prometheus text), GET /v1/models, POST /v1
 POST /v1/completions, streaming (SSE) or not. Every request runs on the one AsyncLLMEngine, so requests from all
 connections are batched together. Errors are OpenAI-shaped `{"error": {...}}` bodies with the proper status and
 touch only their own request. A client that goes away (mid-stream, or while waiting for a non-streamed answer)
-has its requests aborted, which frees their KV blocks.
+has its requests aborted, which frees their KV blocks. A connection that does not deliver a whole request in time
+(nothing, part of the headers, part of the body) is dropped: see `_read_deadline_protocol`.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BODY_BYTES = 64 << 20  # a few data-URL images; --max-request-body-mb raises it
 MAX_SEQS_PER_REQUEST = 1024  # prompts x n of one request
 MAX_WAITING = 4096  # sequences waiting for the engine before new requests get 503
+DEFAULT_REQUEST_READ_TIMEOUT = 60.0  # seconds to deliver a whole request (--request-read-timeout)
 
 
 class _Guard:
@@ -395,13 +397,68 @@ async def _stream_chunks(jobs: list[_Job], params: SamplingParams, fmt: Response
 
 # ---- running it ------------------------------------------------------------------------------------------------
 
+def _read_deadline_protocol(timeout: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol (h11 or httptools, as uvicorn picks) with a read deadline: a connection has `timeout`
+    seconds to deliver a whole request (headers and body) from when it opens, or from the first byte of each later
+    request; past that it is closed, and a handler waiting for the body sees a disconnect. uvicorn itself closes only
+    idle kept-alive connections (timeout_keep_alive): one that sends nothing, or headers and half a body, and then
+    stops would hold its socket and its handler forever. The deadline is a total, not an idle gap between reads, so
+    trickling a byte now and then does not keep a connection either."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class ReadDeadlineProtocol(AutoHTTPProtocol):  # type: ignore[misc,valid-type]
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self._owes_request():
+                self._arm()
+            elif self._deadline is not None:  # the request is all in: its handling has no deadline
+                self._deadline.cancel()
+                self._deadline = None
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.cycle.response_complete and self.cycle.more_body:  # a pipelined request, its body not all in
+                self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _owes_request(self) -> bool:
+            """No request yet, the last one answered (so what just arrived starts the next), or a body still due."""
+            return self.cycle is None or self.cycle.response_complete or self.cycle.more_body
+
+        def _arm(self) -> None:
+            if self._deadline is None:
+                self._deadline = self.loop.call_later(timeout, self._expire)
+
+        def _expire(self) -> None:
+            self._deadline = None
+            if self._owes_request() and not self.transport.is_closing():
+                logger.info("closing the connection from %s: no whole request within %g s (--request-read-timeout)",
+                            "%s:%d" % self.client if self.client else "?", timeout)
+                self.transport.close()
+
+    return ReadDeadlineProtocol
+
+
 def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None, log_level: str = "info",
-               max_body: int = DEFAULT_MAX_BODY_BYTES, **engine_args: Any) -> None:
+               max_body: int = DEFAULT_MAX_BODY_BYTES, request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT,
+               **engine_args: Any) -> None:
     """Build the engine (without `model`, the built-in default model), then serve until interrupted."""
     import torch
     import uvicorn
 
+    if not request_read_timeout > 0:  # (not <= 0: NaN too) a deadline of 0 would close every connection at once
+        raise ValueError(f"--request-read-timeout must be a positive number of seconds, got {request_read_timeout}")
     if model is None:
         from dsv4.models.presets import default_model_dir
 
@@ -426,7 +483,7 @@ def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000, api
                 engine.max_model_len)
     try:
         uvicorn.run(build_app(engine, name, api_key, max_body), host=host, port=port, log_level=log_level,
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5, http=_read_deadline_protocol(request_read_timeout))
     finally:  # (the app's lifespan stopped the engine thread already, unless the server never started)
         engine.shutdown()
         engine.engine.stop_followers()
