@@ -13,6 +13,7 @@ from dsv4.bench.chat import add_cli_args as add_bench_chat_args
 from dsv4.bench.latency import add_cli_args as add_bench_latency_args
 from dsv4.bench.serve import add_cli_args as add_bench_serve_args
 from dsv4.bench.throughput import add_cli_args as add_bench_throughput_args
+from dsv4.config import SCHEDULING_POLICIES
 from dsv4 import __version__
 from dsv4.config import LOAD_FORMATS
 from dsv4.models.config import ConfigError, hub_hint
@@ -121,7 +122,7 @@ def _make_model(args: argparse.Namespace) -> None:
 
 _GPU_ARGS = ("enforce_eager", "gpu_memory_utilization", "encoder_cudagraphs", "compile_decode", "async_scheduling",
              "enable_prefix_caching", "swa_bounded_replay", "decode_backend", "tensor_parallel_size",
-             "expert_parallel", "quantization", "load_format", "skip_tokenizer_init")
+             "expert_parallel", "quantization", "load_format", "skip_tokenizer_init", "scheduling_policy")
 
 
 def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
@@ -131,6 +132,10 @@ def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
                              "--nproc-per-node N")
     parser.add_argument("--expert-parallel", action="store_true", default=None,
                         help="split the routed experts over the tensor-parallel ranks (needed with several)")
+    parser.add_argument("--scheduling-policy", choices=list(SCHEDULING_POLICIES),
+                        help="fair (default): the samples of one request (n > 1, or the prompts of one completions "
+                             "request) share the running slots with other requests, so a short request keeps moving "
+                             "beside a large fan-out; fcfs: strict arrival order over sequences")
     parser.add_argument("--decode-backend", choices=["default", "latency_specialized"],
                         help="latency_specialized: FULL decode steps also replay their attention-metadata build as "
                              "a CUDA graph (DeepSeek-V4.1; default: default)")

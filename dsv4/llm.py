@@ -28,7 +28,7 @@ class LLM:
                  async_scheduling: bool | None = None, enable_prefix_caching: bool = True,
                  swa_bounded_replay: bool = True, decode_backend: str = "default", tensor_parallel_size: int = 1,
                  expert_parallel: bool = False, quantization: str | None = None, load_format: str = "auto",
-                 skip_tokenizer_init: bool = False) -> None:
+                 skip_tokenizer_init: bool = False, scheduling_policy: str = "fair") -> None:
         if model is None:
             from dsv4.models.presets import default_model_dir
 
@@ -48,7 +48,8 @@ class LLM:
                                           swa_bounded_replay=swa_bounded_replay, decode_backend=decode_backend,
                                           tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel,
                                           quantization=quantization, load_format=load_format,
-                                          skip_tokenizer_init=skip_tokenizer_init)
+                                          skip_tokenizer_init=skip_tokenizer_init,
+                                          scheduling_policy=scheduling_policy)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],

@@ -53,3 +53,19 @@ def test_first_use_of_the_built_in_model_says_so(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     assert res.stderr.count("first use: building the built-in") == 1  # once: the second call finds it
+
+
+def test_scheduling_policy_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--scheduling-policy` reaches the engine's config for generate and serve; an unknown value is a usage error."""
+    from dsv4.cli import _build_parser
+
+    for command in ("generate", "serve"):
+        assert _build_parser().parse_args([command, "--scheduling-policy", "fcfs"]).scheduling_policy == "fcfs"
+        assert _build_parser().parse_args([command]).scheduling_policy is None  # the engine's default: fair
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--scheduling-policy", "sjf"])
+    assert e.value.code == 2 and "invalid choice: 'sjf'" in capsys.readouterr().err
+    from dsv4 import LLM
+
+    llm = LLM(device="cpu", scheduling_policy="fcfs")
+    assert llm.engine.config.scheduler.scheduling_policy == "fcfs"

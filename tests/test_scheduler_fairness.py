@@ -78,6 +78,30 @@ def test_short_request_keeps_moving_beside_a_large_fan_out(tiny_v4: str, async_s
     assert all(pool.num_free == pool.capacity for pool in eng.kv_manager.pools)
 
 
+def test_prompts_of_one_group_share_one_fair_share(tiny_v4: str) -> None:
+    """A multi-prompt completion: the server adds each prompt with the HTTP request's id as `group_id`, so eight
+    single prompts count as one request (one group): a short request arriving behind them still gets a slot within
+    2x its idle steps. Without the group (each prompt its own request) the short one would queue behind all eight
+    under the same fair policy: the group is what makes the difference, checked by running both."""
+    big = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def short_steps(group: str | None) -> int:
+        eng = LLMEngine.from_args(tiny_v4, max_model_len=128, max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=16,
+                                  block_size=16, load_tokenizer=False, async_scheduling=False)
+        for i in range(2 * MAX_NUM_SEQS):
+            eng.add_request(BIG_PROMPT, big, request_id=f"batch-{i}", group_id=group)
+        for _ in range(6):
+            eng.step()
+        eng.add_request(SHORT_PROMPT, SHORT, request_id="short")
+        done, steps = _drain(eng)
+        assert all(len(done[f"batch-{i}"].outputs[0].token_ids) == big.max_tokens for i in range(2 * MAX_NUM_SEQS))
+        return steps["short"]
+
+    grouped, ungrouped = short_steps("batch"), short_steps(None)
+    assert grouped <= 2 * SHORT.max_tokens + 2, grouped
+    assert ungrouped > 2 * SHORT.max_tokens + 2, ungrouped  # behind the 4 queued prompts: the test can fail
+
+
 def _scheduler(max_num_seqs: int, budget: int, window_blocks: int = 200, policy: str = "fair") -> Scheduler:
     cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=256,
                           scheduling_policy=policy)

@@ -101,6 +101,7 @@ class _Add:
     stream: RequestStream
     arrival_time: float
     images: list[Any] | None = None
+    group_id: str | None = None
 
 
 @dataclass
@@ -177,16 +178,16 @@ class AsyncLLMEngine:
 
     # ---- requests -----------------------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                          images: list[Any] | None = None) -> RequestStream:
+                          images: list[Any] | None = None, group_id: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine accepted it; RequestError (a ValueError) if it or one of its
-        images is refused."""
+        images is refused. `group_id`: as LLMEngine.add_request."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self.dead_error
         arrival = time.monotonic()  # before the images are decoded: their time is part of the time to first token
         if images and self.engine.config.model.vision is not None:  # (without a tower the engine refuses them)
             images = await self._prepare_images(list(images))
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        self._submit(_Add(request_id, prompt, params, stream, arrival, images))
+        self._submit(_Add(request_id, prompt, params, stream, arrival, images, group_id))
         try:
             first = await stream._queue.get()
         except asyncio.CancelledError:
@@ -268,7 +269,8 @@ class AsyncLLMEngine:
                 self.metrics.on_finished("abort", None)
             return
         try:
-            self.engine.add_request(command.prompt, command.params, command.request_id, images=command.images)
+            self.engine.add_request(command.prompt, command.params, command.request_id, images=command.images,
+                                    group_id=command.group_id)
         except Exception as e:  # RequestError and anything unexpected: that caller's problem only
             if not isinstance(e, RequestError):
                 logger.exception("add_request failed for %s", command.request_id)

@@ -243,9 +243,11 @@ class LLMEngine:
                                "leaves nothing to sample")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    images: list[Any] | None = None) -> str:
+                    images: list[Any] | None = None, group_id: str | None = None) -> str:
         """Queue a request (a text prompt or token ids, and optionally images: PIL images, paths, bytes or data
-        URLs, one per image placeholder of the prompt). Raises RequestError for a bad request; nothing is queued."""
+        URLs, one per image placeholder of the prompt). Raises RequestError for a bad request; nothing is queued.
+        `group_id`: the user request it belongs to, for the "fair" scheduling policy (default: its own id; a server
+        gives every prompt of one multi-prompt completion the same group, so the batch shares one fair share)."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -278,8 +280,8 @@ class LLMEngine:
                 child_params = SamplingParams(**{**_params_fields(params), "n": 1,
                                                  "seed": None if params.seed is None else params.seed + i})
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            req = Request(child_id, list(prompt_ids), child_params, eos_token_ids=eos, group_id=request_id,
-                          images=image_inputs)
+            req = Request(child_id, list(prompt_ids), child_params, eos_token_ids=eos,
+                          group_id=group_id or request_id, images=image_inputs)
             detok = (IncrementalDetokenizer(self.tokenizer, prompt_ids, params.skip_special_tokens)
                      if self.tokenizer is not None else None)
             children.append(_Child(req, detok, logprobs=[] if params.logprobs is not None else None,

@@ -242,7 +242,9 @@ class _Server:
         try:
             for i, (ids, text) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                jobs.append(_Job(await self.engine.add_request(ids, params, rid, images=images), ids, text))
+                # one group for all the prompts: the fair scheduler shares slots per HTTP request, not per prompt
+                jobs.append(_Job(await self.engine.add_request(ids, params, rid, images=images, group_id=request_id),
+                                 ids, text))
         except BaseException as e:
             for job in jobs:
                 job.stream.abort()
