@@ -49,11 +49,18 @@ def stop_hold_back(output_text: str, stop: Sequence[str], include_stop_str_in_ou
     """
     if include_stop_str_in_output:
         return 0
+    return partial_marker_len(output_text, stop)
+
+
+def partial_marker_len(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest end of `text` that is the start (not the whole) of one of `markers`: a later delta may
+    complete it into a marker, so a stream holds it back (stop strings here, the reply parsers' markers in
+    dsv4/serve/parsers)."""
     held = 0
-    for s in stop:
+    for marker in markers:
         # Only lengths longer than what is already held can raise the answer; try them from the longest down.
-        for n in range(min(len(s) - 1, len(output_text)), held, -1):
-            if output_text.endswith(s[:n]):
+        for n in range(min(len(marker) - 1, len(text)), held, -1):
+            if text.endswith(marker[:n]):
                 held = n
                 break
     return held

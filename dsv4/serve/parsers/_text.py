@@ -1,6 +1,10 @@
 """Marker search for the streaming parsers: where a marker starts, and how much of a buffer's end to hold back."""
 from collections.abc import Sequence
 
+from dsv4.engine.stop import partial_marker_len
+
+__all__ = ["cut_marker_start", "find_first", "partial_marker_len"]
+
 
 def find_first(text: str, markers: Sequence[str]) -> tuple[int, str] | None:
     """The earliest occurrence of any of `markers` in `text` as (position, marker), the longest marker on a tie."""
@@ -10,18 +14,6 @@ def find_first(text: str, markers: Sequence[str]) -> tuple[int, str] | None:
         if pos != -1 and (best is None or pos < best[0] or (pos == best[0] and len(marker) > len(best[1]))):
             best = (pos, marker)
     return best
-
-
-def partial_marker_len(text: str, markers: Sequence[str]) -> int:
-    """Length of the longest end of `text` that is the start (not the whole) of one of `markers`: a later delta may
-    complete it into a marker, so a streaming parser holds it back rather than emit part of a marker."""
-    held = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), held, -1):
-            if text.endswith(marker[:n]):
-                held = n
-                break
-    return held
 
 
 def cut_marker_start(tail: str) -> int:
