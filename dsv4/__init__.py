@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsv4.sampling_params import RequestOutputKind, SamplingParams
+from dsv4.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutputKind", "RequestOutput",
+           "CompletionOutput"]
 __version__ = "0.1.0"
 
 

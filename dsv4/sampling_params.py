@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 _GREEDY_EPS = 1e-5
 _OPTIONAL_INTS = ("max_tokens", "logprobs", "seed")  # None allowed
@@ -34,6 +35,60 @@ class SamplingParamsError(ValueError):
     """An invalid sampling field; the message names it."""
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output to a structure (vLLM's names): exactly one of a JSON schema (`json`, a dict or
+    its JSON text), any JSON object (`json_object=True`), a regular expression (`regex`), one of a list of strings
+    (`choice`) or an EBNF grammar in xgrammar's dialect (`grammar`). `disable_any_whitespace`: compact JSON, no
+    optional whitespace (`{"a":1,"b":[2]}`); by default, as in vLLM, any whitespace is allowed between tokens, which
+    a model that rambles whitespace can run away in. Checked here for shape; the schema, regex or grammar itself is compiled, and refused
+    if invalid, when the engine admits the request (dsv4.structured)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        return next(name for name in _CONSTRAINTS if _is_set(self, name))
+
+    def validate(self) -> None:
+        """Raise SamplingParamsError unless exactly one constraint is set and it has the right type."""
+        given = [name for name in _CONSTRAINTS if _is_set(self, name)]
+        if len(given) != 1:
+            raise SamplingParamsError("structured outputs take exactly one of json, json_object, regex, choice or "
+                                      f"grammar; got {', '.join(given) if given else 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise SamplingParamsError(f"structured outputs `json` must be a JSON schema (a dict or its JSON text), "
+                                      f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SamplingParamsError(f"structured outputs `{name}` must be a non-empty string")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise SamplingParamsError("structured outputs `choice` must be a non-empty list of strings")
+            if any(not isinstance(c, str) or not c or not is_valid_unicode(c) for c in self.choice):
+                raise SamplingParamsError("structured outputs `choice` entries must be non-empty, valid Unicode "
+                                          "strings")
+
+
+_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _is_set(params: StructuredOutputsParams, name: str) -> bool:
+    # json_object=False asks for nothing (vLLM counts it as set; a request saying "no" should not constrain)
+    value = getattr(params, name)
+    return bool(value) if name == "json_object" else value is not None
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request. Temperature 0 (or below 1e-5) means greedy."""
@@ -57,6 +112,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # the output follows a JSON schema, regex, choice or grammar (dsv4.structured; needs `pip install
+    # 'dsv4[structured]'`). It stops at EOS, which the grammar allows only where the structure is complete, even
+    # with ignore_eos; min_tokens holds EOS back only while the grammar allows another token.
+    structured_outputs: StructuredOutputsParams | None = None
     # filled in by the engine
     _all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
 
@@ -127,6 +186,10 @@ class SamplingParams:
             raise SamplingParamsError("sampling parameter `stop_token_ids` must be non-negative integers")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "must be a RequestOutputKind")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.validate()
         if self.logit_bias is not None:
             for k, v in self.logit_bias.items():
                 if not isinstance(k, int) or k < 0 or not -100.0 <= float(v) <= 100.0:

@@ -137,6 +137,11 @@ class Tokenizer:
 
     # ---- ids and text ------------------------------------------------------------------------
     @property
+    def backend(self) -> _HFTokenizer:
+        """The `tokenizers` tokenizer underneath, for libraries that read it (xgrammar, dsv4.structured)."""
+        return self._tok
+
+    @property
     def vocab_size(self) -> int:
         """Number of token ids, added tokens included (transformers' `len(tokenizer)`)."""
         return self._tok.get_vocab_size(with_added_tokens=True)

@@ -31,6 +31,7 @@ from dsv4.runtime.kv_cache import kv_cache_bytes
 from dsv4.runtime.runner import ModelRunner, PendingOutput
 from dsv4.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError, is_valid_unicode
 from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
+from dsv4.structured import GrammarCompiler
 from dsv4.tokenizer import IncrementalDetokenizer, Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -109,6 +110,9 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self._eos = tuple(sorted(eos))
+        # structured outputs: grammars over this tokenizer, compiled at admission (a bad one fails its request)
+        self.grammar_compiler = (GrammarCompiler(tokenizer, config.model.vocab_size, self._eos)
+                                 if tokenizer is not None else None)
         torch.manual_seed(config.seed)
         dtype = _DTYPES[config.dtype]
         # every rank runs this same engine on the same requests (dsv4.distributed): decisions agree by determinism
@@ -125,7 +129,7 @@ class LLMEngine:
         cc = config.cache
         replay = replay_tokens(config.model, cc.swa_bounded_replay) if cc.enable_prefix_caching else 0
         self.groups = make_kv_groups(config.model, cc.block_size, num_blocks, config.scheduler.max_num_seqs, replay)
-        self.runner = ModelRunner(config, model, self.groups, dtype)
+        self.runner = ModelRunner(config, model, self.groups, dtype, self.grammar_compiler)
         self.runner.capture_graphs()
         self.kv_manager = KVCacheManager(self.groups, config.scheduler.max_num_batched_tokens, cc.enable_prefix_caching)
         if self.kv_manager.prefix is not None:
@@ -233,6 +237,13 @@ class LLMEngine:
                 raise RequestError(f"token id {tok} in logit_bias/stop_token_ids is outside the vocabulary")
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer")
+        if params.structured_outputs is not None:
+            if self.grammar_compiler is None:
+                raise RequestError("structured outputs need a tokenizer")
+            try:
+                self.grammar_compiler.compile(params.structured_outputs)
+            except ValueError as e:
+                raise RequestError(str(e)) from None
         room = max_len - len(prompt_ids)
         if params.min_tokens > room:
             raise RequestError(f"sampling parameter `min_tokens` asks for {params.min_tokens} tokens but the prompt "

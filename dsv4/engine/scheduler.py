@@ -359,6 +359,10 @@ class Scheduler:
         out = req.output_token_ids
         num_out = len(out)  # req.num_output_tokens, without the property calls (this runs per token)
         token = out[-1]
+        if sp.structured_outputs is not None and token in req.eos_token_ids:
+            # a grammar allows EOS only where its structure is complete: its end is the end, whatever min_tokens
+            # and ignore_eos say (past it the grammar allows nothing)
+            return RequestStatus.FINISHED_STOPPED, None
         if num_out >= sp.min_tokens:
             if token in sp.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED, token

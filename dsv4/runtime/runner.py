@@ -32,6 +32,7 @@ from dsv4.runtime.model_state import (DeepseekV41ModelState, DeepseekV41Speciali
 from dsv4.runtime.request_state import RequestState
 from dsv4.runtime.sampler import SampledLogprobs, Sampler, SamplingTensors, greedy_sample, needs_output_values
 from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
+from dsv4.structured import GrammarCompiler, GrammarMatchers
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +66,13 @@ class PendingOutput:
         sampled: list[list[int]] = [[] for _ in req_ids]
         logprobs: list[list[TokenLogprobs] | None] = [None] * len(req_ids)
         if self._tokens is not None:
-            rs = self._runner.req_state
+            rs, grammars = self._runner.req_state, self._runner.grammars
             for b, t in zip(self._sample_rows.tolist(), self._tokens.tolist()):
                 sampled[b] = [t]
                 row = rs.req_id_to_row.get(req_ids[b])
                 if row is not None:  # finished or preempted since: the scheduler keeps the token, if any
                     rs.output_ids[row].append(t)
+                    grammars.accept(row, t)
             if self._lps is not None:
                 for b, lp in zip(self._sample_rows.tolist(), self._lps.tolist()):
                     if lp is not None:
@@ -84,7 +86,7 @@ class ModelRunner:
     """Owns the model, its KV caches and every per-request device tensor."""
 
     def __init__(self, config: EngineConfig, model: nn.Module, groups: tuple[KVGroupSpec, ...],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, grammar_compiler: GrammarCompiler | None = None) -> None:
         self.config, self.model, self.groups = config, model, groups
         prepare_rope_tables(model, config.scheduler.max_model_len)  # no position reaches max_model_len
         self.device = torch.device(config.device)
@@ -101,6 +103,10 @@ class ModelRunner:
         gen = torch.Generator(device=self.device)
         gen.manual_seed(config.seed)
         self.sampler = Sampler(gen)
+        # structured outputs (dsv4.structured): the engine's compiler (None without a tokenizer: the engine then
+        # refuses constrained requests) and a grammar matcher per constrained row
+        self.grammar_compiler = grammar_compiler
+        self.grammars = GrammarMatchers(sc.max_num_seqs, self.vocab_size, self.device)
         sizes = round_capture_sizes(list(config.cudagraph_capture_sizes or default_capture_sizes(sc.max_num_seqs)),
                                     1, sc.max_num_seqs)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and self._graph_safe()
@@ -189,12 +195,21 @@ class ModelRunner:
     def _apply_deltas(self, so: SchedulerOutput) -> None:
         for req_id in sorted(so.finished_req_ids):  # sorted: every rank frees rows in the same order
             self.model_state.remove_request(req_id)
-            self.req_state.remove_request(req_id)
+            row = self.req_state.remove_request(req_id)
+            if row is not None:
+                self.grammars.remove(row)
             self.image_spans.pop(req_id, None)
         for new in so.scheduled_new_reqs:
             if new.images:
                 self.image_spans[new.req_id] = self.model.encode_images(new.images)
+            old_row = self.req_state.req_id_to_row.get(new.req_id)
+            if old_row is not None:  # re-adding an id replaces its old row: its matcher goes with it
+                self.grammars.remove(old_row)
             row = self.req_state.add_request(new)
+            so_params = new.sampling_params.structured_outputs
+            if so_params is not None:
+                assert self.grammar_compiler is not None, "the engine admits constrained requests only with one"
+                self.grammars.add(row, self.grammar_compiler.compile(so_params), new.output_token_ids)
             self.block_tables.set_row(row, new.block_ids)
             self.model_state.add_request(row, new)
         cached = so.scheduled_cached_reqs
@@ -255,7 +270,14 @@ class ModelRunner:
             sel = hidden[: batch.num_tokens] if len(sample_rows) == batch.num_tokens else hidden[batch.logits_indices]
             logits = self.model.compute_logits(sel)
             srows = rows[sample_rows]
-            if rs.all_plain_greedy(srows):  # every row takes the argmax of its raw logits: no SamplingTensors
+            if self.grammars.constrains(srows):
+                # the grammars must have taken the previous step's tokens (async scheduling: still on the device);
+                # this step's forward is queued already, so the GPU runs it while the host waits and fills the mask
+                for pending in list(self._unresolved):
+                    pending.result()
+                self.grammars.apply(logits, srows)
+            # every row takes the argmax of its raw logits (masked by its grammar, if any): no SamplingTensors
+            if rs.all_plain_greedy(srows):
                 tokens, lps = greedy_sample(logits), None
             else:
                 params = [rs.sampling_params[r] for r in srows]

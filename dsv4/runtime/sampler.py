@@ -8,6 +8,10 @@ data (`SamplingTensors.build`) and calls `Sampler()(logits, tensors)`:
                -> greedy rows: argmax (lowest index on ties)
                -> other rows: / temperature -> top-k -> top-p -> min-p -> argmax(probs / Exp(1) noise)
 
+Rows with structured outputs arrive with their grammar's mask applied (dsv4.structured.GrammarMatchers): the tokens
+it disallows are -inf in everything above, logprobs included, as in vLLM (its raw logprobs are computed from the
+logits after the grammar bitmask).
+
 `argmax(probs / q)` with `q ~ Exp(1)` draws from `probs` exactly (the exponential race), needs no renormalisation,
 and lets a seeded row draw its own noise from a generator seeded by (seed, number of output tokens): its token then
 depends only on its own logits and history, never on the batch it landed in or on a preemption.
@@ -113,6 +117,9 @@ class SamplingTensors:
     ban_index: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf by min_tokens
     seeded: list[tuple[int, int]]  # (row, generator seed) for non-greedy rows with a user seed
     num_logprobs: list[int | None]  # per row: SamplingParams.logprobs
+    # some row has structured outputs: its logits come masked by its grammar (dsv4.structured), which the min_tokens
+    # ban may contradict
+    constrained: bool = False
 
     @classmethod
     def build(
@@ -228,6 +235,7 @@ class SamplingTensors:
             ban_index=idx(ban_rows, ban_ids),
             seeded=seeded,
             num_logprobs=[sp.logprobs for sp in params],
+            constrained=any(sp.structured_outputs is not None for sp in params),
         )
 
 
@@ -343,6 +351,11 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[1] != st.vocab_size:
             raise ValueError(f"logits must be [R, {st.vocab_size}], got {tuple(logits.shape)}")
         processed = apply_penalties(logits, st)
+        if st.constrained and st.ban_index is not None:
+            # min_tokens bans EOS where a grammar may allow nothing else (its structure is complete): the grammar
+            # wins, so a row left with no token samples from its grammar's mask alone
+            dead = processed.isneginf().all(dim=-1, keepdim=True)
+            processed = torch.where(dead, logits.to(torch.float32), processed)
         if st.all_greedy:
             sampled = processed.argmax(dim=-1)
         else:
