@@ -1,6 +1,6 @@
 """FP8 block-scaled dense linears on the GPU: bf16 (cuBLAS F.linear, bmm for the grouped wo_a) against the W8A16 and
-W8A8 Triton kernels of dsv4/ops/fp8_linear.py and (one row) its CUDA-core gemv, at the released V4-Flash (blocks 128) and V4.1-Flash (blocks 32)
-dense shapes and M = 1 .. 16384 rows.
+W8A8 Triton kernels of dsv4/ops/fp8_linear.py and (one row) its CUDA-core gemv, at the released V4-Flash
+(blocks 128) and V4.1-Flash (blocks 32) dense shapes and M = 1 .. 16384 rows.
 
 usage: PYTHONPATH=. python3 benchmarks/fp8_linear_bench.py [--json PATH] [--shapes v4.wkv,v41.wo_b] [--m 1,8]
                                                            [--rep MS] [--override BLOCK_N=128,num_stages=5]

@@ -110,7 +110,8 @@ def run(formats: list[str], rows: list[dict], sweep: bool, phases: list[tuple[st
                                tflops=round(2 * R * N * K / us / 1e6, 1))
                     rows.append(row)
                     extra = f"{row['tflops']:7.1f} TFLOP/s" if phase == "prefill" else ""
-                    print(f"{model:9s} {proj:7s} {phase:7s} T={T:<5d} {fmt:5s} {fn.__name__:26s} {us:9.1f} us  {row['gbps']:7.1f} GB/s"
+                    print(f"{model:9s} {proj:7s} {phase:7s} T={T:<5d} {fmt:5s} {fn.__name__:26s} {us:9.1f} us  "
+                          f"{row['gbps']:7.1f} GB/s"
                           f"  floor {row['floor_us']:8.1f} us  ({distinct:.0f} experts) {extra}", flush=True)
             if sweep and model == "v41-flash" and proj == "gate_up":
                 sweep(weights, E, K, rows)
@@ -165,7 +166,8 @@ def main() -> None:
             [r for r in rows if "sweep" not in r], key=lambda r: (r["model"], r["proj"], r["phase"], r["T"])):
         group = list(group)
         base = group[0]["us"]
-        cells = [f"{r['fmt']} {r['kernel'].replace('expert_', '').replace('_triton', '')} {r['us']:8.1f} ({base / r['us']:4.2f}x, {100 * r['floor_us'] / r['us']:3.0f}%)"
+        cells = [f"{r['fmt']} {r['kernel'].replace('expert_', '').replace('_triton', '')} {r['us']:8.1f} "
+                 f"({base / r['us']:4.2f}x, {100 * r['floor_us'] / r['us']:3.0f}%)"
                  for r in group]
         print(f"{model:9s} {proj:7s} {phase:7s} T={T:<5d} " + "  ".join(cells))
     if args.json:
