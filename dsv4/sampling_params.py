@@ -41,8 +41,8 @@ class StructuredOutputsParams:
     its JSON text), any JSON object (`json_object=True`), a regular expression (`regex`), one of a list of strings
     (`choice`) or an EBNF grammar in xgrammar's dialect (`grammar`). `disable_any_whitespace`: compact JSON, no
     optional whitespace (`{"a":1,"b":[2]}`); by default, as in vLLM, any whitespace is allowed between tokens, which
-    a model that rambles whitespace can run away in. Checked here for shape; the schema, regex or grammar itself is compiled, and refused
-    if invalid, when the engine admits the request (dsv4.structured)."""
+    a model that rambles whitespace can run away in. Checked here for shape; the schema, regex or grammar itself is
+    compiled, and refused if invalid, when the engine admits the request (dsv4.structured)."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
