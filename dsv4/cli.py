@@ -15,6 +15,7 @@ from dsv4.bench.serve import add_cli_args as add_bench_serve_args
 from dsv4.bench.throughput import add_cli_args as add_bench_throughput_args
 from dsv4.config import SCHEDULING_POLICIES
 from dsv4 import __version__
+from dsv4.chat.prompt import PARSER_CHOICES, TOKENIZER_MODES
 from dsv4.config import LOAD_FORMATS
 from dsv4.models.config import ConfigError, hub_hint
 from dsv4.quant.config import QUANTIZATION_CHOICES
@@ -52,7 +53,11 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", help="cpu | cuda | cuda:N")
     gen.add_argument("--max-model-len", type=int, help="longest prompt + completion, in tokens")
     gen.add_argument("--max-num-seqs", type=int, help="requests per batch")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
+    gen.add_argument("--chat", action="store_true",
+                     help="wrap each prompt as a user message (rendered as --tokenizer-mode says)")
+    gen.add_argument("--tokenizer-mode", choices=list(TOKENIZER_MODES),
+                     help="how --chat renders: auto (default: the checkpoint's chat template if it has one, else "
+                          "DeepSeek's encoder of its family), hf (the template), deepseek_v4, deepseek_v41")
     _add_gpu_args(gen)
 
     srv = sub.add_parser("serve", help="serve the OpenAI API (chat, completions, /metrics) over HTTP")
@@ -78,6 +83,18 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: room for max-num-seqs requests)")
     srv.add_argument("--seed", type=int, help="engine random seed")
     srv.add_argument("--log-level", default="info", help="debug | info | warning | error (default info)")
+    srv.add_argument("--tokenizer-mode", choices=list(TOKENIZER_MODES), default="auto",
+                     help="how chat requests become prompts: auto (default: the checkpoint's chat template if it "
+                          "has one, else DeepSeek's encoder of its family, V4 or V4.1), hf (the template), "
+                          "deepseek_v4, deepseek_v41 (DeepSeek's encoder of that family)")
+    srv.add_argument("--reasoning-parser", choices=list(PARSER_CHOICES),
+                     help="split the reasoning off chat replies (reasoning_content); default: the family of "
+                          "DeepSeek's encoder when it renders the prompts, else none")
+    srv.add_argument("--tool-call-parser", choices=list(PARSER_CHOICES),
+                     help="read DSML tool calls out of chat replies (tool_calls); default as --reasoning-parser")
+    srv.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help="accepted for vLLM command lines; tool_choice \"auto\" works whenever a tool-call parser "
+                          "is on")
     _add_gpu_args(srv)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
@@ -183,7 +200,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     model = args.model or default_model_dir()
     engine_args: dict[str, Any] = {"model": model}
-    for name in ("dtype", "device", "max_model_len", "max_num_seqs", "seed") + _GPU_ARGS:
+    for name in ("dtype", "device", "max_model_len", "max_num_seqs", "seed", "tokenizer_mode") + _GPU_ARGS:
         if getattr(args, name) is not None:
             engine_args[name] = getattr(args, name)
     llm = LLM(**engine_args)
@@ -225,7 +242,9 @@ def _serve(args: argparse.Namespace) -> None:
     engine_args = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     run_server(args.model, host=args.host, port=args.port, api_key=_api_key(args),
                max_body=int(args.max_request_body_mb * (1 << 20)), request_read_timeout=args.request_read_timeout,
-               served_model_name=args.served_model_name, log_level=args.log_level.lower(), **engine_args)
+               served_model_name=args.served_model_name, log_level=args.log_level.lower(),
+               tokenizer_mode=args.tokenizer_mode, reasoning_parser=args.reasoning_parser,
+               tool_call_parser=args.tool_call_parser, **engine_args)
 
 
 def _bench(args: argparse.Namespace) -> None:

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from dsv4.chat.prompt import ChatRenderer
 from dsv4.engine.engine import LLMEngine
-from dsv4.engine.multimodal import split_chat_images
 from dsv4.outputs import RequestOutput
 from dsv4.sampling_params import RequestOutputKind, SamplingParams
 
@@ -28,7 +28,8 @@ class LLM:
                  async_scheduling: bool | None = None, enable_prefix_caching: bool = True,
                  swa_bounded_replay: bool = True, decode_backend: str = "default", tensor_parallel_size: int = 1,
                  expert_parallel: bool = False, quantization: str | None = None, load_format: str = "auto",
-                 skip_tokenizer_init: bool = False, scheduling_policy: str = "fair") -> None:
+                 skip_tokenizer_init: bool = False, scheduling_policy: str = "fair",
+                 tokenizer_mode: str = "auto") -> None:
         if model is None:
             from dsv4.models.presets import default_model_dir
 
@@ -51,6 +52,9 @@ class LLM:
                                           skip_tokenizer_init=skip_tokenizer_init,
                                           scheduling_policy=scheduling_policy)
         self.tokenizer = self.engine.tokenizer
+        # how chat() renders (dsv4.chat.prompt): the checkpoint's template, else DeepSeek's encoder of its family
+        self.chat_renderer = (ChatRenderer.create(self.tokenizer, self.engine.config.model, tokenizer_mode)
+                              if self.tokenizer is not None else None)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -84,19 +88,24 @@ class LLM:
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Render each conversation with the checkpoint's chat template and generate."""
-        if self.tokenizer is None:
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = False, *,
+             tools: list[dict[str, Any]] | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+             reasoning_effort: str | int | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Render each conversation (`tokenizer_mode`: the checkpoint's chat template, else DeepSeek's encoder)
+        with the request's `tools`, `chat_template_kwargs` (thinking / enable_thinking, reasoning_effort,
+        drop_thinking for the encoder) and `reasoning_effort`, then generate. Outputs are the raw text, reasoning
+        and DSML tool calls included, as vLLM's LLM.chat; a bad conversation is a ValueError naming the field."""
+        if self.chat_renderer is None:
             raise ValueError("chat needs a tokenizer")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         rendered = []
         for c in convs:
-            text_messages, images = split_chat_images(c)  # image parts become placeholders in the text
-            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(
-                text_messages, add_generation_prompt=add_generation_prompt), add_special_tokens=False)
-            rendered.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}} if images
-                            else {"prompt_token_ids": ids})
+            prompt = self.chat_renderer.render(c, tools=tools, chat_template_kwargs=chat_template_kwargs,
+                                               reasoning_effort=reasoning_effort,
+                                               add_generation_prompt=add_generation_prompt)
+            ids = self.tokenizer.encode(prompt.text, add_special_tokens=False)  # the text holds its BOS
+            rendered.append({"prompt_token_ids": ids, "multi_modal_data": {"image": list(prompt.images)}}
+                            if prompt.images else {"prompt_token_ids": ids})
         return self.generate(rendered, sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

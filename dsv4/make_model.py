@@ -2,8 +2,9 @@
 
 A checkpoint here is what a real one ships: config.json, model.safetensors (HF DeepseekV4ForCausalLM names for V4;
 the layout HF-V41 saves for V4.1, with a composite config.json; the presets of `VISION_PRESETS` add the vision
-encoder's tensors under their original names), tokenizer.json, tokenizer_config.json (with a DeepSeek-style chat
-template) and generation_config.json.
+encoder's tensors under their original names), tokenizer.json, tokenizer_config.json and generation_config.json.
+Like DeepSeek's releases, the tokenizer has no chat template: chat prompts are DeepSeek's own encoding
+(dsv4.chat), whose special tokens and reply markers the tokenizer holds as single tokens.
 Everything is deterministic given the seed, so tests and `dsv4 generate` need no download.
 
 The large benchmark presets (`LARGE_PRESETS`, several GB in bf16) are streamed instead: each tensor is drawn in chunks,
@@ -31,6 +32,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from dsv4.chat.tokens import special_tokens
 from dsv4.models.image_processor import IMAGE_PLACEHOLDER
 from dsv4.models.config import parse_config_dict
 from dsv4.models.presets import (CONFIG_ONLY_PRESETS, LARGE_PRESETS, TOKENIZER_VOCAB_SIZE, VISION_PRESETS,
@@ -40,34 +42,21 @@ from dsv4.quant.released import release_quant, released_config, write_released, 
 from dsv4.models.vision import parse_vision_config
 
 # Bump when anything make_model writes changes, so cached default models are rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 DEFAULT_PRESET = "tiny-v4"
 
-# DeepSeek-V3/V4 special tokens, at DeepSeek's ids 0/1/2 (config bos_token_id 0, eos_token_id 1).
-BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"
-USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
-SPECIAL_TOKENS = [BOS, EOS, PAD, USER, ASSISTANT]
+# The special tokens of DeepSeek's prompts (dsv4.chat.tokens), BOS/EOS/PAD at DeepSeek's ids 0/1/2 (config
+# bos_token_id 0, eos_token_id 1). One tokenizer serves every preset, so it holds both families' tokens: V4.1's
+# system token too (a V4 prompt never contains it).
+_TOKENS = special_tokens("v41")
+BOS, EOS, PAD = _TOKENS.bos, _TOKENS.eos, "<｜▁pad▁｜>"
+USER, ASSISTANT, SYSTEM = _TOKENS.user, _TOKENS.assistant, _TOKENS.system
+SPECIAL_TOKENS = [BOS, EOS, PAD, USER, ASSISTANT, SYSTEM]
+# Reply markers: single tokens but not special ones, as in DeepSeek's tokenizers, so that decoding with
+# skip_special_tokens=True keeps them for the reasoning and tool-call parsers. `｜DSML｜` is the part both families'
+# DSML tags share (`<｜DSML｜tool_calls>`, `<｜DSML｜ invoke ...`).
+MARKER_TOKENS = [_TOKENS.think_start, _TOKENS.think_end, _TOKENS.dsml]
 # DeepSeek-V4.1's image placeholder: a regular added token, not a special one (model.md 1.2).
-
-# DeepSeek's format without tools or thinking: BOS, the system prompt, then User/Assistant turns; an assistant
-# turn ends with EOS. Unknown roles fail loudly through raise_exception.
-CHAT_TEMPLATE = (
-    "{%- set ns = namespace(system='') -%}\n"
-    "{%- for message in messages -%}\n"
-    "{%- if message['role'] == 'system' -%}{%- set ns.system = ns.system + message['content'] -%}{%- endif -%}\n"
-    "{%- endfor -%}\n"
-    "{{ bos_token }}{{ ns.system }}\n"
-    "{%- for message in messages -%}\n"
-    "{%- if message['role'] == 'user' -%}\n"
-    "<｜User｜>{{ message['content'] }}\n"
-    "{%- elif message['role'] == 'assistant' -%}\n"
-    "<｜Assistant｜>{{ message['content'] }}{{ eos_token }}\n"
-    "{%- elif message['role'] != 'system' -%}\n"
-    "{{ raise_exception('unsupported chat role: ' + message['role']) }}\n"
-    "{%- endif -%}\n"
-    "{%- endfor -%}\n"
-    "{%- if add_generation_prompt -%}<｜Assistant｜>{%- endif -%}"
-)
 
 # The tokenizer's training text: plain English with some punctuation, digits, whitespace runs, accents and CJK,
 # so merges cover common words while rarer scripts fall back to byte tokens.
@@ -106,7 +95,7 @@ def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> Tokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=SPECIAL_TOKENS + MARKER_TOKENS,  # ids 0.. in this order, each one token
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -114,6 +103,10 @@ def build_tokenizer(vocab_size: int = TOKENIZER_VOCAB_SIZE) -> Tokenizer:
     tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
     if tok.get_vocab_size(with_added_tokens=True) != vocab_size:
         raise RuntimeError(f"built-in corpus yields {tok.get_vocab_size()} tokens, wanted {vocab_size}")
+    data = json.loads(tok.to_str())
+    for added in data["added_tokens"]:  # the trainer makes all of them special; the markers must survive decoding
+        added["special"] = added["content"] not in MARKER_TOKENS
+    tok = Tokenizer.from_str(json.dumps(data, ensure_ascii=False))
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1", special_tokens=[(BOS, tok.token_to_id(BOS))]
     )
@@ -172,7 +165,6 @@ def tokenizer_config(max_length: int) -> dict:
         "model_max_length": max_length,
         # The generic fast class: transformers loads tokenizer.json as is (a Llama class would rebuild it).
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": CHAT_TEMPLATE,
     }
 
 

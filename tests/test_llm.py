@@ -5,13 +5,18 @@ from __future__ import annotations
 import pytest
 
 from dsv4 import LLM, RequestOutput, SamplingParams
+from dsv4.chat import encode_chat
 from dsv4.make_model import make_model
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
-    path = make_model("tiny-v4", str(tmp_path_factory.mktemp("tiny-v4")), seed=0)
-    return LLM(model=path, device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4,
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_model("tiny-v4", str(tmp_path_factory.mktemp("tiny-v4")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def llm(model_path: str) -> LLM:
+    return LLM(model=model_path, device="cpu", dtype="float32", max_model_len=128, max_num_seqs=4,
                max_num_batched_tokens=16, block_size=16, seed=0)
 
 
@@ -39,12 +44,40 @@ def test_stop_string_cuts_text(llm: LLM) -> None:
     assert out.text == text[: text.index(stop)]
 
 
-def test_chat_uses_the_template(llm: LLM) -> None:
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}]
+
+
+def test_chat_uses_deepseeks_encoding(llm: LLM) -> None:
+    """The built-in model ships no chat template (as DeepSeek's releases): chat renders DeepSeek-V4's encoding."""
     msgs = [{"role": "user", "content": "Say hi"}]
+    assert llm.chat_renderer.mode == "deepseek_v4"
     out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
-    rendered = llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
-    assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
+    assert out.prompt_token_ids == llm.tokenizer.encode(encode_chat(msgs, "v4"), add_special_tokens=False)
     assert len(out.outputs[0].token_ids) == 5
+
+
+def test_chat_with_tools_and_reasoning_options(model_path: str) -> None:
+    # the tools section is long for the tiny tokenizer (about 900 tokens): the model's whole context
+    llm = LLM(model=model_path, device="cpu", dtype="float32", max_model_len=1024, max_num_seqs=2, seed=0)
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "reasoning_content": "look it up",
+             "tool_calls": [{"id": "c1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    out = llm.chat(msgs, params, tools=TOOLS, chat_template_kwargs={"enable_thinking": False})[0]
+    expected = encode_chat(msgs, "v4", tools=TOOLS, thinking=False)
+    assert out.prompt_token_ids == llm.tokenizer.encode(expected, add_special_tokens=False)
+    assert expected.endswith("</think>") and "<｜DSML｜invoke" in expected
+    out = llm.chat(msgs[:1], params, reasoning_effort="max")[0]  # (with the tools too, it would not fit)
+    assert out.prompt_token_ids == llm.tokenizer.encode(encode_chat(msgs[:1], "v4", reasoning_effort="max"),
+                                                        add_special_tokens=False)
+    with pytest.raises(ValueError, match="reasoning_effort 'low'"):  # V4 knows high and max
+        llm.chat(msgs, params, reasoning_effort="low")
+    with pytest.raises(ValueError, match=r"messages\[2\]"):
+        llm.chat(msgs[:2] + [{"role": "tool", "content": 5}], params)
 
 
 def test_bad_prompt_in_a_batch_names_it_and_runs_nothing(llm: LLM) -> None:

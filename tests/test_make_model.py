@@ -52,7 +52,10 @@ def test_checkpoint_files_and_config(tiny_dir: str) -> None:
     tok = Tokenizer.from_dir(tiny_dir)
     assert tok.vocab_size == cfg.vocab_size
     assert (tok.bos_token_id, tok.eos_token_id) == (cfg.bos_token_id, cfg.eos_token_ids[0])
-    assert tok.chat_template is not None
+    # as DeepSeek's releases: no chat template (prompts come from dsv4.chat), the prompt's special tokens single
+    assert tok.chat_template is None
+    for marker in ("<｜User｜>", "<｜Assistant｜>", "<｜System｜>", "<think>", "</think>", "｜DSML｜"):
+        assert len(tok.encode(marker, add_special_tokens=False)) == 1
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -19,6 +19,7 @@ from dsv4.engine.engine import RequestError
 from dsv4.engine.multimodal import IMAGE_PLACEHOLDER, expand_image_spans, split_chat_images
 from dsv4.make_model import make_model
 from dsv4.models.image_processor import span_types
+from dsv4.serve.parsers import ParserOptions, parse_chat_output
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -153,7 +154,10 @@ def test_server_image_url(vl_server: Server, model_dir: str) -> None:
     resp = client.chat.completions.create(model=model_dir, messages=[{"role": "user", "content": content}],
                                           max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     offline = _llm(model_dir, 256).chat([{"role": "user", "content": content}], GREEDY)[0]
-    assert resp.choices[0].message.content == offline.outputs[0].text
+    # the server parses the reply (DeepSeek-V4.1's reasoning parser, thinking on); LLM.chat gives the raw text
+    expected = parse_chat_output(offline.outputs[0].text, ParserOptions("v41", thinking=True, parse_tool_calls=False))
+    message = resp.choices[0].message
+    assert (message.model_extra.get("reasoning_content"), message.content) == (expected.reasoning, expected.content)
     assert resp.usage.prompt_tokens == len(offline.prompt_token_ids)  # spans counted
     remote = [{"type": "image_url", "image_url": {"url": "https://example.com/x.png"}}]
     with pytest.raises(openai.BadRequestError, match="data: image URLs"):

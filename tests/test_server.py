@@ -27,6 +27,7 @@ from typing import Any
 import openai
 import pytest
 
+from dsv4.chat import encode_chat
 from dsv4.make_model import make_model
 from dsv4.tokenizer import Tokenizer
 
@@ -129,8 +130,14 @@ def _post(server: Server, path: str, body: bytes, headers: dict[str, str] | None
 
 
 def _chat_prompt_len(server: Server, messages: list[dict[str, str]]) -> int:
-    return len(server.tok.encode(server.tok.apply_chat_template(messages, add_generation_prompt=True),
-                                 add_special_tokens=False))
+    # the built-in model has no chat template: its prompts are DeepSeek-V4's encoding
+    return len(server.tok.encode(encode_chat(messages, "v4"), add_special_tokens=False))
+
+
+def _parts(message: Any) -> tuple[str, str]:
+    """(reasoning, content) of a message or a delta, "" for a missing one: the reasoning parser splits replies
+    (thinking is on by default, so a random model's reply is mostly reasoning)."""
+    return (message.model_extra or {}).get("reasoning_content") or "", message.content or ""
 
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -179,7 +186,8 @@ def test_chat_stream_equals_non_stream(server: Server) -> None:
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     with_choices = [c for c in chunks if c.choices]
-    assert "".join(c.choices[0].delta.content or "" for c in with_choices) == choice.message.content
+    deltas = [_parts(c.choices[0].delta) for c in with_choices]
+    assert ("".join(r for r, _ in deltas), "".join(c for _, c in deltas)) == _parts(choice.message)
     assert with_choices[-1].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
@@ -228,15 +236,16 @@ def test_n_seed_and_max_completion_tokens(server: Server) -> None:
               extra_body={"ignore_eos": True})
     first, again = client.chat.completions.create(**kw), client.chat.completions.create(**kw)
     assert [c.index for c in first.choices] == [0, 1]
-    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    assert [_parts(c.message) for c in first.choices] == [_parts(c.message) for c in again.choices]
     assert first.usage.completion_tokens == 10  # max_completion_tokens per choice
     assert all(c.finish_reason == "length" for c in first.choices)
 
-    streamed = ["", ""]
+    streamed = [("", ""), ("", "")]
     for chunk in client.chat.completions.create(stream=True, **kw):
         for c in chunk.choices:
-            streamed[c.index] += c.delta.content or ""
-    assert streamed == [c.message.content for c in first.choices]
+            reasoning, content = _parts(c.delta)
+            streamed[c.index] = (streamed[c.index][0] + reasoning, streamed[c.index][1] + content)
+    assert streamed == [_parts(c.message) for c in first.choices]
 
     batch = client.completions.create(model=server.model_dir, prompt=[PROMPT, "Hello"], n=2, max_tokens=3,
                                       **GREEDY)
@@ -480,7 +489,9 @@ def _big_png_data_url(side: int) -> str:
 @pytest.fixture(scope="module")
 def vl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("vl-serve")
-    with serve_process(make_model("tiny-v41-vl", str(tmp / "tiny-v41-vl"), seed=0), tmp) as s:
+    # 512: four image spans plus DeepSeek-V4.1's prompt (its reasoning-effort line in thinking mode) pass 256
+    with serve_process(make_model("tiny-v41-vl", str(tmp / "tiny-v41-vl"), seed=0), tmp, "--max-model-len",
+                       "512") as s:
         yield s
 
 
@@ -542,7 +553,8 @@ def test_a_full_queue_answers_503_with_retry_after() -> None:
     from dsv4.serve.protocol import APIError
 
     gauge = SimpleNamespace(value=float(api_server.MAX_WAITING))
-    srv = api_server._Server(SimpleNamespace(metrics=SimpleNamespace(waiting=gauge)), "m")
+    srv = api_server._Server(SimpleNamespace(metrics=SimpleNamespace(waiting=gauge)), "m", None,
+                             api_server.ReplyParsers(None, None))
     with pytest.raises(APIError) as info:
         srv._check_capacity(1, 1)
     assert info.value.status == 503 and info.value.headers == {"Retry-After": "1"}

@@ -69,7 +69,8 @@ def _answer(server: Server, path: str, body: dict[str, Any]) -> list[str]:
     for chunk in chunks:
         for c in chunk["choices"]:
             i = c["index"]
-            piece = c.get("text") or (c.get("message") or c.get("delta") or {}).get("content") or ""
+            message = c.get("message") or c.get("delta") or {}  # a chat reply is reasoning, then content
+            piece = c.get("text") or (message.get("reasoning_content") or "") + (message.get("content") or "")
             texts[i] = texts.get(i, "") + piece
             finish[i] = c.get("finish_reason") or finish.get(i)
     assert set(finish.values()) == {"length"}, finish

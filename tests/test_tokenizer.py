@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from dsv4.make_model import ASSISTANT, BOS, CHAT_TEMPLATE, EOS, USER, write_tokenizer_files
+from dsv4.make_model import ASSISTANT, BOS, EOS, MARKER_TOKENS, SYSTEM, USER, write_tokenizer_files
 from dsv4.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 TEXTS = [
@@ -25,10 +25,36 @@ TEXTS = [
 ]
 
 
+# A DeepSeek-style Jinja template (no tools, no thinking): the built-in tokenizer ships none (DeepSeek's prompts come
+# from dsv4.chat), so the Jinja path is checked with this one. Unknown roles fail loudly through raise_exception.
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(system='') -%}\n"
+    "{%- for message in messages -%}\n"
+    "{%- if message['role'] == 'system' -%}{%- set ns.system = ns.system + message['content'] -%}{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{{ bos_token }}{{ ns.system }}\n"
+    "{%- for message in messages -%}\n"
+    "{%- if message['role'] == 'user' -%}\n"
+    "<｜User｜>{{ message['content'] }}\n"
+    "{%- elif message['role'] == 'assistant' -%}\n"
+    "<｜Assistant｜>{{ message['content'] }}{{ eos_token }}\n"
+    "{%- elif message['role'] != 'system' -%}\n"
+    "{{ raise_exception('unsupported chat role: ' + message['role']) }}\n"
+    "{%- endif -%}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}<｜Assistant｜>{%- endif -%}"
+)
+
+
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     d = str(tmp_path_factory.mktemp("tok"))
     write_tokenizer_files(d)
+    config_path = os.path.join(d, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump({**config, "chat_template": CHAT_TEMPLATE}, f, ensure_ascii=False)
     return d
 
 
@@ -47,8 +73,11 @@ def test_special_ids_and_vocab(tok: Tokenizer) -> None:
     assert tok.vocab_size == 512
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2)
     assert tok.bos_token == BOS and tok.eos_token == EOS
-    assert tok.all_special_ids == [0, 1, 2, 3, 4]
-    assert tok.token_to_id(USER) == 3 and tok.token_to_id(ASSISTANT) == 4
+    assert tok.all_special_ids == [0, 1, 2, 3, 4, 5]
+    assert tok.token_to_id(USER) == 3 and tok.token_to_id(ASSISTANT) == 4 and tok.token_to_id(SYSTEM) == 5
+    # DeepSeek's reply markers are single tokens that decoding keeps (the reasoning and tool-call parsers read them)
+    assert [tok.token_to_id(m) for m in MARKER_TOKENS] == [6, 7, 8]
+    assert tok.decode([6, 7, 8]) == "".join(MARKER_TOKENS)
 
 
 @pytest.mark.parametrize("text", TEXTS)

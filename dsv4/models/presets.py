@@ -28,8 +28,8 @@ _FP32_SUFFIXES = ("_hc.fn", "_hc.base", "_hc.scale", "hc_head.hc_fn", "hc_head.h
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-# The size of the built-in byte-level BPE vocabulary (dsv4.make_model trains it): 5 special tokens + 256 byte
-# symbols + 251 merges. A preset's vocab_size must be at least this.
+# The size of the built-in byte-level BPE vocabulary (dsv4.make_model trains it): 9 added tokens + 256 byte
+# symbols + 247 merges. A preset's vocab_size must be at least this.
 TOKENIZER_VOCAB_SIZE = 512
 
 # tiny-v4: model.md section 11 (verified against transformers' DeepseekV4ForCausalLM) with the vocabulary

@@ -1,11 +1,14 @@
 """The OpenAI-compatible HTTP server: `build_app(engine, ...)` (FastAPI) and `run_server(...)` (uvicorn).
 
-Endpoints: GET /health, GET /metrics (Prometheus text), GET /v1/models, POST /v1/chat/completions and
-POST /v1/completions, streaming (SSE) or not. Every request runs on the one AsyncLLMEngine, so requests from all
-connections are batched together. Errors are OpenAI-shaped `{"error": {...}}` bodies with the proper status and
-touch only their own request. A client that goes away (mid-stream, or while waiting for a non-streamed answer)
-has its requests aborted, which frees their KV blocks. A connection that does not deliver a whole request in time
-(nothing, part of the headers, part of the body) is dropped: see `_read_deadline_protocol`.
+Endpoints: GET /health, GET /metrics (Prometheus text), GET /v1/models, POST /v1/chat/completions and POST
+/v1/completions, streaming (SSE) or not, and vLLM's POST /tokenize and POST /detokenize. A chat request becomes a
+prompt through `dsv4.chat.prompt.ChatRenderer` (the checkpoint's template, or DeepSeek's encoder); its reply goes
+through DeepSeek's reasoning and tool-call parsers (dsv4.serve.parsers) when they are on (`ReplyParsers`). Every
+request runs on the one AsyncLLMEngine, so requests from all connections are batched together. Errors are
+OpenAI-shaped `{"error": {...}}` bodies with the proper status and touch only their own request. A client that goes
+away (mid-stream, or while waiting for a non-streamed answer) has its requests aborted, which frees their KV blocks.
+A connection that does not deliver a whole request in time (nothing, part of the headers, part of the body) is
+dropped: see `_read_deadline_protocol`.
 """
 
 from __future__ import annotations
@@ -28,14 +31,17 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from dsv4.chat.prompt import PARSER_CHOICES, ChatPrompt, ChatPromptError, ChatRenderer
+from dsv4.chat.tokens import Family
 from dsv4.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from dsv4.engine.engine import LLMEngine, RequestError
 from dsv4.models.config import hub_hint
 from dsv4.outputs import RequestOutput
 from dsv4.sampling_params import SamplingParams
-from dsv4.serve.protocol import (APIError, ChatCompletionRequest, ChatFormat, ChoiceProgress, CompletionFormat,
-                                 CompletionRequest, ResponseFormat, bad_request, model_card, usage_of)
-from dsv4.tokenizer import TokenizerError
+from dsv4.serve.parsers import ParserOptions
+from dsv4.serve.protocol import (APIError, ChatCompletionRequest, ChatFormat, ChatInput, ChoiceProgress,
+                                 CompletionFormat, CompletionRequest, DetokenizeRequest, ResponseFormat,
+                                 TokenizeRequest, bad_request, check_image_sources, model_card, usage_of)
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +52,36 @@ DEFAULT_MAX_BODY_BYTES = 64 << 20  # a few data-URL images; --max-request-body-m
 MAX_SEQS_PER_REQUEST = 1024  # prompts x n of one request
 MAX_WAITING = 4096  # sequences waiting for the engine before new requests get 503
 DEFAULT_REQUEST_READ_TIMEOUT = 60.0  # seconds to deliver a whole request (--request-read-timeout)
+_KEYED_PATHS = ("/tokenize", "/detokenize", "/metrics")  # besides /v1: what needs the API key
+
+
+@dataclass(frozen=True)
+class ReplyParsers:
+    """Which DeepSeek family's parsers read chat replies: `reasoning` splits off the reasoning, `tools` the DSML
+    tool calls (None: off). The tool-call parser reads the content the reasoning parser leaves, so it needs one of
+    the same family."""
+
+    reasoning: Family | None
+    tools: Family | None
+
+    @classmethod
+    def create(cls, renderer_family: Family | None, reasoning_parser: str | None = None,
+               tool_call_parser: str | None = None) -> "ReplyParsers":
+        """From --reasoning-parser / --tool-call-parser (PARSER_CHOICES); None (not given) is the family of
+        DeepSeek's encoder when it renders the prompts, else off (a chat template's format is not known)."""
+        def family(choice: str | None, flag: str) -> Family | None:
+            if choice is None:
+                return renderer_family
+            if choice not in PARSER_CHOICES:
+                raise ValueError(f"{flag} {choice!r} is not one of {', '.join(PARSER_CHOICES)}")
+            return None if choice == "none" else choice.removeprefix("deepseek_")  # type: ignore[return-value]
+
+        reasoning = family(reasoning_parser, "--reasoning-parser")
+        tools = family(tool_call_parser, "--tool-call-parser")
+        if tools is not None and tools != reasoning:
+            raise ValueError(f"--tool-call-parser deepseek_{tools} needs --reasoning-parser deepseek_{tools}: the "
+                             "tool calls are read from the content after the reasoning")
+        return cls(reasoning, tools)
 
 
 class _Guard:
@@ -67,7 +103,7 @@ class _Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         path = scope["path"]
-        if self.api_key is not None and (path.startswith("/v1") or path == "/metrics"):
+        if self.api_key is not None and (path.startswith("/v1") or path in _KEYED_PATHS):
             if not secrets.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.api_key}".encode()):
                 return await self._refuse(send, APIError(
                     401, "Incorrect or missing API key: pass it as `Authorization: Bearer <key>`.",
@@ -91,9 +127,16 @@ class _Guard:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
-              max_body: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
-    """The FastAPI app serving `engine` under `served_model_name`; /v1 and /metrics need `api_key` when it is set
-    (checked before the body is read); bodies above `max_body` bytes get 413."""
+              max_body: int = DEFAULT_MAX_BODY_BYTES, tokenizer_mode: str = "auto",
+              reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` under `served_model_name`; /v1, /tokenize, /detokenize and /metrics need
+    `api_key` when it is set (checked before the body is read); bodies above `max_body` bytes get 413. Chat prompts
+    are rendered as `tokenizer_mode` says (dsv4.chat.prompt) and replies parsed as `ReplyParsers.create` says.
+    A bad mode or parser is a ValueError, before anything is served."""
+    renderer = (ChatRenderer.create(engine.tokenizer, engine.engine.config.model, tokenizer_mode)
+                if engine.tokenizer is not None else None)
+    parsers = ReplyParsers.create(renderer.family if renderer is not None else None, reasoning_parser,
+                                  tool_call_parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -104,7 +147,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     # with a key, nothing but /health answers without it: the API docs are off, /metrics needs the key
     docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="dsv4", lifespan=lifespan, **docs)
-    server = _Server(engine, served_model_name)
+    server = _Server(engine, served_model_name, renderer, parsers)
     _install_error_handlers(app)
 
     app.add_middleware(_Guard, api_key=api_key, max_body=max_body)  # the key and the body size: see _Guard
@@ -122,6 +165,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     v1.add_api_route("/chat/completions", server.chat, methods=["POST"])
     v1.add_api_route("/completions", server.completions, methods=["POST"])
     app.include_router(v1)
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
     return app
 
 
@@ -195,10 +240,13 @@ class _Job:
 class _Server:
     """The route handlers, sharing the engine and the served model name."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, renderer: ChatRenderer | None,
+                 parsers: ReplyParsers) -> None:
         self.engine = engine
         self.name = served_model_name
         self.created = int(time.time())
+        self.renderer = renderer
+        self.parsers = parsers
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [model_card(self.name, self.created, self.engine.max_model_len)]}
@@ -253,28 +301,72 @@ class _Server:
             raise
         return jobs
 
+    async def _render(self, req: ChatInput) -> tuple[ChatPrompt, list[int]]:
+        """The request's prompt and its token ids; 400 naming the field the renderer refused."""
+        if self.renderer is None:
+            raise bad_request("this checkpoint has no tokenizer; send token ids to /v1/completions")
+        renderer, messages = self.renderer, req.checked_messages()
+
+        def render() -> tuple[ChatPrompt, list[int]]:
+            prompt = renderer.render(messages, tools=req.tools, chat_template_kwargs=req.chat_template_kwargs,
+                                     reasoning_effort=req.reasoning_effort,
+                                     add_generation_prompt=req.add_generation_prompt)
+            return prompt, renderer.tokenizer.encode(prompt.text, add_special_tokens=False)  # BOS is in the text
+
+        try:  # in a worker thread: a long body must not stall the event loop (and every other request) meanwhile
+            return await asyncio.to_thread(render)
+        except ChatPromptError as e:
+            raise bad_request(str(e), e.param) from None
+
+    def _parser_options(self, req: ChatCompletionRequest, prompt: ChatPrompt) -> ParserOptions | None:
+        """How this request's replies are parsed, or None (the text is the content); 400 when the request wants
+        tool calls read and no tool-call parser is on (vLLM answers "auto" without one the same way)."""
+        tools = req.tool_use()
+        if tools.parse and self.parsers.tools is None:
+            raise bad_request(f"tool_choice {req.tool_choice or 'auto'!r} needs a tool-call parser: this server runs "
+                              "without one (--tool-call-parser)", "tool_choice")
+        if self.parsers.reasoning is None:
+            return None
+        return ParserOptions(self.parsers.reasoning, prompt.thinking, parse_tool_calls=tools.parse,
+                             tool_names=tools.names)
+
     # ---- POST /v1/chat/completions ---------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
         req.check_supported()
         self._check_capacity(1, req.n)
-        tok = self._tokenizer()
-        messages, images = req.messages_for_template()
-
-        def render() -> tuple[str, list[int]]:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True)
-            return text, tok.encode(text, add_special_tokens=False)  # the template already carries BOS
-
-        try:  # in a worker thread: a long body must not stall the event loop (and every other request) meanwhile
-            rendered, ids = await asyncio.to_thread(render)
-        except TokenizerError as e:
-            raise bad_request(str(e), "messages") from None
+        prompt, ids = await self._render(req)
+        check_image_sources(prompt.images)
+        parser = self._parser_options(req, prompt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         self._check_length(len(ids), max_tokens, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        jobs = await self._start([(ids, rendered)], params, rid, images or None)
-        return await self._respond(raw, req, jobs, params, ChatFormat(rid, self.name, req))
+        jobs = await self._start([(ids, prompt.text)], params, rid, list(prompt.images) or None)
+        return await self._respond(raw, req, jobs, params, ChatFormat(rid, self.name, req, parser))
+
+    # ---- POST /tokenize, /detokenize (vLLM's) ------------------------------------------------------------------
+    async def tokenize(self, req: TokenizeRequest) -> dict[str, Any]:
+        self._check_model(req.model)
+        tok = self._tokenizer()
+        if req.prompt is not None:
+            ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens is not False)
+        else:
+            prompt, ids = await self._render(req.chat_input())
+            if req.add_special_tokens:  # as vLLM: the tokenizer's own (a second BOS) on top of the rendered text's
+                ids = await asyncio.to_thread(tok.encode, prompt.text, True)
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = [tok.id_to_token(i) for i in ids]
+        return body
+
+    async def detokenize(self, req: DetokenizeRequest) -> dict[str, Any]:
+        self._check_model(req.model)
+        tok = self._tokenizer()
+        bad = next((t for t in req.tokens if not 0 <= t < tok.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary (0..{tok.vocab_size - 1})", "tokens")
+        return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}  # as vLLM: /tokenize's text back
 
     # ---- POST /v1/completions ----------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
@@ -454,7 +546,8 @@ def _read_deadline_protocol(timeout: float) -> type[asyncio.Protocol]:
 def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | None = None, log_level: str = "info",
                max_body: int = DEFAULT_MAX_BODY_BYTES, request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT,
-               **engine_args: Any) -> None:
+               tokenizer_mode: str = "auto", reasoning_parser: str | None = None,
+               tool_call_parser: str | None = None, **engine_args: Any) -> None:
     """Build the engine (without `model`, the built-in default model), then serve until interrupted."""
     import torch
     import uvicorn
@@ -484,7 +577,8 @@ def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000, api
     logger.info("serving %s as %r on http://%s:%d (max_model_len %d)", model, name, host, port,
                 engine.max_model_len)
     try:
-        uvicorn.run(build_app(engine, name, api_key, max_body), host=host, port=port, log_level=log_level,
+        app = build_app(engine, name, api_key, max_body, tokenizer_mode, reasoning_parser, tool_call_parser)
+        uvicorn.run(app, host=host, port=port, log_level=log_level,
                     timeout_graceful_shutdown=5, http=_read_deadline_protocol(request_read_timeout))
     finally:  # (the app's lifespan stopped the engine thread already, unless the server never started)
         engine.shutdown()

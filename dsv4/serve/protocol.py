@@ -1,12 +1,15 @@
 """OpenAI API shapes: request bodies (pydantic) and their SamplingParams; responses, whole and streamed.
 
 Field names and defaults follow OpenAI's API; the non-standard extras clients send in `extra_body` (top_k, min_p,
-repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, min_tokens, include_stop_str_in_output) follow
-vLLM. Unknown fields are accepted and ignored, as OpenAI-compatible servers do, except features a client would
-silently get wrong (tools, JSON response formats, suffix, best_of > n), which are refused with 400.
+repetition_penalty, ignore_eos, stop_token_ids, skip_special_tokens, min_tokens, include_stop_str_in_output,
+chat_template_kwargs, include_reasoning) follow vLLM. Unknown fields are accepted and ignored, as OpenAI-compatible
+servers do, except features a client would silently get wrong (JSON response formats, suffix, best_of > n), which
+are refused with 400.
 
 Responses are plain dicts (built per chunk, so no model validation on the hot path). A streamed choice sends its
-text as it becomes final, holding back what could still turn into a stop string.
+text as it becomes final, holding back what could still turn into a stop string. With a reply parser
+(dsv4.serve.parsers), a chat choice's text is split into reasoning (`reasoning_content`, and `reasoning` as vLLM
+names it), content and tool calls, streamed as the parser releases them.
 """
 
 from __future__ import annotations
@@ -17,14 +20,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from dsv4.engine.stop import stop_hold_back
 from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
-from dsv4.engine.multimodal import split_chat_images
 from dsv4.sampling_params import SamplingParams, SamplingParamsError, is_valid_unicode
+from dsv4.serve.parsers import ChatDelta, ChatOutputStream, ParserOptions, parse_chat_output
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+# The reasoning of a reply goes out under both names clients read: DeepSeek's API and SGLang's, and vLLM's.
+REASONING_KEY, VLLM_REASONING_KEY = "reasoning_content", "reasoning"
 
 
 class APIError(Exception):
@@ -61,8 +66,8 @@ def _unencodable(value: Any, path: str) -> str | None:
     return next((found for v, p in items if (found := _unencodable(v, p)) is not None), None)
 
 
-class _Request(BaseModel):
-    """Fields shared by chat and completions requests."""
+class _Body(BaseModel):
+    """Any request body: unknown fields allowed, every string valid Unicode."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -76,6 +81,11 @@ class _Request(BaseModel):
         return data
 
     model: str | None = None
+
+
+class _Request(_Body):
+    """Fields shared by chat and completions requests."""
+
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = None
     top_p: float | None = None
@@ -125,53 +135,129 @@ class _Request(BaseModel):
             raise bad_request(str(e), name.group(1) if name else None) from None
 
 
-class ChatCompletionRequest(_Request):
-    """POST /v1/chat/completions."""
+@dataclass(frozen=True)
+class ToolUse:
+    """What a chat request's `tools` and `tool_choice` ask of the reply: whether it is parsed for tool calls, and
+    the names a call may have (the named tool of a named tool_choice, else every tool of the request)."""
+
+    parse: bool
+    names: frozenset[str]
+
+
+def _messages_checked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with a missing or null content as "", after the shape checks every renderer relies on; a 400
+    naming the message otherwise. Image parts must be `image_url` ones (the server takes no `image` objects)."""
+    out = [{**m, "content": m.get("content") if m.get("content") is not None else ""} for m in messages]
+    for i, m in enumerate(out):
+        if not isinstance(m.get("role"), str):
+            raise bad_request(f"messages[{i}]: `role` must be a string", "messages")
+        if not isinstance(m["content"], (str, list)):
+            raise bad_request(f"messages[{i}]: `content` must be a string or a list of content parts", "messages")
+        if isinstance(m["content"], list) and not all(isinstance(p, dict) for p in m["content"]):
+            raise bad_request(f"messages[{i}]: content parts must be objects", "messages")
+        if isinstance(m["content"], list) and any(p.get("type") == "text" and not isinstance(p.get("text"), str)
+                                                  for p in m["content"]):
+            raise bad_request(f"messages[{i}]: a text part's `text` must be a string", "messages")
+        if isinstance(m["content"], list) and any(p.get("type") == "image" for p in m["content"]):
+            raise bad_request(f"messages[{i}]: use image_url content parts", "messages")
+    return out
+
+
+def check_image_sources(images: tuple[Any, ...]) -> None:
+    """Remote image URLs are refused: the server does not fetch arbitrary addresses."""
+    if not all(isinstance(url, str) and url.startswith("data:") for url in images):
+        raise bad_request("only data: image URLs are accepted (the server does not fetch remote images)", "messages")
+
+
+class ChatInput(_Body):
+    """What becomes a chat prompt: the conversation and the options of its rendering (dsv4.chat.prompt)."""
 
     messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    # vLLM's: variables for the chat template, or thinking / enable_thinking / reasoning_effort / drop_thinking for
+    # DeepSeek's encoder
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's; V4.1 also takes 1-100 (strict: true or 2.0 is no effort level)
+    reasoning_effort: StrictStr | StrictInt | None = None
+    add_generation_prompt: bool = True
+
+    def checked_messages(self) -> list[dict[str, Any]]:
+        """The messages, shape-checked (400 naming the message)."""
+        return _messages_checked(self.messages)
+
+
+class ChatCompletionRequest(_Request, ChatInput):
+    """POST /v1/chat/completions."""
+
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the response
     response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         """Refuse what this server would otherwise silently ignore."""
-        if self.tools:
-            raise bad_request("tool calling is not supported by this server", "tools")
         if self.response_format and self.response_format.get("type", "text") != "text":
             raise bad_request("structured output (response_format) is not supported by this server",
                               "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
 
-    def messages_for_template(self) -> tuple[list[dict[str, Any]], list[str]]:
-        """Messages with content parts joined into one string (the form chat templates expect), image parts
-        replaced by the image placeholder; and the image data URLs in order. Remote URLs are refused: the server
-        does not fetch arbitrary addresses."""
-        messages = [{**m, "content": m.get("content") if m.get("content") is not None else ""} for m in self.messages]
-        for i, m in enumerate(messages):
-            if not isinstance(m.get("role"), str):
-                raise bad_request(f"messages[{i}]: `role` must be a string", "messages")
-            if not isinstance(m["content"], (str, list)):
-                raise bad_request(f"messages[{i}]: `content` must be a string or a list of content parts",
-                                  "messages")
-            if isinstance(m["content"], list) and not all(isinstance(p, dict) for p in m["content"]):
-                raise bad_request(f"messages[{i}]: content parts must be objects", "messages")
-            if isinstance(m["content"], list) and any(p.get("type") == "text" and not isinstance(p.get("text"), str)
-                                                      for p in m["content"]):
-                raise bad_request(f"messages[{i}]: a text part's `text` must be a string", "messages")
-            if isinstance(m["content"], list) and any(p.get("type") == "image" for p in m["content"]):
-                raise bad_request(f"messages[{i}]: use image_url content parts", "messages")
-        try:
-            out, images = split_chat_images(messages)
-        except ValueError as e:
-            raise bad_request(str(e), "messages") from None
-        if not all(isinstance(url, str) and url.startswith("data:") for url in images):
-            raise bad_request("only data: image URLs are accepted (the server does not fetch remote images)",
-                              "messages")
-        return out, images
+    def tool_use(self) -> ToolUse:
+        """`tool_choice` checked against `tools`: "auto" (the default with tools), "none" (tools stay in the prompt,
+        as vLLM renders them, but the reply is not parsed), "required", or {"type": "function", "function":
+        {"name": ...}}, which must name one of the tools."""
+        names = frozenset(t["function"]["name"] for t in self.tools or ()
+                          if isinstance(t, dict) and isinstance(t.get("function"), dict)
+                          and isinstance(t["function"].get("name"), str))
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        if choice == "none":
+            return ToolUse(False, names)
+        if not self.tools:
+            raise bad_request(f"tool_choice {choice!r} needs `tools`", "tool_choice")
+        if choice in ("auto", "required"):
+            return ToolUse(True, names)
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(choice, dict) or choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise bad_request('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
+                              '{"name": ...}}', "tool_choice")
+        if name not in names:
+            raise bad_request(f"tool_choice names the tool {name!r}, which is not in `tools`", "tool_choice")
+        return ToolUse(True, frozenset([name]))
+
+
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's): a `prompt`, or chat `messages` rendered as /v1/chat/completions renders them."""
+
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: StrictStr | StrictInt | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # vLLM's defaults: true for a prompt, false for messages
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "TokenizeRequest":
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of `prompt` and `messages`")
+        return self
+
+    def chat_input(self) -> ChatInput:
+        """The messages and their rendering options, as a chat request carries them."""
+        return ChatInput(messages=self.messages or [], tools=self.tools,
+                          chat_template_kwargs=self.chat_template_kwargs, reasoning_effort=self.reasoning_effort,
+                          add_generation_prompt=self.add_generation_prompt)
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's)."""
+
+    tokens: list[StrictInt]  # (true is no token id)
 
 
 class CompletionRequest(_Request):
@@ -310,19 +396,50 @@ def _token_entry(lp: Logprob) -> dict[str, Any]:
 
 
 class ChatFormat(ResponseFormat):
-    """chat.completion / chat.completion.chunk; logprobs as `content[] = {token, logprob, bytes, top_logprobs}`."""
+    """chat.completion / chat.completion.chunk; logprobs as `content[] = {token, logprob, bytes, top_logprobs}`.
+
+    With `parser` options, each choice's text goes through its own reply parser (one per choice, so n > 1 works):
+    the message gets `content`, `reasoning_content` and `reasoning` (the same text under DeepSeek's / SGLang's and
+    vLLM's names; left out with include_reasoning=false) and `tool_calls`; a choice that ended by itself after
+    calling tools finishes with "tool_calls". Without, the text is the content as the model wrote it.
+    """
 
     object, chunk_object = "chat.completion", "chat.completion.chunk"
 
-    def __init__(self, request_id: str, model: str, req: ChatCompletionRequest) -> None:
+    def __init__(self, request_id: str, model: str, req: ChatCompletionRequest,
+                 parser: ParserOptions | None = None) -> None:
         super().__init__(request_id, model, req.include_usage)
         self.top = (req.top_logprobs or 0) if req.logprobs else None
+        self.parser = parser
+        self.include_reasoning = req.include_reasoning
+        self._streams: dict[int, ChatOutputStream] = {}  # per choice index
 
     def _logprobs(self, o: CompletionOutput, start: int, end: int) -> dict[str, Any] | None:
         if self.top is None or o.logprobs is None:
             return None
         return {"content": [{**_token_entry(d[tid]), "top_logprobs": [_token_entry(lp) for lp in _ranked(d, self.top)]}
                             for tid, d in zip(o.token_ids[start:end], o.logprobs[start:end])]}
+
+    def _delta(self, d: ChatDelta) -> dict[str, Any] | None:
+        """A parsed delta as the chunk's `delta`; None for reasoning the request asked to leave out."""
+        delta = d.to_openai(REASONING_KEY)
+        if REASONING_KEY in delta:
+            if not self.include_reasoning:
+                return None
+            delta[VLLM_REASONING_KEY] = delta[REASONING_KEY]
+        return delta
+
+    def _deltas(self, index: int, text: str, done: bool) -> list[dict[str, Any]]:
+        if self.parser is None:
+            return [{"content": text}] if text else []
+        stream = self._streams.setdefault(index, ChatOutputStream(self.parser))
+        parsed = (stream.feed(text) if text else []) + (stream.finish() if done else [])
+        return [delta for d in parsed if (delta := self._delta(d)) is not None]
+
+    def _finish_reason(self, index: int, engine_reason: str | None) -> str | None:
+        if engine_reason is None or self.parser is None:
+            return engine_reason
+        return self._streams.setdefault(index, ChatOutputStream(self.parser)).finish_reason(engine_reason)
 
     def stream_choice(self, index: int, o: CompletionOutput, p: ChoiceProgress, params: SamplingParams,
                       prompt_text: str) -> list[dict[str, Any]]:
@@ -332,16 +449,31 @@ class ChatFormat(ResponseFormat):
             chunks.append(self.chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}]))
         text, start, end = next_delta(o, p, params)
-        if text or p.done or (self.top is not None and end > start):
-            chunks.append(self.chunk([{"index": index, "delta": {"content": text} if text else {},
-                                       "logprobs": self._logprobs(o, start, end),
-                                       "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}]))
+        deltas = self._deltas(index, text, p.done)
+        logprobs = self._logprobs(o, start, end)
+        if not deltas and (p.done or (self.top is not None and end > start)):
+            deltas = [{}]  # the finish_reason, or logprobs of tokens whose text is held back
+        for k, delta in enumerate(deltas):
+            last = k + 1 == len(deltas)
+            chunks.append(self.chunk([{"index": index, "delta": delta, "logprobs": logprobs if k == 0 else None,
+                                       "finish_reason": self._finish_reason(index, o.finish_reason) if last else None,
+                                       "stop_reason": o.stop_reason if last else None}]))
         return chunks
 
     def choice(self, index: int, o: CompletionOutput, prompt_text: str) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": o.text},
-                "logprobs": self._logprobs(o, 0, len(o.token_ids)), "finish_reason": o.finish_reason,
-                "stop_reason": o.stop_reason}
+        if self.parser is None:
+            message, finish_reason = {"role": "assistant", "content": o.text}, o.finish_reason
+        else:
+            parsed = parse_chat_output(o.text, self.parser)
+            message = parsed.to_openai_message(REASONING_KEY)
+            if REASONING_KEY in message:
+                if self.include_reasoning:
+                    message[VLLM_REASONING_KEY] = message[REASONING_KEY]
+                else:
+                    del message[REASONING_KEY]
+            finish_reason = parsed.finish_reason(o.finish_reason) if o.finish_reason is not None else None
+        return {"index": index, "message": message, "logprobs": self._logprobs(o, 0, len(o.token_ids)),
+                "finish_reason": finish_reason, "stop_reason": o.stop_reason}
 
 
 class CompletionFormat(ResponseFormat):
