@@ -10,8 +10,8 @@ For V4-Flash (256 experts: gate_up [4096, 4096], down [4096, 2048]) and V4.1-Fla
   (per row), `expert_gemv_rows_q_triton` (2 or 4 rows of one expert a program) and `expert_grouped_q_triton`;
 - prefill, T = 512 and 4096: `expert_grouped_triton` vs `expert_grouped_q_triton`.
 Times are medians of CUDA-graph replays for decode (triton.testing.do_bench_cudagraph) and of do_bench for prefill;
-the calls rotate over 16 route sets, so no call finds its experts' bytes cached. GB/s counts the stored bytes (weights + scales) of the distinct
-experts a call reads, i.e. the least any kernel must move; `floor` is that over 4.2 TB/s (H200 HBM3e). Prefill also
+the calls rotate over 16 route sets, so no call finds its experts' bytes cached. GB/s counts the stored bytes
+(weights + scales) of the distinct experts a call reads, i.e. the least any kernel must move; `floor` is that over 4.2 TB/s (H200 HBM3e). Prefill also
 reports TFLOP/s (2 R N K). `--sweep`: the quantized kernels' tile configs on V4.1 gate_up (for tuning GEMV_Q_CONFIG
 and GROUPED_Q_CONFIG; a few minutes more).
 """

@@ -154,7 +154,8 @@ def test_w8a16_kernel_matches_reference() -> None:
                 for dtype in (torch.float32, torch.bfloat16):
                     for M in (1, 3, 17, 70):
                         x = torch.randn(M, groups * K, generator=g).to(dtype)
-                        check(x, w, groups, fp8_linear_triton(x, w, groups), (N, K, block, groups, ue8m0, dtype, M), w_rounded=True)
+                        what = (N, K, block, groups, ue8m0, dtype, M)
+                        check(x, w, groups, fp8_linear_triton(x, w, groups), what, w_rounded=True)
         w = make_weight(96, 160, (128, 128), True, g)
         x = torch.randn(2, 3, 160, generator=g).to(torch.bfloat16)
         check(x, w, 1, fp8_linear_triton(x, w), "leading dims")
@@ -170,8 +171,8 @@ def test_w8a16_kernel_matches_reference() -> None:
 def test_one_row_gemv_matches_reference() -> None:
     """The one-row path (`fp8_gemv_triton`: the FP8 expert gemv over the weight's groups), which `fp8_linear` takes
     for a single row on CUDA: fp32 and bf16 x, blocks 128 and 32 with partial ones, UE8M0 and float scales, every
-    finite e4m3 code under wild scales, 1, 2 and 4 groups, the three tile configs (each over some of the cases); shapes it cannot take
-    (a group starting inside a scale block, two rows) are refused."""
+    finite e4m3 code under wild scales, 1, 2 and 4 groups, the three tile configs (each over some of the cases); shapes
+    it cannot take (a group starting inside a scale block, two rows) are refused."""
     _interpret("""
         from dsv4.ops.fp8_linear import fp8_gemv_triton
         from dsv4.ops import fp8_linear as fl
@@ -243,7 +244,8 @@ def test_w8a16_kernel_special_values_and_configs() -> None:
                     for dtype in (torch.float32, torch.bfloat16):
                         for M in (1, 17, 70):
                             x = torch.randn(M, K, generator=g).to(dtype)
-                            check(x, w, 1, fp8_linear_triton(x, w), (N, K, block, e_range, ue8m0, dtype, M), w_rounded=True)
+                            what = (N, K, block, e_range, ue8m0, dtype, M)
+                            check(x, w, 1, fp8_linear_triton(x, w), what, w_rounded=True)
         w = make_weight(96, 256, (32, 32), True, g, special=True)
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(9, 2 * 256, generator=g).to(dtype)

@@ -175,10 +175,10 @@ def test_kernels_are_exact_on_a_coarse_grid() -> None:
 
 
 def test_gemv_kernel_matches_reference() -> None:
-    """The decode kernels (per row; per rows of one expert) on random data: every nibble, UE8M0 scales 2^-27 and 2^23 among ordinary ones, FP8
-    subnormals and +-448, float scales (bf16 x: the weight rounded to bf16 first, as the reference does), full and
-    partial (N 48, K 96 with 32 x 64 blocks) scale blocks, rows with no expert, a zero row of x, R 1 .. 40 with
-    x_div 1 and 3, N off the block size, K over two tiles (the prefetch of the next one)."""
+    """The decode kernels (per row; per rows of one expert) on random data: every nibble, UE8M0 scales 2^-27 and 2^23
+    among ordinary ones, FP8 subnormals and +-448, float scales (bf16 x: the weight rounded to bf16 first, as the
+    reference does), full and partial (N 48, K 96 with 32 x 64 blocks) scale blocks, rows with no expert, a zero row
+    of x, R 1 .. 40 with x_div 1 and 3, N off the block size, K over two tiles (the prefetch of the next one)."""
     _interpret("""
         import torch
         from test_moe_quant import mxfp4_weight, fp8_weight, routes, assert_close

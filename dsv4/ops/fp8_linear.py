@@ -17,8 +17,8 @@ Kernels (Triton, one launch, plus a small fixed-order reduction launch for split
   per-row scale vector, index n // bn, covers bn < BLOCK_N). Blocks narrower than 128 (V4.1's 32) would make the
   K-tiles that narrow, so there the tile is 128 wide and its weights are scaled before the MMA (fp32 code * scale,
   rounded to x's dtype: the reference's weight, exact for UE8M0 scales). Each tile's product starts from zero and
-  is promoted into the fp32 accumulator, so the tensor cores' truncating accumulation spans one K-tile only. The product is
-  computed transposed, acc[n, m] = W[n, :] . x[m, :] ("swap AB"): the converted weight is the MMA's A operand
+  is promoted into the fp32 accumulator, so the tensor cores' truncating accumulation spans one K-tile only. The
+  product is computed transposed, acc[n, m] = W[n, :] . x[m, :] ("swap AB"): the converted weight is the MMA's A operand
   (which Hopper's wgmma takes from registers, so it need not go back through shared memory) and N, not the tiny
   decode M, fills the MMA's 64-row M dimension.
   Decode (M <= 64, memory-bound): all M rows in one tile, so the weight is read once; when the N tiles are too few

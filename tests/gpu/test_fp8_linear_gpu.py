@@ -5,8 +5,9 @@ capture, run-to-run determinism.
 Bounds (S = sum_k |x_k| |w_k| per output, K the per-group contraction length), as in tests/test_fp8_linear.py
 except for the accumulation term (and, as there, + 2^-8 S where float scales meet a bf16 x: the kernels that
 multiply the reference's bf16-rounded weight). bf16 MMAs do not accumulate as IEEE fp32: each 16-product step is
-aligned to the largest exponent and truncated, about one fp32 ulp of the running sum per step (K/16 of them), and the kernel adds
-each K-tile's sum into the fp32 accumulator (K/BLOCK_K more roundings); the fp32 reference (cuBLAS, no TF32) sums in
+aligned to the largest exponent and truncated, about one fp32 ulp of the running sum per step (K/16 of them), and the
+kernel adds each K-tile's sum into the fp32 accumulator (K/BLOCK_K more roundings); the fp32 reference (cuBLAS, no TF32)
+sums in
 its own order. So W8A16: |got - ref32| <= 2^-8 |ref32| + max(K + 8, K/8 + 2) 2^-23 S (the first term: the bf16
 output's rounding; the max keeps the CPU test's fp32 term for small K). FP8 MMAs accumulate with ~14 significant
 bits within a K-tile, adding <= 2^-12 S to the W8A8 bound (2^-4 S: the activations' e4m3 rounding).

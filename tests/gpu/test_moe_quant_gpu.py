@@ -1,8 +1,9 @@
 """The quantized-expert kernels (dsv4/ops/moe_quant.py) at the released shapes on the GPU: V4-Flash gate_up
 [4096, 4096] and down [4096, 2048], V4.1-Flash gate_up [4608, 5120] and down [5120, 2304] (16 experts instead of
 256/384), MXFP4 and FP8 (128 x 128 UE8M0 blocks), bf16 activations, against the torch reference in fp32 (cuBLAS
-without TF32). The decode kernels (per row, and per rows of one expert) with and without their inline-PTX decoder; bit-exact on a grid where every sum
-is exact; CUDA-graph replay equal to eager; rows with no expert zero. Builders and bound: tests/test_moe_quant.py."""
+without TF32). The decode kernels (per row, and per rows of one expert) with and without their inline-PTX decoder;
+bit-exact on a grid where every sum is exact; CUDA-graph replay equal to eager; rows with no expert zero. Builders and
+bound: tests/test_moe_quant.py."""
 
 from __future__ import annotations
 
