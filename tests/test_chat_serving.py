@@ -321,3 +321,72 @@ def test_bad_chat_options_are_400s_naming_the_field(server: Server, kwargs: dict
 def test_effort_none_turns_thinking_off(server: Server) -> None:
     off = _tokenize(server, messages=ASK, reasoning_effort="none")["tokens"]
     assert server.tok.decode(off[-1:], skip_special_tokens=False) == V4.think_end
+
+
+# ---- structured outputs over HTTP ------------------------------------------------------------------------------
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                           "temp": {"type": "integer", "minimum": -40, "maximum": 50},
+                                           "sunny": {"type": "boolean"}},
+          "required": ["city", "temp", "sunny"], "additionalProperties": False}
+
+
+def _valid(text: str) -> bool:
+    """`text` parses as JSON and satisfies SCHEMA (checked by hand: no jsonschema dependency)."""
+    value = json.loads(text)
+    return (set(value) == {"city", "temp", "sunny"} and value["city"] in ("Paris", "Rome", "Oslo")
+            and isinstance(value["temp"], int) and not isinstance(value["temp"], bool) and -40 <= value["temp"] <= 50
+            and isinstance(value["sunny"], bool))
+
+
+def test_response_format_json_schema_always_validates(server: Server) -> None:
+    """A random-weight model under response_format json_schema: every reply, greedy and sampled, streamed and not,
+    parses and validates, ends with "stop", and is the content (thinking is turned off for a structured reply, so
+    no reasoning)."""
+    client = server.client()
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": SCHEMA}}
+    out = client.chat.completions.create(model=server.model_dir, messages=ASK, max_tokens=64, temperature=1.0, seed=3,
+                                         n=3, response_format=fmt)
+    for choice in out.choices:
+        assert choice.finish_reason == "stop" and _valid(choice.message.content), choice
+        assert getattr(choice.message, "reasoning_content", None) is None
+    stream = client.chat.completions.create(model=server.model_dir, messages=ASK, max_tokens=64, temperature=0,
+                                            response_format=fmt, stream=True)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert _valid(text) and chunks[-1].choices[0].finish_reason == "stop"
+    obj = client.chat.completions.create(model=server.model_dir, messages=ASK, max_tokens=64, temperature=0,
+                                         response_format={"type": "json_object"},
+                                         logit_bias={str(t): 30.0 for t in _tokenize(server, prompt="}")["tokens"]})
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)  # (the bias closes the object at once)
+
+
+def test_structured_outputs_on_completions(server: Server) -> None:
+    """vLLM's `structured_outputs` on /v1/completions: a choice and a regex."""
+    client = server.client()
+    choices = ["yes", "no", "maybe later"]
+    out = client.completions.create(model=server.model_dir, prompt="Answer:", max_tokens=16, temperature=1.0, seed=1, n=4,
+                                    extra_body={"structured_outputs": {"choice": choices}})
+    assert all(c.text in choices and c.finish_reason == "stop" for c in out.choices)
+    out = client.completions.create(model=server.model_dir, prompt="Code:", max_tokens=16, temperature=0,
+                                    extra_body={"structured_outputs": {"regex": r"[a-z]{3}-\d{2}"}})
+    import re
+
+    assert re.fullmatch(r"[a-z]{3}-\d{2}", out.choices[0].text), out.choices[0].text
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"jsn": {}}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "[a-"}}, None),  # refused when the engine compiles it
+    ({"response_format": {"type": "json_object"}, "chat_template_kwargs": {"thinking": True}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "reasoning_effort": "max"}, "response_format"),
+])
+def test_bad_structured_requests_are_400s(server: Server, body: dict[str, Any], param: str | None) -> None:
+    status, reply = _post(server, "/v1/chat/completions",
+                          json.dumps({"model": server.model_dir, "messages": ASK, "max_tokens": 8, **body}).encode(), AUTH)
+    assert status == 400, reply
+    error = reply["error"]
+    assert error["param"] == param or param is None, error

@@ -336,6 +336,8 @@ class _Server:
         req.check_supported()
         self._check_capacity(1, req.n)
         prompt, ids = await self._render(req)
+        if prompt.thinking and req.structured() is not None:
+            prompt, ids = await self._render(_without_thinking(req))
         check_image_sources(prompt.images)
         parser = self._parser_options(req, prompt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -405,6 +407,19 @@ class _Server:
             return Response(status_code=499)  # nobody reads this: the client is gone
         return JSONResponse(fmt.response([job.prompt_text for job in jobs], finals, params.n,
                                          usage_of(finals)))
+
+
+def _without_thinking(req: ChatCompletionRequest) -> ChatCompletionRequest:
+    """The request rendered in chat mode, for a structured output: its constraint applies from the first token, so
+    with thinking on the structure would be the reasoning (the peers' "JSON lands in the reasoning field"). 400 when
+    the request itself asked for thinking: a constraint that starts after the reasoning is not implemented."""
+    kwargs = req.chat_template_kwargs or {}
+    if (kwargs.get("thinking") is True or kwargs.get("enable_thinking") is True
+            or req.reasoning_effort not in (None, "none")):
+        raise bad_request("structured outputs (response_format / structured_outputs) constrain the reply from its "
+                          "first token, so they need thinking off; this request asks for thinking",
+                          "response_format" if req.response_format else "structured_outputs")
+    return req.model_copy(update={"chat_template_kwargs": {**kwargs, "thinking": False}})
 
 
 # ---- waiting and streaming -------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_v
 
 from dsv4.engine.stop import stop_hold_back
 from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
-from dsv4.sampling_params import SamplingParams, SamplingParamsError, is_valid_unicode
+from dsv4.sampling_params import SamplingParams, SamplingParamsError, StructuredOutputsParams, is_valid_unicode
 from dsv4.serve.parsers import ChatDelta, ChatOutputStream, ParserOptions, parse_chat_output
 
 MAX_LOGPROBS = 20  # OpenAI's limit for top_logprobs
@@ -106,6 +106,23 @@ class _Request(_Body):
     skip_special_tokens: bool = True
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    # vLLM's: exactly one of json (a schema), json_object, regex, choice, grammar; and disable_any_whitespace
+    structured_outputs: dict[str, Any] | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's output constraint (dsv4.structured), or None. JSON is generated compact unless the request
+        says otherwise (`disable_any_whitespace: false`): vLLM allows any whitespace by default, and a model can
+        then fill the object with blank lines up to max_tokens; compact JSON is the same JSON."""
+        spec = self.structured_outputs
+        if spec is None:
+            return None
+        if not isinstance(spec, dict):
+            raise bad_request("structured_outputs must be an object", "structured_outputs")
+        unknown = sorted(set(spec) - set(_STRUCTURED_KEYS))
+        if unknown:
+            raise bad_request(f"structured_outputs: unknown key(s) {unknown}; known: {list(_STRUCTURED_KEYS)}",
+                              "structured_outputs")
+        return _structured_params(dict(spec), "structured_outputs")
 
     @property
     def include_usage(self) -> bool:
@@ -113,7 +130,7 @@ class _Request(_Body):
         return bool(self.stream and self.stream_options and self.stream_options.get("include_usage"))
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's SamplingParams; 400 naming the field when a value is out of range."""
+        """The engine's SamplingParams (with `structured()`); 400 naming the field when a value is out of range."""
         bias = None
         if self.logit_bias:
             try:
@@ -129,10 +146,26 @@ class _Request(_Body):
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=bias,
+                structured_outputs=self.structured(),
             )
         except SamplingParamsError as e:
             name = re.search(r"`(\w+)`", str(e))
             raise bad_request(str(e), name.group(1) if name else None) from None
+
+
+_STRUCTURED_KEYS = ("json", "json_object", "regex", "choice", "grammar", "disable_any_whitespace")
+
+
+def _structured_params(spec: dict[str, Any], field: str) -> StructuredOutputsParams:
+    """StructuredOutputsParams of a request's spec (compact JSON by default, see `_Request.structured`); 400 naming
+    `field` when its shape is wrong (a bad schema, regex or grammar is refused when the engine compiles it)."""
+    spec.setdefault("disable_any_whitespace", True)
+    if not isinstance(spec["disable_any_whitespace"], bool):
+        raise bad_request(f"{field}: disable_any_whitespace must be true or false", field)
+    try:
+        return StructuredOutputsParams(**spec)
+    except SamplingParamsError as e:
+        raise bad_request(f"{field}: {e}", field) from None
 
 
 @dataclass(frozen=True)
@@ -199,11 +232,28 @@ class ChatCompletionRequest(_Request, ChatInput):
 
     def check_supported(self) -> None:
         """Refuse what this server would otherwise silently ignore."""
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise bad_request("structured output (response_format) is not supported by this server",
-                              "response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """OpenAI's `response_format` ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
+        ...}}) or vLLM's `structured_outputs` (not both), as StructuredOutputsParams."""
+        fmt = self.response_format
+        if fmt is None or fmt.get("type", "text") == "text":
+            return super().structured()
+        if self.structured_outputs is not None:
+            raise bad_request("give response_format or structured_outputs, not both", "response_format")
+        kind = fmt.get("type")
+        if kind == "json_object":
+            return _structured_params({"json_object": True}, "response_format")
+        if kind == "json_schema":
+            schema = fmt.get("json_schema")
+            if not isinstance(schema, dict) or not isinstance(schema.get("schema"), (dict, str)):
+                raise bad_request("response_format json_schema needs {\"json_schema\": {\"schema\": {...}}}",
+                                  "response_format")
+            return _structured_params({"json": schema["schema"]}, "response_format")
+        raise bad_request(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                          "response_format")
 
     def tool_use(self) -> ToolUse:
         """`tool_choice` checked against `tools`: "auto" (the default with tools), "none" (tools stay in the prompt,
