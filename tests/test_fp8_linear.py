@@ -183,16 +183,16 @@ def test_one_row_gemv_matches_reference() -> None:
         for c, (N, K, block, groups) in enumerate(cases):
             i = c % len(configs)  # each config over several cases
             fl.gemv_config = lambda n, cfg=configs[i]: cfg
-            for ue8m0 in (True, False):
-                for special in (False, True):
-                    w = make_weight(N, K, block, ue8m0, g, special=special)
-                    for dtype in (torch.float32, torch.bfloat16):
-                        x = torch.randn(1, groups * K, generator=g).to(dtype)
-                        got = fp8_gemv_triton(x, w, groups)
-                        check(x, w, groups, got, (N, K, block, groups, ue8m0, i), w_rounded=True)
-                        if dtype == torch.bfloat16 and not ue8m0:  # the same weights as the bf16 reference
-                            ref16 = fp8_linear_torch(x, w, groups).float()
-                            assert (got.float() - ref16).abs().max() <= 2.0 ** -7 * ref16.abs().max(), i
+            # both scale kinds in every case, the gaussian and the every-code weights on alternate cases
+            for ue8m0, special in ((True, c % 2 == 0), (False, c % 2 == 1)):
+                w = make_weight(N, K, block, ue8m0, g, special=special)
+                for dtype in (torch.float32, torch.bfloat16):
+                    x = torch.randn(1, groups * K, generator=g).to(dtype)
+                    got = fp8_gemv_triton(x, w, groups)
+                    check(x, w, groups, got, (N, K, block, groups, ue8m0, i), w_rounded=True)
+                    if dtype == torch.bfloat16 and not ue8m0:  # the same weights as the bf16 reference
+                        ref16 = fp8_linear_torch(x, w, groups).float()
+                        assert (got.float() - ref16).abs().max() <= 2.0 ** -7 * ref16.abs().max(), i
         x = torch.randn(1, 1, 160, generator=g).to(torch.bfloat16)
         assert fp8_gemv_triton(x, make_weight(96, 160, (128, 128), True, g)).shape == (1, 1, 96)
         for x, w, groups in ((torch.randn(1, 2 * 40), make_weight(80, 40, (32, 32), True, g), 2),  # 40 % 32

@@ -208,7 +208,8 @@ def test_gemv_kernel_matches_reference() -> None:
                 x[-1] = 0
                 idx = routes(T * x_div, E, g)
                 ref = expert_gemv_q_torch(x, w, idx, x_div)
-                for kernel in kernels if T * x_div < 40 else kernels[:2]:
+                # (the interpreter is slow: 2 rows a program below 40 rows, 4 a program on one case)
+                for kernel in kernels[:1 + (T * x_div < 40)] + kernels[2:] * (T * x_div == 12):
                     got = kernel(x, w, idx, x_div)
                     assert got.dtype == dtype and got.shape == (T * x_div, N)
                     assert_close(got, ref, x, w, idx, x_div)
