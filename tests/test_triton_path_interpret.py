@@ -7,9 +7,11 @@ arguments at a call site."""
 
 from __future__ import annotations
 
+import pytest
 from test_kernels_interpret import _interpret
 
 
+@pytest.mark.slow  # 2.5-3 minutes of interpreted kernels: the second tier (.ci/run runs it after the main one)
 def test_golden_v41_and_v4_on_the_triton_path() -> None:
     _interpret("""
         import json, os, sys
