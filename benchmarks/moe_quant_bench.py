@@ -7,7 +7,7 @@ For V4-Flash (256 experts: gate_up [4096, 4096], down [4096, 2048]) and V4.1-Fla
 [4608, 5120], down [5120, 2304]), bf16 x:
 - decode, batch 1, 8, 32, 64: T tokens x top-6 routes on random distinct experts (gate_up reads one x row per
   token, down one per route), `expert_gemv_triton` on bf16 experts vs, on the stored bytes, `expert_gemv_q_triton`
-  (per row), `expert_gemv_rows_q_triton` (2 or 4 rows of one expert a program) and `expert_grouped_q_triton`;
+  (per row) and `expert_grouped_q_triton`;
 - prefill, T = 512 and 4096: `expert_grouped_triton` vs `expert_grouped_q_triton`.
 Times are medians of CUDA-graph replays for decode (triton.testing.do_bench_cudagraph) and of do_bench for prefill;
 the calls rotate over 16 route sets, so no call finds its experts' bytes cached. GB/s counts the stored bytes
@@ -28,7 +28,7 @@ import triton.testing
 
 from dsv4.ops import moe_quant
 from dsv4.ops.moe import expert_gemv_triton, expert_grouped_triton
-from dsv4.ops.moe_quant import expert_gemv_q_triton, expert_gemv_rows_q_triton, expert_grouped_q_triton
+from dsv4.ops.moe_quant import expert_gemv_q_triton, expert_grouped_q_triton
 from dsv4.quant.weight import QuantWeight
 
 MODELS = {"v4-flash": (256, {"gate_up": (4096, 4096), "down": (4096, 2048)}),
@@ -36,14 +36,6 @@ MODELS = {"v4-flash": (256, {"gate_up": (4096, 4096), "down": (4096, 2048)}),
 TOP_K = 6
 HBM = 4.2e12  # B/s
 SETS = 16
-
-
-def expert_gemv_rows2(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_div: int) -> torch.Tensor:
-    return expert_gemv_rows_q_triton(x, w, idx, x_div, rows=2)
-
-
-def expert_gemv_rows4(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_div: int) -> torch.Tensor:
-    return expert_gemv_rows_q_triton(x, w, idx, x_div, rows=4)
 
 
 def make_weight(fmt: str, E: int, N: int, K: int) -> torch.Tensor | QuantWeight:
@@ -98,7 +90,7 @@ def run(formats: list[str], rows: list[dict], sweep: bool, phases: list[tuple[st
                 distinct = sum(int(torch.unique(s).numel()) for s in sets) / len(sets)
                 runs = [(fmt, w, fn) for fmt, w in weights.items() for fn in (
                     ((expert_gemv_triton,) if fmt == "bf16" else
-                     (expert_gemv_q_triton, expert_gemv_rows2, expert_gemv_rows4, expert_grouped_q_triton))
+                     (expert_gemv_q_triton, expert_grouped_q_triton))
                     if phase == "decode" else
                     ((expert_grouped_triton,) if fmt == "bf16" else (expert_grouped_q_triton,)))]
                 for fmt, w, fn in runs:

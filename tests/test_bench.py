@@ -355,7 +355,8 @@ LATENCY_FIELDS = {"benchmark", "model", "model_type", "date", "device", "device_
                   "decode_steps", "decode_step_times_s", "decode_tokens_per_s", "prefill_s", "e2e_s", "floor_bytes",
                   "floor", "copy_bytes", "copy_bandwidth_Bps", "floor_time_s", "fraction_of_floor", "achieved_Bps",
                   "hf", "decode_host_launch_s", "decode_metadata_host_s", "decode_backend", "tensor_parallel_size",
-                  "quantization", "load_format", "model_load_s", "weight_bytes_on_device", "max_memory_allocated"}
+                  "quantization", "load_format", "model_load_s", "weight_bytes_on_device", "max_memory_allocated",
+                  "json_schema"}
 
 
 @pytest.mark.parametrize("which", ["tiny-v4", "tiny-v41"])
@@ -384,6 +385,31 @@ def test_bench_latency_end_to_end(which: str, tiny_v4: str, tiny_v41: str, tmp_p
     # host time to launch a decode step, and the metadata build inside it (on the CPU the whole step is host time)
     h, m = res["decode_host_launch_s"], res["decode_metadata_host_s"]
     assert 0 < m["median"] < h["median"] <= res["decode_step_s"]["max"] and res["decode_backend"] == "default"
+
+
+def test_bench_latency_with_a_json_schema(tiny_v41: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    # structured outputs: every request is constrained to the schema; the committed schema cannot close within the
+    # output, so every step after the prefill is a full-batch decode step, as without a schema
+    pytest.importorskip("xgrammar")
+    import re
+
+    from dsv4.bench.latency import run_batch
+
+    schema_path = Path(__file__).parent.parent / "benchmarks" / "schemas" / "long_text.json"
+    out = tmp_path / "lat.json"
+    argv = ["bench", "latency", "--model", tiny_v41, "--batch-size", "3", "--input-len", "12", "--output-len", "6",
+            "--num-iters", "1", "--num-iters-warmup", "0", "--device", "cpu", "--copy-bytes", str(1 << 20),
+            "--json-schema", str(schema_path), "--output-json", str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    res = json.loads(out.read_text())
+    assert res["json_schema"] == json.loads(schema_path.read_text()) and res["decode_steps"] == 6 - 1
+    # what the bench's requests produce does follow the schema (not what the random model would write unconstrained)
+    llm = LLM(tiny_v41, device="cpu", dtype="float32", max_num_seqs=2)
+    _, tokens = run_batch(llm.engine, [[5, 6, 7], [8, 9]], 12, torch.device("cpu"), "t", res["json_schema"])
+    for t in tokens:
+        assert len(t) == 12 and re.match(r'\{\s*"title"\s*:\s*"', llm.engine.tokenizer.decode(t)), t
 
 
 def test_bench_latency_floor_follows_the_quantization(tiny_v4: str, tmp_path: Path,

@@ -18,6 +18,7 @@ import contextlib
 import argparse
 import gc
 import inspect
+import json
 import logging
 import math
 import platform
@@ -339,7 +340,8 @@ def build_engine(args: argparse.Namespace, device: str, dtype: str) -> tuple[Any
         # the whole batch's prompts in one step by default, so every later step is a full-batch decode step
         "max_num_batched_tokens": args.max_num_batched_tokens or max(2048, b * i),
         "block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks, "seed": args.seed,
-        "load_tokenizer": args.detokenize,  # ids in, ids out: detokenization is host work outside the floor
+        # ids in, ids out: detokenization is host work outside the floor (a grammar needs the tokenizer)
+        "load_tokenizer": args.detokenize or args.json_schema is not None,
     }
     if args.cudagraph_capture_sizes:
         kwargs["cudagraph_capture_sizes"] = tuple(args.cudagraph_capture_sizes)
@@ -361,15 +363,17 @@ def build_engine(args: argparse.Namespace, device: str, dtype: str) -> tuple[Any
     return engine, {"engine_kwargs": {**kwargs, **knobs, **resolved}, "ignored_engine_kwargs": ignored}
 
 
-def run_batch(engine: Any, prompts: list[list[int]], output_len: int, device: torch.device, tag: str
-              ) -> tuple[list[StepTime], list[list[int]]]:
-    """Submit the batch, step the engine until it drains; return every step's time and the output tokens."""
-    from dsv4.sampling_params import RequestOutputKind, SamplingParams
+def run_batch(engine: Any, prompts: list[list[int]], output_len: int, device: torch.device, tag: str,
+              json_schema: dict[str, Any] | None = None) -> tuple[list[StepTime], list[list[int]]]:
+    """Submit the batch, step the engine until it drains; return every step's time and the output tokens.
+    `json_schema`: every request's output is constrained to it (structured outputs)."""
+    from dsv4.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
     # DELTA outputs: each step returns only the new tokens (what a streaming server asks for), so the timed step
     # does not copy every request's growing token list (CUMULATIVE) on the host
+    structured = None if json_schema is None else StructuredOutputsParams(json=json_schema)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
-                            output_kind=RequestOutputKind.DELTA)
+                            output_kind=RequestOutputKind.DELTA, structured_outputs=structured)
     ids = [engine.add_request(p, params, request_id=f"{tag}-{k}") for k, p in enumerate(prompts)]
     produced = dict.fromkeys(ids, 0)
     tokens: dict[str, list[int]] = {r: [] for r in ids}
@@ -472,6 +476,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="KV block size (default 16)")
     parser.add_argument("--num-kv-blocks", type=int, help="KV pool blocks (default: the engine's)")
     parser.add_argument("--detokenize", action="store_true", help="load the tokenizer and detokenize (default off)")
+    parser.add_argument("--json-schema", metavar="FILE",
+                        help="constrain every output to this JSON schema (structured outputs; needs a tokenizer and "
+                             "xgrammar). A request whose grammar ends early ends the batch's decode steps: use a "
+                             "schema that cannot close within --output-len, e.g. benchmarks/schemas/long_text.json")
     parser.add_argument("--copy-bytes", type=int,
                         help="bytes per copy for the bandwidth measure (default 2 GiB on CUDA, 256 MiB on the CPU)")
     parser.add_argument("--baseline", choices=["hf"], help="also run transformers' DeepSeek-V4 (V4 checkpoints)")
@@ -496,9 +504,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(device_str)
     b, i, o = args.batch_size, args.input_len, args.output_len
 
+    schema = None
+    if args.json_schema is not None:
+        with open(args.json_schema) as f:
+            schema = json.load(f)
     engine, engine_info = build_engine(args, device_str, dtype)
     for w in range(args.num_iters_warmup):
-        run_batch(engine, random_prompts(cfg, b, i, args.seed + 1000 + w), o, device, f"warmup{w}")
+        run_batch(engine, random_prompts(cfg, b, i, args.seed + 1000 + w), o, device, f"warmup{w}", schema)
     prompts = random_prompts(cfg, b, i, args.seed)
     decode_steps: list[float] = []
     host_times: list[float] = []
@@ -507,7 +519,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     e2e: list[float] = []
     tokens: list[list[int]] = []
     for it in range(args.num_iters):
-        steps, tokens = run_batch(engine, prompts, o, device, f"iter{it}")
+        steps, tokens = run_batch(engine, prompts, o, device, f"iter{it}", schema)
         decode_steps += [s.seconds for s in steps if s.decode]
         host_times += [s.host_s for s in steps if s.decode]
         md_times += [s.md_host_s for s in steps if s.decode]
@@ -534,7 +546,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "num_iters_warmup": args.num_iters_warmup, "enforce_eager": bool(args.enforce_eager), **engine_info,
         "decode_step_s": stats, "decode_steps": len(decode_steps), "decode_step_times_s": decode_steps,
         "decode_host_launch_s": summarize(host_times), "decode_metadata_host_s": summarize(md_times),
-        "decode_backend": args.decode_backend, "tensor_parallel_size": world,
+        "decode_backend": args.decode_backend, "tensor_parallel_size": world, "json_schema": schema,
         "decode_tokens_per_s": b / stats["median"], "prefill_s": summarize(prefill_times), "e2e_s": summarize(e2e),
         "quantization": None if quant is None else quant.to_json(), "load_format": args.load_format, **held,
         "floor_bytes": floor.total, "floor": {**asdict(floor), "total": floor.total},

@@ -29,11 +29,6 @@ costs ~30% more instructions in the gemv's loop, and is what the CPU interpreter
   SM has ~4 instructions a weight; the loop compiles to ~5 (sm_90), about the limit. Programs run rows-first, so the
   rows routed to the same expert read its bytes at about the same time (the later reads mostly from L2); a program
   per expert over all its rows would read each expert once by construction (not done here).
-- `expert_gemv_rows_q_triton` (decode batches whose routes share experts): the gemv's loop over up to ROWS rows of
-  one expert (rows grouped as below), each weight tile decoded once for all of them. The per-row gemv is
-  instruction-bound, not bandwidth-bound, at batch 32 (it decodes an expert once per route: 1.4 routes per
-  distinct expert for V4-Flash), so this should cut the decoding work per byte; NOT dispatched yet: it has passed
-  the interpreter's tests only, its H200 rows (benchmarks/moe_quant_bench.py --tokens 8,32,64) are still to run.
 - `expert_grouped_q_triton` (prefill / mixed steps): rows sorted by expert on the device, up to BLOCK_M rows of one
   expert per program (the scheme of `expert_grouped_triton`: grid sized for the worst case, no host sync). The
   product is computed transposed, W_tile @ x_rows^T, so the tile decoded to x's dtype in registers is wgmma's A
@@ -287,50 +282,6 @@ if triton is not None:
         tl.store(out_ptr + r.to(tl.int64) * N + n, cast_rne(y, dt, INTERPRET), mask=nm)
 
     @triton.jit
-    def _expert_gemv_rows_q_kernel(x_ptr, w_ptr, s_ptr, order_ptr, counts_ptr, offsets_ptr, block_ends_ptr, out_ptr,
-                                   E, N, K, KW, SK, x_div, FP4: tl.constexpr, UE8M0: tl.constexpr, BN: tl.constexpr,
-                                   BK: tl.constexpr, ROUND_W: tl.constexpr, ROWS: tl.constexpr,
-                                   BLOCK_N: tl.constexpr, G: tl.constexpr, SUB: tl.constexpr, BLOCK_E: tl.constexpr,
-                                   PTX: tl.constexpr, INTERPRET: tl.constexpr):
-        # the gemv's loop over the ROWS rows of one expert (`group_rows`' plan, as the grouped kernel): each weight
-        # tile is decoded once for all of them, then one fp32 FMA per weight and row
-        e_safe, rows, mm, xrows = block_rows(order_ptr, counts_ptr, offsets_ptr, block_ends_ptr, E, x_div, ROWS,
-                                             BLOCK_E)
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        nm = n < N
-        ew = tl.minimum(e_safe, E - 1).to(tl.int64)
-        wbase = w_ptr + ew * N * KW
-        sbase = s_ptr + ew * tl.cdiv(N, BN) * SK
-        xr = x_ptr + xrows * K
-        dt = x_ptr.dtype.element_ty
-        VPW: tl.constexpr = 8 if FP4 else 4
-        W: tl.constexpr = SUB // VPW
-        BLOCK_K: tl.constexpr = G * SUB
-        k_end = tl.where(e_safe < E, K, 0)  # rows with no expert: no weight loads, zeros
-        kw_end = tl.where(e_safe < E, KW, 0)
-        kg = tl.arange(0, G) * SUB
-        wq = _load_weights(wbase, n, nm, kg, KW, kw_end, W, VPW)  # double-buffered in registers, as in the gemv
-        sq = _load_scales(sbase, n, nm, kg, SK, k_end, BN, BK)
-        xq = _load_x_rows(xr, mm, kg, k_end, W, VPW)
-        acc = tl.zeros([ROWS, BLOCK_N, G], dtype=tl.float32)
-        for k0 in range(0, k_end, BLOCK_K):
-            wq_next = _load_weights(wbase, n, nm, kg + BLOCK_K, KW, kw_end, W, VPW)
-            sq_next = _load_scales(sbase, n, nm, kg + BLOCK_K, SK, k_end, BN, BK)
-            xq_next = _load_x_rows(xr, mm, kg + BLOCK_K, k_end, W, VPW)
-            sc = _multipliers(sq, FP4, UE8M0)
-            xs = _x_planes(tl.reshape(xq, [ROWS * G, W, VPW]), ROWS * G, W, VPW)  # VPW tiles [ROWS * G, W]
-            ws = _planes(wq, FP4, PTX)
-            part = tl.zeros([ROWS, BLOCK_N, G, W], dtype=tl.float32)
-            for c in tl.static_range(VPW):
-                part += (_weight(ws[c], sc, ROUND_W, dt, INTERPRET)[None, :, :, :]
-                         * tl.reshape(xs[c], [ROWS, G, W])[:, None, :, :])
-            part = tl.sum(part, axis=3)
-            acc += part if ROUND_W else part * sc[None, :, :]
-            wq, sq, xq, kg = wq_next, sq_next, xq_next, kg + BLOCK_K
-        y = tl.sum(acc, axis=2)
-        tl.store(out_ptr + rows[:, None] * N + n[None, :], cast_rne(y, dt, INTERPRET), mask=mm[:, None] & nm[None, :])
-
-    @triton.jit
     def _expert_grouped_q_kernel(x_ptr, w_ptr, s_ptr, order_ptr, counts_ptr, offsets_ptr, block_ends_ptr, out_ptr,
                                  E, N, K, KW, SK, x_div, FP4: tl.constexpr, UE8M0: tl.constexpr, BN: tl.constexpr,
                                  BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
@@ -434,29 +385,6 @@ def expert_gemv_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor | No
             x.contiguous(), data, scale, None if idx is None else idx.contiguous(), out, E, N, K, data.shape[-1],
             scale.shape[-1], x_div, **fmt, ROUND_W=round_w, BLOCK_N=block_n, G=G, SUB=SUB, INTERPRET=INTERPRET,
             num_warps=cfg["num_warps"])
-    return out
-
-
-def expert_gemv_rows_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_div: int, rows: int = 2,
-                              config: dict[str, int] | None = None) -> torch.Tensor:
-    """`expert_gemv_q_torch` with the rows grouped by expert (as `expert_grouped_q_triton`, no host sync): a program
-    per (up to `rows` rows of one expert, block of outputs) decodes each weight tile once for all of them, where
-    the per-row gemv decodes it once per row. For decode batches whose routes often share experts."""
-    assert triton is not None, "triton is not installed"
-    R, (E, N, K) = idx.numel(), w.shape
-    out = torch.empty(R, N, dtype=x.dtype, device=x.device)
-    if R:
-        data, scale, fmt = _kernel_args(w)
-        cfg = config or GEMV_Q_CONFIG["fp4" if w.fp4 else "fp8"]
-        order, counts, offsets, block_ends = group_rows(idx, E, rows)  # no host sync: capturable
-        G, SUB = _groups(w.block[1], w.fp4, cfg["block_k"], K)
-        block_n = min(cfg["block_n"], triton.next_power_of_2(N))
-        round_w = not fmt["UE8M0"] and x.dtype != torch.float32
-        grid = (triton.cdiv(R, rows) + min(E + 1, R), triton.cdiv(N, block_n))
-        _expert_gemv_rows_q_kernel[grid](
-            x.contiguous(), data, scale, order, counts, offsets, block_ends, out, E, N, K, data.shape[-1],
-            scale.shape[-1], x_div, **fmt, ROUND_W=round_w, ROWS=rows, BLOCK_N=block_n, G=G, SUB=SUB,
-            BLOCK_E=triton.next_power_of_2(E + 1), INTERPRET=INTERPRET, num_warps=cfg["num_warps"])
     return out
 
 

@@ -1,7 +1,7 @@
 """The quantized-expert kernels (dsv4/ops/moe_quant.py) at the released shapes on the GPU: V4-Flash gate_up
 [4096, 4096] and down [4096, 2048], V4.1-Flash gate_up [4608, 5120] and down [5120, 2304] (16 experts instead of
 256/384), MXFP4 and FP8 (128 x 128 UE8M0 blocks), bf16 activations, against the torch reference in fp32 (cuBLAS
-without TF32). The decode kernels (per row, and per rows of one expert) with and without their inline-PTX decoder;
+without TF32). The decode kernel (a program per row) with and without its inline-PTX decoder;
 bit-exact on a grid where every sum is exact; CUDA-graph replay equal to eager; rows with no expert zero. Builders and
 bound: tests/test_moe_quant.py."""
 
@@ -13,16 +13,14 @@ import pytest
 import torch
 
 from dsv4.ops import moe_quant
-from dsv4.ops.moe_quant import (expert_gemv_q_triton, expert_gemv_rows_q_triton, expert_grouped_q_torch,
-                                expert_grouped_q_triton)
+from dsv4.ops.moe_quant import expert_gemv_q_triton, expert_grouped_q_torch, expert_grouped_q_triton
 from dsv4.quant.weight import QuantWeight
 from test_moe_quant import assert_close, fp8_weight, mxfp4_weight
 
 SHAPES = {"v4-gate_up": (4096, 4096), "v4-down": (4096, 2048), "v41-gate_up": (4608, 5120), "v41-down": (5120, 2304)}
 E, TOP_K = 16, 6
-# the decode kernels: a program per row, and per (rows of one expert) decoding each weight tile once for them
-GEMVS = {"per-row": expert_gemv_q_triton, "rows2": functools.partial(expert_gemv_rows_q_triton, rows=2),
-         "rows4": functools.partial(expert_gemv_rows_q_triton, rows=4)}
+# the decode kernel (a program per row)
+GEMVS = {"per-row": expert_gemv_q_triton}
 
 
 @functools.lru_cache(maxsize=4)
