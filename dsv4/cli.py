@@ -16,7 +16,7 @@ from dsv4.bench.throughput import add_cli_args as add_bench_throughput_args
 from dsv4.config import SCHEDULING_POLICIES
 from dsv4 import __version__
 from dsv4.chat.prompt import PARSER_CHOICES, TOKENIZER_MODES
-from dsv4.config import LOAD_FORMATS
+from dsv4.config import ENGRAM_PLACEMENTS, LOAD_FORMATS
 from dsv4.models.config import ConfigError, hub_hint
 from dsv4.quant.config import QUANTIZATION_CHOICES
 from dsv4.sampling_params import SamplingParams, SamplingParamsError
@@ -139,7 +139,8 @@ def _make_model(args: argparse.Namespace) -> None:
 
 _GPU_ARGS = ("enforce_eager", "gpu_memory_utilization", "encoder_cudagraphs", "compile_decode", "async_scheduling",
              "enable_prefix_caching", "swa_bounded_replay", "decode_backend", "tensor_parallel_size",
-             "expert_parallel", "quantization", "load_format", "skip_tokenizer_init", "scheduling_policy")
+             "expert_parallel", "quantization", "load_format", "skip_tokenizer_init", "scheduling_policy",
+             "engram_placement")
 
 
 def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
@@ -168,6 +169,10 @@ def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", choices=list(LOAD_FORMATS),
                         help="dummy: random weights of the checkpoint's layout, no weight files (config.json and "
                              "tokenizer only): for measuring full-size shapes (default auto)")
+    parser.add_argument("--engram-placement", choices=list(ENGRAM_PLACEMENTS),
+                        help="where DeepSeek-V4.1's engram tables live: device, host (page-locked host memory the "
+                             "GPU reads over PCIe; one copy per host), auto (default: host when they would take "
+                             "more than a quarter of the free GPU memory)")
     parser.add_argument("--skip-tokenizer-init", action="store_true", default=None,
                         help="load no tokenizer: token-id prompts only (a checkpoint without tokenizer files)")
     parser.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")

@@ -11,6 +11,7 @@ from dsv4.quant.config import QuantConfig
 DTYPES = ("float32", "bfloat16", "float16")
 DECODE_BACKENDS = ("default", "latency_specialized")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+ENGRAM_PLACEMENTS = ("auto", "device", "host")
 SCHEDULING_POLICIES = ("fair", "fcfs")
 
 
@@ -97,6 +98,9 @@ class EngineConfig:
     quant: QuantConfig | None = None
     # "dummy": random weights of the checkpoint's layout, no weight files (vLLM's --load-format dummy)
     load_format: str = "auto"
+    # where V4.1's engram tables live: "device", "host" (page-locked host memory the GPU reads), or "auto" (host
+    # when they would take more than a quarter of the free device memory); dsv4.models.engram_host
+    engram_placement: str = "auto"
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -118,6 +122,8 @@ class EngineConfig:
                                   f"--device cpu, or install a CUDA build of torch")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.engram_placement not in ENGRAM_PLACEMENTS:
+            raise ConfigError(f"engram_placement must be one of {ENGRAM_PLACEMENTS}, got {self.engram_placement!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.scheduler.max_model_len > self.model.max_position_embeddings:

@@ -29,7 +29,7 @@ class LLM:
                  swa_bounded_replay: bool = True, decode_backend: str = "default", tensor_parallel_size: int = 1,
                  expert_parallel: bool = False, quantization: str | None = None, load_format: str = "auto",
                  skip_tokenizer_init: bool = False, scheduling_policy: str = "fair",
-                 tokenizer_mode: str = "auto") -> None:
+                 tokenizer_mode: str = "auto", engram_placement: str = "auto") -> None:
         if model is None:
             from dsv4.models.presets import default_model_dir
 
@@ -50,7 +50,7 @@ class LLM:
                                           tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel,
                                           quantization=quantization, load_format=load_format,
                                           skip_tokenizer_init=skip_tokenizer_init,
-                                          scheduling_policy=scheduling_policy)
+                                          scheduling_policy=scheduling_policy, engram_placement=engram_placement)
         self.tokenizer = self.engine.tokenizer
         # how chat() renders (dsv4.chat.prompt): the checkpoint's template, else DeepSeek's encoder of its family
         self.chat_renderer = (ChatRenderer.create(self.tokenizer, self.engine.config.model, tokenizer_mode)

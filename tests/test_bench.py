@@ -356,7 +356,7 @@ LATENCY_FIELDS = {"benchmark", "model", "model_type", "date", "device", "device_
                   "floor", "copy_bytes", "copy_bandwidth_Bps", "floor_time_s", "fraction_of_floor", "achieved_Bps",
                   "hf", "decode_host_launch_s", "decode_metadata_host_s", "decode_backend", "tensor_parallel_size",
                   "quantization", "load_format", "model_load_s", "weight_bytes_on_device", "max_memory_allocated",
-                  "json_schema"}
+                  "json_schema", "memory", "weight_plan"}
 
 
 @pytest.mark.parametrize("which", ["tiny-v4", "tiny-v41"])

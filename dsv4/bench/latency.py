@@ -36,7 +36,7 @@ from dsv4.bench import run_and_report
 from dsv4.distributed import split_over_ranks
 from dsv4.models.config import CSA, ModelConfig, load_model_config
 from dsv4.models.presets import tensor_shapes
-from dsv4.config import LOAD_FORMATS
+from dsv4.config import ENGRAM_PLACEMENTS, LOAD_FORMATS
 from dsv4.quant.config import QUANTIZATION_CHOICES, QuantConfig
 from dsv4.quant.released import quant_kind, stored_nbytes
 
@@ -358,6 +358,8 @@ def build_engine(args: argparse.Namespace, device: str, dtype: str) -> tuple[Any
         kwargs["quantization"] = args.quantization
     if args.load_format != "auto":
         kwargs["load_format"] = args.load_format
+    if args.engram_placement != "auto":
+        kwargs["engram_placement"] = args.engram_placement
     engine = LLMEngine.from_args(args.model, **kwargs, **knobs)
     resolved = {"async_scheduling": engine.config.scheduler.async_scheduling}  # what the engine chose by default
     return engine, {"engine_kwargs": {**kwargs, **knobs, **resolved}, "ignored_engine_kwargs": ignored}
@@ -489,6 +491,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "at load) | fp8 | deepseek_v4_fp8; sets the floor's weight bytes")
     parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                         help="dummy: random weights of the checkpoint's layout, no weight files (full-size shapes)")
+    parser.add_argument("--engram-placement", choices=list(ENGRAM_PLACEMENTS), default="auto",
+                        help="where V4.1's engram tables live: device, host (read by the GPU over PCIe), auto")
     parser.add_argument("--output-json", metavar="FILE", help="write every number as JSON")
 
 
@@ -527,6 +531,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         e2e.append(sum(s.seconds for s in steps))
     quant = engine.config.quant  # the weight format the engine runs, for the floor
     held = {"model_load_s": engine.model_load_s, "weight_bytes_on_device": weight_bytes(engine),
+            "memory": engine.memory.to_json(), "weight_plan": engine.weight_plan,
             "max_memory_allocated": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     del engine
     gc.collect()

@@ -23,6 +23,7 @@ from dsv4.engine.scheduler import Scheduler
 from dsv4.engine.stop import check_stop_strings, stop_hold_back
 from dsv4.kv.manager import KVCacheManager
 from dsv4.kv.spec import make_kv_groups, replay_tokens
+from dsv4.engine.memory_plan import check_weights_fit, memory_report
 from dsv4.models.build import build_model
 from dsv4.models.config import ConfigError, ModelConfig, load_model_config
 from dsv4.quant.config import load_quant_config
@@ -119,18 +120,27 @@ class LLMEngine:
         self.parallel = init_parallel(config.parallel, config.device)
         self._channel = (StepChannel(self.parallel) if config.parallel.follow_rank0 and self.parallel.world_size > 1
                          else None)
+        self.weight_plan = check_weights_fit(config, dtype)  # a config that cannot fit fails here, before loading
         t0 = time.perf_counter()
         model = build_model(config.model, config.model_dir, dtype, config.device, self.parallel, config.quant,
-                            config.load_format)
+                            config.load_format, config.engram_placement)
         self.model_load_s = time.perf_counter() - t0  # checkpoint -> device weights (bench latency reports it)
         num_blocks = config.cache.num_blocks or default_num_blocks(config)
+        self._step_peak: int | None = None  # the KV sizing's profile of a worst-case step
         if config.device.startswith("cuda") and config.cache.num_blocks is None:
             num_blocks = self._size_kv_pool(model, dtype)
         cc = config.cache
         replay = replay_tokens(config.model, cc.swa_bounded_replay) if cc.enable_prefix_caching else 0
         self.groups = make_kv_groups(config.model, cc.block_size, num_blocks, config.scheduler.max_num_seqs, replay)
         self.runner = ModelRunner(config, model, self.groups, dtype, self.grammar_compiler)
+        cuda = config.device.startswith("cuda")
+        before = torch.cuda.memory_reserved(torch.device(config.device)) if cuda else 0
         self.runner.capture_graphs()
+        graphs = torch.cuda.memory_reserved(torch.device(config.device)) - before if cuda else None
+        self.memory = memory_report(config, model, kv_cache_bytes(config.model, self.groups, dtype), self._step_peak,
+                                    graphs)
+        for line in self.memory.lines():
+            logger.info("%s", line)
         self.kv_manager = KVCacheManager(self.groups, config.scheduler.max_num_batched_tokens, cc.enable_prefix_caching)
         if self.kv_manager.prefix is not None:
             logger.info("prefix caching: units of %d tokens, %s replay of %d tokens after a hit",
@@ -155,6 +165,7 @@ class LLMEngine:
         probe = make_kv_groups(cfg.model, bs, per_request + 1, sc.max_num_seqs)
         runner = ModelRunner(cfg, model, probe, dtype)
         peak = runner.profile_peak_memory() - kv_cache_bytes(cfg.model, probe, dtype)
+        self._step_peak = peak
         del runner
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory
@@ -187,7 +198,7 @@ class LLMEngine:
                   expert_parallel: bool = False, parallel_init_timeout_s: float = 300.0,
                   follow_rank0: bool = False, quantization: str | None = None,
                   load_format: str = "auto", skip_tokenizer_init: bool = False,
-                  scheduling_policy: str = "fair") -> "LLMEngine":
+                  scheduling_policy: str = "fair", engram_placement: str = "auto") -> "LLMEngine":
         """Build an engine from a checkpoint directory and the usual knobs (async_scheduling None: on for CUDA;
         quantization None / "auto": the checkpoint's format, "none": dequantize FP8 / FP4 weights at load)."""
         mc = load_model_config(model)
@@ -207,7 +218,7 @@ class LLMEngine:
             encoder_cudagraphs=encoder_cudagraphs, compile_decode=compile_decode, decode_backend=decode_backend,
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel,
                                     init_timeout_s=parallel_init_timeout_s, follow_rank0=follow_rank0),
-            quant=quant, load_format=load_format,
+            quant=quant, load_format=load_format, engram_placement=engram_placement,
         )
         # skip_tokenizer_init (vLLM's name): token ids in and out, no tokenizer files needed
         tok = Tokenizer.from_dir(model) if load_tokenizer and not skip_tokenizer_init else None

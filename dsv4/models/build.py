@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 import re
 from typing import TYPE_CHECKING
@@ -23,6 +25,8 @@ from dsv4.quant.layers import quantize_model
 
 if TYPE_CHECKING:
     from dsv4.models.engram import HostTable
+
+logger = logging.getLogger(__name__)
 
 # V4.1 keeps the mHC parameters, attention sinks and router biases in fp32 (its norms follow the model dtype), and
 # here also the router and ratio-2 gate weights: the model computes with them in fp32 (model.md 5, 6), so storing
@@ -61,14 +65,15 @@ def checkpoint_layout(cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig |
 
 
 def build_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, device: torch.device | str,
-                par: Parallel | None = None, quant: QuantConfig | None = None, load_format: str = "auto"
-                ) -> nn.Module:
+                par: Parallel | None = None, quant: QuantConfig | None = None, load_format: str = "auto",
+                engram_placement: str = "auto") -> nn.Module:
     """Create the module on the meta device, materialize every tensor in its load dtype on `device`, then load
     the checkpoint (all tensors must be present). V4.1 also binds the engram token map and host tables. With
     expert parallelism (`par` of several ranks) the module holds, and the load reads, this rank's experts only.
     `quant` (the checkpoint's QuantConfig, or None): the weights the checkpoint stores in FP8 / MXFP4 stay so, in
     quantized layers (`dsv4.quant.layers`); None dequantizes them at load. `load_format` "dummy": no weight files,
-    random weights of the checkpoint's layout drawn on `device` (config.json and tokenizer only)."""
+    random weights of the checkpoint's layout drawn on `device` (config.json and tokenizer only).
+    `engram_placement`: auto | device | host, where V4.1's engram tables live (dsv4.models.engram_host)."""
     if load_format not in LOAD_FORMATS:
         raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     par = par or Parallel()
@@ -95,20 +100,21 @@ def build_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, dev
         load_into_module(model, model_dir, route, experts=shard and (shard.first, shard.count), spans=spans,
                          dummy_layout=layout, dummy_int_high=cfg.n_routed_experts)
         if v41 and cfg.v41.engram is not None:
-            bind_engram(model, model_dir, torch.device(device), par, layout)
+            bind_engram(model, model_dir, torch.device(device), par, layout, engram_placement)
     return model.eval()
 
 
 def bind_engram(model: nn.Module, model_dir: str, device: torch.device, par: Parallel | None = None,
-                dummy_layout: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None) -> None:
-    """Token map from the checkpoint's tokenizer (its size must equal engram_compressed_vocab_size) and one
-    memory-mapped host table per engram layer. On a GPU, tables that fit in a quarter of the free memory move to
-    the device (gathers then need no host round trip and decode steps can be captured in CUDA graphs); the
-    released ~98 GB tables stay in host memory. Several ranks decide together (`par`): all move them or none.
-    `dummy_layout` (load_format "dummy"): random tables of the layout's shapes and dtypes, drawn on `device`."""
+                dummy_layout: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+                placement: str = "auto") -> None:
+    """Token map from the checkpoint's tokenizer (its size must equal engram_compressed_vocab_size) and one table
+    per engram layer, memory-mapped from the checkpoint, then placed on the device or left in host memory the GPU
+    reads (`placement`, dsv4.models.engram_host). `dummy_layout` (load_format "dummy"): random tables of the
+    layout's shapes and dtypes, drawn where the placement puts them."""
     import tokenizers
 
     from dsv4.models.engram import HostTable, build_compressed_token_map
+    from dsv4.models.engram_host import choose_placement, place
 
     eng = model.cfg.v41.engram
     tok_path = os.path.join(model_dir, "tokenizer.json")
@@ -121,51 +127,65 @@ def bind_engram(model: nn.Module, model_dir: str, device: torch.device, par: Par
     if len(token_map) < model.cfg.vocab_size:
         raise ConfigError(f"the tokenizer covers {len(token_map)} ids but vocab_size is {model.cfg.vocab_size}")
     files = _tensor_files(model_dir) if dummy_layout is None else dict.fromkeys(dummy_layout, DUMMY_FILE)
-    tables = {}
-    layout = model.engram_layout
+    keys = {}  # layer -> (table key, its file, (scale key, its file) or None)
     for layer in eng.layer_ids:
         w = _find(files, [f"model.layers.{layer}.engram.embed.weight", f"layers.{layer}.engram.embed.weight",
                           f"model.engram_tables.{layer}.weight", f"engram_tables.{layer}.weight"])
         if w is None:
             raise CheckpointError(f"missing engram table of layer {layer} (layers.{layer}.engram.embed.weight)")
-        key, path = w
-        scale = _find(files, [key.replace("embed.weight", "embed.scale"), key.replace(".weight", ".weight_scale_inv")])
+        keys[layer] = (*w, _find(files, [w[0].replace("embed.weight", "embed.scale"),
+                                         w[0].replace(".weight", ".weight_scale_inv")]))
+    if dummy_layout is not None:
+        total = sum(_nbytes(*dummy_layout[k]) + (_nbytes(*dummy_layout[sc[0]]) if sc else 0)
+                    for k, _, sc in keys.values())
+    else:  # memory maps: nothing is read yet
+        mapped = {layer: HostTable.from_safetensors(path, key, sc[0] if sc else None, sc[1] if sc else None)
+                  for layer, (key, path, sc) in keys.items()}
+        total = sum(t.nbytes for t in mapped.values())
+    on_device, line = choose_placement(total, placement, device, par)
+    logger.info("%s", line)
+    model.engram_placement = line
+    tables = {}
+    layout = model.engram_layout
+    for layer, (key, path, sc) in keys.items():
         if dummy_layout is not None:
-            table = _dummy_table(dummy_layout, key, scale[0] if scale else None, device)
+            table = _dummy_table(dummy_layout, key, sc[0] if sc else None, device, on_device)
         else:
-            table = HostTable.from_safetensors(path, key, scale[0] if scale else None, scale[1] if scale else None)
+            table = place(mapped[layer], on_device, device)
         if table.num_rows < layout.rows[layer]:
             raise CheckpointError(f"engram table of layer {layer} has {table.num_rows} rows; the hash layout "
                                   f"needs {layout.rows[layer]}")
         tables[layer] = table
-    total = sum(t.weight.numel() * t.weight.element_size() for t in tables.values())
-    # host tables turn the CUDA graphs off (runner._graph_safe); a rank capturing graphs runs collectives in its
-    # warm-ups that a rank without graphs would never join: the ranks must agree
-    if device.type == "cuda":
-        fits = total <= torch.cuda.mem_get_info(device)[0] // 4
-        if (par or Parallel()).min_(int(fits), device):
-            tables = {layer: t.to_device(device) for layer, t in tables.items()}
     model.bind_engram(torch.from_numpy(token_map).long(), tables)
 
 
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
 def _dummy_table(layout: dict[str, tuple[tuple[int, ...], torch.dtype]], key: str, scale_key: str | None,
-                 device: torch.device) -> HostTable:
-    """A random engram table of the layout's shape and dtype on `device` (FP8 codes with UE8M0 scales near 1 when
-    the layout stores it so; float tables in +-1)."""
+                 device: torch.device, on_device: bool) -> HostTable:
+    """A random engram table of the layout's shape and dtype (FP8 codes with UE8M0 scales near 1 when the layout
+    stores it so; float tables in +-1), drawn on `device` in chunks and kept there (`on_device`), or copied chunk by
+    chunk into host memory that is then mapped for the GPU (a released table is ~98 GB as stored: plain host memory
+    registered afterwards, since the pinned allocator would round it up to the next power of two)."""
     from dsv4.models.engram import HostTable
+    from dsv4.models.engram_host import map_for_device
 
     shape, dt = layout[key]
+    host = device.type == "cuda" and not on_device
     gen = torch.Generator(device=device).manual_seed(1)
-    table = torch.empty(shape, dtype=dt, device=device)
-    step = max(1, (1 << 26) // shape[1])  # drawn in chunks: a released table is ~98 GB as stored, 4x that in fp32
+    table = torch.empty(shape, dtype=dt, device="cpu" if host else device)
+    step = max(1, (1 << 26) // shape[1])
     for r in range(0, shape[0], step):
         part = table[r: r + step]
-        part.copy_(torch.empty(part.shape, device=device).uniform_(-1.0, 1.0, generator=gen)
-                   * (64 if dt == torch.float8_e4m3fn else 1))
-    if dt != torch.float8_e4m3fn:
-        return HostTable(table)
-    scale = torch.randint(124, 128, layout[scale_key][0], dtype=torch.uint8, device=device, generator=gen)
-    return HostTable(table, scale)
+        drawn = torch.empty(part.shape, device=device).uniform_(-1.0, 1.0, generator=gen)
+        part.copy_((drawn * (64 if dt == torch.float8_e4m3fn else 1)).to(dt))
+    scale = None
+    if dt == torch.float8_e4m3fn:
+        scale = torch.randint(124, 128, layout[scale_key][0], dtype=torch.uint8, device=device, generator=gen)
+        scale = scale.cpu() if host else scale
+    return map_for_device(HostTable(table, scale)) if host else HostTable(table, scale)
 
 
 def _tensor_files(model_dir: str) -> dict[str, str]:

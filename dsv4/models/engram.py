@@ -11,6 +11,7 @@ An Engram layer adds to every hc stream a gated value projected from table rows 
   the N-1 tokens before each chunk (the look-back), so chunked prefill and decode hash exactly like one full pass.
 - `HostTable`: the tables stay in host memory, memory-mapped from the checkpoint, and only the rows a step needs are
   gathered and moved to the device: a released table is ~98 GB (384M rows x 256 fp8 values), far beyond a GPU.
+  Where they live (device, or host memory the GPU reads directly) is decided in dsv4.models.engram_host.
 - `Engram`: the gate and residual update on the hc streams, given the gathered rows.
 """
 
@@ -29,7 +30,8 @@ from tokenizers import Regex, normalizers
 from torch import nn
 
 from dsv4.ops.engram import engram_update
-from dsv4.quant.formats import scale_to_float
+from dsv4.ops.engram_gather import engram_gather_torch, engram_gather_triton
+from dsv4.ops.engram_gather import triton as _triton  # None on CPU-only installs: the torch path below
 
 _REPLACEMENT = "\ufffd"
 _SENTINEL = "\ue000"  # private-use stand-in that lets a whitespace-only token survive Strip as " "
@@ -267,7 +269,10 @@ class HostTable:
     `embed.scale` of ones that the reference never applies, so it is ignored here too.
     """
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor | None = None, mapped: bool = False) -> None:
+        """`mapped`: weight and scale are CPU tensors in page-locked memory registered with CUDA (dsv4.models.
+        engram_host), which a GPU kernel reads directly: gathers to a GPU then need no host sync."""
+        self.mapped = mapped
         if weight.dim() != 2:
             raise ValueError("a HostTable needs a 2-D weight")
         self.weight = weight
@@ -288,6 +293,16 @@ class HostTable:
         if scale_name is not None and weight.dtype == torch.float8_e4m3fn:
             scale = mmap_safetensors_tensor(scale_path or path, scale_name)
         return cls(weight, scale)
+
+    def device_readable(self, device: torch.device) -> bool:
+        """Whether a kernel on `device` can gather from this table with no host sync (the table is resident there,
+        or mapped host memory read by a GPU): what a CUDA graph capturing the gather needs."""
+        return self.weight.device == device or (self.mapped and device.type == "cuda")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the table and its scales as held."""
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale) if t is not None)
 
     def to_device(self, device: torch.device | str) -> "HostTable":
         """A copy resident in `device` memory: gathers then stay on the device (no host sync), so a CUDA graph
@@ -312,23 +327,20 @@ class HostTable:
         Only the requested rows are read from host memory; fp8 rows travel as bytes and are dequantised on the
         target device (value * scale, exact in fp32)."""
         device = row_ids.device if device is None else torch.device(device)
+        out_dtype = dtype or (torch.bfloat16 if self.is_fp8 else self.weight.dtype)
+        if device.type == "cuda" and self.device_readable(device) and _triton is not None:
+            # one launch reads the rows (from device memory, or mapped host memory over PCIe) and dequantizes them
+            return engram_gather_triton(self.weight, self.scale, row_ids.to(device), out_dtype)
         if self.weight.device == device:  # device-resident table: one gather, no host round trip
-            flat = row_ids.reshape(-1).to(device, torch.int64)
-            rows = self.weight.index_select(0, flat)
-        else:
-            flat = row_ids.reshape(-1).to("cpu", torch.int64)
-            rows = self.weight.index_select(0, flat)
-            if device.type == "cuda":
-                rows = rows.pin_memory()
-            rows = rows.to(device, non_blocking=True)
-        if not self.is_fp8:
-            out = rows if dtype is None else rows.to(dtype)
-            return out.reshape(*row_ids.shape, self.dim)
-        scale = self.scale.index_select(0, flat.to(self.scale.device)).to(device)
-        scale = scale_to_float(scale)
-        block = self.dim // scale.shape[1]
-        val = rows.float().reshape(-1, scale.shape[1], block) * scale[..., None]
-        return val.to(dtype or torch.bfloat16).reshape(*row_ids.shape, self.dim)
+            return engram_gather_torch(self.weight, self.scale, row_ids.to(device), out_dtype)
+        # a host table read by the host: only the requested rows (bytes, and their scales) travel to the device
+        flat = row_ids.reshape(-1).to("cpu", torch.int64)
+        parts = [t.index_select(0, flat) for t in (self.weight, self.scale) if t is not None]
+        if device.type == "cuda":
+            parts = [t.pin_memory().to(device, non_blocking=True) for t in parts]
+        rows, scale = parts[0], (parts[1] if len(parts) > 1 else None)
+        local = torch.arange(flat.numel(), device=device).reshape(row_ids.shape)
+        return engram_gather_torch(rows.to(device), None if scale is None else scale.to(device), local, out_dtype)
 
 
 # ---- module ----------------------------------------------------------------------------------------------------

@@ -130,10 +130,11 @@ class ModelRunner:
         self.num_warm_ups = 0  # warm_up_kernels calls (tests check start-up warms)
 
     def _graph_safe(self) -> bool:
-        """Graphs need every input on the device: engram tables resident in host memory are not."""
+        """Graphs need every input readable by the device without the host: engram tables on the device or in
+        mapped host memory are; a host table the host gathers from is not."""
         tables = getattr(self.model, "engram_tables", {})
-        if any(t.weight.device != self.device for t in tables.values()):
-            logger.warning("engram tables live in host memory: decode runs eagerly (no CUDA graphs)")
+        if not all(t.device_readable(self.device) for t in tables.values()):
+            logger.warning("engram tables are gathered by the host: decode runs eagerly (no CUDA graphs)")
             return False
         return True
 
