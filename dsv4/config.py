@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from dsv4.distributed import ParallelConfig
 from dsv4.models.config import ConfigError, ModelConfig
 from dsv4.quant.config import QuantConfig
+from dsv4.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("float32", "bfloat16", "float16")
 DECODE_BACKENDS = ("default", "latency_specialized")
@@ -101,6 +102,9 @@ class EngineConfig:
     # where V4.1's engram tables live: "device", "host" (page-locked host memory the GPU reads), or "auto" (host
     # when they would take more than a quarter of the free device memory); dsv4.models.engram_host
     engram_placement: str = "auto"
+    # speculative decoding with the checkpoint's drafter (dsv4.spec_decode; validated against the checkpoint when
+    # parsed); None: off. Speculative steps are eager and need sync scheduling.
+    speculative: SpeculativeConfig | None = None
 
     def validate(self) -> None:
         if self.dtype not in DTYPES:
@@ -120,6 +124,8 @@ class EngineConfig:
                 raise ConfigError(f"device {self.device!r}: this torch ({torch.__version__}) "
                                   f"{'sees no GPU' if torch.version.cuda else 'is a CPU-only build'}; use "
                                   f"--device cpu, or install a CUDA build of torch")
+        if self.speculative is not None and self.scheduler.async_scheduling:
+            raise ConfigError("speculative decoding runs with sync scheduling: async_scheduling must be off")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.engram_placement not in ENGRAM_PLACEMENTS:

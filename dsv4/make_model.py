@@ -35,11 +35,13 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from dsv4.chat.tokens import special_tokens
 from dsv4.models.image_processor import IMAGE_PLACEHOLDER
 from dsv4.models.config import parse_config_dict
-from dsv4.models.presets import (CONFIG_ONLY_PRESETS, LARGE_PRESETS, TOKENIZER_VOCAB_SIZE, VISION_PRESETS,
-                                 preset_config, preset_dtype, tensor_shapes, text_config, vision_tensor_shapes)
+from dsv4.models.presets import (CONFIG_ONLY_PRESETS, DRAFTER_FIELDS, LARGE_PRESETS, TOKENIZER_VOCAB_SIZE,
+                                 VISION_PRESETS, dspark_tensor_shapes, preset_config, preset_dtype, tensor_shapes,
+                                 text_config, vision_tensor_shapes)
 from dsv4.quant.config import QuantConfig
 from dsv4.quant.released import release_quant, released_config, write_released, write_sharded
 from dsv4.models.vision import parse_vision_config
+from dsv4.spec_decode.config import parse_dspark
 
 # Bump when anything make_model writes changes, so cached default models are rebuilt.
 FORMAT_VERSION = 2
@@ -232,7 +234,9 @@ def _draw(init: _Init, shape: tuple[int, ...], gen: torch.Generator, n_experts: 
 
 def _checkpoint_shapes(config: dict[str, Any], dtype: str, vision: bool
                        ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """`tensor_shapes` of the config, followed by `vision_tensor_shapes` of its vision_config when `vision`."""
+    """`tensor_shapes` of the config, followed by `vision_tensor_shapes` of its vision_config when `vision`, then
+    the DSpark drafter's `mtp.*` tensors when the (V4.1) config has draft stages (last, so that the target's and the
+    vision tower's draws do not depend on the drafter)."""
     cfg = parse_config_dict(config)
     shapes = tensor_shapes(cfg, dtype)
     if vision:
@@ -240,6 +244,9 @@ def _checkpoint_shapes(config: dict[str, Any], dtype: str, vision: bool
         if cfg.v41 is None or vcfg is None:
             raise ValueError("vision weights need a DeepSeek-V4.1 config with a vision_config")
         shapes.update(vision_tensor_shapes(vcfg, cfg.hidden_size, dtype))
+    ds = parse_dspark(config) if cfg.v41 is not None else None
+    if ds is not None:
+        shapes.update(dspark_tensor_shapes(cfg, ds, dtype))
     return shapes
 
 
@@ -333,7 +340,7 @@ def _write_json(path: str, obj: dict) -> None:
 
 def make_model(preset: str, out_dir: str, seed: int = 0, dtype: str | None = None, device: str | None = None,
                overrides: dict[str, Any] | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-               quant: str | QuantConfig | None = None, config_only: bool = False) -> str:
+               quant: str | QuantConfig | None = None, config_only: bool = False, drafter: bool | None = None) -> str:
     """Write preset `preset` with random weights (seeded) to `out_dir`; return out_dir.
 
     `dtype` defaults to the preset's (`preset_dtype`: bf16 for the large presets). The large presets, or any preset
@@ -345,7 +352,11 @@ def make_model(preset: str, out_dir: str, seed: int = 0, dtype: str | None = Non
     `quant` ("none" | "released" | "released-fp8-experts" | a QuantConfig; `dsv4.quant.released.release_quant`):
     write the released checkpoint layout instead (original DeepSeek names, FP8 / MXFP4 weights quantized from the
     same float draws, `quantization_config` in config.json). `config_only`: config.json, tokenizer and
-    generation_config only (for `--load-format dummy`); the only way to "write" a `CONFIG_ONLY_PRESETS` preset."""
+    generation_config only (for `--load-format dummy`); the only way to "write" a `CONFIG_ONLY_PRESETS` preset.
+
+    `drafter`: None = the preset's own (tiny-v41 ships a tiny DSpark drafter, the others none); True adds the
+    released DSpark drafter's fields (`DRAFTER_FIELDS`) and its `mtp.*` weights to a V4.1 preset; False writes
+    none. The released (quantized) layout carries no drafter tensors yet: its config then says none either."""
     if preset in CONFIG_ONLY_PRESETS and not config_only:
         raise ValueError(f"preset {preset!r} is the full released model (hundreds of GB of weights): its weights are "
                          f"not written. Write its config with `dsv4 make-model --preset {preset} --out DIR "
@@ -354,6 +365,15 @@ def make_model(preset: str, out_dir: str, seed: int = 0, dtype: str | None = Non
         raise ValueError(f"preset {preset!r}: the released layout is written without a vision tower (quant {quant!r})")
     dtype = dtype or preset_dtype(preset)
     config = preset_config(preset, overrides)
+    is_v41 = text_config(config).get("model_type") in ("deepseek_v41", "deepseek_v41_text")
+    if drafter and not is_v41:
+        raise ValueError(f"preset {preset!r}: only DeepSeek-V4.1 presets have a DSpark drafter")
+    if is_v41 and (drafter is not None or quant not in (None, "none")):
+        keep = bool(drafter) and quant in (None, "none")
+        if keep and not text_config(config).get("num_nextn_predict_layers"):
+            text_config(config).update(DRAFTER_FIELDS)
+        elif not keep:
+            text_config(config)["num_nextn_predict_layers"] = 0
     text_config(config)["dtype"] = dtype  # V4.1 parses the dtype from text_config, as HF writes it
     cfg = parse_config_dict(config)  # validates the preset before anything is written
     vision = preset in VISION_PRESETS

@@ -39,16 +39,19 @@ class SamplingParamsError(ValueError):
 class StructuredOutputsParams:
     """Constrain a request's output to a structure (vLLM's names): exactly one of a JSON schema (`json`, a dict or
     its JSON text), any JSON object (`json_object=True`), a regular expression (`regex`), one of a list of strings
-    (`choice`) or an EBNF grammar in xgrammar's dialect (`grammar`). `disable_any_whitespace`: compact JSON, no
-    optional whitespace (`{"a":1,"b":[2]}`); by default, as in vLLM, any whitespace is allowed between tokens, which
-    a model that rambles whitespace can run away in. Checked here for shape; the schema, regex or grammar itself is
-    compiled, and refused if invalid, when the engine admits the request (dsv4.structured)."""
+    (`choice`), an EBNF grammar in xgrammar's dialect (`grammar`) or an xgrammar structural tag (`structural_tag`,
+    its JSON text: what the server builds for tool_choice "required" / a named function, dsv4.structured.tool_calls).
+    `disable_any_whitespace`: compact JSON, no optional whitespace (`{"a":1,"b":[2]}`); by default, as in vLLM, any
+    whitespace is allowed between tokens, which a model that rambles whitespace can run away in. Checked here for
+    shape; the schema, regex or grammar itself is compiled, and refused if invalid, before the engine admits the
+    request (dsv4.structured)."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    structural_tag: str | None = None
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
@@ -56,19 +59,19 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """Which constraint is set: "json", "json_object", "regex", "choice" or "grammar"."""
+        """Which constraint is set: "json", "json_object", "regex", "choice", "grammar" or "structural_tag"."""
         return next(name for name in _CONSTRAINTS if _is_set(self, name))
 
     def validate(self) -> None:
         """Raise SamplingParamsError unless exactly one constraint is set and it has the right type."""
         given = [name for name in _CONSTRAINTS if _is_set(self, name)]
         if len(given) != 1:
-            raise SamplingParamsError("structured outputs take exactly one of json, json_object, regex, choice or "
-                                      f"grammar; got {', '.join(given) if given else 'none'}")
+            raise SamplingParamsError("structured outputs take exactly one of json, json_object, regex, choice, "
+                                      f"grammar or structural_tag; got {', '.join(given) if given else 'none'}")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise SamplingParamsError(f"structured outputs `json` must be a JSON schema (a dict or its JSON text), "
                                       f"got {type(self.json).__name__}")
-        for name in ("regex", "grammar"):
+        for name in ("regex", "grammar", "structural_tag"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise SamplingParamsError(f"structured outputs `{name}` must be a non-empty string")
@@ -80,7 +83,7 @@ class StructuredOutputsParams:
                                           "strings")
 
 
-_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar")
+_CONSTRAINTS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 def _is_set(params: StructuredOutputsParams, name: str) -> bool:

@@ -67,8 +67,15 @@ class TokenLogprobs:
 
 @dataclass
 class RunnerOutput:
-    """Per scheduled request (in `req_ids` order): the tokens sampled this step (empty for a partial prefill)."""
+    """Per scheduled request (in `req_ids` order): the tokens sampled this step (empty for a partial prefill;
+    several under speculative decoding: the accepted drafts and one token sampled by the target).
+
+    Speculative steps only (None otherwise): `num_uncomputed_tokens`, how many of the request's scheduled tokens are
+    not computed after all (rejected drafts, and a rolled-back open compressor window: the scheduler subtracts them
+    from num_computed_tokens); `num_draft_tokens`, the drafts the runner now holds for the request's next step."""
 
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: list[list[TokenLogprobs] | None]
+    num_uncomputed_tokens: list[int] | None = None
+    num_draft_tokens: list[int] | None = None

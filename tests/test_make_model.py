@@ -22,7 +22,8 @@ from dsv4.make_model import default_model_dir, make_model, random_weights, write
 from dsv4.models.build import build_model
 from dsv4.models.config import HASH_MOE, load_model_config, parse_config_dict
 from dsv4.models.engram import EngramLayout, build_compressed_token_map
-from dsv4.models.presets import PRESETS, preset_config, v4_tensor_shapes, v41_tensor_shapes
+from dsv4.models.presets import PRESETS, dspark_tensor_shapes, preset_config, v4_tensor_shapes, v41_tensor_shapes
+from dsv4.spec_decode.config import parse_dspark
 from dsv4.tokenizer import Tokenizer
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -191,7 +192,14 @@ def test_v41_composite_config(v41_dirs: dict[str, str]) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_v41_tensors_match_v41_tensor_shapes(tmp_path: Path, preset: str, dtype: str) -> None:
     out = make_model(preset, str(tmp_path), seed=3, dtype=dtype)
-    expected = v41_tensor_shapes(load_model_config(out), dtype)
+    cfg = load_model_config(out)
+    expected = v41_tensor_shapes(cfg, dtype)
+    with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+        ds = parse_dspark(json.load(f))
+    # tiny-v41 also ships a DSpark drafter (mtp.*, docs/dspark.md 1.2), after the target's tensors
+    assert (ds is not None) == (preset == "tiny-v41")
+    if ds is not None:
+        expected = {**expected, **dspark_tensor_shapes(cfg, ds, dtype)}
     got = _shapes_on_disk(os.path.join(out, "model.safetensors"))
     assert got == expected
     engram = sorted(k for k in got if ".engram." in k)

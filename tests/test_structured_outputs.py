@@ -1,18 +1,24 @@
 """Structured outputs through xgrammar (dsv4.structured) on the random-weight tiny-v4 model and its byte-level BPE
 tokenizer, which spells any text: whatever the model prefers, the output must follow the JSON schema, regex,
 choice or grammar; free requests batched with constrained ones must sample exactly what they sample alone; async
-scheduling must give the tokens the synchronous engine gives; a bad spec fails its own request only."""
+scheduling must give the tokens the synchronous engine gives; a bad spec fails its own request only; the server's
+engine compiles grammars off its engine thread, so a slow compile stalls no other request."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 
 from dsv4 import LLM, SamplingParams, StructuredOutputsParams
+from dsv4.engine.async_engine import AsyncLLMEngine
 from dsv4.engine.engine import LLMEngine, RequestError
 from dsv4.make_model import make_model
 from dsv4.outputs import RequestOutput
@@ -163,6 +169,7 @@ def test_async_scheduling_and_preemption_give_the_sync_tokens(path: str) -> None
     assert re.fullmatch(r"[a-z]{3}-\d{2}", tok.decode(sync["3"]))
     eng.step()
     assert eng.runner.req_state.num_active == 0 and not eng.runner.grammars._matchers  # no matcher leaks
+    assert eng.grammar_compiler.num_held == 0  # finished requests released their grammars
 
 
 def test_bad_spec_fails_alone(llm: LLM) -> None:
@@ -180,6 +187,10 @@ def test_bad_spec_fails_alone(llm: LLM) -> None:
     while eng.has_unfinished_requests():
         done.update({o.request_id: o for o in eng.step() if o.finished})
     assert list(done) == [good] and done[good].outputs[0].text in ("a", "b")
+    aborted = eng.add_request(PROMPTS[2], SamplingParams(max_tokens=8, structured_outputs=_constrained(regex="x+")))
+    assert eng.grammar_compiler.num_held == 1
+    eng.abort_request([aborted])
+    assert eng.grammar_compiler.num_held == 0  # an aborted request releases its grammar too
 
 
 def test_params_shape_errors() -> None:
@@ -237,3 +248,109 @@ def test_compiler_caches_and_needs_xgrammar(llm: LLM, monkeypatch: pytest.Monkey
     with pytest.raises(ValueError, match=re.escape("pip install 'dsv4[structured]'")):
         llm.engine.add_request(PROMPTS[0], SamplingParams(structured_outputs=_constrained(regex="x")))
     assert not llm.engine.has_unfinished_requests()
+
+
+# ---- compiling off the engine thread (the server's path) -----------------------------------------------------------
+
+def test_compiler_shares_concurrent_compiles_and_holds_grammars(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two threads asking for one spec at once get one compile; a held grammar outlives the LRU until released."""
+    compiler = GrammarCompiler(llm.tokenizer, 512, [1], cache_size=1)
+    calls: list[str] = []
+    started, release = threading.Event(), threading.Event()
+    real = compiler._compile
+
+    def slow(*key: Any) -> Any:
+        calls.append(key[1])
+        started.set()
+        assert release.wait(30)
+        return real(*key)
+
+    monkeypatch.setattr(compiler, "_compile", slow)
+    a = _constrained(regex="a+")
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(compiler.compile, a)
+        assert started.wait(30)
+        second = pool.submit(compiler.compile, _constrained(regex="a+"))
+        time.sleep(0.2)  # the second caller is waiting on the first one's compile, not compiling
+        release.set()
+        assert first.result() is second.result()
+    assert calls == ["a+"]
+
+    key = compiler.hold(a, first.result())
+    compiler.compile(_constrained(regex="b+"))  # evicts a from the one-entry LRU, but a is held
+    assert compiler.compile(a) is first.result() and calls == ["a+", "b+"]
+    compiler.release(key)
+    assert compiler.num_held == 0
+    compiler.compile(_constrained(regex="c+"))
+    compiler.compile(a)  # released and evicted: compiled again
+    assert calls == ["a+", "b+", "c+", "a+"]
+
+
+def test_server_engine_compiles_grammars_off_the_engine_thread(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AsyncLLMEngine (the server's engine) compiles a structured request's grammar in its pool: while that compile
+    hangs, a running free request keeps stepping (it would stall if the engine thread compiled); once it lands, the
+    request runs to a valid output. A bad spec fails its own add_request with the compiler's message, nothing else;
+    every grammar a request held is released when it ends."""
+    engine = AsyncLLMEngine.from_args(path, **ENGINE_ARGS)
+    compiler = engine.engine.grammar_compiler
+    assert compiler is not None
+    started, release = threading.Event(), threading.Event()
+    threads: list[str] = []
+    real = compiler._compile
+
+    def slow(*key: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        if key[0] == "regex":  # the valid spec hangs until the test has seen the free request step on
+            started.set()
+            assert release.wait(60)
+        return real(*key)
+
+    monkeypatch.setattr(compiler, "_compile", slow)
+    engine.start()
+    free_tokens: list[int] = []
+
+    async def free() -> None:
+        params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        async for out in engine.generate(PROMPTS[1], params, "free"):
+            free_tokens.append(len(out.outputs[0].token_ids))
+
+    async def until(condition: Any, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not condition():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.01)
+
+    async def main() -> str:
+        running = asyncio.ensure_future(free())
+        await until(lambda: free_tokens, "the free request never started")
+        constrained = asyncio.ensure_future(_last(engine.generate(
+            PROMPTS[0], SamplingParams(temperature=0, max_tokens=20, structured_outputs=_constrained(
+                regex=r"[a-z]{3}-\d{2}")), "constrained")))
+        await until(started.is_set, "the compile never started")
+        seen = free_tokens[-1]
+        await until(lambda: free_tokens[-1] >= seen + 5, "the free request stalled while a grammar compiled")
+        assert not constrained.done()
+        release.set()
+        text = (await constrained).outputs[0].text
+        with pytest.raises(RequestError, match="structured outputs: invalid JSON schema: Unsupported type"):
+            await engine.add_request(PROMPTS[2], SamplingParams(structured_outputs=_constrained(json={"type": "foo"})),
+                                     "bad")
+        await running
+        return text
+
+    try:
+        text = asyncio.run(main())
+    finally:
+        release.set()
+        engine.shutdown()
+    assert re.fullmatch(r"[a-z]{3}-\d{2}", text), text
+    assert free_tokens[-1] == 200 and threads and all(t.startswith("dsv4-grammars") for t in threads), threads
+    assert "bad" not in engine.engine.requests and compiler.num_held == 0
+
+
+async def _last(outputs: Any) -> RequestOutput:
+    last = None
+    async for out in outputs:
+        last = out
+    assert last is not None
+    return last

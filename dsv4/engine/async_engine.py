@@ -9,10 +9,13 @@ busy spin). Each request has an asyncio queue on its caller's event loop, fed wi
 
 `generate()` does both. A request's images are decoded and preprocessed in a small pool of worker threads before
 the request is queued (PIL and torch release the GIL while they work), so neither the event loop nor the engine
-thread waits for pixels: the engine thread gets ready patches. A stream left before its final output (client
-disconnect, cancellation, an exception in the consumer) aborts its request, so its KV blocks are freed at the next
-step boundary. Errors from add_request reach only that request's caller; an exception inside `step()` fails every
-request and marks the engine dead (`/health` then reports it), since the engine's state can no longer be trusted.
+thread waits for pixels: the engine thread gets ready patches. Likewise a structured request's grammar is compiled
+in its own small pool (xgrammar releases the GIL) and the engine thread gets it compiled: a schema that takes
+seconds to compile delays only its own request, not the decode steps of every running one. A stream left before
+its final output (client disconnect, cancellation, an exception in the consumer) aborts its request, so its KV
+blocks are freed at the next step boundary. Errors from add_request reach only that request's caller; an exception
+inside `step()` fails every request and marks the engine dead (`/health` then reports it), since the engine's state
+can no longer be trusted.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ _ACCEPTED = object()  # the engine thread's acknowledgement that add_request suc
 # starve tokenization; at most half the cores, so that the engine thread and the event loop keep theirs; at most 4,
 # so that few decoded images (up to MAX_PIXELS RGB pixels, 192 MB, each) are in memory at once. The rest wait.
 IMAGE_WORKERS = min(4, max(1, (os.cpu_count() or 2) // 2))
+# Threads compiling grammars (dsv4.structured): two, so that one slow schema does not queue every other structured
+# request behind it; xgrammar parallelizes each compile itself, so more would only compete for the same cores.
+GRAMMAR_WORKERS = 2
 
 
 class RequestStream:
@@ -102,6 +108,7 @@ class _Add:
     arrival_time: float
     images: list[Any] | None = None
     group_id: str | None = None
+    grammar: Any = None  # the xgrammar CompiledGrammar of params.structured_outputs, compiled off the engine thread
 
 
 @dataclass
@@ -137,6 +144,7 @@ class AsyncLLMEngine:
         self._live: dict[str, _Live] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._image_pool = ThreadPoolExecutor(IMAGE_WORKERS, thread_name_prefix="dsv4-images")
+        self._grammar_pool = ThreadPoolExecutor(GRAMMAR_WORKERS, thread_name_prefix="dsv4-grammars")
         self.dead_error: BaseException | None = None
 
     @classmethod
@@ -175,19 +183,22 @@ class AsyncLLMEngine:
         if self._thread is not None:
             self._thread.join(timeout)
         self._image_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests -----------------------------------------------------------------------------------------------
     async def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str,
                           images: list[Any] | None = None, group_id: str | None = None) -> RequestStream:
-        """Queue a request and wait until the engine accepted it; RequestError (a ValueError) if it or one of its
-        images is refused. `group_id`: as LLMEngine.add_request."""
+        """Queue a request and wait until the engine accepted it; RequestError (a ValueError) if it, one of its
+        images or its grammar is refused. `group_id`: as LLMEngine.add_request."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running") from self.dead_error
-        arrival = time.monotonic()  # before the images are decoded: their time is part of the time to first token
+        # before the grammar is compiled and the images decoded: their time is part of the time to first token
+        arrival = time.monotonic()
+        grammar = await self._compile_grammar(params)
         if images and self.engine.config.model.vision is not None:  # (without a tower the engine refuses them)
             images = await self._prepare_images(list(images))
         stream = RequestStream(self, request_id, asyncio.get_running_loop())
-        self._submit(_Add(request_id, prompt, params, stream, arrival, images, group_id))
+        self._submit(_Add(request_id, prompt, params, stream, arrival, images, group_id, grammar))
         try:
             first = await stream._queue.get()
         except asyncio.CancelledError:
@@ -197,6 +208,19 @@ class AsyncLLMEngine:
             stream.finished = True  # never added: nothing to abort (and the id may belong to someone else)
             raise first
         return stream
+
+    async def _compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled grammar of a structured request (None for a free one, or when the engine has no compiler:
+        it refuses the request itself), compiled in the grammar pool; RequestError naming a bad spec. A caller
+        cancelled meanwhile leaves the compile running: its grammar lands in the cache for the next request."""
+        compiler = self.engine.grammar_compiler
+        if params.structured_outputs is None or compiler is None:
+            return None
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._grammar_pool, compiler.compile, params.structured_outputs)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
 
     async def _prepare_images(self, sources: list[Any]) -> list[PreparedImage]:
         """Decode and preprocess a request's images in the image pool, one task per image; RequestError naming the
@@ -270,7 +294,7 @@ class AsyncLLMEngine:
             return
         try:
             self.engine.add_request(command.prompt, command.params, command.request_id, images=command.images,
-                                    group_id=command.group_id)
+                                    group_id=command.group_id, grammar=command.grammar)
         except Exception as e:  # RequestError and anything unexpected: that caller's problem only
             if not isinstance(e, RequestError):
                 logger.exception("add_request failed for %s", command.request_id)

@@ -8,10 +8,12 @@ stop strings.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,9 +33,15 @@ from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
 from dsv4.runtime.kv_cache import kv_cache_bytes
 from dsv4.runtime.runner import ModelRunner, PendingOutput
 from dsv4.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError, is_valid_unicode
+from dsv4.spec_decode.config import drafter_spec, parse_speculative_config
+from dsv4.spec_decode.speculator import SpecDecodeStats
 from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
 from dsv4.structured import GrammarCompiler
+from dsv4.structured.compiler import GrammarKey
 from dsv4.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    import xgrammar
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +81,7 @@ class _UserRequest:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    grammar_key: GrammarKey | None = None  # the grammar it holds in the engine's GrammarCompiler, if constrained
 
 
 def default_num_blocks(config: EngineConfig) -> int:
@@ -111,7 +120,8 @@ class LLMEngine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(tokenizer.eos_token_id)
         self._eos = tuple(sorted(eos))
-        # structured outputs: grammars over this tokenizer, compiled at admission (a bad one fails its request)
+        # structured outputs: grammars over this tokenizer, compiled at admission or beforehand by the caller (the
+        # server, off this thread); a bad one fails its request
         self.grammar_compiler = (GrammarCompiler(tokenizer, config.model.vocab_size, self._eos)
                                  if tokenizer is not None else None)
         torch.manual_seed(config.seed)
@@ -198,10 +208,16 @@ class LLMEngine:
                   expert_parallel: bool = False, parallel_init_timeout_s: float = 300.0,
                   follow_rank0: bool = False, quantization: str | None = None,
                   load_format: str = "auto", skip_tokenizer_init: bool = False,
-                  scheduling_policy: str = "fair", engram_placement: str = "auto") -> "LLMEngine":
+                  scheduling_policy: str = "fair", engram_placement: str = "auto",
+                  speculative_config: str | dict[str, Any] | None = None) -> "LLMEngine":
         """Build an engine from a checkpoint directory and the usual knobs (async_scheduling None: on for CUDA;
-        quantization None / "auto": the checkpoint's format, "none": dequantize FP8 / FP4 weights at load)."""
+        quantization None / "auto": the checkpoint's format, "none": dequantize FP8 / FP4 weights at load;
+        speculative_config: vLLM's `{"method": "dspark", "num_speculative_tokens": k}`, a dict or its JSON, which
+        turns async scheduling off unless it was asked for, an error)."""
         mc = load_model_config(model)
+        spec = parse_speculative_config(speculative_config, drafter_spec(_raw_config(model)))
+        if spec is not None and async_scheduling is None:
+            async_scheduling = False
         quant = load_quant_config(model, quantization)
         max_model_len = max_model_len or min(mc.max_position_embeddings, 4096)
         batched = max_num_batched_tokens or max(2048, max_model_len)
@@ -218,14 +234,17 @@ class LLMEngine:
             encoder_cudagraphs=encoder_cudagraphs, compile_decode=compile_decode, decode_backend=decode_backend,
             parallel=ParallelConfig(tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel,
                                     init_timeout_s=parallel_init_timeout_s, follow_rank0=follow_rank0),
-            quant=quant, load_format=load_format, engram_placement=engram_placement,
+            quant=quant, load_format=load_format, speculative=spec, engram_placement=engram_placement,
         )
         # skip_tokenizer_init (vLLM's name): token ids in and out, no tokenizer files needed
         tok = Tokenizer.from_dir(model) if load_tokenizer and not skip_tokenizer_init else None
         return cls(cfg, tok)
 
     # ---- requests ------------------------------------------------------------------------------------
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, prompt_ids: list[int], params: SamplingParams,
+                  grammar: "xgrammar.CompiledGrammar | None" = None) -> "xgrammar.CompiledGrammar | None":
+        """Raise RequestError for a request the engine cannot run; return its compiled grammar (None when it has no
+        structured outputs): `grammar` when the caller compiled it beforehand, else compiled here."""
         vocab = self.config.model.vocab_size
         if not prompt_ids:
             raise RequestError("the prompt is empty")
@@ -251,10 +270,13 @@ class LLMEngine:
         if params.structured_outputs is not None:
             if self.grammar_compiler is None:
                 raise RequestError("structured outputs need a tokenizer")
-            try:
-                self.grammar_compiler.compile(params.structured_outputs)
-            except ValueError as e:
-                raise RequestError(str(e)) from None
+            if grammar is None:  # compiled on this thread: the offline path (the server compiles beforehand)
+                try:
+                    grammar = self.grammar_compiler.compile(params.structured_outputs)
+                except ValueError as e:
+                    raise RequestError(str(e)) from None
+        else:
+            grammar = None
         room = max_len - len(prompt_ids)
         if params.min_tokens > room:
             raise RequestError(f"sampling parameter `min_tokens` asks for {params.min_tokens} tokens but the prompt "
@@ -263,13 +285,17 @@ class LLMEngine:
         if params.min_tokens and len(masked) >= vocab:  # below min_tokens the stop tokens are masked: none is left
             raise RequestError("sampling parameter `stop_token_ids` covers the whole vocabulary, so `min_tokens` "
                                "leaves nothing to sample")
+        return grammar
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    images: list[Any] | None = None, group_id: str | None = None) -> str:
+                    images: list[Any] | None = None, group_id: str | None = None,
+                    grammar: "xgrammar.CompiledGrammar | None" = None) -> str:
         """Queue a request (a text prompt or token ids, and optionally images: PIL images, paths, bytes or data
         URLs, one per image placeholder of the prompt). Raises RequestError for a bad request; nothing is queued.
         `group_id`: the user request it belongs to, for the "fair" scheduling policy (default: its own id; a server
-        gives every prompt of one multi-prompt completion the same group, so the batch shares one fair share)."""
+        gives every prompt of one multi-prompt completion the same group, so the batch shares one fair share).
+        `grammar`: the grammar of `params.structured_outputs`, compiled beforehand with `grammar_compiler` off the
+        engine thread (AsyncLLMEngine does); without it a constrained request's grammar is compiled here."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -293,7 +319,7 @@ class LLMEngine:
                 prompt_ids, image_inputs = expand_image_spans(prompt_ids, processed, self.config.model.v41.image_token_id)
             except ValueError as e:
                 raise RequestError(str(e)) from None
-        self._validate(prompt_ids, params)
+        grammar = self._validate(prompt_ids, params, grammar)
         eos = self._eos
         children = []
         for i in range(params.n):
@@ -318,7 +344,12 @@ class LLMEngine:
             raise RequestError(str(e)) from None
         for c in children:
             self._child_to_user[c.request.req_id] = request_id
-        self.requests[request_id] = _UserRequest(request_id, text, list(prompt_ids), children, params.output_kind)
+        user = _UserRequest(request_id, text, list(prompt_ids), children, params.output_kind)
+        if grammar is not None:
+            # held until the request ends: the runner looks it up again at admission and after every preemption
+            assert self.grammar_compiler is not None and params.structured_outputs is not None
+            user.grammar_key = self.grammar_compiler.hold(params.structured_outputs, grammar)
+        self.requests[request_id] = user
         return request_id
 
     def abort_request(self, request_ids: list[str]) -> None:
@@ -327,13 +358,25 @@ class LLMEngine:
             user = self.requests.pop(rid, None)
             if user is None:
                 continue
+            self._release_grammar(user)
             ids = [c.request.req_id for c in user.children]
             self.scheduler.abort_requests(ids)
             for cid in ids:
                 self._child_to_user.pop(cid, None)
 
+    def _release_grammar(self, user: _UserRequest) -> None:
+        if user.grammar_key is not None and self.grammar_compiler is not None:
+            self.grammar_compiler.release(user.grammar_key)
+            user.grammar_key = None
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or self._in_flight is not None
+
+    @property
+    def spec_decode_stats(self) -> SpecDecodeStats | None:
+        """Speculative decoding's acceptance counters since start; None when speculation is off."""
+        spec = self.runner.speculator
+        return spec.stats if spec is not None else None
 
     # ---- stepping ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -388,6 +431,7 @@ class LLMEngine:
                 outputs.append(self._make_output(user, finished))
             if finished:
                 del self.requests[user_id]
+                self._release_grammar(user)
                 for c in user.children:
                     self._child_to_user.pop(c.request.req_id, None)
         return outputs
@@ -396,22 +440,33 @@ class LLMEngine:
         req = child.request
         # what the scheduler appended (it drops tokens past a stop token)
         tokens = req.output_token_ids[child.num_seen:]
+        stop_str = None
+        if child.detok is not None:
+            sp = req.sampling_params
+            # several tokens at once (speculative decoding) with stop strings: one at a time, and the tokens after
+            # the one that completes a stop string are dropped (decoding token by token never produces them)
+            parts = [tokens] if len(tokens) <= 1 or not sp.stop else [[t] for t in tokens]
+            used = 0
+            for part in parts:
+                piece = child.detok.step(part)
+                used += len(part)
+                if req.is_finished and used == len(tokens):
+                    piece += child.detok.flush()
+                child.text += piece
+                hit = check_stop_strings(child.text, len(piece), sp.stop, sp.include_stop_str_in_output)
+                if hit is not None:
+                    child.text, stop_str = hit
+                    break
+            if used < len(tokens):
+                del req.output_token_ids[child.num_seen + used:]
+                tokens = tokens[:used]
         child.num_seen = req.num_output_tokens
         if lps is not None and child.logprobs is not None:
             for lp in lps[: len(tokens)]:
                 child.logprobs.append(self._logprob_dict(lp))
                 child.cumulative_logprob += lp.logprob
-        stop_str = None
-        if child.detok is not None:
-            piece = child.detok.step(tokens)
-            if req.is_finished:
-                piece += child.detok.flush()
-            child.text += piece
-            sp = req.sampling_params
-            hit = check_stop_strings(child.text, len(piece), sp.stop, sp.include_stop_str_in_output)
-            if hit is not None:
-                child.text, stop_str = hit
-                self.scheduler.finish_requests([req.req_id], "stop", stop_str)
+        if stop_str is not None:
+            self.scheduler.finish_requests([req.req_id], "stop", stop_str)
         if req.is_finished:
             child.finish_reason = "stop" if stop_str is not None else req.finish_reason
             child.stop_reason = stop_str if stop_str is not None else req.stop_reason
@@ -457,6 +512,11 @@ class LLMEngine:
         c.tokens_out, c.text_out = len(tokens), text_end
         c.logprobs_out = len(c.logprobs) if c.logprobs is not None else 0
         return out
+
+
+def _raw_config(model_dir: str) -> dict[str, Any]:
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        return json.load(f)
 
 
 def _params_fields(p: SamplingParams) -> dict:

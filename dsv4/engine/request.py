@@ -66,6 +66,8 @@ class Request:
     replay_start: int = 0
     replay_end: int = 0
     prefix_keys: list[int] = field(default_factory=list)
+    # Speculative decoding: the drafts the runner holds for this request's next step (0: none; reset on preemption)
+    num_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.group_id:

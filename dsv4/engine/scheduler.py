@@ -158,7 +158,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(self._num_planned(req) - req.num_computed_tokens, budget)
+            todo = self._num_planned(req) - req.num_computed_tokens
+            n = min(todo, budget)
+            if req.num_draft_tokens and n == todo:  # speculative decoding: verify drafts after the known tokens
+                n += self._num_drafts_to_verify(req, budget - n)
             # nothing to compute (the runner sampled nothing last step; never schedule 0 tokens), or in-flight
             # tokens will end the request by length: computing past them would be wasted (or past max_len)
             if n <= 0 or self._ends_by_length_in_flight(req):
@@ -245,8 +248,15 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
         """Append sampled tokens, apply token-level stops and length limits; returns the requests that changed."""
         changed = []
-        for req_id, tokens in zip(runner_output.req_ids, runner_output.sampled_token_ids):
+        spec = runner_output.num_uncomputed_tokens is not None
+        for i, (req_id, tokens) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             req = self.requests.get(req_id)
+            if req is not None and spec:
+                # rejected drafts (and a rolled-back compressor window) are computed again later; the drafts the
+                # runner proposed are verified next step
+                assert runner_output.num_draft_tokens is not None
+                req.num_computed_tokens -= runner_output.num_uncomputed_tokens[i]
+                req.num_draft_tokens = runner_output.num_draft_tokens[i]
             if not tokens or req is None:  # a partial prefill, or aborted after it was scheduled
                 continue
             assert req_id in scheduler_output.num_scheduled_tokens, f"{req_id} sampled but was not scheduled"
@@ -254,8 +264,9 @@ class Scheduler:
                 # later steps may already be scheduled past these tokens (or the request preempted since)
                 req.num_output_placeholders -= len(tokens)
                 assert req.num_output_placeholders >= 0, f"{req_id}: more tokens than placeholders"
-            else:
-                assert req.num_computed_tokens == req.num_tokens, f"{req_id} sampled before its prefill completed"
+            else:  # a speculative step also computed the drafts it accepted (all but the newest token)
+                assert req.num_computed_tokens <= req.num_tokens + len(tokens) - 1 and (
+                    spec or req.num_computed_tokens == req.num_tokens), f"{req_id} sampled before its prefill completed"
             for token in tokens:
                 req.output_token_ids.append(token)
                 stop = self._check_stop(req)
@@ -344,6 +355,15 @@ class Scheduler:
         if self.config.async_scheduling and req.num_computed_tokens == self._num_planned(req):
             req.num_output_placeholders += 1
 
+    def _num_drafts_to_verify(self, req: Request, room: int) -> int:
+        # the drafts the runner holds, as many as the token budget takes and as leave room for the token sampled
+        # after them within max_tokens and the length limit (a draft past either could never be emitted)
+        d = min(req.num_draft_tokens, room, self.max_len - req.num_tokens - 1)
+        max_tokens = req.sampling_params.max_tokens
+        if max_tokens is not None:
+            d = min(d, max_tokens - req.num_output_tokens - 1)
+        return max(d, 0)
+
     def _ends_by_length_in_flight(self, req: Request) -> bool:
         # the tokens still in flight end the request with "length" whatever their values
         p = req.num_output_placeholders
@@ -381,6 +401,7 @@ class Scheduler:
         self.kv_manager.free(req.req_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = req.replay_start = req.replay_end = 0
+        req.num_draft_tokens = 0  # the runner drops its row, drafts included
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(req, first=True)

@@ -549,9 +549,13 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, md: AttnMetadata, caches: list[LayerKVCache],
                 lookback_token_ids: torch.Tensor | None = None,
-                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                taps: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
         """`image_embeds` = (token indices, span embeddings): they replace the token embeddings there; the raw ids
-        (all the image token) still reach the router (bias_vl) and Engram (DEAD, gate 0)."""
+        (all the image token) still reach the router (bias_vl) and Engram (DEAD, gate 0).
+        `taps` (a speculative drafter's inputs, docs/dspark.md 2.1): {layer id: None} is filled in place with the
+        residual streams entering each named layer (after its Engram edit, before its mixes), averaged over the hc
+        copies, [T, D] per token; None (no drafter) costs nothing."""
         cfg = self.cfg
         is_image = input_ids == cfg.v41.image_token_id
         x = self.model.embed(input_ids)
@@ -565,6 +569,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         for i, layer in enumerate(self.model.layers):
             if hasattr(layer, "engram"):
                 h = self._engram(i, layer.engram, h, input_ids, is_image, qsl, md.num_reqs, lookback_token_ids)
+            if taps is not None and i in taps:
+                taps[i] = h.mean(dim=1)
             h, pre = layer(h, pre, is_image, md, caches, step)
         return self.model.norm(collapse(h, pre))
 

@@ -297,6 +297,28 @@ def route_v41(key: str) -> _Route | None:
     return _Route(prefix + rest)
 
 
+_MTP_RE = re.compile(r"^mtp\.(\d+)\.(.+)$")
+
+
+def route_dspark(key: str) -> _Route | None:
+    """Internal name of a DSpark drafter key (`mtp.{s}.*`, docs/dspark.md 1.2) in `DSparkDrafter`: the released
+    name, per-expert pieces packed as the target's, newer HF-V41 spellings renamed; None for every other key (the
+    target's, loaded by `route_v41`)."""
+    m = _MTP_RE.match(_v41_bare(key))
+    if m is None:
+        return None
+    prefix, rest = f"mtp.{m.group(1)}.", m.group(2)
+    e = _EXPERT_RE.match(rest)
+    if e is not None:
+        packed, half = _EXPERT_PART[e.group(2)]
+        return _Route(prefix + "ffn.experts." + packed, expert=int(e.group(1)), half=half)
+    for old, new in _V41_RENAMES:
+        if rest.startswith(old):
+            rest = new + rest[len(old):]
+            break
+    return _Route(prefix + rest)
+
+
 def route_v41_text(key: str) -> _Route | None:
     """`route_v41` for a text-only model built from a checkpoint that has a vision tower: vision keys ignored."""
     return None if is_vision_key(key) else route_v41(key)
@@ -539,9 +561,9 @@ def _make_plan(model_dir: str, expected: Expected, route_fn: Callable[[str], _Ro
             else:
                 t.pieces[(route.expert, route.half)] = one
     if n_ignored:
-        logger.info("not loading %d tensors of %s into the module (mtp.* drafter weights until speculative "
-                    "decoding lands; engram tables, which stay memory-mapped; other ranks' experts)", n_ignored,
-                    model_dir)
+        logger.info("not loading %d tensors of %s into the module (the mtp.* drafter's, loaded only with "
+                    "speculative decoding and into the drafter; engram tables, which stay memory-mapped; other "
+                    "ranks' experts; or the target's, when loading the drafter)", n_ignored, model_dir)
 
     for name, t in targets.items():
         if t.single is not None and (t.pieces or len(sources_of[name]) > 1):

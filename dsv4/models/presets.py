@@ -20,6 +20,7 @@ import torch
 from dsv4.models.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
 from dsv4.models.config_v41 import IMAGE_TOKEN_ID, RELEASED_INDEX_SOURCES, RELEASED_KV_SOURCES, RELEASED_RATIOS
 from dsv4.models.vision import VisionConfig, vision_param_dtype
+from dsv4.spec_decode.config import DSparkConfig
 
 # Tensors kept in float32 whatever the checkpoint dtype, as DeepSeek ships them and HF keeps them: the mHC
 # parameters, attention sinks, compressor position biases and the router bias are precision-critical.
@@ -314,9 +315,29 @@ _V41_FLASH_TEXT: dict[str, Any] = {
     "engram_vocab_size": 16000000,
 }
 
+# tiny-v41's DSpark drafter (docs/dspark.md): the released structure (3 window-only stages, a block of K tokens, a
+# rank-r Markov head, target layers = HF's default, the last 3 layers that are not KV sources: [2, 4, 5]) at tiny
+# sizes: K 4, r 16, 8 experts top-2 per stage. Only tiny-v41 carries it; the big presets add the released drafter
+# with make_model(..., drafter=True) (`DRAFTER_FIELDS`).
+_TINY_DSPARK: dict[str, Any] = {
+    "num_nextn_predict_layers": 3,
+    "dspark_block_size": 4,
+    "dspark_markov_rank": 16,
+    "dspark_n_routed_experts": 8,
+    "dspark_num_experts_per_tok": 2,
+}
+# The released V4.1-Flash drafter's fields (docs/dspark.md 1.1), for a big preset written with its drafter.
+DRAFTER_FIELDS: dict[str, Any] = {
+    "num_nextn_predict_layers": 3,
+    "dspark_block_size": 5,
+    "dspark_markov_rank": 256,
+    "dspark_n_routed_experts": 128,
+    "dspark_num_experts_per_tok": 3,
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny-v4": _TINY_V4,
-    "tiny-v41": _composite_v41(_TINY_V41_TEXT),
+    "tiny-v41": _composite_v41({**_TINY_V41_TEXT, **_TINY_DSPARK}),
     "tiny-v41-noengram": _composite_v41({**_TINY_V41_TEXT, "engram_layer_ids": []}),
     # tiny-v41 plus a vision tower. The image token must embed, so the vocabulary grows by one id: the tokenizer's
     # added placeholder `<｜deepseek_image｜>` (make_model writes it), which the config names as image_token_id.
@@ -594,6 +615,54 @@ def vision_tensor_shapes(vcfg: VisionConfig, hidden_size: int, dtype: str = "flo
     for name in ("image_start", "image_end", "image_newline"):
         shapes[name] = (H,)
     return {name: (shape, vision_param_dtype(name, wdtype)) for name, shape in shapes.items()}
+
+
+def dspark_tensor_shapes(cfg: ModelConfig, ds: DSparkConfig, dtype: str = "float32"
+                         ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor of a V4.1 DSpark drafter as released (docs/dspark.md 1.2: `mtp.{s}.*`, per-expert w1/w2/w3,
+    which dsv4 packs at load as the target's) -> (shape, on-disk dtype)."""
+    wdtype = torch_dtype(dtype)
+    D, N, H, hd, ql = cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
+    G, ol, I, E = cfg.o_groups, cfg.o_lora_rank, cfg.moe_intermediate_size, ds.n_routed_experts
+    V, r, S = cfg.vocab_size, ds.markov_rank, ds.num_stages
+    mix = (2 + N) * N
+    shapes: dict[str, tuple[int, ...]] = {}
+    for s in range(S):
+        p = f"mtp.{s}."
+        for site in ("attn", "ffn"):
+            shapes[p + f"hc_{site}_fn"] = (mix, N * D)
+            shapes[p + f"hc_{site}_base"] = (mix,)
+            shapes[p + f"hc_{site}_scale"] = (3,)
+        shapes[p + "attn_norm.weight"] = (D,)
+        shapes[p + "ffn_norm.weight"] = (D,)
+        a = p + "attn."
+        shapes[a + "attn_sink"] = (H,)
+        shapes[a + "wq_a.weight"] = (ql, D)
+        shapes[a + "q_norm.weight"] = (ql,)
+        shapes[a + "wq_b.weight"] = (H * hd, ql)
+        shapes[a + "wkv.weight"] = (hd, D)
+        shapes[a + "kv_norm.weight"] = (hd,)
+        shapes[a + "wo_a.weight"] = (G * ol, H * hd // G)
+        shapes[a + "wo_b.weight"] = (D, G * ol)
+        f = p + "ffn."
+        shapes[f + "gate.weight"] = (E, D)
+        shapes[f + "gate.bias"] = (E,)
+        shapes[f + "gate.bias_vl"] = (E,)
+        for e in range(E):
+            shapes[f + f"experts.{e}.w1.weight"] = (I, D)
+            shapes[f + f"experts.{e}.w2.weight"] = (D, I)
+            shapes[f + f"experts.{e}.w3.weight"] = (I, D)
+        shapes[f + "shared_experts.w1.weight"] = (I, D)
+        shapes[f + "shared_experts.w2.weight"] = (D, I)
+        shapes[f + "shared_experts.w3.weight"] = (I, D)
+    shapes["mtp.0.main_proj.weight"] = (D, len(ds.target_layer_ids) * D)
+    shapes["mtp.0.main_norm.weight"] = (D,)
+    last = f"mtp.{S - 1}."
+    shapes[last + "norm.weight"] = (D,)
+    shapes[last + "markov_head.embed.weight"] = (V, r)
+    shapes[last + "markov_head.head.weight"] = (V, r)
+    shapes[last + "confidence_head.proj.weight"] = (1, D + r)
+    return {name: (shape, disk_dtype(name, wdtype)) for name, shape in shapes.items()}
 
 
 def tensor_shapes(cfg: ModelConfig, dtype: str = "float32") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

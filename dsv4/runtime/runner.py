@@ -31,6 +31,7 @@ from dsv4.runtime.model_state import (DeepseekV41ModelState, DeepseekV41Speciali
                                       DefaultModelState)
 from dsv4.runtime.request_state import RequestState
 from dsv4.runtime.sampler import SampledLogprobs, Sampler, SamplingTensors, greedy_sample, needs_output_values
+from dsv4.spec_decode.speculator import SpecOutput, Speculator, make_speculator
 from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
 from dsv4.structured import GrammarCompiler, GrammarMatchers
 
@@ -109,7 +110,9 @@ class ModelRunner:
         self.grammars = GrammarMatchers(sc.max_num_seqs, self.vocab_size, self.device)
         sizes = round_capture_sizes(list(config.cudagraph_capture_sizes or default_capture_sizes(sc.max_num_seqs)),
                                     1, sc.max_num_seqs)
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager and self._graph_safe()
+        # speculative steps run eagerly (Speculator.launch): no decode graphs to capture yet
+        use_graphs = (self.device.type == "cuda" and not config.enforce_eager and config.speculative is None
+                      and self._graph_safe())
         self.graphs = CudaGraphManager(sizes, enabled=use_graphs)
         state_args = (groups, sc.max_num_seqs, sc.max_model_len, config.model.sliding_window, self.device)
         if config.decode_backend == "latency_specialized":
@@ -128,6 +131,9 @@ class ModelRunner:
         self.last_launch_s = 0.0
         self.last_decode_md_s = 0.0
         self.num_warm_ups = 0  # warm_up_kernels calls (tests check start-up warms)
+        # speculative decoding (dsv4.spec_decode): every step is the speculator's (verify, commit, propose)
+        self.speculator: Speculator | None = (make_speculator(self, config.speculative)
+                                              if config.speculative is not None else None)
 
     def _graph_safe(self) -> bool:
         """Graphs need every input readable by the device without the host: engram tables on the device or in
@@ -230,7 +236,7 @@ class ModelRunner:
             self._unresolved.remove(pending)
 
     @torch.inference_mode()
-    def execute_async(self, so: SchedulerOutput) -> PendingOutput:
+    def execute_async(self, so: SchedulerOutput) -> PendingOutput | SpecOutput:
         """Launch one step; rows whose chunk ends at their last planned token get a sampled token. The host knows
         how many tokens every row has at once (the next step's inputs come from the device history); their values
         come with the returned PendingOutput."""
@@ -239,7 +245,9 @@ class ModelRunner:
         self.last_launch_s = time.perf_counter() - t_start
         return pending
 
-    def _launch(self, so: SchedulerOutput) -> PendingOutput:
+    def _launch(self, so: SchedulerOutput) -> PendingOutput | SpecOutput:
+        if self.speculator is not None:
+            return self.speculator.launch(so)
         self._apply_deltas(so)
         rs = self.req_state
         # decodes first (builders split decodes from prefills), then by query length; stable

@@ -3,10 +3,12 @@
 Endpoints: GET /health, GET /metrics (Prometheus text), GET /v1/models, POST /v1/chat/completions and POST
 /v1/completions, streaming (SSE) or not, and vLLM's POST /tokenize and POST /detokenize. A chat request becomes a
 prompt through `dsv4.chat.prompt.ChatRenderer` (the checkpoint's template, or DeepSeek's encoder); its reply goes
-through DeepSeek's reasoning and tool-call parsers (dsv4.serve.parsers) when they are on (`ReplyParsers`). Every
-request runs on the one AsyncLLMEngine, so requests from all connections are batched together. Errors are
-OpenAI-shaped `{"error": {...}}` bodies with the proper status and touch only their own request. A client that goes
-away (mid-stream, or while waiting for a non-streamed answer) has its requests aborted, which frees their KV blocks.
+through DeepSeek's reasoning and tool-call parsers (dsv4.serve.parsers) when they are on (`ReplyParsers`); a
+tool_choice that forces calls ("required", a named function) is enforced with a grammar (dsv4.structured.tool_calls)
+and, like response_format, renders the prompt with thinking off. Every request runs on the one AsyncLLMEngine, so
+requests from all connections are batched together. Errors are OpenAI-shaped `{"error": {...}}` bodies with the
+proper status and touch only their own request. A client that goes away (mid-stream, or while waiting for a
+non-streamed answer) has its requests aborted, which frees their KV blocks.
 A connection that does not deliver a whole request in time (nothing, part of the headers, part of the body) is
 dropped: see `_read_deadline_protocol`.
 """
@@ -37,11 +39,12 @@ from dsv4.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStr
 from dsv4.engine.engine import LLMEngine, RequestError
 from dsv4.models.config import hub_hint
 from dsv4.outputs import RequestOutput
-from dsv4.sampling_params import SamplingParams
+from dsv4.sampling_params import SamplingParams, StructuredOutputsParams
 from dsv4.serve.parsers import ParserOptions
 from dsv4.serve.protocol import (APIError, ChatCompletionRequest, ChatFormat, ChatInput, ChoiceProgress,
                                  CompletionFormat, CompletionRequest, DetokenizeRequest, ResponseFormat,
                                  TokenizeRequest, bad_request, check_image_sources, model_card, usage_of)
+from dsv4.structured.tool_calls import tool_call_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -330,18 +333,39 @@ class _Server:
         return ParserOptions(self.parsers.reasoning, prompt.thinking, parse_tool_calls=tools.parse,
                              tool_names=tools.names)
 
+    def _constraint(self, req: ChatCompletionRequest) -> tuple[StructuredOutputsParams | None, str]:
+        """The reply's structured-output constraint and the request field it comes from: response_format /
+        structured_outputs, or the grammar that enforces a tool_choice "required" or naming a function, in the DSML
+        of the tool-call parser that reads the reply (dsv4.structured.tool_calls); 400 when both are asked for."""
+        structured = req.structured()
+        field = "response_format" if req.response_format else "structured_outputs"
+        if not req.tool_use().forced:
+            return structured, field
+        if structured is not None:
+            raise bad_request(f"tool_choice {_choice_text(req.tool_choice)} constrains the reply to tool calls; it "
+                              f"cannot also follow {field}", "tool_choice")
+        if self.parsers.tools is None:
+            raise bad_request(f"tool_choice {_choice_text(req.tool_choice)} needs a tool-call parser: this server "
+                              "runs without one (--tool-call-parser)", "tool_choice")
+        try:
+            return tool_call_constraint(req.tools, req.tool_choice, self.parsers.tools,
+                                        parallel_tool_calls=req.parallel_tool_calls is not False), "tool_choice"
+        except ValueError as e:
+            raise bad_request(str(e), "tools") from None
+
     # ---- POST /v1/chat/completions ---------------------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
         req.check_supported()
         self._check_capacity(1, req.n)
+        constraint, field = self._constraint(req)
         prompt, ids = await self._render(req)
-        if prompt.thinking and req.structured() is not None:
-            prompt, ids = await self._render(_without_thinking(req))
+        if prompt.thinking and constraint is not None:
+            prompt, ids = await self._render(_without_thinking(req, field))
         check_image_sources(prompt.images)
         parser = self._parser_options(req, prompt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, constraint)
         self._check_length(len(ids), max_tokens, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = await self._start([(ids, prompt.text)], params, rid, list(prompt.images) or None)
@@ -409,16 +433,22 @@ class _Server:
                                          usage_of(finals)))
 
 
-def _without_thinking(req: ChatCompletionRequest) -> ChatCompletionRequest:
-    """The request rendered in chat mode, for a structured output: its constraint applies from the first token, so
-    with thinking on the structure would be the reasoning (the peers' "JSON lands in the reasoning field"). 400 when
-    the request itself asked for thinking: a constraint that starts after the reasoning is not implemented."""
+def _choice_text(tool_choice: Any) -> str:
+    return repr(tool_choice) if isinstance(tool_choice, str) else "naming a function"
+
+
+def _without_thinking(req: ChatCompletionRequest, field: str) -> ChatCompletionRequest:
+    """The request rendered in chat mode, for a structured output (`field`: what constrains it, response_format,
+    structured_outputs or a tool_choice that forces calls): its constraint applies from the first token, so with
+    thinking on the structure would be the reasoning (the peers' "JSON lands in the reasoning field"). 400 when the
+    request itself asked for thinking: a constraint that starts after the reasoning is not implemented."""
     kwargs = req.chat_template_kwargs or {}
     if (kwargs.get("thinking") is True or kwargs.get("enable_thinking") is True
             or req.reasoning_effort not in (None, "none")):
-        raise bad_request("structured outputs (response_format / structured_outputs) constrain the reply from its "
-                          "first token, so they need thinking off; this request asks for thinking",
-                          "response_format" if req.response_format else "structured_outputs")
+        what = ("structured outputs (response_format / structured_outputs) constrain the reply from its first "
+                "token, so they need" if field != "tool_choice" else
+                f"tool_choice {_choice_text(req.tool_choice)} constrains the reply from its first token, so it needs")
+        raise bad_request(f"{what} thinking off; this request asks for thinking", field)
     return req.model_copy(update={"chat_template_kwargs": {**kwargs, "thinking": False}})
 
 

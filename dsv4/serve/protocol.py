@@ -129,8 +129,10 @@ class _Request(_Body):
         """Whether a streamed response ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.get("include_usage"))
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's SamplingParams (with `structured()`); 400 naming the field when a value is out of range."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+        """The engine's SamplingParams, constrained by `structured` when given (the server's tool_choice grammar),
+        else by `structured()`; 400 naming the field when a value is out of range."""
         bias = None
         if self.logit_bias:
             try:
@@ -146,7 +148,7 @@ class _Request(_Body):
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=bias,
-                structured_outputs=self.structured(),
+                structured_outputs=structured if structured is not None else self.structured(),
             )
         except SamplingParamsError as e:
             name = re.search(r"`(\w+)`", str(e))
@@ -170,11 +172,13 @@ def _structured_params(spec: dict[str, Any], field: str) -> StructuredOutputsPar
 
 @dataclass(frozen=True)
 class ToolUse:
-    """What a chat request's `tools` and `tool_choice` ask of the reply: whether it is parsed for tool calls, and
-    the names a call may have (the named tool of a named tool_choice, else every tool of the request)."""
+    """What a chat request's `tools` and `tool_choice` ask of the reply: whether it is parsed for tool calls, the
+    names a call may have (the named tool of a named tool_choice, else every tool of the request), and whether the
+    reply must call them ("required" or a named function: the server enforces it with a grammar)."""
 
     parse: bool
     names: frozenset[str]
+    forced: bool = False
 
 
 def _messages_checked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -227,6 +231,8 @@ class ChatCompletionRequest(_Request, ChatInput):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tool_choice: str | dict[str, Any] | None = None
+    # OpenAI's: false makes tool_choice "required" allow one call only (with "auto" the model decides, unchecked)
+    parallel_tool_calls: bool | None = None
     include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the response
     response_format: dict[str, Any] | None = None
 
@@ -257,8 +263,8 @@ class ChatCompletionRequest(_Request, ChatInput):
 
     def tool_use(self) -> ToolUse:
         """`tool_choice` checked against `tools`: "auto" (the default with tools), "none" (tools stay in the prompt,
-        as vLLM renders them, but the reply is not parsed), "required", or {"type": "function", "function":
-        {"name": ...}}, which must name one of the tools."""
+        as vLLM renders them, but the reply is not parsed), "required" (at least one call), or {"type": "function",
+        "function": {"name": ...}} (a call to that tool, which must be one of them)."""
         names = frozenset(t["function"]["name"] for t in self.tools or ()
                           if isinstance(t, dict) and isinstance(t.get("function"), dict)
                           and isinstance(t["function"].get("name"), str))
@@ -268,7 +274,7 @@ class ChatCompletionRequest(_Request, ChatInput):
         if not self.tools:
             raise bad_request(f"tool_choice {choice!r} needs `tools`", "tool_choice")
         if choice in ("auto", "required"):
-            return ToolUse(True, names)
+            return ToolUse(True, names, forced=choice == "required")
         function = choice.get("function") if isinstance(choice, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(choice, dict) or choice.get("type", "function") != "function" or not isinstance(name, str):
@@ -276,7 +282,7 @@ class ChatCompletionRequest(_Request, ChatInput):
                               '{"name": ...}}', "tool_choice")
         if name not in names:
             raise bad_request(f"tool_choice names the tool {name!r}, which is not in `tools`", "tool_choice")
-        return ToolUse(True, frozenset([name]))
+        return ToolUse(True, frozenset([name]), forced=True)
 
 
 class TokenizeRequest(_Body):

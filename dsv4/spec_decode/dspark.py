@@ -208,3 +208,28 @@ class DSparkDrafter(nn.Module):
             logits.append(row)
         return DSparkProposal(tokens=torch.stack(tokens, dim=1), logits=torch.stack(logits, dim=1),
                               confidence=torch.sigmoid(torch.cat(conf, dim=-1)), hidden=hidden)
+
+
+def load_dspark_drafter(model_dir: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                        max_model_len: int) -> DSparkDrafter:
+    """The checkpoint's DSpark drafter: built on the meta device, materialised in the target's dtype rule (mHC,
+    sinks, router in fp32) on `device`, filled from the `mtp.*` tensors (every drafter tensor must be there)."""
+    import json
+    import os
+
+    from dsv4.models.build import _materialize, v41_param_dtype
+    from dsv4.models.config import ConfigError
+    from dsv4.models.layers.rope import prepare_rope_tables
+    from dsv4.models.loader import load_into_module, route_dspark
+    from dsv4.spec_decode.config import parse_dspark
+
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        ds = parse_dspark(json.load(f))
+    if ds is None:
+        raise ConfigError(f"checkpoint {model_dir} has no DSpark drafter (num_nextn_predict_layers is 0)")
+    with torch.device("meta"):
+        drafter = DSparkDrafter(cfg, ds)
+    drafter = _materialize(drafter, device, lambda n: v41_param_dtype(n, dtype))
+    load_into_module(drafter, model_dir, route_dspark)
+    prepare_rope_tables(drafter, max_model_len + ds.block_size)  # block rows run past the anchor
+    return drafter.eval()

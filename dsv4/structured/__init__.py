@@ -3,9 +3,13 @@ EBNF grammar (`SamplingParams(structured_outputs=StructuredOutputsParams(...))`,
 (the optional extra `pip install 'dsv4[structured]'`).
 
 Where each piece runs:
-- admission (LLMEngine.add_request): `GrammarCompiler` compiles the spec against the tokenizer, or raises a
-  ValueError that fails that request alone (bad schema, bad regex, xgrammar missing); compiled grammars are
-  cached, LRU by spec, so the runner's compile of the same spec is a cache hit;
+- before admission: `GrammarCompiler` compiles the spec against the tokenizer, or raises a ValueError that fails
+  that request alone (bad schema, bad regex, xgrammar missing). The server's AsyncLLMEngine compiles on a small
+  thread pool and hands LLMEngine.add_request the compiled grammar, so a slow schema never stalls the engine
+  thread (and every running request's decode); the offline LLM compiles inside add_request. Compiled grammars are
+  cached, LRU by spec, and held while a request that uses one runs, so the runner's lookup of the same spec (at
+  admission, and after a preemption) is always a hit;
+- tool_calls: the grammar of a tool_choice that forces calls (the server's "required" / named function);
 - runner: `GrammarMatchers` holds a matcher per constrained row, masks the logits of those rows before sampling
   and advances on each sampled token as it lands on the host;
 - scheduler: a constrained request stops at EOS, which its grammar allows only once the structure is complete.

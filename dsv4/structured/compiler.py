@@ -8,15 +8,24 @@ token inside a JSON string would make the text differ from what the grammar acce
 
 The mapping follows vLLM's xgrammar backend: a JSON schema and json_object compile with `compile_json_schema`
 (json_object as `{"type": "object"}`), any whitespace unless `disable_any_whitespace`; a regex with
-`compile_regex`; an EBNF grammar with `compile_grammar`; a choice as the grammar `root ::= "a" | "b" ...`.
+`compile_regex`; an EBNF grammar with `compile_grammar`; a choice as the grammar `root ::= "a" | "b" ...`; a
+structural tag with `compile_structural_tag`.
+
+Threads: the server compiles on a worker pool (AsyncLLMEngine) while the engine thread looks grammars up, so the
+cache is guarded by a lock, never held while compiling; two threads asking for one spec at once share one compile.
+A grammar the engine has admitted a request with is held (`hold` / `release`) until that request ends, whatever
+the LRU evicts meanwhile: the runner looks it up again at admission and after each preemption, on the engine
+thread, where a recompile would stall every running request.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from dsv4.sampling_params import StructuredOutputsParams
@@ -46,7 +55,10 @@ def choice_as_ebnf(choice: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choice)
 
 
-def grammar_key(params: StructuredOutputsParams) -> tuple[str, str, bool]:
+GrammarKey = tuple[str, str, bool]  # (kind, the spec as text, any whitespace)
+
+
+def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
     """What a compiled grammar depends on, hashable: (kind, the spec as text, any whitespace). A schema dict is
     keyed by its JSON text in its own key order, which is the order the grammar generates its properties in."""
     kind = params.kind
@@ -66,7 +78,7 @@ def grammar_key(params: StructuredOutputsParams) -> tuple[str, str, bool]:
 
 class GrammarCompiler:
     """Compiles and caches grammars for one tokenizer and logits width. Builds nothing until the first request
-    asks, so an engine without structured requests never imports xgrammar."""
+    asks, so an engine without structured requests never imports xgrammar. Safe to call from several threads."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int],
                  cache_size: int = 256) -> None:
@@ -74,23 +86,83 @@ class GrammarCompiler:
         self.stop_token_ids = sorted(stop_token_ids)
         self.cache_size = cache_size
         self._compiler: xgrammar.GrammarCompiler | None = None
-        self._cache: OrderedDict[tuple[str, str, bool], xgrammar.CompiledGrammar] = OrderedDict()
+        self._compiler_lock = threading.Lock()  # the first compile builds the xgrammar compiler, once
+        self._lock = threading.Lock()  # guards the three maps below; never held while compiling
+        self._cache: OrderedDict[GrammarKey, xgrammar.CompiledGrammar] = OrderedDict()
+        self._held: dict[GrammarKey, tuple[xgrammar.CompiledGrammar, int]] = {}  # grammar, number of holders
+        self._compiling: dict[GrammarKey, Future[xgrammar.CompiledGrammar]] = {}
 
     def compile(self, params: StructuredOutputsParams) -> "xgrammar.CompiledGrammar":
-        """The compiled grammar of `params` (from the cache when an equal spec was compiled recently); ValueError
-        naming the problem if the schema, regex or grammar is invalid or xgrammar is not installed."""
+        """The compiled grammar of `params` (from the cache when an equal spec was compiled recently or is held);
+        ValueError naming the problem if the schema, regex or grammar is invalid or xgrammar is not installed."""
         key = grammar_key(params)
+        with self._lock:
+            hit = self._lookup(key)
+            if hit is not None:
+                return hit
+            pending = self._compiling.get(key)
+            if pending is None:
+                pending = self._compiling[key] = Future()
+                owner = True
+            else:
+                owner = False
+        if not owner:
+            return pending.result()  # the other thread's grammar, or its ValueError
+        try:
+            compiled = self._compile(*key)
+        except BaseException as e:
+            with self._lock:
+                del self._compiling[key]
+            pending.set_exception(e)
+            raise
+        with self._lock:
+            del self._compiling[key]
+            self._store(key, compiled)
+        pending.set_result(compiled)
+        return compiled
+
+    def hold(self, params: StructuredOutputsParams, grammar: "xgrammar.CompiledGrammar") -> GrammarKey:
+        """Keep `grammar` (compiled for `params`) until `release` of the returned key: `compile(params)` finds it
+        however much was compiled meanwhile. Holds are counted: each needs its release."""
+        key = grammar_key(params)
+        with self._lock:
+            _, holders = self._held.get(key, (grammar, 0))
+            self._held[key] = (grammar, holders + 1)
+            self._store(key, grammar)
+        return key
+
+    def release(self, key: GrammarKey) -> None:
+        """Drop one hold of `key` (the grammar stays in the LRU cache while it has room)."""
+        with self._lock:
+            grammar, holders = self._held[key]
+            if holders > 1:
+                self._held[key] = (grammar, holders - 1)
+            else:
+                del self._held[key]
+
+    @property
+    def num_held(self) -> int:
+        """How many specs are held (tests check that requests release theirs)."""
+        with self._lock:
+            return len(self._held)
+
+    def _lookup(self, key: GrammarKey) -> "xgrammar.CompiledGrammar | None":
+        held = self._held.get(key)
+        if held is not None:
+            return held[0]
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
-            return hit
-        compiled = self._compile(*key)
+        return hit
+
+    def _store(self, key: GrammarKey, compiled: "xgrammar.CompiledGrammar") -> None:
         self._cache[key] = compiled
+        self._cache.move_to_end(key)
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
-        return compiled
 
     def _compile(self, kind: str, spec: str, any_whitespace: bool) -> "xgrammar.CompiledGrammar":
+        """Compile one spec (no lock held: this is the slow part, minutes for a pathological schema)."""
         compiler = self._get_compiler()
         # compact separators: xgrammar's default without any whitespace still puts a space after ',' and ':'
         separators = None if any_whitespace else (",", ":")
@@ -103,17 +175,21 @@ class GrammarCompiler:
                                                     separators=separators)
             if kind == "regex":
                 return compiler.compile_regex(spec)
+            if kind == "structural_tag":
+                return compiler.compile_structural_tag(spec)
             return compiler.compile_grammar(spec)  # "grammar", and "choice" as its grammar
         except (RuntimeError, ValueError) as e:  # xgrammar raises RuntimeError from C++, json ValueError
-            what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar", "choice": "choice"}.get(kind, kind)
+            what = {"json": "JSON schema", "regex": "regex", "grammar": "grammar", "choice": "choice",
+                    "structural_tag": "structural tag"}.get(kind, kind)
             raise ValueError(f"structured outputs: invalid {what}: {_CPP_PREFIX.sub('', str(e)).strip()}") from None
 
     def _get_compiler(self) -> "xgrammar.GrammarCompiler":
-        if self._compiler is None:
-            xgr = import_xgrammar()
-            # xgrammar's own cache is unbounded: ours (LRU, cache_size grammars) is the one that keeps grammars
-            self._compiler = xgr.GrammarCompiler(self._tokenizer_info(xgr), max_threads=8, cache_enabled=False)
-        return self._compiler
+        with self._compiler_lock:
+            if self._compiler is None:
+                xgr = import_xgrammar()
+                # xgrammar's own cache is unbounded: ours (LRU, cache_size grammars) is the one that keeps grammars
+                self._compiler = xgr.GrammarCompiler(self._tokenizer_info(xgr), max_threads=8, cache_enabled=False)
+            return self._compiler
 
     def _tokenizer_info(self, xgr: "xgrammar") -> "xgrammar.TokenizerInfo":
         from transformers import PreTrainedTokenizerFast  # an xgrammar dependency: present whenever it is

@@ -1,0 +1,102 @@
+"""Draft proposers: what fills a request's next drafts after each step that sampled for it.
+
+- `DSparkProposer`: the checkpoint's DSpark drafter (docs/dspark.md) on the target taps of the request's last
+  `sliding_window` committed positions, kept per state row in a `TapBuffer`.
+- `OracleProposer`: a test hook that replays known continuations (e.g. the target's own greedy output, computed by a
+  run without speculation), so every draft is accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from dsv4.spec_decode.dspark import DSparkDrafter
+
+
+class TapBuffer:
+    """Per state row, the target taps (docs/dspark.md 2.1: the mean over hc of the streams entering each target
+    layer, concatenated) of its recent positions, in a ring indexed by position % capacity.
+
+    A position's taps are written whenever the target computes it, so they are exact for committed positions,
+    whoever computed them. The ring holds `window + extra` positions: a verify step also writes taps of drafts that
+    get rejected (at most `extra` - 1 positions past the last committed one), and those must not overwrite the
+    `window` committed positions the drafter reads."""
+
+    def __init__(self, max_num_reqs: int, window: int, extra: int, width: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.window, self.capacity = window, window + extra
+        self.values = torch.zeros(max_num_reqs, self.capacity, width, dtype=dtype, device=device)
+
+    def write(self, taps: torch.Tensor, token_rows: np.ndarray, positions: np.ndarray, chunk_ends: np.ndarray
+              ) -> None:
+        """taps [T, width] of a step's tokens (state row, position; `chunk_ends` = each token's request's last
+        position + 1): only each request's last `capacity` tokens are written, so no slot is written twice."""
+        keep = np.flatnonzero(positions >= chunk_ends - self.capacity)
+        if len(keep) == 0:
+            return
+        dev = self.values.device
+        rows = torch.from_numpy(token_rows[keep]).to(dev)
+        slots = torch.from_numpy(positions[keep] % self.capacity).to(dev)
+        self.values[rows, slots] = taps[torch.from_numpy(keep).to(dev)].to(self.values.dtype)
+
+    def gather(self, rows: np.ndarray, last_positions: np.ndarray) -> torch.Tensor:
+        """[S, window, width]: the taps of positions last - window + 1 .. last of each row (slots of negative
+        positions hold stale values; the drafter masks them)."""
+        pos = last_positions[:, None] - self.window + 1 + np.arange(self.window)
+        slots = torch.from_numpy(pos % self.capacity).to(self.values.device)
+        return self.values[torch.from_numpy(rows).to(self.values.device)[:, None], slots]
+
+
+class Proposer(Protocol):
+    """Proposes `block_size` drafts per request; `tap_layer_ids` names the target layers it reads (empty: none)."""
+
+    block_size: int
+    tap_layer_ids: tuple[int, ...]
+
+    def propose(self, req_ids: Sequence[str], rows: np.ndarray, last_positions: np.ndarray, anchors: torch.Tensor,
+                taps: TapBuffer | None) -> torch.Tensor:
+        """Drafts [S, block_size] (int64, on the device) for the tokens after each anchor: request i has committed
+        positions 0 .. last_positions[i] and its newest token `anchors[i]` at last_positions[i] + 1."""
+        ...
+
+
+class DSparkProposer:
+    """DeepSeek-V4.1's DSpark drafter, eager (its reference `propose`: the stages' context KV is recomputed from the
+    taps each call); drafts are its greedy picks, so the verifier's draft distribution is one-hot."""
+
+    def __init__(self, drafter: DSparkDrafter, embed: nn.Module, lm_head: nn.Module) -> None:
+        self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
+        self.block_size = drafter.dspark.block_size
+        self.tap_layer_ids = drafter.dspark.target_layer_ids
+
+    def propose(self, req_ids: Sequence[str], rows: np.ndarray, last_positions: np.ndarray, anchors: torch.Tensor,
+                taps: TapBuffer | None) -> torch.Tensor:
+        assert taps is not None
+        last = torch.from_numpy(last_positions).to(anchors.device)
+        ctx = taps.gather(rows, last_positions)
+        return self.drafter.propose(ctx, last, anchors, self.embed, self.lm_head).tokens
+
+
+class OracleProposer:
+    """Test hook: request `req_id` drafts the tokens that follow its anchor in `sequences[req_id]` (prompt and the
+    expected output), i.e. the positions last + 2 ..; `fill` past the end of a sequence or for unknown ids."""
+
+    tap_layer_ids: tuple[int, ...] = ()
+
+    def __init__(self, sequences: Mapping[str, Sequence[int]], block_size: int, fill: int = 0) -> None:
+        self.sequences, self.block_size, self.fill = sequences, block_size, fill
+
+    def propose(self, req_ids: Sequence[str], rows: np.ndarray, last_positions: np.ndarray, anchors: torch.Tensor,
+                taps: TapBuffer | None) -> torch.Tensor:
+        K = self.block_size
+        out = np.full((len(req_ids), K), self.fill, dtype=np.int64)
+        for i, (req_id, last) in enumerate(zip(req_ids, last_positions.tolist())):
+            seq = self.sequences.get(req_id, ())
+            part = list(seq[last + 2: last + 2 + K])
+            out[i, : len(part)] = part
+        return torch.from_numpy(out).to(anchors.device)

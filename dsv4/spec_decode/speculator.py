@@ -1,0 +1,282 @@
+"""The speculative step: verify each running request's drafts, commit what was accepted, roll back the rest, and
+propose the next drafts. `ModelRunner` hands every step to `Speculator.launch` when speculation is on.
+
+A request with d drafts runs its known-but-uncomputed tokens (the anchor, normally alone) plus the d drafts, like a
+small prefill chunk; the target's logits at the last d + 1 positions verify them (dsv4.spec_decode.rejection).
+
+Rollback, and why it needs (almost) no work. The verify step writes state for every position of its chunk, rejected
+drafts included; each kind is position-addressed or recomputed:
+- window KV, compressed entries and indexer keys are written at slots of their position (entry id), and a query at
+  position t reads only positions <= t (entries closed at or before t): a rejected position's KV is never read
+  before the next step recomputes that position and overwrites it;
+- the engram lookback window and the device token history: the history holds the drafts past the request's known
+  tokens, and the lookback reads only positions before a chunk, all committed; emitted tokens overwrite them;
+- taps for the drafter: a ring of `window + block + 2` positions per row (`TapBuffer`), so rejected positions never
+  overwrite the committed window the drafter reads;
+- the only recurrent state is the ratio-2 compressors' open pair (V4.1's ring of `ratio` rows per request, slot =
+  position % ratio): a rejected position can overwrite the ring row of an accepted one. Instead of snapshotting the
+  ring, a step with a rejection rewinds the request's computed count to the start of its open pair
+  (floor(committed / R) * R, R = 2): the next step recomputes that one accepted token (its window, its pair, the
+  same values) along with its new anchor and drafts. An aligned pair start needs no ring row, so nothing is restored.
+  Cost: one extra token in the next step's chunk on half of the rejecting steps, no copy and no second forward
+  (verifying without committing and re-running the accepted tokens would cost a whole forward per step);
+  the rewind never goes below the step's own start (committed >= the step's known tokens) nor below a cached
+  prefix unit (units are multiples of 2 tokens), so no freed window block and no shared block is touched.
+- scheduler state (num_computed_tokens, KV blocks, prefix units, stop strings and max_tokens): the runner returns
+  how many of the step's tokens are not computed after all (`RunnerOutput.num_uncomputed_tokens`); blocks allocated
+  for rejected drafts stay with the request for its next drafts; units are cached only over known tokens; tokens are
+  appended one at a time, so nothing past a stop or past max_tokens is kept, and drafts are scheduled only where
+  max_tokens and max_model_len leave room for them and a bonus token.
+
+This step is eager (the token-row forward, no CUDA graph), sync (no async scheduling), and drafts are greedy.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from dsv4.runtime.input_batch import InputBatch
+from dsv4.runtime.sampler import SamplingTensors
+from dsv4.spec_decode.config import SpeculativeConfig
+from dsv4.spec_decode.proposer import DSparkProposer, Proposer, TapBuffer
+from dsv4.spec_decode.rejection import verify
+from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
+
+if TYPE_CHECKING:
+    from dsv4.runtime.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SpecDecodeStats:
+    """Acceptance counters since start (vLLM's spec_decode metrics): verify steps with at least one draft, drafts
+    verified, drafts accepted, and accepted drafts per position in the block."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verify step (accepted drafts + the bonus token)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+class SpecOutput:
+    """A step's output, already on the host (the speculative step is sync)."""
+
+    def __init__(self, out: RunnerOutput) -> None:
+        self._out = out
+
+    def result(self) -> RunnerOutput:
+        return self._out
+
+
+def ring_ratio(runner: "ModelRunner") -> int:
+    """R: the computed count a rejecting step rewinds to is a multiple of R (1 without compressor ring state)."""
+    cfg = runner.config.model
+    if cfg.v41 is None:
+        return 1
+    ratios = {cfg.compress_ratios[i] for i in cfg.v41.kv_source_layer_ids}
+    ring = max((r for r in ratios if r > 1), default=1)
+    # a rewind to the open window's start is within the step only while windows are at most 2 tokens (V4.1: 1, 2)
+    assert ring <= 2, "rewinding to a window start needs compress ratios <= 2"
+    return ring
+
+
+class Speculator:
+    """Drafts per state row, the proposer and its taps, and the speculative step."""
+
+    def __init__(self, runner: "ModelRunner", proposer: Proposer, spec: SpeculativeConfig) -> None:
+        self.runner, self.proposer, self.spec = runner, proposer, spec
+        self.k = spec.num_speculative_tokens
+        assert 1 <= self.k <= proposer.block_size
+        n = runner.config.scheduler.max_num_seqs
+        self.drafts = torch.zeros(n, proposer.block_size, dtype=torch.int64, device=runner.device)
+        self.ratio = ring_ratio(runner)
+        self.taps: TapBuffer | None = None
+        if proposer.tap_layer_ids:
+            D = runner.config.model.hidden_size
+            dtype = runner.model.lm_head.weight.dtype
+            self.taps = TapBuffer(n, runner.config.model.sliding_window, proposer.block_size + 2,
+                                  D * len(proposer.tap_layer_ids), dtype, runner.device)
+        self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * self.k)
+
+    def set_proposer(self, proposer: Proposer) -> None:
+        """Swap the proposer (the oracle test hook); it must read no taps the current one does not provide."""
+        assert not proposer.tap_layer_ids or self.taps is not None
+        assert proposer.block_size >= self.k
+        self.proposer = proposer
+        if self.drafts.shape[1] < proposer.block_size:
+            self.drafts = torch.zeros(self.drafts.shape[0], proposer.block_size, dtype=torch.int64,
+                                      device=self.drafts.device)
+
+    # ---- one step ----------------------------------------------------------------------------------------------
+    def launch(self, so: SchedulerOutput) -> SpecOutput:
+        r = self.runner
+        r._apply_deltas(so)
+        rs = r.req_state
+        req_ids = sorted(so.num_scheduled_tokens, key=lambda q: (so.num_scheduled_tokens[q] != 1,
+                                                                   so.num_scheduled_tokens[q]))
+        if not req_ids:
+            return SpecOutput(RunnerOutput([], [], []))
+        rows = np.array([rs.req_id_to_row[q] for q in req_ids], dtype=np.int64)
+        sched = np.array([so.num_scheduled_tokens[q] for q in req_ids], dtype=np.int64)
+        computed = rs.num_computed[rows].copy()
+        known = rs.num_tokens[rows].copy()
+        ends = computed + sched
+        drafts = np.maximum(ends - known, 0)  # the scheduler's drafts: positions past the known tokens
+        sample = np.nonzero(ends >= known)[0]
+        L = rs.max_model_len
+        hist = rs.token_history.view(-1)
+        for b in np.nonzero(drafts)[0].tolist():  # the drafts become the chunk's input ids
+            d, row = int(drafts[b]), int(rows[b])
+            assert d <= self.k, "more drafts scheduled than proposed"
+            idx = torch.arange(d, device=hist.device) + (row * L + int(known[b]))
+            hist.index_copy_(0, idx, self.drafts[row, :d])
+
+        batch = InputBatch.prepare(r.buffers, rs.token_history, req_ids, rows, computed, sched, sample)
+        md = r.model_state.prepare_attn(batch, r.block_tables)
+        extra = r.model_state.prepare_inputs(batch, rs)
+        image_rows = r._image_rows(batch)
+        if image_rows is not None:
+            extra["image_embeds"] = image_rows
+        taps = dict.fromkeys(self.proposer.tap_layer_ids) if self.proposer.tap_layer_ids else None
+        if taps is not None:
+            extra["taps"] = taps
+        hidden = r.model(batch.input_ids, md, r.kv_caches, **extra)
+        qsl = batch.query_start_loc_np
+        if taps is not None and self.taps is not None:
+            token_rows = np.repeat(rows, sched)
+            positions = np.repeat(computed - qsl[:-1], sched) + np.arange(int(qsl[-1]))
+            self.taps.write(torch.cat([taps[i] for i in self.proposer.tap_layer_ids], dim=-1), token_rows,
+                            positions, np.repeat(ends, sched))
+
+        uncomputed = [0] * len(req_ids)
+        rs.num_computed[rows] = ends
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        logprobs: list[list[TokenLogprobs] | None] = [None] * len(req_ids)
+        num_drafts = [0] * len(req_ids)
+        if len(sample):
+            self._verify(batch, hidden, rows, sample, drafts, known, computed, ends, sampled, logprobs, uncomputed,
+                         num_drafts, req_ids)
+        return SpecOutput(RunnerOutput(req_ids, sampled, logprobs, num_uncomputed_tokens=uncomputed,
+                                  num_draft_tokens=num_drafts))
+
+    def _verify(self, batch: InputBatch, hidden: torch.Tensor, rows: np.ndarray, sample: np.ndarray,
+                drafts: np.ndarray, known: np.ndarray, computed: np.ndarray, ends: np.ndarray,
+                sampled: list[list[int]], logprobs: list[list[TokenLogprobs] | None], uncomputed: list[int],
+                num_drafts: list[int], req_ids: list[str]) -> None:
+        r = self.runner
+        rs = r.req_state
+        qsl = batch.query_start_loc_np
+        srows = rows[sample]
+        ds = drafts[sample]
+        # each sampling row's last d + 1 tokens: the positions that verify its drafts, then the bonus position
+        idx = np.concatenate([np.arange(qsl[b + 1] - d - 1, qsl[b + 1]) for b, d in zip(sample.tolist(),
+                                                                                         ds.tolist())])
+        logits = r.model.compute_logits(hidden[torch.from_numpy(idx).to(hidden.device)])
+        cu = np.zeros(len(sample) + 1, dtype=np.int64)
+        np.cumsum(ds + 1, out=cu[1:])
+        draft_lists = [self.drafts[row, :d].tolist() for row, d in zip(srows.tolist(), ds.tolist())]
+        if r.grammars.constrains(srows):  # constrained rows never draft: their one row is the bonus position
+            last = torch.from_numpy(cu[1:] - 1).to(logits.device)
+            sub = logits[last]
+            r.grammars.apply(sub, srows)
+            logits[last] = sub
+        st = None
+        if not rs.all_plain_greedy(srows):
+            st = self._sampling_tensors(srows, draft_lists)
+        res = verify(logits, draft_lists, st, r.sampler.generator)
+
+        hist = rs.token_history.view(-1)
+        L = rs.max_model_len
+        stats = self.stats
+        for i, b in enumerate(sample.tolist()):
+            row, d, j, toks = int(srows[i]), int(ds[i]), res.num_accepted[i], res.tokens[i]
+            n0 = int(known[b])
+            hist.index_copy_(0, torch.arange(len(toks), device=hist.device) + (row * L + n0),
+                             torch.tensor(toks, dtype=torch.int64, device=hist.device))
+            rs.num_tokens[row] = n0 + len(toks)
+            rs.output_ids[row].extend(toks)
+            for t in toks:
+                r.grammars.accept(row, t)
+            if j < d:  # a rejection: rewind to the open compressor window's start (module docstring)
+                new = (n0 + j) // self.ratio * self.ratio
+                assert new >= computed[b], "a rewind below the step's start"
+                rs.num_computed[row] = new
+                uncomputed[b] = int(ends[b]) - new
+            sampled[b] = toks
+            logprobs[b] = res.logprobs[i]
+            if d:
+                stats.num_drafts += 1
+                stats.num_draft_tokens += d
+                stats.num_accepted_tokens += j
+                for p in range(j):
+                    stats.num_accepted_tokens_per_pos[p] += 1
+        self._propose(sample, srows, rs.num_tokens[srows] - 2, req_ids, num_drafts)
+
+    def _propose(self, sample: np.ndarray, srows: np.ndarray, last_positions: np.ndarray, req_ids: list[str],
+                 num_drafts: list[int]) -> None:
+        """The next drafts of the rows that just sampled: each has committed positions .. last, its newest token at
+        last + 1 (the anchor). Constrained rows and steps above `disable_by_batch_size` get none."""
+        r = self.runner
+        limit = self.spec.disable_by_batch_size
+        if limit is not None and r.req_state.num_active > limit:
+            return
+        keep = np.array([r.req_state.sampling_params[row].structured_outputs is None for row in srows.tolist()],
+                        dtype=bool)
+        if not keep.any():
+            return
+        srows, last, sample = srows[keep], last_positions[keep], sample[keep]
+        hist = r.req_state.token_history
+        dev = hist.device
+        anchors = hist[torch.from_numpy(srows).to(dev), torch.from_numpy(last + 1).to(dev)]
+        ids = [req_ids[b] for b in sample.tolist()]
+        proposed = self.proposer.propose(ids, srows, last, anchors, self.taps)
+        K = self.proposer.block_size
+        self.drafts[torch.from_numpy(srows).to(dev), :K] = proposed.to(torch.int64)
+        for b in sample.tolist():
+            num_drafts[b] = self.k
+
+    def _sampling_tensors(self, srows: np.ndarray, draft_lists: list[list[int]]) -> SamplingTensors:
+        """One Sampler row per verified position: position i of a request samples after its outputs and the drafts
+        before i (penalties, min_tokens and seeds see them as outputs)."""
+        r = self.runner
+        rs = r.req_state
+        params, prompts, outputs, counts = [], [], [], []
+        for row, d in zip(srows.tolist(), draft_lists):
+            n_out = int(rs.num_tokens[row] - rs.prompt_len[row])
+            for i in range(len(d) + 1):
+                params.append(rs.sampling_params[row])
+                prompts.append(rs.prompt_ids[row])
+                outputs.append(rs.output_ids[row] + d[:i])
+                counts.append(n_out + i)
+        return SamplingTensors.build(params, prompts, outputs, r.vocab_size, r.device, r.eos_token_ids,
+                                     num_output_tokens=counts)
+
+
+def make_speculator(runner: "ModelRunner", spec: SpeculativeConfig) -> Speculator:
+    """The speculator of the checkpoint's drafter: DSpark's weights (`mtp.*`) loaded from the model directory."""
+    from dsv4.spec_decode.dspark import load_dspark_drafter
+
+    cfg = runner.config
+    if spec.method != "dspark":
+        raise NotImplementedError(f"speculative method {spec.method!r} is not implemented yet (only dspark)")
+    model = runner.model
+    drafter = load_dspark_drafter(cfg.model_dir, cfg.model, model.lm_head.weight.dtype, runner.device,
+                                  cfg.scheduler.max_model_len)
+    logger.info("speculative decoding: DSpark, %d of %d block tokens verified per step (eager, no CUDA graphs)",
+                spec.num_speculative_tokens, drafter.dspark.block_size)
+    return Speculator(runner, DSparkProposer(drafter, model.model.embed, model.lm_head), spec)
