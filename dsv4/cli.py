@@ -1,5 +1,6 @@
 """The `dsv4` command: `dsv4 generate` (offline generation), `dsv4 serve` (OpenAI-compatible server),
-`dsv4 bench serve | latency | throughput | chat` (benchmarks) and `dsv4 make-model` (random checkpoints)."""
+`dsv4 bench serve | latency | throughput | chat` (benchmarks), `dsv4 make-model` (random checkpoints), `dsv4 train-demo`
+(the trained demo model) and `dsv4 eval` (its accuracy check, on any checkpoint)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dsv4.config import ENGRAM_PLACEMENTS, LOAD_FORMATS
 from dsv4.models.config import ConfigError, hub_hint
 from dsv4.quant.config import QUANTIZATION_CHOICES
 from dsv4.sampling_params import SamplingParams, SamplingParamsError
+from dsv4.train import demo as train_demo, evaluate as train_eval
 
 DEFAULT_PROMPT = "The quick brown fox"
 
@@ -103,6 +105,11 @@ def _build_parser() -> argparse.ArgumentParser:
     add_bench_throughput_args(bench.add_parser("throughput", help="offline throughput through LLM.generate"))
     add_bench_chat_args(bench.add_parser("chat", help="time to first token of a resent multi-turn chat "
                                                       "(prefix caching bounded | exact | off)"))
+
+    train_demo.add_cli_args(sub.add_parser("train-demo", help="train the small V4.1 demo model on the Python "
+                                                              "standard library; write it as a checkpoint"))
+    train_eval.add_cli_args(sub.add_parser("eval", help="held-out stdlib perplexity and greedy continuations of a "
+                                                        "checkpoint on a runtime path"))
 
     mk = sub.add_parser("make-model", help="write a random-weight checkpoint of a preset")
     mk.add_argument("--preset", default="tiny-v4",
@@ -290,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         spawned = _spawn_ranks(args, argv)
         if spawned is not None:
             return spawned
-        commands = {"make-model": _make_model, "generate": _generate, "serve": _serve, "bench": _bench}
+        commands = {"make-model": _make_model, "generate": _generate, "serve": _serve, "bench": _bench,
+                    "train-demo": train_demo.main, "eval": train_eval.main}
         commands[args.command](args)
     except _user_errors() as e:
         print(f"dsv4: error: {e}", file=sys.stderr)

@@ -59,7 +59,8 @@ def planned_weight_bytes(config: EngineConfig, dtype: torch.dtype) -> dict[str, 
         out["dense"] //= world
         if config.parallel.expert_parallel:
             out["experts"] //= world
-    out["drafter"] = 0  # the drafter's mtp.* tensors are not loaded (speculative decoding is not in this plan yet)
+    # the DSpark drafter (mtp.*, ~14B parameters for V4.1-Flash) loaded with speculative decoding is not counted yet
+    out["drafter"] = 0
     return out
 
 

@@ -1,0 +1,293 @@
+"""`dsv4 train-demo`: train a small DeepSeek-V4.1-architecture model on the Python standard library and write it as
+an ordinary dsv4 checkpoint (config.json, model.safetensors in bf16, tokenizer.json, tokenizer_config.json,
+generation_config.json) that `dsv4 generate --model DIR` and `LLM(DIR)` load unchanged, plus the run's record:
+train_log.csv (loss every --log-every steps, held-out loss every --eval-every), loss.png (or loss.svg) and
+train_info.json (settings, Python version, corpus hashes, sizes, timings).
+
+Steps: split the library (`dsv4.train.corpus`), train the byte-level BPE on the training files (`dsv4.train.bpe`),
+write config + tokenizer + make_model-style random weights into a scratch directory and build the engine's model
+from it (`dsv4.train.model`), then AdamW on the engine's prefill forward under `autograd_mode()`. On CUDA the model
+computes in bf16, as the engine runs a bf16 checkpoint (its fp32 parameters stay fp32), and the optimizer keeps fp32
+master weights (torch.autocast does not compose with the engine's explicit casts); on the CPU everything is fp32.
+Linear warm-up, then cosine decay to a tenth of the peak; gradients clipped to norm 1; the routers balanced without
+an auxiliary loss. Sequences are BOS + `seq_len - 1` tokens from uniformly drawn offsets of the token stream.
+Everything random comes from `--seed` (weights, batches); on CUDA the deterministic algorithms are requested too
+(`torch.use_deterministic_algorithms`, warn-only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import platform
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dsv4.make_model import BOS, EOS
+from dsv4.models.config import parse_config_dict
+from dsv4.models.presets import text_config
+from dsv4.train import bpe, corpus
+from dsv4.train.model import (SIZES, ExpertBalancer, MasterWeights, autograd_mode, count_parameters, demo_config,
+                              forward_logits, init_checkpoint, load_trainable, save_weights, sequence_nll,
+                              step_metadata)
+from dsv4.train.plot import write_loss_plot
+
+
+@dataclass
+class TrainSettings:
+    out: str
+    size: str = "demo"
+    device: str | None = None  # None: cuda when available, else cpu
+    steps: int = 1000
+    batch_size: int = 64
+    seq_len: int = 512
+    lr: float = 3e-3
+    warmup: int = 40
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    balance_rate: float = 1e-2  # selection-bias step per step (ExpertBalancer)
+    balance_alpha: float = 1e-2  # weight of the balance loss (ExpertBalancer)
+    seed: int = 0
+    precision: str = "auto"  # auto: bf16 on CUDA, fp32 on the CPU
+    log_every: int = 10
+    eval_every: int = 100
+    val_windows: int = 16  # held-out windows behind the val_loss column (the first ones, fixed)
+    max_minutes: float | None = None  # fit --steps into this many minutes from the start (`_fit_steps`), then save
+    max_train_files: int | None = None  # the first N training files only (tests)
+
+
+def lr_at(s: TrainSettings, step: int, steps: int) -> float:
+    """Linear warm-up to s.lr over s.warmup steps, then cosine decay to s.lr * s.min_lr_ratio at `steps`."""
+    if step <= s.warmup:
+        return s.lr * step / max(1, s.warmup)
+    done = min(1.0, (step - s.warmup) / max(1, steps - s.warmup))
+    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done)))
+
+
+class Trainer:
+    """One optimizer step at a time on the engine's model (call inside `autograd_mode()`): AdamW on fp32 masters
+    (matrices other than the embedding decayed) for the LM loss plus the routers' balance loss, gradients clipped to
+    norm 1, then the routers' bias update.
+    Every step is a prefill of `batch_size` fresh sequences of `seq_len` tokens (one metadata for all steps)."""
+
+    def __init__(self, model: torch.nn.Module, tables: torch.nn.ParameterDict, s: TrainSettings,
+                 dtype: torch.dtype) -> None:
+        self.model, self.tables, self.dtype = model, tables, dtype
+        named = list(model.named_parameters()) + [(f"engram_tables.{k}", p) for k, p in tables.items()]
+        decayed = [p.ndim >= 2 and n not in ("model.embed.weight",) and not n.startswith("engram_tables.")
+                   for n, p in named]
+        self.master = MasterWeights([p for _, p in named])
+        self.params = self.master.masters()
+        self.opt = torch.optim.AdamW(
+            [{"params": [m for m, d in zip(self.params, decayed) if d], "weight_decay": s.weight_decay},
+             {"params": [m for m, d in zip(self.params, decayed) if not d], "weight_decay": 0.0}],
+            lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
+        self.balancer = ExpertBalancer(model, s.balance_rate, s.balance_alpha)
+        device = model.lm_head.weight.device
+        self.md, self.groups = step_metadata(model.cfg, [s.seq_len] * s.batch_size, device)
+        self.max_load = 0.0  # the last step's worst max/mean expert load
+
+    def step(self, ids: torch.Tensor, lr: float) -> torch.Tensor:
+        """Train on `ids` [batch_size, seq_len] at learning rate `lr`; returns the LM loss (a detached scalar)."""
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        B, L = ids.shape
+        logits = forward_logits(self.model, ids.flatten(), self.md, self.groups, self.dtype).view(B, L, -1)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        self.model.zero_grad(set_to_none=True)
+        self.tables.zero_grad(set_to_none=True)
+        (loss + self.balancer.aux_loss()).backward()
+        self.master.grads_to_masters()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.opt.step()
+        self.master.masters_to_model()
+        self.max_load = self.balancer.update()
+        return loss.detach()
+
+    def close(self) -> None:
+        self.balancer.close()
+
+
+def _write_json(path: str, obj: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+CALIBRATION_STEPS = 6  # with --max-minutes: steps 2..6 are timed, then --steps is cut to what fits
+
+
+def _fit_steps(s: TrainSettings, steps: int, done: int, per_step: float, t0: float) -> int:
+    """The step count that ends the loop within s.max_minutes of t0 at `per_step` seconds a step, leaving ~5% for the
+    held-out evaluations and 20 s for writing the checkpoint. With s.warmup >= CALIBRATION_STEPS (the default) the
+    steps so far were warm-up steps, whose learning rate does not depend on the total, so the run equals one started
+    with `--steps` set to the result."""
+    left = 60 * s.max_minutes - (time.perf_counter() - t0) - 20
+    fit = max(done, done + int(left / (per_step * 1.05)))
+    if fit < steps:
+        print(f"train-demo: {per_step:.3f} s/step: {fit} steps fit in --max-minutes {s.max_minutes} (of {steps}); "
+              f"`--steps {fit}` reproduces this run", flush=True)
+    return min(fit, steps)
+
+
+def train(s: TrainSettings) -> dict[str, Any]:
+    """Run the whole recipe; returns what train_info.json records."""
+    t0 = time.perf_counter()
+    device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cuda = device.startswith("cuda")
+    precision = "bf16" if s.precision == "bf16" or (s.precision == "auto" and cuda) else "fp32"
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    if cuda:  # cuBLAS reads this at its first use
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.utils.deterministic.fill_uninitialized_memory = False  # every torch.empty would cost a fill
+    torch.manual_seed(s.seed)
+
+    train_files, held = corpus.split()
+    if s.max_train_files is not None:
+        train_files = train_files[:s.max_train_files]
+    tok = bpe.train_tokenizer([f.text for f in train_files], SIZES[s.size]["vocab_size"])
+    t_tok = time.perf_counter() - t0
+    bos, eos = tok.token_to_id(BOS), tok.token_to_id(EOS)
+
+    def encode(files: list[corpus.CorpusFile]) -> list[list[int]]:
+        return [e.ids for e in tok.encode_batch([f.text for f in files], add_special_tokens=False)]
+
+    stream = corpus.token_stream(encode(train_files), eos)
+    val = corpus.eval_windows(encode(held), eos, bos, s.seq_len)[:s.val_windows]
+    config = demo_config(s.size, tok)
+    max_len = text_config(config)["max_position_embeddings"]
+    cfg = parse_config_dict(config)
+    with tempfile.TemporaryDirectory() as init_dir:  # the engine builds its model from a checkpoint directory
+        bpe.write_tokenizer(tok, init_dir, max_len)
+        _write_json(os.path.join(init_dir, "config.json"), config)
+        init_checkpoint(config, init_dir, s.seed)
+        model, tables = load_trainable(init_dir, cfg, device, dtype)
+
+    trainer = Trainer(model, tables, s, dtype)
+    gen = torch.Generator().manual_seed(s.seed)
+    t_setup = time.perf_counter() - t0
+    print(f"train-demo: {count_parameters(cfg) / 1e6:.1f}M parameters, {stream.numel():,} training tokens "
+          f"({len(train_files)} files), tokenizer {t_tok:.1f} s, set-up {t_setup:.1f} s; {s.steps} steps of "
+          f"{s.batch_size} x {s.seq_len} on {device} ({precision})", flush=True)
+
+    rows: list[dict[str, Any]] = []
+    running, n_running, step, steps, stopped_early = torch.zeros((), device=device), 0, 0, s.steps, False
+    t_loop = t_first = time.perf_counter()
+    with autograd_mode():
+        while step < steps:
+            step += 1
+            ids = corpus.sample_batch(stream, s.batch_size, s.seq_len, bos, gen).to(device)
+            lr = lr_at(s, step, steps)
+            loss = trainer.step(ids, lr)
+            running += loss
+            n_running += 1
+            if step == 1:
+                t_first = time.perf_counter()  # the first step pays one-time costs: time the ones after it
+            elif step == CALIBRATION_STEPS and s.max_minutes is not None:
+                steps = _fit_steps(s, steps, step, (time.perf_counter() - t_first) / (step - 1), t0)
+            out_of_time = s.max_minutes is not None and time.perf_counter() - t0 > 60 * s.max_minutes
+            last = step == steps or out_of_time
+            if step % s.log_every == 0 or step == 1 or last:
+                row = {"step": step, "tokens": step * s.batch_size * s.seq_len, "loss": float(running) / n_running,
+                       "val_loss": None, "lr": lr, "max_expert_load": round(trainer.max_load, 3),
+                       "elapsed_s": round(time.perf_counter() - t_loop, 2)}
+                if step % s.eval_every == 0 or step == 1 or last:
+                    with torch.no_grad():
+                        row["val_loss"] = float(sequence_nll(model, val, device, dtype).mean())
+                rows.append(row)
+                running, n_running = torch.zeros((), device=device), 0
+                val_text = "" if row["val_loss"] is None else f"  held-out {row['val_loss']:.3f}"
+                print(f"step {step:5d}  loss {row['loss']:.3f}{val_text}  lr {lr:.2e}  "
+                      f"{row['tokens'] / row['elapsed_s']:,.0f} tok/s  {row['elapsed_s']:.0f} s", flush=True)
+            if out_of_time:
+                stopped_early = step < steps
+                break
+    trainer.close()
+    t_train = time.perf_counter() - t_loop
+
+    t_save = time.perf_counter()
+    os.makedirs(s.out, exist_ok=True)
+    text_config(config)["dtype"] = "bfloat16"  # V4.1 reads the checkpoint dtype from text_config
+    _write_json(os.path.join(s.out, "config.json"), config)
+    bpe.write_tokenizer(tok, s.out, max_len)
+    files = save_weights(model, tables, s.out, "bfloat16")
+    _write_json(os.path.join(s.out, "generation_config.json"),
+                {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids[0]})
+    with open(os.path.join(s.out, "train_log.csv"), "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    try:  # the record must not cost the checkpoint: a plotting failure is reported, not raised
+        plot: str | None = os.path.basename(write_loss_plot(
+            {"train": [(r["step"], r["loss"]) for r in rows],
+             "held-out": [(r["step"], r["val_loss"]) for r in rows if r["val_loss"] is not None]},
+            s.out, f"dsv4 train-demo ({s.size}, seed {s.seed})"))
+    except Exception as e:  # noqa: BLE001 (any plotting library error)
+        print(f"train-demo: no loss plot: {e!r}", flush=True)
+        plot = None
+    described = corpus.describe(train_files)
+    info = {
+        "settings": asdict(s),
+        "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "precision": precision,
+        "corpus": {"train": described.as_dict(), "held_out": corpus.describe(held).as_dict(),
+                   "held_out_files": list(corpus.HELD_OUT)},
+        "tokenizer": {"vocab_size": tok.get_vocab_size(), "train_tokens": stream.numel(),
+                      "chars_per_token": round(described.chars / stream.numel(), 3)},
+        "model": {"parameters": count_parameters(cfg), "weight_files": files,
+                  "bytes": sum(os.path.getsize(os.path.join(s.out, f)) for f in files)},
+        "steps": steps, "steps_done": step, "stopped_early": stopped_early,
+        "tokens_seen": step * s.batch_size * s.seq_len,
+        "final": {"loss": rows[-1]["loss"], "val_loss": rows[-1]["val_loss"], "max_expert_load": trainer.max_load},
+        "seconds": {"tokenizer": round(t_tok, 2), "setup": round(t_setup, 2), "train": round(t_train, 2),
+                    "save": round(time.perf_counter() - t_save, 2), "total": round(time.perf_counter() - t0, 2)},
+        "tokens_per_s": round(step * s.batch_size * s.seq_len / t_train),
+        "peak_gpu_memory_gb": round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None,
+        "plot": plot,
+    }
+    _write_json(os.path.join(s.out, "train_info.json"), info)
+    return info
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    d = TrainSettings(out="")
+    parser.add_argument("--out", required=True, help="checkpoint directory to write")
+    parser.add_argument("--size", choices=sorted(SIZES), default=d.size,
+                        help="demo (default: ~12M parameters, ~25 MB in bf16) or micro (tests)")
+    parser.add_argument("--device", help="cuda | cuda:N | cpu (default: cuda when available)")
+    parser.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
+    parser.add_argument("--batch-size", type=int, default=d.batch_size,
+                        help=f"sequences per step (default {d.batch_size})")
+    parser.add_argument("--seq-len", type=int, default=d.seq_len, help=f"tokens per sequence (default {d.seq_len})")
+    parser.add_argument("--lr", type=float, default=d.lr, help=f"peak learning rate (default {d.lr})")
+    parser.add_argument("--warmup", type=int, default=d.warmup, help=f"warm-up steps (default {d.warmup})")
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the weights and the batches (default 0)")
+    parser.add_argument("--precision", choices=["auto", "bf16", "fp32"], default=d.precision,
+                        help="auto (default): bf16 on CUDA, fp32 on the CPU (bf16: the model computes in bf16 as the "
+                             "engine runs it, the optimizer keeps fp32 master weights)")
+    parser.add_argument("--log-every", type=int, default=d.log_every, help="steps per train_log.csv row")
+    parser.add_argument("--eval-every", type=int, default=d.eval_every, help="steps per held-out loss")
+    parser.add_argument("--max-minutes", type=float,
+                        help="finish within this many minutes of the start: after timing the first steps, --steps is "
+                             "cut to what fits (printed; rerun with that --steps to reproduce), and the loop stops "
+                             "there at the latest, then the checkpoint is written")
+
+
+def main(args: argparse.Namespace) -> None:
+    s = TrainSettings(out=args.out, size=args.size, device=args.device, steps=args.steps, batch_size=args.batch_size,
+                      seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, seed=args.seed, precision=args.precision,
+                      log_every=args.log_every, eval_every=args.eval_every, max_minutes=args.max_minutes)
+    info = train(s)
+    print(f"wrote {s.out}: {info['model']['parameters'] / 1e6:.1f}M parameters, {info['model']['bytes'] / 1e6:.1f} MB; "
+          f"loss {info['final']['loss']:.3f}, held-out {info['final']['val_loss']:.3f} after {info['steps_done']} "
+          f"steps in {info['seconds']['total']:.0f} s ({info['tokens_per_s']:,} tok/s); curve: {info['plot']}")

@@ -1,0 +1,123 @@
+"""`dsv4 eval`: the accuracy check of a checkpoint on a runtime path. Perplexity on the held-out standard-library
+text (`dsv4.train.corpus.HELD_OUT`) and greedy continuations of a few fixed prompts.
+
+Both run on the model the engine builds (`LLMEngine.from_args` with the given dtype, device, quantization and any
+other engine argument), so a quantized or speculative configuration is evaluated as it serves. The continuations
+go through the engine itself (scheduler, runner, sampler, detokenizer). The engine has no prompt-logprobs output
+yet, so the perplexity is scored by the engine's model through its own prefill forward (`sequence_nll`: the step a
+prefill of fresh requests runs, over fresh caches), not through the scheduler: the same weights, layers and kernels
+as serving, without the batching. Speculative decoding does not change the model's distribution, so with it the
+perplexity is the target model's, and the check is that greedy text is unchanged.
+
+Text is scored in windows of `seq_len` tokens (BOS + 511 file tokens by default, the training length), each file's
+tokens predicted once; reported as perplexity (exp of the mean NLL per token) and as bits per byte of the scored
+text, which compares models with different tokenizers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Any
+
+import torch
+
+from dsv4.make_model import BOS, EOS
+from dsv4.sampling_params import SamplingParams
+from dsv4.train import corpus
+from dsv4.train.model import sequence_nll
+
+PROMPTS = ("def ", "import ", "class ")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def perplexity(model: torch.nn.Module, windows: list[list[int]], device: str, dtype: torch.dtype,
+               batch: int = 8) -> tuple[float, int]:
+    """(total NLL in nats, tokens scored) of `windows` (each: BOS + tokens) under `model`, `batch` windows a step."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for a in range(0, len(windows), batch):
+            nll = sequence_nll(model, windows[a:a + batch], device, dtype)
+            total += float(nll.double().sum())
+            count += nll.numel()
+    return total, count
+
+
+def evaluate(model_dir: str, prompts: tuple[str, ...] | list[str] = PROMPTS, max_new_tokens: int = 64,
+             seq_len: int = 512, max_windows: int | None = None, **engine_args: Any) -> dict[str, Any]:
+    """The report of `dsv4 eval` (see the module doc); `engine_args` go to `LLMEngine.from_args`."""
+    from dsv4.engine.engine import LLMEngine
+
+    device = engine_args.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+    engine_args.setdefault("dtype", "bfloat16" if device.startswith("cuda") else "float32")
+    engine = LLMEngine.from_args(model_dir, **engine_args)
+    tok = engine.tokenizer
+    _, held = corpus.split()
+    encoded = [tok.encode(f.text, add_special_tokens=False) for f in held]
+    windows = corpus.eval_windows(encoded, tok.token_to_id(EOS), tok.token_to_id(BOS), seq_len)
+    windows = windows[:max_windows] if max_windows else windows
+    nll, count = perplexity(engine.runner.model, windows, device, _DTYPES[engine.config.dtype])
+    scored_bytes = sum(len(tok.decode(w[1:]).encode("utf-8")) for w in windows)  # EOS decodes to nothing
+
+    params = SamplingParams(temperature=0, max_tokens=max_new_tokens)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, params, request_id=str(i))
+    texts: dict[str, str] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                texts[out.request_id] = out.outputs[0].text
+    return {
+        "model": model_dir,
+        "engine": {k: v for k, v in engine_args.items()},
+        "held_out": {**corpus.describe(held).as_dict(), "files_list": list(corpus.HELD_OUT), "seq_len": seq_len,
+                     "windows": len(windows)},
+        "tokens": count,
+        "nll_per_token": nll / count,
+        "perplexity": math.exp(nll / count),
+        "bits_per_byte": nll / math.log(2) / scored_bytes,
+        "continuations": [{"prompt": p, "text": texts[str(i)]} for i, p in enumerate(prompts)],
+    }
+
+
+def _engine_arg(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--engine-arg wants KEY=VALUE, got {text!r}")
+    try:
+        return key.replace("-", "_"), json.loads(value)
+    except json.JSONDecodeError:
+        return key.replace("-", "_"), value  # a bare string
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="checkpoint directory")
+    parser.add_argument("--prompts", nargs="+", help=f"prompts to continue greedily (default {list(PROMPTS)})")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per continuation (default 64)")
+    parser.add_argument("--seq-len", type=int, default=512, help="scoring window, BOS included (default 512)")
+    parser.add_argument("--max-windows", type=int, help="score only the first N windows (default: all)")
+    parser.add_argument("--device", help="cpu | cuda | cuda:N (default: cuda when available)")
+    parser.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bfloat16 on CUDA, else float32)")
+    parser.add_argument("--quantization", "-q", help="the engine's --quantization (auto | none)")
+    parser.add_argument("--engine-arg", action="append", type=_engine_arg, default=[], metavar="KEY=VALUE",
+                        help="any other LLMEngine.from_args argument, VALUE as JSON or a bare string (repeatable), "
+                             "e.g. speculative_config='{\"method\": \"dspark\", \"num_speculative_tokens\": 3}'")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def main(args: argparse.Namespace) -> None:
+    engine_args = dict(args.engine_arg)
+    for name in ("device", "dtype", "quantization"):
+        if getattr(args, name) is not None:
+            engine_args[name] = getattr(args, name)
+    report = evaluate(args.model, tuple(args.prompts or PROMPTS), args.max_tokens, args.seq_len, args.max_windows,
+                      **engine_args)
+    if args.json:
+        print(json.dumps(report, indent=2, ensure_ascii=False))
+        return
+    print(f"{args.model}: held-out perplexity {report['perplexity']:.3f} ({report['bits_per_byte']:.4f} bits/byte) "
+          f"over {report['tokens']:,} tokens of {len(corpus.HELD_OUT)} stdlib modules "
+          f"(Python {report['held_out']['python']}); engine {report['engine']}")
+    for c in report["continuations"]:
+        print(f"--- {c['prompt']!r}\n{c['prompt']}{c['text']}")
