@@ -562,18 +562,7 @@ def v41_tensor_shapes(cfg: ModelConfig, dtype: str = "float32") -> dict[str, tup
             if is_kv_source:  # the group's indexer keys are derived from the compressor's latents
                 shapes[a + "indexer.wk.weight"] = (ihd, hd)
                 shapes[a + "indexer.k_norm.weight"] = (ihd,)
-        f = p + "ffn."
-        shapes[f + "gate.weight"] = (E, D)
-        shapes[f + "gate.bias"] = (E,)
-        shapes[f + "gate.bias_vl"] = (E,)
-        for e in range(E):
-            shapes[f + f"experts.{e}.w1.weight"] = (I, D)
-            shapes[f + f"experts.{e}.w2.weight"] = (D, I)
-            shapes[f + f"experts.{e}.w3.weight"] = (I, D)
-        # One shared expert of width I, as HF-V41 builds it (V4.1 ships n_shared_experts = 1).
-        shapes[f + "shared_experts.w1.weight"] = (I, D)
-        shapes[f + "shared_experts.w2.weight"] = (D, I)
-        shapes[f + "shared_experts.w3.weight"] = (I, D)
+        shapes.update(_v41_moe_shapes(p + "ffn.", E, D, I))
         if layer in rows:
             g = p + "engram."
             cols = (eng.max_ngram_size - 1) * eng.n_heads  # one table row per (n-gram size, hash head)
@@ -617,6 +606,20 @@ def vision_tensor_shapes(vcfg: VisionConfig, hidden_size: int, dtype: str = "flo
     return {name: (shape, vision_param_dtype(name, wdtype)) for name, shape in shapes.items()}
 
 
+def _v41_moe_shapes(f: str, E: int, D: int, I: int) -> dict[str, tuple[int, ...]]:
+    """A V4.1 MoE FFN under prefix `f` (a target layer's or a drafter stage's), in the checkpoint's order: the router
+    (with the vision bias), E routed experts, and one shared expert of width I, as HF-V41 builds it (V4.1 ships
+    n_shared_experts = 1)."""
+    shapes = {f + "gate.weight": (E, D), f + "gate.bias": (E,), f + "gate.bias_vl": (E,)}
+    for e in range(E):
+        shapes[f + f"experts.{e}.w1.weight"] = (I, D)
+        shapes[f + f"experts.{e}.w2.weight"] = (D, I)
+        shapes[f + f"experts.{e}.w3.weight"] = (I, D)
+    for w, shape in (("w1", (I, D)), ("w2", (D, I)), ("w3", (I, D))):
+        shapes[f + f"shared_experts.{w}.weight"] = shape
+    return shapes
+
+
 def dspark_tensor_shapes(cfg: ModelConfig, ds: DSparkConfig, dtype: str = "float32"
                          ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor of a V4.1 DSpark drafter as released (docs/dspark.md 1.2: `mtp.{s}.*`, per-expert w1/w2/w3,
@@ -644,17 +647,7 @@ def dspark_tensor_shapes(cfg: ModelConfig, ds: DSparkConfig, dtype: str = "float
         shapes[a + "kv_norm.weight"] = (hd,)
         shapes[a + "wo_a.weight"] = (G * ol, H * hd // G)
         shapes[a + "wo_b.weight"] = (D, G * ol)
-        f = p + "ffn."
-        shapes[f + "gate.weight"] = (E, D)
-        shapes[f + "gate.bias"] = (E,)
-        shapes[f + "gate.bias_vl"] = (E,)
-        for e in range(E):
-            shapes[f + f"experts.{e}.w1.weight"] = (I, D)
-            shapes[f + f"experts.{e}.w2.weight"] = (D, I)
-            shapes[f + f"experts.{e}.w3.weight"] = (I, D)
-        shapes[f + "shared_experts.w1.weight"] = (I, D)
-        shapes[f + "shared_experts.w2.weight"] = (D, I)
-        shapes[f + "shared_experts.w3.weight"] = (I, D)
+        shapes.update(_v41_moe_shapes(p + "ffn.", E, D, I))
     shapes["mtp.0.main_proj.weight"] = (D, len(ds.target_layer_ids) * D)
     shapes["mtp.0.main_norm.weight"] = (D,)
     last = f"mtp.{S - 1}."
