@@ -39,7 +39,8 @@ _VIEWS = {"view", "slice", "select", "unsqueeze", "squeeze", "expand", "t", "tra
 # the dispatchers that take a Triton kernel on CUDA: one launch each there
 _KERNELS = [(mhc, "hc_post"), (rope, "apply_rope"), (moe, "expert_gemv"), (moe, "expert_grouped"),
             (moe, "combine_experts"), (indexer, "indexer_scores"),
-            (indexer, "pick_sources"), (engram, "engram_update"), (decode_attention, "decode_sink_attention"),
+            (indexer, "pick_sources"), (indexer, "decode_select"), (indexer, "pick_table_sources"),
+            (engram, "engram_update"), (decode_attention, "decode_sink_attention"),
             (norm, "rms_norm"), (norm, "unweighted_rms_norm"), (norm, "unweighted_rms_norm_fp32"),
             (lookback, "gather_lookback"),
             (fake_quant, "fp8_fake_quant"), (fake_quant, "fp4_fake_quant_ue8m0"), (fake_quant, "fp4_fake_quant_e4m3"),

@@ -1,8 +1,8 @@
 """The Triton decode-metadata build (dsv4/ops/decode_metadata.py) against the torch reference build
 (`DecodeMetadataBuffers.build_torch`), under TRITON_INTERPRET=1 in a subprocess: random block tables, state rows
 and positions (0, inside the first window, across blocks, at entry boundaries), padded batches, several window
-and block sizes. Every field must be equal; entry slots where a row sees them (e < n), the only entries any
-reader uses."""
+and block sizes. Every field must be equal; entry table blocks where a row sees entries (the blocks of e < n), the only
+blocks any reader uses."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def test_decode_metadata_kernels_match_torch_build() -> None:
                 got.window_mask.fill_(True)
                 for name in got.n_entries:
                     got.n_entries[name].fill_(-7)
+                    got.entry_tables[name].fill_(-7)
                     got.entry_write[name].fill_(-7)
                 a = ref.build_torch(R, P, pos, {k: v[idx] for k, v in tables.items()})
                 # one launch for every group, or (odd trials) one build per group in reverse order: every build
@@ -62,7 +63,8 @@ def test_decode_metadata_kernels_match_torch_build() -> None:
                     assert torch.equal(a.entry_write[name], b.entry_write[name]), name
                     for r in range(R):
                         n = int(a.n_entries[name][r])
-                        assert torch.equal(a.entry_slots[name][r, :n], b.entry_slots[name][r, :n]), (name, r)
+                        nb = -(-n // a.entry_geometry[name][0])  # the blocks of the visible entries
+                        assert torch.equal(a.entry_tables[name][r, :nb], b.entry_tables[name][r, :nb]), (name, r)
                 checked += 1
         assert checked == 20
         print("ok")

@@ -193,6 +193,71 @@ def test_pick_sources_kernel_equals_torch() -> None:
     """)
 
 
+def test_decode_select_kernels_equal_torch() -> None:
+    """The fused decode selection (scores of each row's visible entries through its block table, running top-k,
+    merge) against the reference (every entry up to max_entries scored, sorted): the same picks in the same order,
+    slots and mask, and the same candidate blocks, on exact-product grids (every score bitwise equal, so ties are
+    exercised). Rows with every, no and fewer than k visible entries; raw keys (chunks <= the list) and running
+    lists (one split); the candidate source (block top-k, pinned newest block, more blocks than kept); a pooled
+    index source (candidate lists with -1s and ids past the last block); scores of -0.0 (all weights < 0)."""
+    _interpret("""
+        import torch
+        from dsv4.ops.indexer import decode_select_torch, decode_select_triton
+        g = torch.Generator().manual_seed(11)
+        grid = lambda x: (x * 2).round() / 2  # products and sums of halves are exact in fp32
+        checked = 0
+        for R, H, D, bs, M, k, C, CB, keep, neg in [
+            (3, 4, 32, 4, 40, 8, 0, 4, 0, False), (4, 8, 20, 8, 150, 5, 0, 4, 0, False),
+            (3, 4, 32, 4, 40, 8, 0, 4, 4, False), (3, 4, 32, 4, 300, 8, 0, 8, 4, False),
+            (3, 4, 32, 4, 40, 8, 6, 4, 0, False), (3, 4, 16, 4, 400, 8, 40, 4, 0, False),
+            (2, 3, 16, 2, 5, 3, 0, 4, 0, False), (3, 4, 16, 4, 60, 8, 0, 4, 0, True),
+            (4, 64, 128, 8, 100, 24, 0, 8, 6, False),
+        ]:
+            MB = -(-M // bs) + 1
+            N = (MB * R + 5) * bs
+            q, keys = grid(torch.randn(R, H, D, generator=g)), grid(torch.randn(N, D, generator=g))
+            w = torch.randn(R, H, generator=g)
+            if neg:
+                w = -w.abs() - 0.1
+                q = -q.abs()  # with keys >= 0 below every dot is <= 0: relu 0, score -0.0 or 0.0
+                keys = keys.abs()
+            table = torch.randint(1, N // bs, (R, MB), generator=g, dtype=torch.int32)
+            n = torch.randint(0, M + 1, (R,), generator=g)
+            n[0], n[1] = M, 0
+            if R > 2:
+                n[2] = k - 1
+            pool = None
+            if C:
+                nb = -(-M // CB)
+                pool = torch.stack([torch.randperm(nb + 2, generator=g)[:C] for _ in range(R)])
+                pool[:, C - 2:] = -1
+            ref = decode_select_torch(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep)
+            for S in (1, 3):
+                got = decode_select_triton(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep, splits=S)
+                for a, b in zip(ref[:3], got[:3]):
+                    assert a.dtype == b.dtype and torch.equal(a, b), (R, M, k, C, keep, S, a, b)
+                assert (ref[3] is None) == (keep == 0) and (keep == 0 or torch.equal(ref[3], got[3])), (ref[3], got)
+                checked += 1
+        assert checked == 18
+        print("ok")
+    """)
+
+
+def test_pick_table_sources_kernel_equals_torch() -> None:
+    """Published picks -> slots through the block table: -1 picks, K not a power of two."""
+    _interpret("""
+        import torch
+        from dsv4.ops.indexer import pick_table_sources_torch, pick_table_sources_triton
+        g = torch.Generator().manual_seed(12)
+        for R, K, bs in ((1, 4, 4), (4, 13, 8), (3, 16, 2)):
+            table = torch.randint(0, 1000, (R, 9), generator=g, dtype=torch.int32)
+            picks = torch.randint(-1, 9 * bs, (R, K), generator=g)
+            for a, b in zip(pick_table_sources_torch(picks, table, bs), pick_table_sources_triton(picks, table, bs)):
+                assert a.dtype == b.dtype and torch.equal(a, b), (R, K)
+        print("ok")
+    """)
+
+
 def test_engram_update_kernel_matches_torch() -> None:
     """The Engram gate and update: hc 4 and 2, D off the block size and over several blocks, masked tokens, a
     stream whose dot is exactly 0 (sign 0: gate 1/2); fp32 within summation order, bf16 within an ulp and nearly

@@ -32,6 +32,8 @@ def test_golden_v41_and_v4_on_the_triton_path() -> None:
             moe.expert_gemv: moe.expert_gemv_triton, moe.expert_grouped: moe.expert_grouped_triton,
             moe.combine_experts: moe.combine_experts_triton, indexer.indexer_scores: indexer.indexer_scores_triton,
             indexer.pick_sources: indexer.pick_sources_triton, engram.engram_update: engram.engram_update_triton,
+            indexer.decode_select: indexer.decode_select_triton,
+            indexer.pick_table_sources: indexer.pick_table_sources_triton,
             decode_attention.decode_sink_attention: decode_attention.decode_sink_attention_triton,
             norm.rms_norm: rmsnorm.rms_norm_triton, norm.unweighted_rms_norm: rmsnorm.unweighted_rms_norm_triton,
             norm.unweighted_rms_norm_fp32: lambda x, eps: rmsnorm.unweighted_rms_norm_triton(x, eps, torch.float32),

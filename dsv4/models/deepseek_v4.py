@@ -23,7 +23,7 @@ from dsv4.models.layers.norm import RMSNorm, unweighted_rms_norm
 from dsv4.models.layers.rope import RotaryTable
 from dsv4.ops.compress_pool import entry_start, pool_decode, pool_rows, write_entries
 from dsv4.ops.decode_attention import decode_sink_attention
-from dsv4.ops.indexer import indexer_scores, pick_sources
+from dsv4.ops.indexer import decode_select, indexer_scores, pick_sources
 from dsv4.ops.rope import apply_rope
 from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, row_chunks, token_key_slots
@@ -259,7 +259,20 @@ class Attention(nn.Module):
                 indexer.forward_decode(x, dmd, self.rope, cache.index_keys, cache.index_ring_kv,
                                        cache.index_ring_gate, write)
                 qi, iw = indexer.queries(x, qr, cos, sin)
-        out = self._attend_rows(q, qi, iw, dmd.window_slots, dmd.window_mask, dmd.entry_slots, dmd.n_entries, cache)
+        sources = [(cache.window, dmd.window_slots, dmd.window_mask)]
+        if self.compressor is not None:
+            ent = dmd.entries(f"compressed_{self.ratio}")
+            if self.kind == CSA:  # the top-k of the row's visible entries, read through the table
+                assert qi is not None and iw is not None
+                indexer = self.compressor.indexer
+                _, cslots, cmask, _ = decode_select(qi, iw, cache.index_keys, ent.table, ent.block_size, ent.n,
+                                                    ent.max_entries, indexer.head_dim ** -0.5,
+                                                    min(indexer.topk, ent.max_entries))
+            else:  # HCA: every visible entry (materialised to max_entries: see the module docstring)
+                cslots = ent.slots()
+                cmask = torch.arange(cslots.shape[1], device=q.device)[None, :] < ent.n[:, None]
+            sources.append((cache.compressed, cslots, cmask))
+        out = decode_sink_attention(q, sources, self.sinks, self.head_dim ** -0.5)
         out = apply_rope(out, cos, sin, inverse=True)
         return self._output(out)
 

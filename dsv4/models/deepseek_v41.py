@@ -28,7 +28,8 @@ from dsv4.models.layers.rope import RotaryTable
 from dsv4.models.vision import VisionEncoder
 from dsv4.ops.decode_attention import decode_sink_attention
 from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant
-from dsv4.ops.indexer import indexer_scores, pick_sources
+from dsv4.ops.indexer import (candidate_blocks_of, candidate_pool, decode_select, indexer_scores, pick_sources,
+                              pick_table_sources)
 from dsv4.ops.mhc_streams import collapse
 from dsv4.ops.mhc_streams import expand as expand_streams
 from dsv4.ops.rmsnorm import rms_norm_v41_triton, triton
@@ -37,8 +38,8 @@ from dsv4.ops.router import fp32_reciprocal, route
 from dsv4.ops.swiglu import swiglu
 from dsv4.ops.topk import stable_topk
 from dsv4.ops.window_kv import write_window_kv
-from dsv4.runtime.attn_metadata import (TRASH_SLOT, AttnMetadata, DecodeMetadata, TokenKeySlots, row_chunks,
-                                        token_key_slots)
+from dsv4.runtime.attn_metadata import (TRASH_SLOT, AttnMetadata, DecodeMetadata, EntryTable, TokenKeySlots,
+                                        row_chunks, token_key_slots)
 from dsv4.runtime.kv_cache import LayerKVCache
 
 if TYPE_CHECKING:  # type only: the runner builds the manager and sets `encoder_graphs`; shard_experts sets `ep`
@@ -198,30 +199,7 @@ class Indexer(nn.Module):
 def candidate_blocks(scores: torch.Tensor, qpos: torch.Tensor, ratio: int, block: int, keep: int) -> torch.Tensor:
     """The candidate source's per-query pre-selection: block scores = max over `block` entries, the block of
     the newest visible entry pinned to +inf, the top `keep` blocks with a finite score. [Q, keep] ids, -1 = none."""
-    Q, n = scores.shape
-    nb = -(-n // block)
-    padded = F.pad(scores, (0, nb * block - n), value=float("-inf"))
-    bs = padded.view(Q, nb, block).amax(dim=-1)
-    newest = (qpos + 1) // ratio - 1
-    pin = (newest.clamp(min=0) // block)[:, None]  # the newest visible entry's block: always kept
-    bs = bs.scatter(1, pin, torch.where((newest >= 0)[:, None], float("inf"), bs.gather(1, pin)))
-    picks = stable_topk(bs, min(keep, nb))
-    picks = torch.where(bs.gather(1, picks) > float("-inf"), picks, torch.full_like(picks, -1))
-    return F.pad(picks, (0, keep - picks.shape[1]), value=-1)  # always `keep` columns
-
-
-def candidate_pool(candidates: torch.Tensor, n_entries: int, block: int) -> torch.Tensor:
-    """[R, n_entries] bool: whether each entry's block (entry // block) is among the row's candidate blocks
-    `candidates` [R, C] (-1 = none). Marks the C blocks in a per-row block map, then reads it per entry: R x (C +
-    n_entries) work, where comparing every entry with every candidate would be R x C x n_entries (C is 2048 for
-    V4.1-Flash: ~9 M elements at 32 decode rows of a short context, ~10^11 for a prefill chunk of a long one)."""
-    nb = -(-n_entries // block)
-    # slot 0 takes the ids that name no block of these entries (-1, or past the last one): never read
-    ids = torch.where((candidates >= 0) & (candidates < nb), candidates + 1, 0)
-    marked = torch.zeros(candidates.shape[0], nb + 1, dtype=torch.bool, device=candidates.device)
-    marked.scatter_(1, ids, True)
-    entry_block = torch.arange(n_entries, device=candidates.device) // block
-    return marked[:, 1:][:, entry_block]
+    return candidate_blocks_of(scores, (qpos + 1) // ratio - 1, block, keep)
 
 
 class AttentionV41(nn.Module):
@@ -379,7 +357,15 @@ class AttentionV41(nn.Module):
         `candidates`: the rows' picks / candidate blocks published by earlier layers (None: none yet). Returns the
         output [R, H, D] and the rows' picks / candidate blocks after this layer (None where there are none)."""
         sources = [(caches[self.layer].window, keys.window_slots, keys.window_mask)]
-        if self.ratio > 0:
+        if self.ratio > 0 and isinstance(keys, DecodeMetadata):
+            # decode rows read their entries through the block table, to their own n (no [R, max_len] matrix)
+            ent, src = keys.entries(f"compressed_{self.ratio}"), caches[self.kv_source]
+            if self.is_index_source:
+                topk, cslots, cmask, candidates = self._select_decode(qi, iw, src.index_keys, ent, candidates)
+            else:
+                topk, cslots, cmask = pick_table_sources(topk, ent.table, ent.block_size)
+            sources.append((src.compressed, cslots, cmask))
+        elif self.ratio > 0:
             group = f"compressed_{self.ratio}"
             eslots, n = keys.entry_slots[group], keys.n_entries[group]  # [R, M], [R]
             if eslots.shape[1] == 0:
@@ -411,6 +397,20 @@ class AttentionV41(nn.Module):
         elif self.uses_candidates and candidates is not None:
             s = s.masked_fill(~candidate_pool(candidates, s.shape[1], sched.candidate_block_size), float("-inf"))
         return stable_topk(s, min(self.indexer.topk, s.shape[1])), s, candidates
+
+    def _select_decode(self, qi: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor, ent: EntryTable,
+                       candidates: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`_select` of decode rows, fused: picks [R, K] (K = min(index_topk, max_entries), the width `_select`
+        gives the same rows), their slots and mask, and the candidate blocks after this layer. The candidate
+        source keeps the blocks of its unrestricted scores; a later index source scores only its pool's entries."""
+        sched = self.cfg.v41
+        pool = candidates if self.uses_candidates else None
+        keep = sched.candidate_topk_blocks if self.is_candidate else 0
+        picks, slots, mask, cands = decode_select(
+            qi, iw, ikeys, ent.table, ent.block_size, ent.n, ent.max_entries, self.indexer.head_dim ** -0.5,
+            min(self.indexer.topk, ent.max_entries), pool, sched.candidate_block_size, keep)
+        return picks, slots, mask, (cands if self.is_candidate else candidates)
 
     @staticmethod
     def _row_slice(t: torch.Tensor | None, a: int, b: int) -> torch.Tensor | None:

@@ -1,17 +1,18 @@
 """Decode-metadata build in Triton: one launch for every KV group instead of ~40 small torch ops per step.
 
 A uniform-decode step needs, per batch row, the cache slots of its sliding window, the slot its token writes,
-its compressor ring block, and for each compressed group the slots of its visible entries, their count and the
-slot of the entry its token closes (dsv4/runtime/attn_metadata.py, `DecodeMetadata`). The torch build there is
+its compressor ring block, and for each compressed group the block table of its visible entries, their count and
+the slot of the entry its token closes (dsv4/runtime/attn_metadata.py, `DecodeMetadata`). The torch build there is
 the reference; on the GPU its ~40 launches cost about 1 ms of host time per step, more than the whole graph
 replay of a small batch. The kernel reads the state-row block tables through `idx_mapping` directly (no
 batch-order gather copy) and writes the persistent metadata buffers in place, so the decode graph reads them; one
 program per batch row fills the window part and up to three compressed groups (a model with more gets one more
 launch per three).
 
-Rows b >= num_reqs are padding: position 0, no visible key, every write to TRASH_SLOT (0). Entry slots are
-written only for the entries a row sees (e < n): everything past n is masked by every reader, and writing
-ceil(max_model_len / ratio) entries per row per step would cost O(max_model_len) at long contexts.
+Rows b >= num_reqs are padding: position 0, no visible key, every write to TRASH_SLOT (0). A row's block table
+is copied (to batch order) only up to the blocks of the entries it sees (ceil(n / block_size)): every reader
+stops at n, and copying the whole row would cost O(max_model_len) per row per step. No [rows, entries] slot
+matrix exists: the decode kernels map entry -> slot through the table themselves.
 """
 
 from __future__ import annotations
@@ -30,17 +31,18 @@ except ImportError:  # CPU-only installs use the torch reference
 if triton is not None:
 
     @triton.jit
-    def _compressed_row(b, valid, pos, row, table_ptr, table_stride, max_blocks, eslots_ptr, eslots_stride, n_ptr,
+    def _compressed_row(b, valid, pos, row, table_ptr, table_stride, max_blocks, etab_ptr, etab_stride, n_ptr,
                         write_ptr, RATIO: tl.constexpr, BS: tl.constexpr, BLOCK: tl.constexpr):
-        """One row of one compressed group: its visible entries' slots (e < n), n, and the entry it closes."""
+        """One row of one compressed group: the table blocks of its visible entries (e < n), n, and the entry it
+        closes. The output table has the input's width (both sized for max_model_len by the same formula)."""
         n = tl.where(valid, (pos + 1) // RATIO, 0)
         tl.store(n_ptr + b, n)
         base = table_ptr + row * table_stride
-        for e0 in range(0, n, BLOCK):
-            e = e0 + tl.arange(0, BLOCK)
-            em = e < n
-            ids = tl.load(base + tl.minimum(e // BS, max_blocks - 1), mask=em, other=0).to(tl.int64)
-            tl.store(eslots_ptr + b * eslots_stride + e, ids * BS + e % BS, mask=em)
+        nblk = tl.minimum((n + BS - 1) // BS, max_blocks)
+        for j0 in range(0, nblk, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            jm = j < nblk
+            tl.store(etab_ptr + b * etab_stride + j, tl.load(base + j, mask=jm, other=0), mask=jm)
         last = tl.maximum(n - 1, 0)
         closes = valid & ((pos + 1) % RATIO == 0)
         lid = tl.load(base + tl.minimum(last // BS, max_blocks - 1)).to(tl.int64)
@@ -100,7 +102,7 @@ class CompressedTarget:
     table: torch.Tensor  # [max_num_reqs, max_blocks] int32
     block_size: int
     ratio: int
-    entry_slots: torch.Tensor  # [max_rows, M] int64
+    entry_table: torch.Tensor  # [max_rows, max_blocks] int32 (batch order)
     n_entries: torch.Tensor  # [max_rows] int64
     entry_write: torch.Tensor  # [max_rows] int64
 
@@ -130,7 +132,8 @@ def build_decode_metadata_triton(num_reqs: int, num_padded: int, positions: torc
                 groups += [table, 0, 1, pos_out, 0, pos_out, pos_out]
                 consts.update({f"R{i}": 1, f"BS{i}": 1})
             else:
-                groups += [c.table, c.table.stride(0), c.table.shape[1], c.entry_slots, c.entry_slots.stride(0),
+                assert c.entry_table.shape[1] == c.table.shape[1], (c.entry_table.shape, c.table.shape)
+                groups += [c.table, c.table.stride(0), c.table.shape[1], c.entry_table, c.entry_table.stride(0),
                            c.n_entries, c.entry_write]
                 consts.update({f"R{i}": c.ratio, f"BS{i}": c.block_size})
         _decode_md_kernel[(num_padded,)](

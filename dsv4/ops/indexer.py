@@ -7,12 +7,23 @@ so both paths compute in fp32; the sums over d and over h may add in another ord
 change only where two scores are that close).
 The torch reference gathers every row's keys into a temporary and runs ~10 kernels (gather, cast, batched matmul,
 relu, two multiplies, sum, and the visibility mask); the Triton kernel reads the keys in place through the slots,
-one program per (row, block of entries).
+one program per (row, block of entries). That is the prefill path's (token rows, entry slots up to the step's
+longest context).
+
+Decode rows (`decode_select`) never build a [rows, entries] matrix: the scores of each row's visible entries, read
+through its block table, go straight into a running top-k (and for the candidate source a running top of
+candidate blocks) in scratch of splits x next_pow2(k) keys per row, then a merge per row writes the picks, their
+slots and mask: work follows each row's n (or its candidate blocks), never max_model_len.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
+
+from dsv4.ops.topk import stable_topk
 
 try:
     import triton
@@ -129,3 +140,350 @@ def pick_sources(picks: torch.Tensor, eslots: torch.Tensor, scores: torch.Tensor
     if picks.is_cuda and triton is not None:
         return pick_sources_triton(picks, eslots, scores)
     return pick_sources_torch(picks, eslots, scores)
+
+
+# ---- decode: selection through the block table, looping to each row's visible entries ---------------------------
+# A decode row r sees entries e < n[r] of its group, entry e in slot table[r, e // bs] * bs + e % bs (the runtime's
+# `EntryTable`). The reference materialises every entry's slot up to max_entries (= ceil(max_model_len / ratio)),
+# scores them all and sorts them; the Triton path scores only the visible entries (or, restricted to candidate
+# blocks, only those blocks' entries) and keeps a running top-k, so its work and scratch never depend on
+# max_model_len.
+
+def table_entry_slots(table: torch.Tensor, block_size: int, width: int) -> torch.Tensor:
+    """[R, width] int64 slots of entries 0..width-1 through batch-order tables [R, max_blocks] (blocks past the
+    table clamped to its last column, masked by every reader). The references' view: O(width) per row."""
+    e = torch.arange(width, device=table.device).expand(table.shape[0], -1)
+    blk = (e // block_size).clamp(max=table.shape[1] - 1)
+    return table.gather(1, blk).long() * block_size + e % block_size
+
+
+def candidate_blocks_of(scores: torch.Tensor, newest: torch.Tensor, block: int, keep: int) -> torch.Tensor:
+    """The candidate source's per-query pre-selection over scores [Q, n] (-inf = invisible): block scores = max
+    over `block` entries, the block of the newest visible entry `newest` [Q] (< 0: none) pinned to +inf, the top
+    `keep` blocks with a finite score, ties to the lowest block. [Q, keep] ids, -1 = none."""
+    Q, n = scores.shape
+    nb = -(-n // block)
+    padded = F.pad(scores, (0, nb * block - n), value=float("-inf"))
+    bs = padded.view(Q, nb, block).amax(dim=-1)
+    pin = (newest.clamp(min=0) // block)[:, None]  # the newest visible entry's block: always kept
+    bs = bs.scatter(1, pin, torch.where((newest >= 0)[:, None], float("inf"), bs.gather(1, pin)))
+    picks = stable_topk(bs, min(keep, nb))
+    picks = torch.where(bs.gather(1, picks) > float("-inf"), picks, torch.full_like(picks, -1))
+    return F.pad(picks, (0, keep - picks.shape[1]), value=-1)  # always `keep` columns
+
+
+def candidate_pool(candidates: torch.Tensor, n_entries: int, block: int) -> torch.Tensor:
+    """[R, n_entries] bool: whether each entry's block (entry // block) is among the row's candidate blocks
+    `candidates` [R, C] (-1 = none). Marks the C blocks in a per-row block map, then reads it per entry: R x (C +
+    n_entries) work, where comparing every entry with every candidate would be R x C x n_entries (C is 2048 for
+    V4.1-Flash: ~9 M elements at 32 decode rows of a short context, ~10^11 for a prefill chunk of a long one)."""
+    nb = -(-n_entries // block)
+    # slot 0 takes the ids that name no block of these entries (-1, or past the last one): never read
+    ids = torch.where((candidates >= 0) & (candidates < nb), candidates + 1, 0)
+    marked = torch.zeros(candidates.shape[0], nb + 1, dtype=torch.bool, device=candidates.device)
+    marked.scatter_(1, ids, True)
+    entry_block = torch.arange(n_entries, device=candidates.device) // block
+    return marked[:, 1:][:, entry_block]
+
+
+Selection = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
+
+
+def decode_select_torch(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor, block_size: int,
+                        n: torch.Tensor, max_entries: int, scale: float, k: int, pool: torch.Tensor | None = None,
+                        cand_block: int = 1, keep_blocks: int = 0) -> Selection:
+    """Reference decode selection: the top-k picks [R, k] (entry ids, -1 = none: fewer than k visible / allowed),
+    their slots [R, k] and mask [R, k], and (keep_blocks > 0, the candidate source) the kept candidate blocks
+    [R, keep_blocks] of the unrestricted scores. `pool` [R, C] (a later index source): only entries of these
+    candidate blocks of `cand_block` entries may be picked."""
+    eslots = table_entry_slots(table, block_size, max_entries)
+    s = indexer_scores_torch(q, w, keys, eslots, n, scale)
+    cands = candidate_blocks_of(s, n - 1, cand_block, keep_blocks) if keep_blocks > 0 else None
+    if pool is not None:
+        s = s.masked_fill(~candidate_pool(pool, s.shape[1], cand_block), float("-inf"))
+    picks, slots, mask = pick_sources_torch(stable_topk(s, k), eslots, s)
+    return picks, slots, mask, cands
+
+
+def pick_table_sources_torch(picks: torch.Tensor, table: torch.Tensor, block_size: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Picks [R, K] published by an earlier layer (-1 = none) -> (picks, slots, mask) through the rows' tables:
+    what `pick_sources` computes from a materialised slot matrix (a -1 pick takes entry 0's slot, masked)."""
+    p = picks.clamp(min=0)
+    return picks, table.gather(1, p // block_size).long() * block_size + p % block_size, picks >= 0
+
+
+# Keys of the running top-k: a score and its entry (or block) id packed in one int64 whose descending order is the
+# reference's stable_topk order (score descending, ties to the lowest id): bits 62..31 = the fp32 score mapped to
+# an unsigned order (+ 2^31), bits 30..0 = 2^31 - 1 - id. Every real key is >= 0; -1 marks an empty place.
+EMPTY_KEY = -1
+MAX_SPLITS = 16  # programs per row of the scoring kernel (from shapes only: the decode step is captured)
+
+if triton is not None:
+
+    @triton.jit
+    def _order_keys(s, ids):
+        s = tl.where(s == 0.0, 0.0, s)  # -0.0 ties with +0.0 in the reference's sort: one key for both
+        bits = s.to(tl.int32, bitcast=True)
+        ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64) + 2147483648  # float order, >= 0
+        return ordered * 2147483648 + (2147483647 - ids)
+
+    @triton.jit
+    def _merge_top(list_ptr, tile_ptr, L: tl.constexpr):
+        """list[0:L) := the L largest keys of list[0:L) and tile[0:L), sorted descending; returns the new
+        smallest kept key. Both live in global scratch (L2-resident), so the tile can be filled piecewise."""
+        tl.debug_barrier()  # the tile's stores (by other threads) are visible
+        i = tl.arange(0, 2 * L)
+        x = tl.load(tl.where(i < L, list_ptr + i, tile_ptr + (i - L)))
+        x = tl.sort(x, descending=True)
+        tl.store(list_ptr + i, x, mask=i < L)
+        tl.debug_barrier()
+        return tl.load(list_ptr + (L - 1))
+
+    @triton.jit
+    def _select_split_kernel(q_ptr, w_ptr, k_ptr, table_ptr, t_stride, n_ptr, cand_ptr, c_stride, C,
+                             row_ptr, tile_ptr, brow_ptr, btile_ptr, S, H, D, BS, scale,
+                             L: tl.constexpr, LB: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr,
+                             BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, POOL: tl.constexpr,
+                             BLOCKS: tl.constexpr):
+        """Program (row r, split s): scores of units [s*chunk, (s+1)*chunk) of the row (a unit is an entry, or in
+        POOL mode a place c*CB + j of candidate block c), chunk = ceil(U / S) in SUB multiples, U = n (POOL: C*CB).
+        chunk <= L ("raw"): every key goes to row[u] (no sort here; the merge takes them in L-wide windows).
+        Else each split keeps a running top-L list in row[s*L:(s+1)*L) (merging a full tile of L keys when its
+        best beats the list's worst). BLOCKS (the candidate source): the same for block keys (max over CB entries,
+        the newest visible entry's block pinned to +inf) in brow, with LB-wide lists."""
+        r = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        scale = tl.cast(scale, tl.float32)  # torch.compile passes floats as fp64
+        n = tl.load(n_ptr + r)
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        h = tl.arange(0, BLOCK_H)
+        hm = h < H
+        q = tl.load(q_ptr + r * H * D + h[:, None] * D + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
+        wv = tl.load(w_ptr + r * H + h, mask=hm, other=0.0)
+        if POOL:
+            U = C * CB
+        else:
+            U = n
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(U, S), SUB), 1) * SUB
+        start = split * chunk
+        end = tl.minimum(start + chunk, U)
+        row = row_ptr + r * S * L
+        brow = brow_ptr + r * S * LB
+        lst = row + split * L
+        tile = tile_ptr + (r * S + split) * L
+        blst = brow + split * LB
+        btile = btile_ptr + (r * S + split) * LB
+        jl = tl.arange(0, L)
+        jb = tl.arange(0, LB)
+        if chunk > L:  # running lists (else raw keys)
+            tl.store(lst + jl, tl.full([L], -1, tl.int64))
+            if BLOCKS:
+                tl.store(blst + jb, tl.full([LB], -1, tl.int64))
+                tl.store(btile + jb, tl.full([LB], -1, tl.int64))
+        thr = tl.zeros([], tl.int64) - 1
+        newest_blk = tl.where(n > 0, (n - 1) // CB, -1)
+        for t0 in range(start, end, L):
+            tmax = tl.zeros([], tl.int64) - 1
+            for s0 in range(0, L, SUB):
+                u = t0 + s0 + tl.arange(0, SUB)
+                um = u < end
+                if POOL:
+                    c = tl.load(cand_ptr + r * c_stride + u // CB, mask=um, other=-1)
+                    e = c * CB + u % CB
+                    valid = um & (c >= 0) & (e < n)
+                else:
+                    e = u
+                    valid = um
+                e = tl.where(valid, e, 0)
+                key = tl.full([SUB], -1, tl.int64)
+                sc = tl.full([SUB], float("-inf"), tl.float32)
+                if tl.max(valid.to(tl.int32), axis=0) > 0:  # a sub-tile with nothing to score costs its id loads
+                    blk = tl.load(table_ptr + r * t_stride + e // BS, mask=valid, other=0).to(tl.int64)
+                    slot = blk * BS + e % BS
+                    kt = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & dm[None, :],
+                                 other=0.0)
+                    dots = tl.dot(kt.to(tl.float32), tl.trans(q), input_precision="ieee")  # [SUB, BLOCK_H]
+                    s = tl.sum(tl.maximum(dots, 0.0) * scale * wv[None, :], axis=1)
+                    sc = tl.where(valid, s, float("-inf"))
+                    key = tl.where(valid, _order_keys(s, e), -1)
+                if chunk <= L:
+                    tl.store(row + u, key, mask=um)
+                else:
+                    tl.store(tile + s0 + tl.arange(0, SUB), key)
+                    tmax = tl.maximum(tmax, tl.max(key, axis=0))
+                if BLOCKS:
+                    bmax = tl.max(tl.reshape(sc, [SUB // CB, CB]), axis=1)
+                    bid = (t0 + s0) // CB + tl.arange(0, SUB // CB)
+                    bvalid = (bid * CB < n) & (bid * CB < end)
+                    bmax = tl.where(bid == newest_blk, float("inf"), bmax)
+                    bkey = tl.where(bvalid, _order_keys(bmax, bid), -1)
+                    bpos = bid - start // CB
+                    if chunk <= L:
+                        tl.store(brow + bid, bkey, mask=bid * CB < end)
+                    else:
+                        tl.store(btile + bpos % LB, bkey)
+            if chunk > L:
+                if tmax > thr:
+                    thr = _merge_top(lst, tile, L)
+                if BLOCKS:
+                    done = (t0 + L - start) // CB  # blocks pending since the last merge fill the tile, or the end
+                    if (done % LB == 0) | (t0 + L >= end):
+                        _merge_top(blst, btile, LB)
+                        tl.store(btile + jb, tl.full([LB], -1, tl.int64))
+                        tl.debug_barrier()
+
+    @triton.jit
+    def _merge_lists(row, n_keys, acc, win, L: tl.constexpr):
+        """acc[0:L) := the top L keys of row[0:n_keys), L-wide windows (each copied to `win` first, as _merge_top
+        reads its tile there) skipped when their best does not beat the kept worst."""
+        j = tl.arange(0, L)
+        tl.store(acc + j, tl.full([L], -1, tl.int64))
+        thr = tl.zeros([], tl.int64) - 1
+        for w0 in range(0, n_keys, L):
+            x = tl.load(row + w0 + j, mask=w0 + j < n_keys, other=-1)
+            if tl.max(x, axis=0) > thr:
+                tl.store(win + j, x)
+                thr = _merge_top(acc, win, L)
+
+    @triton.jit
+    def _select_merge_kernel(n_ptr, C, row_ptr, tile_ptr, brow_ptr, btile_ptr, acc_ptr, bacc_ptr, S,
+                             table_ptr, t_stride, BS, picks_ptr, slots_ptr, mask_ptr, K, cands_ptr, KEEP,
+                             L: tl.constexpr, LB: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr,
+                             KP: tl.constexpr, KEEPP: tl.constexpr, POOL: tl.constexpr, BLOCKS: tl.constexpr):
+        """Per row: the top K of every split's keys (raw keys at row[u], or one list per split), then the picks,
+        their slots through the table and the mask; BLOCKS: the kept candidate blocks. Split 0's tile is free
+        now: it holds each window being merged."""
+        r = tl.program_id(0).to(tl.int64)
+        n = tl.load(n_ptr + r)
+        if POOL:
+            U = C * CB
+        else:
+            U = n
+        chunk = tl.maximum(tl.cdiv(tl.cdiv(U, S), SUB), 1) * SUB
+        raw = chunk <= L
+        acc = acc_ptr + r * L
+        _merge_lists(row_ptr + r * S * L, tl.where(raw, U, S * L), acc, tile_ptr + r * S * L, L)
+        j = tl.arange(0, KP)
+        jm = j < K
+        key = tl.load(acc + j, mask=jm, other=-1)
+        ok = key >= 0
+        e = tl.where(ok, 2147483647 - (key % 2147483648), 0)
+        blk = tl.load(table_ptr + r * t_stride + e // BS, mask=jm, other=0).to(tl.int64)
+        tl.store(picks_ptr + r * K + j, tl.where(ok, e, -1), mask=jm)
+        tl.store(slots_ptr + r * K + j, blk * BS + e % BS, mask=jm)
+        tl.store(mask_ptr + r * K + j, ok, mask=jm)
+        if BLOCKS:
+            bacc = bacc_ptr + r * LB
+            nb = tl.where(raw, tl.cdiv(U, CB), S * LB)
+            _merge_lists(brow_ptr + r * S * LB, nb, bacc, btile_ptr + r * S * LB, LB)
+            jb = tl.arange(0, KEEPP)
+            jbm = jb < KEEP
+            bkey = tl.load(bacc + jb, mask=jbm & (jb < LB), other=-1)
+            bid = 2147483647 - (bkey % 2147483648)
+            tl.store(cands_ptr + r * KEEP + jb, tl.where(bkey >= 0, bid, -1), mask=jbm)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def select_splits(R: int, device: torch.device) -> int:
+    """Programs per row of the scoring kernel, from shapes only: enough that rows x splits fills the GPU twice.
+    Each split scores ceil(n / splits) entries (in 32-entry steps), so short rows use few of them."""
+    return max(1, min(MAX_SPLITS, -(-2 * _sm_count(device) // max(1, R))))
+
+
+def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
+                         block_size: int, n: torch.Tensor, max_entries: int, scale: float, k: int,
+                         pool: torch.Tensor | None = None, cand_block: int = 1, keep_blocks: int = 0,
+                         splits: int | None = None) -> Selection:
+    """The same in two launches whose work follows each row's n (or its candidate blocks), never max_entries:
+    scores of the visible entries into per-row scratch of splits x next_pow2(k) keys with running top-k lists,
+    then a merge per row. `max_entries` only bounds k (as the reference's width does). `splits` overrides the
+    shape-derived split count (tests)."""
+    assert triton is not None, "triton is not installed"
+    R, H, D = q.shape
+    dev = q.device
+    picks = torch.full((R, k), -1, dtype=torch.int64, device=dev)
+    slots = torch.zeros(R, k, dtype=torch.int64, device=dev)
+    mask = torch.zeros(R, k, dtype=torch.bool, device=dev)
+    cands = torch.full((R, keep_blocks), -1, dtype=torch.int64, device=dev) if keep_blocks > 0 else None
+    if R == 0 or k == 0:
+        return picks, slots, mask, cands
+    blocks = keep_blocks > 0
+    assert cand_block & (cand_block - 1) == 0, cand_block  # the block max reshapes a tile into [*, cand_block]
+    SUB = max(32, cand_block)
+    L = max(triton.next_power_of_2(k), SUB)
+    LB = max(triton.next_power_of_2(keep_blocks), L // cand_block) if blocks else 1
+    S = splits or select_splits(R, dev)
+    row = torch.empty(R, S * L, dtype=torch.int64, device=dev)
+    tile = torch.empty(R, S * L, dtype=torch.int64, device=dev)
+    acc = torch.empty(R, L, dtype=torch.int64, device=dev)
+    brow = torch.empty(R, S * LB, dtype=torch.int64, device=dev) if blocks else row
+    btile = torch.empty(R, S * LB, dtype=torch.int64, device=dev) if blocks else tile
+    bacc = torch.empty(R, LB, dtype=torch.int64, device=dev) if blocks else acc
+    table = table if table.stride(1) == 1 else table.contiguous()
+    cand = pool.contiguous() if pool is not None else picks
+    C = pool.shape[1] if pool is not None else 0
+    _select_split_kernel[(R, S)](
+        q.float().contiguous(), w.float().contiguous(), keys.contiguous(), table, table.stride(0), n.contiguous(),
+        cand, cand.stride(0), C, row, tile, brow, btile, S, H, D, block_size, float(scale),
+        L=L, LB=LB, CB=cand_block, SUB=SUB, BLOCK_H=max(16, triton.next_power_of_2(H)),
+        BLOCK_D=max(16, triton.next_power_of_2(D)), POOL=pool is not None, BLOCKS=blocks, num_warps=4)
+    _select_merge_kernel[(R,)](
+        n.contiguous(), C, row, tile, brow, btile, acc, bacc, S, table, table.stride(0), block_size, picks, slots,
+        mask, k, cands if cands is not None else picks, keep_blocks, L=L, LB=LB, CB=cand_block, SUB=SUB,
+        KP=triton.next_power_of_2(k), KEEPP=triton.next_power_of_2(max(keep_blocks, 1)), POOL=pool is not None,
+        BLOCKS=blocks, num_warps=4)
+    return picks, slots, mask, cands
+
+
+def decode_select(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor, block_size: int,
+                  n: torch.Tensor, max_entries: int, scale: float, k: int, pool: torch.Tensor | None = None,
+                  cand_block: int = 1, keep_blocks: int = 0) -> Selection:
+    """Triton on CUDA (when the candidate block is a power of two, as released), torch elsewhere."""
+    if q.is_cuda and triton is not None and cand_block & (cand_block - 1) == 0:
+        return decode_select_triton(q, w, keys, table, block_size, n, max_entries, scale, k, pool, cand_block,
+                                    keep_blocks)
+    return decode_select_torch(q, w, keys, table, block_size, n, max_entries, scale, k, pool, cand_block,
+                               keep_blocks)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _table_picks_kernel(picks_ptr, table_ptr, t_stride, BS, slots_ptr, mask_ptr, K, BLOCK_K: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        j = tl.arange(0, BLOCK_K)
+        jm = j < K
+        p = tl.load(picks_ptr + r * K + j, mask=jm, other=-1).to(tl.int64)
+        e = tl.maximum(p, 0)
+        blk = tl.load(table_ptr + r * t_stride + e // BS, mask=jm, other=0).to(tl.int64)
+        tl.store(slots_ptr + r * K + j, blk * BS + e % BS, mask=jm)
+        tl.store(mask_ptr + r * K + j, p >= 0, mask=jm)
+
+
+def pick_table_sources_triton(picks: torch.Tensor, table: torch.Tensor, block_size: int
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same in one launch."""
+    assert triton is not None, "triton is not installed"
+    R, K = picks.shape
+    picks = picks.contiguous()
+    table = table if table.stride(1) == 1 else table.contiguous()
+    slots = torch.empty(R, K, dtype=torch.int64, device=picks.device)
+    mask = torch.empty(R, K, dtype=torch.bool, device=picks.device)
+    if R and K:
+        _table_picks_kernel[(R,)](picks, table, table.stride(0), block_size, slots, mask, K,
+                                  BLOCK_K=triton.next_power_of_2(K))
+    return picks, slots, mask
+
+
+def pick_table_sources(picks: torch.Tensor, table: torch.Tensor, block_size: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton on CUDA, torch elsewhere."""
+    if picks.is_cuda and triton is not None:
+        return pick_table_sources_triton(picks, table, block_size)
+    return pick_table_sources_torch(picks, table, block_size)

@@ -2,6 +2,33 @@
 
 Built once per step by the model state (`prepare_attn`) from the persistent input buffers and block tables,
 then passed to the model's forward (never imported by it as global state).
+
+What grows with max_model_len (issue 23, item 3), at max_model_len 1,048,576, 64 decode rows (max_num_seqs 64),
+V4.1-Flash shapes (groups compressed_2 / compressed_1: 524,288 / 1,048,576 entries per request, 64-entry blocks,
+index sources 1, 4 (the candidate source) and 6 of the 8-layer preset, 32 index heads, top-512, candidates
+2048 blocks of 8):
+
+| buffer / per-step work                              | before                         | now                        |
+|-----------------------------------------------------|--------------------------------|----------------------------|
+| DecodeMetadata entry slots [64, M] int64 (2 groups)  | 256 + 512 MiB                  | gone                       |
+| DecodeMetadata entry tables [64, blocks] int32       | -                              | 2 + 4 MiB (block tables)   |
+| indexer scores [64, M] fp32 per index source         | 128 / 256 / 256 MiB, grid      | gone: splits x 512 keys    |
+|   and its kernel grid                                |   64 x M/32 programs           |   per row (n-bounded work) |
+| stable_topk (torch.sort over M) per index source     | O(M log M) per row             | running top-512 over n     |
+| candidate_blocks (layer 4): amax + sort over M/8     | [64, 131072] sort              | running top-2048 blocks    |
+| candidate_pool (layer 6): [64, M] bool + masked_fill | 64 MiB + 256 MiB               | scores only pooled blocks  |
+| KV block tables (BlockTables) [64, blocks] int32     | 8 + 16 (+ window 16) MiB       | unchanged (as vLLM)        |
+| token history (RequestState) [64, max_len] int64     | 512 MiB                        | unchanged (not per step)   |
+| rope tables [max_len, rope dim] fp32, per config     | 256 MiB each, not per row      | unchanged                  |
+| V4 only: HCA attends [R, M/128] slots + mask          | O(M) per row (8192 at 1M)      | unchanged (see below)      |
+
+The decode path reads entries through `EntryTable` (the batch-order block table and each row's n): the metadata
+build copies only the blocks of visible entries, `decode_select` (ops/indexer.py) scores each row's visible
+entries (or its candidate blocks' entries) and keeps a running top-k in scratch sized by splits x top-k, and the
+published picks map to slots through the same table (`pick_table_sources`). Still O(max_model_len): the torch
+references (CPU), which materialise [R, max_entries] as before, and V4's HCA layers, whose attention over every
+visible entry still takes a materialised [R, ceil(max_len / 128)] slot matrix (8192 entries per row at 1M; a
+table source for `decode_sink_attention` would remove it).
 """
 
 from __future__ import annotations
@@ -99,15 +126,38 @@ def entry_slot_mappings_of(groups: tuple[KVGroupSpec, ...], tables: dict[str, to
 TRASH_SLOT = 0  # slot 0 of the null block: writes that must land nowhere (padding rows, no closed group) go here
 
 
+@dataclass(frozen=True)
+class EntryTable:
+    """One compressed group's entries as a decode row sees them, read through its block table: row b sees entries
+    e < n[b], entry e in cache slot table[b, e // block_size] * block_size + e % block_size. Only the blocks that
+    hold visible entries (< ceil(n / block_size)) are guaranteed to be filled: every reader stops at n, so a step
+    costs each row its visible entries, never max_model_len. `max_entries` = ceil(max_model_len / ratio) is the
+    width the torch references use (they may materialise [R, max_entries]; the Triton paths never do) and bounds
+    the top-k width, min(index_topk, max_entries), so the picks have the shapes they always had."""
+
+    table: torch.Tensor  # [R, max_blocks] int32 (batch order)
+    n: torch.Tensor  # [R] int64
+    block_size: int
+    max_entries: int
+
+    def slots(self) -> torch.Tensor:
+        """[R, max_entries] int64 slot of every entry through the table (blocks past the table clamped to its last
+        column): the reference paths' materialised view; O(max_model_len) per row, so CPU / tests only."""
+        e = torch.arange(self.max_entries, device=self.table.device).expand(self.table.shape[0], -1)
+        return _table_slots(self.table, e, self.block_size)
+
+
 @dataclass
 class DecodeMetadata:
     """A uniform-decode step (one query token per row) as fixed-shape device tensors, so the forward can be
     captured in a CUDA graph: every tensor here lives in a persistent buffer sized for the largest padded batch,
     and rows past `num_reqs` are padding (no valid keys, writes to TRASH_SLOT).
 
-    For each compressed group g (ratio r): `entry_slots[g]` [R, M_g] maps entry e < M_g = ceil(max_len / r) to its
-    cache slot, `n_entries[g]` [R] is how many entries the row's query sees ((pos+1) div r), and `entry_write[g]`
-    [R] is the slot of the entry this token completes (TRASH_SLOT if it completes none).
+    For each compressed group g (ratio r): `entry_tables[g]` [R, max_blocks_g] int32 is the batch-order copy of the
+    rows' block tables (filled up to the blocks of their visible entries: see `EntryTable`), `n_entries[g]` [R] is
+    how many entries the row's query sees ((pos+1) div r), and `entry_write[g]` [R] is the slot of the entry this
+    token completes (TRASH_SLOT if it completes none). No per-step buffer is sized by max_model_len beyond the
+    block tables themselves (as vLLM's decode reads its block table).
     """
 
     num_reqs: int
@@ -118,9 +168,15 @@ class DecodeMetadata:
     window_mask: torch.Tensor  # [R, W] bool: key position in (pos - W, pos] and >= 0
     write_slots: torch.Tensor  # [R] int64 window slot of the row's token
     state_blocks: torch.Tensor  # [R] int64 compressor ring block (null block for padding)
-    entry_slots: dict[str, torch.Tensor]
+    entry_tables: dict[str, torch.Tensor]
     n_entries: dict[str, torch.Tensor]
     entry_write: dict[str, torch.Tensor]
+    entry_geometry: dict[str, tuple[int, int]]  # group -> (block_size, max_entries)
+
+    def entries(self, group: str) -> EntryTable:
+        """The group's entries of every row, as the decode kernels read them."""
+        bs, max_entries = self.entry_geometry[group]
+        return EntryTable(self.entry_tables[group], self.n_entries[group], bs, max_entries)
 
 
 class DecodeMetadataBuffers:
@@ -135,7 +191,11 @@ class DecodeMetadataBuffers:
         self.window_slots, self.window_mask = z(max_rows, window), z(max_rows, window, dtype=torch.bool)
         self.write_slots, self.state_blocks = z(max_rows), z(max_rows)
         self.compressed = [g for g in groups if g.kind == "compressed"]
-        self.entry_slots = {g.name: z(max_rows, -(-max_model_len // g.tokens_per_row)) for g in self.compressed}
+        # the blocks of a request of max_model_len, as BlockTables sizes the state-row tables (the one buffer per
+        # group whose width grows with max_model_len: int32 block ids, block_size entries per id)
+        self.entry_tables = {g.name: z(max_rows, max(1, g.num_blocks_for(max_model_len + g.tokens_per_row)),
+                                       dtype=torch.int32) for g in self.compressed}
+        self.entry_geometry = {g.name: (g.block_size, -(-max_model_len // g.tokens_per_row)) for g in self.compressed}
         self.n_entries = {g.name: z(max_rows) for g in self.compressed}
         self.entry_write = {g.name: z(max_rows) for g in self.compressed}
         self._wrange = torch.arange(window - 1, -1, -1, device=device)  # offsets pos-W+1 .. pos
@@ -147,9 +207,10 @@ class DecodeMetadataBuffers:
             num_reqs=num_reqs, num_padded=P, positions=self.positions[:P],
             query_start_loc=self.query_start_loc[: P + 1], window_slots=self.window_slots[:P],
             window_mask=self.window_mask[:P], write_slots=self.write_slots[:P], state_blocks=self.state_blocks[:P],
-            entry_slots={k: v[:P] for k, v in self.entry_slots.items()},
+            entry_tables={k: v[:P] for k, v in self.entry_tables.items()},
             n_entries={k: v[:P] for k, v in self.n_entries.items()},
             entry_write={k: v[:P] for k, v in self.entry_write.items()},
+            entry_geometry=self.entry_geometry,
         )
 
     @property
@@ -186,7 +247,7 @@ class DecodeMetadataBuffers:
                              idx_mapping: torch.Tensor, tables: dict[str, torch.Tensor]) -> None:
         win = next(g for g in self.groups if g.kind == "window")
         targets = [decode_metadata.CompressedTarget(tables[g.name], g.block_size, g.tokens_per_row,
-                                                    self.entry_slots[g.name], self.n_entries[g.name],
+                                                    self.entry_tables[g.name], self.n_entries[g.name],
                                                     self.entry_write[g.name])
                    for g in self.compressed if g.name in names]
         decode_metadata.build_decode_metadata_triton(
@@ -223,13 +284,14 @@ class DecodeMetadataBuffers:
 
     def _torch_compressed(self, g: KVGroupSpec, R: int, P: int, pos: torch.Tensor,
                           block_tables: dict[str, torch.Tensor]) -> None:
-        for t in (self.entry_slots[g.name], self.n_entries[g.name], self.entry_write[g.name]):
+        for t in (self.entry_tables[g.name], self.n_entries[g.name], self.entry_write[g.name]):
             t[:P].zero_()
         if R == 0:
             return
-        r, slots = g.tokens_per_row, self.entry_slots[g.name]
+        r, out = g.tokens_per_row, self.entry_tables[g.name]
         table = block_tables[g.name][:R]
-        slots[:R] = _table_slots(table, torch.arange(slots.shape[1], device=pos.device).expand(R, -1), g.block_size)
+        width = min(out.shape[1], table.shape[1])
+        out[:R, :width] = table[:, :width]  # the reference copies whole rows; the kernel only the visible blocks
         self.n_entries[g.name][:R] = (pos + 1) // r
         new = _table_slots(table, ((pos + 1) // r - 1).clamp(min=0)[:, None], g.block_size)[:, 0]
         closes = (pos + 1) % r == 0

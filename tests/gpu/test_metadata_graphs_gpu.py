@@ -35,7 +35,9 @@ def _fields(md) -> dict[str, torch.Tensor]:  # noqa: ANN001
         out[f"n_{name}"] = md.n_entries[name].clone()
         out[f"w_{name}"] = md.entry_write[name].clone()
         n = md.n_entries[name][:R].tolist()
-        out[f"e_{name}"] = torch.cat([md.entry_slots[name][r, : n[r]] for r in range(R)] or [md.positions[:0]])
+        bs = md.entry_geometry[name][0]
+        out[f"e_{name}"] = torch.cat([md.entry_tables[name][r, : -(-n[r] // bs)] for r in range(R)]
+                                     or [md.entry_tables[name][0, :0]])
     return out
 
 

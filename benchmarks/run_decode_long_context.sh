@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Decode cost independent of max_model_len (issue 23 item 3) on one H200. From the repo root, PYTHONPATH=.:
+#   benchmarks/run_decode_long_context.sh OUTDIR PART [PART ...]
+#   tests   the new and changed GPU tests: the fused decode selection, the metadata build, its graphs, decode attention
+#   bench   V4.1-Flash-8l decode at batch $BATCHES (default "1 32"), 512 tokens in / 32 out, max_model_len 4096 and
+#           1,048,576 with the same KV pool (--num-kv-blocks 4096) and step budget (--max-num-batched-tokens 16384):
+#           acceptance: the 1M decode step within 3% of the 4096 one
+. "$(dirname "$0")/device_lib.sh"
+p=v41-flash-8l
+
+part_tests() {
+  gpu_pytest 400 gpu_tests.log tests/gpu/test_decode_select_gpu.py tests/gpu/test_decode_metadata_gpu.py \
+    tests/gpu/test_metadata_graphs_gpu.py tests/gpu/test_decode_attention_gpu.py tests/gpu/test_kernels_gpu.py -s
+}
+
+part_bench() {
+  make_preset $p
+  local b len args
+  for b in ${BATCHES:-1 32}; do
+    for len in 4096 1048576; do
+      args="bench latency --model /tmp/$p --batch-size $b --input-len 512 --output-len 32 --num-iters 2"
+      args="$args --cudagraph-capture-sizes $b --max-model-len $len --num-kv-blocks 4096 --max-num-batched-tokens 16384"
+      timeout 150 python3 -m dsv4.cli $args --output-json "$out/$p-b$b-len$len.json" > "$out/$p-b$b-len$len.log" 2>&1
+      summary "$p b$b max_model_len $len" $? "$out/$p-b$b-len$len.log" 'decode step|Error'
+    done
+  done
+}
+
+run_parts "$@"

@@ -1,0 +1,90 @@
+"""The fused decode selection (dsv4/ops/indexer.py `decode_select_triton`) against its torch reference on the GPU at
+V4.1-Flash shapes (32 index heads of 128, top-512, candidate blocks of 8 entries, keep 2048), entries read through
+64-entry block tables; and its cost independent of max_model_len (issue 23, item 3).
+
+Scores are fp32 on both paths but may add in another order, so picks are compared on exact-product grids (FP4-like
+halves: every score bitwise equal, ties included): there the picks, their order, slots, mask and candidate blocks
+must be equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsv4.ops.indexer import (decode_select_torch, decode_select_triton, pick_table_sources_torch,
+                              pick_table_sources_triton)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+H, D, K, BS, CB, KEEP = 32, 128, 512, 64, 8, 2048
+
+
+def _inputs(R: int, max_entries: int, seed: int, n_max: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    grid = lambda x: (x * 2).round() / 2  # noqa: E731
+    MB = -(-max_entries // BS) + 1
+    n_max = max_entries if n_max is None else n_max
+    N = (-(-n_max // BS) + 1) * R * BS + BS
+    q = grid(torch.randn(R, H, D, device="cuda", generator=g))
+    w = torch.randn(R, H, device="cuda", generator=g)
+    keys = grid(torch.randn(N, D, device="cuda", generator=g)).to(torch.bfloat16)
+    table = torch.randint(1, N // BS, (R, MB), device="cuda", generator=g, dtype=torch.int32)
+    n = torch.randint(0, n_max + 1, (R,), device="cuda", generator=g)
+    n[0] = n_max
+    if R > 2:
+        n[1], n[2] = 0, 100  # no entry; fewer than top-k
+    return q, w, keys, table, n
+
+
+@pytest.mark.parametrize("R,M", [(1, 512), (1, 65536), (32, 2048), (64, 4096), (3, 300000)])
+@pytest.mark.parametrize("mode", ["plain", "candidate_source", "pooled"])
+def test_decode_select_equals_torch(R: int, M: int, mode: str) -> None:
+    q, w, keys, table, n = _inputs(R, M, R + M)
+    pool = None
+    keep = KEEP if mode == "candidate_source" else 0
+    if mode == "pooled":  # the candidate source's blocks, as the layer after it gets them
+        pool = decode_select_torch(q, w, keys, table, BS, n, M, D ** -0.5, K, None, CB, KEEP)[3]
+    ref = decode_select_torch(q, w, keys, table, BS, n, M, D ** -0.5, min(K, M), pool, CB, keep)
+    got = decode_select_triton(q, w, keys, table, BS, n, M, D ** -0.5, min(K, M), pool, CB, keep)
+    for a, b in zip(ref[:3], got[:3]):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    if keep:
+        assert torch.equal(ref[3], got[3])
+
+
+def test_pick_table_sources_equals_torch() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    table = torch.randint(0, 10**6, (64, 2048), device="cuda", generator=g, dtype=torch.int32)
+    picks = torch.randint(-1, 2048 * BS, (64, K), device="cuda", generator=g)
+    for a, b in zip(pick_table_sources_torch(picks, table, BS), pick_table_sources_triton(picks, table, BS)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _time_us(fn, reps: int = 50) -> float:  # noqa: ANN001
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / reps
+
+
+@pytest.mark.parametrize("R", [1, 32])
+def test_decode_select_cost_independent_of_max_entries(R: int) -> None:
+    """512 visible entries: the selection with max_entries 4,096 and 1,048,576 (tables sized for each) within
+    noise of each other; the only max_entries-sized input is the int32 block table."""
+    times = {}
+    for M in (4096, 1 << 20):
+        q, w, keys, table, n = _inputs(R, M, 7, n_max=512)
+        n.fill_(512)
+        for mode in ("plain", "candidate_source"):
+            keep = KEEP if mode == "candidate_source" else 0
+            times[M, mode] = _time_us(lambda: decode_select_triton(q, w, keys, table, BS, n, M, D ** -0.5, K, None,
+                                                                   CB, keep))
+    print({f"{m}/{mode}": round(t, 1) for (m, mode), t in times.items()})
+    for mode in ("plain", "candidate_source"):
+        assert times[1 << 20, mode] <= 1.15 * times[4096, mode] + 5, times
