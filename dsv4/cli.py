@@ -21,6 +21,7 @@ from dsv4.config import ENGRAM_PLACEMENTS, LOAD_FORMATS
 from dsv4.models.config import ConfigError, hub_hint
 from dsv4.quant.config import QUANTIZATION_CHOICES
 from dsv4.sampling_params import SamplingParams, SamplingParamsError
+from dsv4.spec_decode.config import SPECULATIVE_CONFIG_HELP
 from dsv4.train import demo as train_demo, evaluate as train_eval
 
 DEFAULT_PROMPT = "The quick brown fox"
@@ -147,7 +148,7 @@ def _make_model(args: argparse.Namespace) -> None:
 _GPU_ARGS = ("enforce_eager", "gpu_memory_utilization", "encoder_cudagraphs", "compile_decode", "async_scheduling",
              "enable_prefix_caching", "swa_bounded_replay", "decode_backend", "tensor_parallel_size",
              "expert_parallel", "quantization", "load_format", "skip_tokenizer_init", "scheduling_policy",
-             "engram_placement")
+             "engram_placement", "speculative_config")
 
 
 def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
@@ -194,6 +195,25 @@ def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
                         help="schedule and launch each step before the previous step's tokens reach the host "
                              "(hides host work behind GPU work; outputs arrive one step later; default: on for "
                              "CUDA, off on the CPU)")
+    parser.add_argument("--speculative-config", metavar="JSON", help=SPECULATIVE_CONFIG_HELP)
+
+
+def check_speculative_config(args: argparse.Namespace) -> None:
+    """A bad `--speculative-config` (not JSON, unknown keys, a checkpoint without that drafter) fails here with one
+    message, before the model is built or tensor-parallel ranks are spawned (each would report it)."""
+    value = getattr(args, "speculative_config", None)
+    if value is None:
+        return
+    from dsv4.spec_decode.config import load_speculative_config
+
+    model = getattr(args, "model", None)
+    if model is None:
+        from dsv4.make_model import default_model_dir
+
+        model = default_model_dir()
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        return  # the command reports the missing checkpoint itself
+    load_speculative_config(model, value)
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -294,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _build_parser().parse_args(argv)
     try:
+        check_speculative_config(args)
         spawned = _spawn_ranks(args, argv)
         if spawned is not None:
             return spawned

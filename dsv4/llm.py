@@ -18,7 +18,9 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 class LLM:
-    """Load a checkpoint and generate. `model=None` uses the built-in tiny default model (no download)."""
+    """Load a checkpoint and generate. `model=None` uses the built-in tiny default model (no download).
+    `speculative_config`: vLLM's `{"method": "dspark" | "mtp", "num_speculative_tokens": k, "disable_by_batch_size":
+    B}` (a dict or its JSON), speculative decoding with the checkpoint's drafter (`engine.spec_decode_stats`)."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
@@ -29,7 +31,8 @@ class LLM:
                  swa_bounded_replay: bool = True, decode_backend: str = "default", tensor_parallel_size: int = 1,
                  expert_parallel: bool = False, quantization: str | None = None, load_format: str = "auto",
                  skip_tokenizer_init: bool = False, scheduling_policy: str = "fair",
-                 tokenizer_mode: str = "auto", engram_placement: str = "auto") -> None:
+                 tokenizer_mode: str = "auto", engram_placement: str = "auto",
+                 speculative_config: str | dict[str, Any] | None = None) -> None:
         if model is None:
             from dsv4.models.presets import default_model_dir
 
@@ -50,7 +53,8 @@ class LLM:
                                           tensor_parallel_size=tensor_parallel_size, expert_parallel=expert_parallel,
                                           quantization=quantization, load_format=load_format,
                                           skip_tokenizer_init=skip_tokenizer_init,
-                                          scheduling_policy=scheduling_policy, engram_placement=engram_placement)
+                                          scheduling_policy=scheduling_policy, engram_placement=engram_placement,
+                                          speculative_config=speculative_config)
         self.tokenizer = self.engine.tokenizer
         # how chat() renders (dsv4.chat.prompt): the checkpoint's template, else DeepSeek's encoder of its family
         self.chat_renderer = (ChatRenderer.create(self.tokenizer, self.engine.config.model, tokenizer_mode)

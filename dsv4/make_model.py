@@ -36,15 +36,15 @@ from dsv4.chat.tokens import special_tokens
 from dsv4.models.image_processor import IMAGE_PLACEHOLDER
 from dsv4.models.config import parse_config_dict
 from dsv4.models.presets import (CONFIG_ONLY_PRESETS, DRAFTER_FIELDS, LARGE_PRESETS, TOKENIZER_VOCAB_SIZE,
-                                 VISION_PRESETS, dspark_tensor_shapes, preset_config, preset_dtype, tensor_shapes,
-                                 text_config, vision_tensor_shapes)
+                                 VISION_PRESETS, dspark_tensor_shapes, mtp_tensor_shapes, preset_config, preset_dtype,
+                                 tensor_shapes, text_config, vision_tensor_shapes)
 from dsv4.quant.config import QuantConfig
 from dsv4.quant.released import release_quant, released_config, write_released, write_sharded
 from dsv4.models.vision import parse_vision_config
 from dsv4.spec_decode.config import parse_dspark
 
 # Bump when anything make_model writes changes, so cached default models are rebuilt.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 DEFAULT_PRESET = "tiny-v4"
 
 # The special tokens of DeepSeek's prompts (dsv4.chat.tokens), BOS/EOS/PAD at DeepSeek's ids 0/1/2 (config
@@ -192,15 +192,16 @@ class _Init:
 def _init_v4(name: str) -> _Init:
     """V4: linear weights (and the mHC fn) ~ N(0, 0.02); norms and mHC scales = 1; sinks, position biases and mHC
     bases ~ 0.5 N(0, 1) and the router bias ~ 0.1 N(0, 1), so none of them is zero and every code path matters;
-    `tid2eid` rows are distinct random experts."""
+    `tid2eid` rows are distinct random experts. The MTP layer's released names (`mtp.0.hc_attn_scale`,
+    `mtp.0.attn.attn_sink`, `mtp.0.ffn.gate.bias`, ...) follow the same rule; no target (HF) name ends like them."""
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "tid2eid":
         return _Init("experts")
-    if "norm" in name or leaf in ("scale", "hc_scale"):
+    if "norm" in name or leaf in ("scale", "hc_scale") or leaf.endswith("_scale"):
         return _Init("ones")
-    if leaf in ("sinks", "position_bias", "base", "hc_base"):
+    if leaf in ("sinks", "position_bias", "base", "hc_base", "attn_sink") or leaf.endswith("_base"):
         return _Init("normal", 0.5)
-    if leaf == "e_score_correction_bias":
+    if leaf == "e_score_correction_bias" or name.endswith("gate.bias"):
         return _Init("normal", 0.1)
     return _Init("normal", 0.02)
 
@@ -235,8 +236,8 @@ def _draw(init: _Init, shape: tuple[int, ...], gen: torch.Generator, n_experts: 
 def _checkpoint_shapes(config: dict[str, Any], dtype: str, vision: bool
                        ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """`tensor_shapes` of the config, followed by `vision_tensor_shapes` of its vision_config when `vision`, then
-    the DSpark drafter's `mtp.*` tensors when the (V4.1) config has draft stages (last, so that the target's and the
-    vision tower's draws do not depend on the drafter)."""
+    the drafter's `mtp.*` tensors when the config has draft layers: V4.1's DSpark stages, V4's MTP layer (last, so
+    that the target's and the vision tower's draws do not depend on the drafter)."""
     cfg = parse_config_dict(config)
     shapes = tensor_shapes(cfg, dtype)
     if vision:
@@ -247,6 +248,8 @@ def _checkpoint_shapes(config: dict[str, Any], dtype: str, vision: bool
     ds = parse_dspark(config) if cfg.v41 is not None else None
     if ds is not None:
         shapes.update(dspark_tensor_shapes(cfg, ds, dtype))
+    if cfg.v41 is None and cfg.num_nextn_predict_layers > 0:
+        shapes.update(mtp_tensor_shapes(cfg, dtype))
     return shapes
 
 
@@ -354,9 +357,10 @@ def make_model(preset: str, out_dir: str, seed: int = 0, dtype: str | None = Non
     same float draws, `quantization_config` in config.json). `config_only`: config.json, tokenizer and
     generation_config only (for `--load-format dummy`); the only way to "write" a `CONFIG_ONLY_PRESETS` preset.
 
-    `drafter`: None = the preset's own (tiny-v41 ships a tiny DSpark drafter, the others none); True adds the
-    released DSpark drafter's fields (`DRAFTER_FIELDS`) and its `mtp.*` weights to a V4.1 preset; False writes
-    none. The released (quantized) layout carries no drafter tensors yet: its config then says none either."""
+    `drafter`: None = the preset's own (tiny-v41 ships a tiny DSpark drafter, tiny-v4 one MTP layer, the others
+    none); True adds the released drafter: DSpark's fields (`DRAFTER_FIELDS`) and `mtp.*` weights to a V4.1 preset,
+    one MTP layer to a V4 preset; False writes none. The released (quantized) layout carries no drafter tensors yet:
+    its config then says none either."""
     if preset in CONFIG_ONLY_PRESETS and not config_only:
         raise ValueError(f"preset {preset!r} is the full released model (hundreds of GB of weights): its weights are "
                          f"not written. Write its config with `dsv4 make-model --preset {preset} --out DIR "
@@ -366,8 +370,9 @@ def make_model(preset: str, out_dir: str, seed: int = 0, dtype: str | None = Non
     dtype = dtype or preset_dtype(preset)
     config = preset_config(preset, overrides)
     is_v41 = text_config(config).get("model_type") in ("deepseek_v41", "deepseek_v41_text")
-    if drafter and not is_v41:
-        raise ValueError(f"preset {preset!r}: only DeepSeek-V4.1 presets have a DSpark drafter")
+    if not is_v41 and (drafter is not None or quant not in (None, "none")):
+        keep = (bool(text_config(config).get("num_nextn_predict_layers")) if drafter is None else drafter)
+        text_config(config)["num_nextn_predict_layers"] = int(keep and quant in (None, "none"))  # V4 ships one
     if is_v41 and (drafter is not None or quant not in (None, "none")):
         keep = bool(drafter) and quant in (None, "none")
         if keep and not text_config(config).get("num_nextn_predict_layers"):

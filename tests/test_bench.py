@@ -356,7 +356,7 @@ LATENCY_FIELDS = {"benchmark", "model", "model_type", "date", "device", "device_
                   "floor", "copy_bytes", "copy_bandwidth_Bps", "floor_time_s", "fraction_of_floor", "achieved_Bps",
                   "hf", "decode_host_launch_s", "decode_metadata_host_s", "decode_backend", "tensor_parallel_size",
                   "quantization", "load_format", "model_load_s", "weight_bytes_on_device", "max_memory_allocated",
-                  "json_schema", "memory", "weight_plan"}
+                  "json_schema", "memory", "weight_plan", "spec_decode"}
 
 
 @pytest.mark.parametrize("which", ["tiny-v4", "tiny-v41"])
@@ -385,6 +385,54 @@ def test_bench_latency_end_to_end(which: str, tiny_v4: str, tiny_v41: str, tmp_p
     # host time to launch a decode step, and the metadata build inside it (on the CPU the whole step is host time)
     h, m = res["decode_host_launch_s"], res["decode_metadata_host_s"]
     assert 0 < m["median"] < h["median"] <= res["decode_step_s"]["max"] and res["decode_backend"] == "default"
+    assert res["spec_decode"] is None
+
+
+def test_bench_latency_with_speculative_decoding(tiny_v41: str, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """--speculative-config (tiny-v41's random DSpark drafter): acceptance counters of the timed batches, the
+    acceptance length and output tokens per second per request; a decode step then emits 1..k+1 tokens a request."""
+    out = tmp_path / "lat.json"
+    b, o, iters, k = 2, 9, 2, 3
+    argv = ["bench", "latency", "--model", tiny_v41, "--batch-size", str(b), "--input-len", "10", "--output-len",
+            str(o), "--num-iters", str(iters), "--device", "cpu", "--copy-bytes", str(1 << 20), "--output-json",
+            str(out), "--speculative-config", json.dumps({"method": "dspark", "num_speculative_tokens": k})]
+    assert main(argv) == 0
+    table = capsys.readouterr().out
+    assert "acceptance length" in table and "tokens/s per request" in table
+    res = json.loads(out.read_text())
+    assert set(res) == LATENCY_FIELDS and res["engine_kwargs"]["async_scheduling"] is False
+    sd = res["spec_decode"]
+    assert sd["speculative_config"] == {"method": "dspark", "num_speculative_tokens": k, "disable_by_batch_size": None}
+    # the timed batches only (the warm-up batch drafted too): every request emits o - 1 tokens after its prefill,
+    # each verify step its accepted drafts and one more
+    emitted = iters * b * (o - 1)
+    assert 0 < sd["num_drafts"] <= emitted and sd["num_drafts"] <= sd["num_draft_tokens"] <= k * sd["num_drafts"]
+    assert sd["num_drafts"] + sd["num_accepted_tokens"] <= emitted
+    assert len(sd["num_accepted_tokens_per_pos"]) == k and sum(sd["num_accepted_tokens_per_pos"]) == \
+        sd["num_accepted_tokens"]
+    assert sd["acceptance_length"] == pytest.approx(1 + sd["num_accepted_tokens"] / sd["num_drafts"])
+    assert sd["acceptance_rate"] == pytest.approx(sd["num_accepted_tokens"] / sd["num_draft_tokens"])
+    # decode steps: the whole batch decodes; their tokens over their time
+    assert 0 < res["decode_steps"] <= iters * (o - 1) and b * res["decode_steps"] <= sd["decode_tokens"] <= emitted
+    assert sd["output_tokens_per_s"] == pytest.approx(sd["decode_tokens"] / sum(res["decode_step_times_s"]))
+    assert sd["output_tokens_per_s_per_request"] == pytest.approx(sd["output_tokens_per_s"] / b)
+    assert res["decode_tokens_per_s"] == sd["output_tokens_per_s"]
+
+
+def test_bench_throughput_with_speculative_decoding(tiny_v41: str, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "thr.json"
+    assert main(["bench", "throughput", "--model", tiny_v41, "--num-prompts", "3", "--input-len", "8",
+                 "--output-len", "6", "--max-num-seqs", "4", "--device", "cpu", "--temperature", "0",
+                 "--speculative-config", '{"method": "dspark", "num_speculative_tokens": 2}',
+                 "--output-json", str(out)]) == 0
+    assert "acceptance length" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    sd = res["spec_decode"]
+    assert res["output_tokens"] == 3 * 6 and 0 < sd["num_drafts"] <= 3 * 5
+    assert sd["num_drafts"] <= sd["num_draft_tokens"] <= 2 * sd["num_drafts"]
+    assert sd["acceptance_length"] == pytest.approx(1 + sd["num_accepted_tokens"] / sd["num_drafts"])
 
 
 def test_bench_latency_with_a_json_schema(tiny_v41: str, tmp_path: Path,
@@ -458,6 +506,7 @@ def test_bench_throughput_end_to_end(tiny_v41: str, tmp_path: Path, capsys: pyte
     assert res["output_tokens_per_s"] == pytest.approx(20 / res["elapsed_s"])
     assert res["total_tokens_per_s"] == pytest.approx(100 / res["elapsed_s"])
     assert math.isclose(res["requests_per_s"] * res["elapsed_s"], 5)
+    assert res["spec_decode"] is None
 
 
 @pytest.mark.parametrize("mode", ["bounded", "exact", "off"])

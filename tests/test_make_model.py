@@ -22,7 +22,8 @@ from dsv4.make_model import default_model_dir, make_model, random_weights, write
 from dsv4.models.build import build_model
 from dsv4.models.config import HASH_MOE, load_model_config, parse_config_dict
 from dsv4.models.engram import EngramLayout, build_compressed_token_map
-from dsv4.models.presets import PRESETS, dspark_tensor_shapes, preset_config, v4_tensor_shapes, v41_tensor_shapes
+from dsv4.models.presets import (PRESETS, dspark_tensor_shapes, mtp_tensor_shapes, preset_config, v4_tensor_shapes,
+                                 v41_tensor_shapes)
 from dsv4.spec_decode.config import parse_dspark
 from dsv4.tokenizer import Tokenizer
 
@@ -62,7 +63,10 @@ def test_checkpoint_files_and_config(tiny_dir: str) -> None:
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tensors_match_v4_tensor_shapes(tmp_path: Path, dtype: str) -> None:
     out = make_model("tiny-v4", str(tmp_path), seed=3, dtype=dtype)
-    expected = v4_tensor_shapes(load_model_config(out), dtype)
+    cfg = load_model_config(out)
+    # the target's tensors, then its MTP layer's (`mtp.0.*`, the release's names: docs/dspark.md 4)
+    expected = v4_tensor_shapes(cfg, dtype) | mtp_tensor_shapes(cfg, dtype)
+    assert cfg.num_nextn_predict_layers == 1 and any(k.startswith("mtp.0.") for k in expected)
     with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
         got = {k: (tuple(f.get_slice(k).get_shape()), f.get_tensor(k).dtype) for k in f.keys()}
     assert got == expected
@@ -70,6 +74,9 @@ def test_tensors_match_v4_tensor_shapes(tmp_path: Path, dtype: str) -> None:
         assert got["model.layers.0.attn_hc.fn"][1] == torch.float32
         assert got["model.layers.0.self_attn.sinks"][1] == torch.float32
         assert got["model.layers.0.self_attn.q_a_proj.weight"][1] == torch.bfloat16
+        for name in ("mtp.0.hc_attn_fn", "mtp.0.hc_head_scale", "mtp.0.attn.attn_sink", "mtp.0.ffn.gate.bias"):
+            assert got[name][1] == torch.float32, name
+        assert got["mtp.0.e_proj.weight"][1] == torch.bfloat16
 
 
 def test_weight_init_exercises_every_path(tiny_dir: str) -> None:
@@ -94,8 +101,10 @@ def test_transformers_loads_it(tiny_dir: str) -> None:
     transformers = pytest.importorskip("transformers")
     model, info = transformers.DeepseekV4ForCausalLM.from_pretrained(tiny_dir, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    # The values arrive unchanged: no conversion rule renamed or reshaped any tensor.
-    ours = load_file(os.path.join(tiny_dir, "model.safetensors"))
+    # The values arrive unchanged: no conversion rule renamed or reshaped any tensor. transformers drops the MTP
+    # layer (`mtp.*`, ignored on load), as the engine's target does.
+    ours = {k: v for k, v in load_file(os.path.join(tiny_dir, "model.safetensors")).items()
+            if not k.startswith("mtp.")}
     theirs = model.state_dict()
     assert set(theirs) == set(ours)
     for name, value in ours.items():

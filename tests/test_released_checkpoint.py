@@ -269,8 +269,9 @@ def check_release(released: dict[str, torch.Tensor], floats: dict[str, torch.Ten
 
 @pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
 def test_released_tiny_checkpoint_is_the_float_model_quantized(preset: str, tmp_path: Path) -> None:
-    # the released layout carries no DSpark drafter yet (tiny-v41's float checkpoint does): compare without it
-    float_dir = make_model(preset, str(tmp_path / "float"), seed=3, drafter=False if preset == "tiny-v41" else None)
+    # the released layout carries no drafter yet (tiny-v41's float checkpoint has DSpark, tiny-v4's an MTP layer):
+    # compare without it
+    float_dir = make_model(preset, str(tmp_path / "float"), seed=3, drafter=False)
     rel_dir = make_model(preset, str(tmp_path / "released"), seed=3, quant="released")
     cfg = load_model_config(rel_dir)
     with open(os.path.join(rel_dir, "config.json"), encoding="utf-8") as f:
@@ -317,8 +318,8 @@ def _module_of(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
 def test_loader_reads_the_released_checkpoint(preset: str, tmp_path: Path) -> None:
     """The engine's loader dequantizes every released tensor onto the float model's names and shapes (V4.1's per-expert
     tensors packed, its engram tables left to the host table)."""
-    # the released layout carries no DSpark drafter yet: the float reference is written without it
-    float_dir = make_model(preset, str(tmp_path / "float"), seed=1, drafter=False if preset == "tiny-v41" else None)
+    # the released layout carries no drafter yet: the float reference is written without it
+    float_dir = make_model(preset, str(tmp_path / "float"), seed=1, drafter=False)
     rel_dir = make_model(preset, str(tmp_path / "released"), seed=1, quant="released")
     cfg = load_model_config(float_dir)
     floats = _read_dir(float_dir)
@@ -396,7 +397,7 @@ def test_streamed_release_equals_the_in_memory_one(preset: str, tmp_path: Path,
 
 
 def test_base_format_fp8_experts(tmp_path: Path) -> None:
-    float_dir = make_model("tiny-v4", str(tmp_path / "float"), seed=2)
+    float_dir = make_model("tiny-v4", str(tmp_path / "float"), seed=2, drafter=False)  # (the release: no MTP yet)
     d = make_model("tiny-v4", str(tmp_path / "base"), seed=2, quant="released-fp8-experts")
     with open(os.path.join(d, "config.json"), encoding="utf-8") as f:
         raw = json.load(f)

@@ -635,6 +635,50 @@ def test_32_concurrent_streams_with_metrics(server: Server) -> None:
                  "vllm:kv_cache_usage_perc", "vllm:num_preemptions_total"):
         assert name in after
 
+    assert not any(name.startswith("vllm:spec_decode") for name in after)  # speculation is off on this server
+
+
+def _spec_samples(server: Server) -> tuple[dict[str, float], dict[int, float]]:
+    """The `vllm:spec_decode_*` samples by name, and the per-position counter by its `position` label."""
+    req = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    text = urllib.request.urlopen(req, timeout=10).read().decode()
+    totals, per_pos = {}, {}
+    for m in re.finditer(r'^(vllm:spec_decode_\w+)\{([^}]*)\} (\S+)$', text, re.M):
+        pos = re.search(r'position="(\d+)"', m.group(2))
+        assert 'model_name="' in m.group(2)
+        if pos:
+            per_pos[int(pos.group(1))] = float(m.group(3))
+        else:
+            totals[m.group(1)] = float(m.group(3))
+    return totals, per_pos
+
+
+def test_speculative_decoding_metrics(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """`dsv4 serve --speculative-config` (tiny-v41's DSpark drafter): vLLM's spec_decode counters on /metrics, zero
+    at start with a sample per draft position, counting the drafts of a request; the greedy text is the plain
+    server's."""
+    tmp = tmp_path_factory.mktemp("serve-spec")
+    model = make_model("tiny-v41", str(tmp / "tiny-v41"), seed=0)
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 12, **GREEDY}
+    with serve_process(model, tmp, "--speculative-config", '{"method": "dspark", "num_speculative_tokens": 3}') as s:
+        totals, per_pos = _spec_samples(s)
+        assert totals == {"vllm:spec_decode_num_drafts_total": 0, "vllm:spec_decode_num_draft_tokens_total": 0,
+                          "vllm:spec_decode_num_accepted_tokens_total": 0}
+        assert per_pos == {0: 0, 1: 0, 2: 0}
+        spec_text = s.client().completions.create(**body).choices[0].text
+        totals, per_pos = _spec_samples(s)
+        assert 'TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter' in urllib.request.urlopen(
+            urllib.request.Request(s.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})).read().decode()
+    drafts = totals["vllm:spec_decode_num_drafts_total"]
+    draft_tokens = totals["vllm:spec_decode_num_draft_tokens_total"]
+    accepted = totals["vllm:spec_decode_num_accepted_tokens_total"]
+    # 12 tokens: the prefill samples one, each verify step emits its accepted drafts and one more
+    assert 0 < drafts <= 11 and drafts <= draft_tokens <= 3 * drafts
+    assert sum(per_pos.values()) == accepted <= draft_tokens and set(per_pos) == {0, 1, 2}
+    assert per_pos[0] >= per_pos[1] >= per_pos[2]  # a draft is accepted only after every draft before it
+    with serve_process(model, tmp) as plain:
+        assert plain.client().completions.create(**body).choices[0].text == spec_text
+
 
 def _wait_idle(server: Server, timeout: float = 30) -> dict[str, float]:
     deadline = time.monotonic() + timeout

@@ -11,28 +11,46 @@ import os
 from collections import Counter
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 
+from dsv4 import LLM
+from dsv4.cli import main as cli_main
 from dsv4.engine.engine import LLMEngine
 from dsv4.make_model import make_model
 from dsv4.models.build import build_model
 from dsv4.models.config import ConfigError, load_model_config
+from dsv4.models.presets import mtp_tensor_shapes
 from dsv4.runtime.sampler import SamplingTensors
 from dsv4.sampling_params import SamplingParams
+from dsv4.spec_decode.config import SpeculativeConfig
 from dsv4.spec_decode.dspark import load_dspark_drafter
+from dsv4.spec_decode.mtp import MTPDrafter, load_mtp_drafter
 from dsv4.spec_decode.proposer import OracleProposer
 from dsv4.spec_decode.rejection import verify
 from dsv4.tokenizer import Tokenizer
 
 SPEC = {"method": "dspark", "num_speculative_tokens": 3}
+MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 3}
 PROMPTS = [[0, 5, 9, 33, 77], [0, 8, 100, 200, 300, 400, 17, 18, 19, 20, 21, 22, 23], [0, 44]]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_model("tiny-v41", str(tmp_path_factory.mktemp("tiny-v41-dspark")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_v4_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_model("tiny-v4", str(tmp_path_factory.mktemp("tiny-v4-mtp")), seed=0)
+
+
+@pytest.fixture(scope="module", params=["dspark", "mtp"])
+def family(request: pytest.FixtureRequest, model_dir: str, tiny_v4_dir: str) -> tuple[str, dict]:
+    """(checkpoint, speculative config) of each drafter: tiny-v41's DSpark, tiny-v4's MTP layer."""
+    return (model_dir, SPEC) if request.param == "dspark" else (tiny_v4_dir, MTP_SPEC)
 
 
 def _run(model_dir: str, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -66,6 +84,11 @@ def baseline(model_dir: str) -> dict[str, list[int]]:
     return _tokens(_run(model_dir, PROMPTS, GREEDY)[0])
 
 
+@pytest.fixture(scope="module")
+def family_baseline(family: tuple[str, dict]) -> dict[str, list[int]]:
+    return _tokens(_run(family[0], PROMPTS, GREEDY)[0])
+
+
 def _oracle(baseline: dict[str, list[int]], prompts: list[list[int]] = PROMPTS) -> dict[str, list[int]]:
     return {str(i): prompts[i] + baseline[str(i)] for i in range(len(prompts))}
 
@@ -90,6 +113,83 @@ def test_tiny_v41_ships_a_dspark_drafter_the_loader_reads(model_dir: str) -> Non
         assert torch.equal(packed[5, I:], f.get_tensor("mtp.1.ffn.experts.5.w3.weight"))
     # the target ignores them (the engine without speculation loads the same directory)
     assert not any(n.startswith("mtp.") for n in build_model(cfg, model_dir, torch.float32, "cpu").state_dict())
+
+
+def test_tiny_v4_ships_an_mtp_layer_the_loader_reads(tiny_v4_dir: str) -> None:
+    """tiny-v4's MTP layer in the release's names (`mtp.0.attn.wq_a.weight`, per-expert w1/w2/w3, e_proj, h_proj,
+    enorm, hnorm, norm, hc_head_fn/base/scale) and dtypes, loaded onto MTPDrafter's (target-style) names; the
+    target ignores it."""
+    cfg = load_model_config(tiny_v4_dir)
+    assert cfg.num_nextn_predict_layers == 1
+    with safe_open(os.path.join(tiny_v4_dir, "model.safetensors"), "pt") as f:
+        mtp = {k for k in f.keys() if k.startswith("mtp.")}
+        assert mtp == set(mtp_tensor_shapes(cfg))
+        assert {"mtp.0.attn.wq_a.weight", "mtp.0.e_proj.weight", "mtp.0.hnorm.weight", "mtp.0.hc_head_fn",
+                "mtp.0.ffn.experts.7.w2.weight", "mtp.0.ffn.gate.bias", "mtp.0.hc_attn_scale"} <= mtp
+        drafter = load_mtp_drafter(tiny_v4_dir, cfg, torch.float32, "cpu", 256, 3)
+        sd = drafter.state_dict()
+        assert len(sd) == len([k for k in mtp if ".experts." not in k]) + 2
+        assert torch.equal(sd["mtp.0.self_attn.q_a_proj.weight"], f.get_tensor("mtp.0.attn.wq_a.weight"))
+        assert torch.equal(sd["mtp.0.hc_head.hc_fn"], f.get_tensor("mtp.0.hc_head_fn"))
+        assert torch.equal(sd["mtp.0.mlp.gate.e_score_correction_bias"], f.get_tensor("mtp.0.ffn.gate.bias"))
+        I = cfg.moe_intermediate_size
+        packed = sd["mtp.0.mlp.experts.gate_up_proj"]
+        assert torch.equal(packed[5, I:], f.get_tensor("mtp.0.ffn.experts.5.w3.weight"))
+        assert f.get_tensor("mtp.0.hc_attn_scale").tolist() == [1.0, 1.0, 1.0]  # the init recipe: scales 1
+        assert f.get_tensor("mtp.0.attn.attn_sink").abs().min() > 0
+    assert not drafter.mtp[0].mlp.gate.is_hash and drafter.mtp[0].self_attn.compressor is None
+    assert not any(n.startswith("mtp.") for n in build_model(cfg, tiny_v4_dir, torch.float32, "cpu").state_dict())
+    # the released (quantized) layout and drafter=False write none, and say so
+    for kw in ({"quant": "released"}, {"drafter": False}):
+        assert load_model_config(make_model("tiny-v4", os.path.join(os.path.dirname(tiny_v4_dir), str(kw)),
+                                            config_only=True, **kw)).num_nextn_predict_layers == 0
+
+
+def test_mtp_taps_and_drafts(tiny_v4_dir: str) -> None:
+    """The tap is the target's final streams (hc_head's input); a draft after the first, made by the layer's
+    incremental step, equals a causal pass of the layer over the context extended by that step's inputs."""
+    e = LLMEngine.from_args(tiny_v4_dir, speculative_config=MTP_SPEC, max_num_seqs=2)
+    model = e.runner.model
+    assert e.runner.speculator.proposer.tap_layer_ids == (4,)
+    seen: list[torch.Tensor] = []
+    hook = model.model.hc_head.register_forward_pre_hook(lambda mod, args: seen.append(args[0].clone()))
+    try:
+        e.add_request([0, 5, 9, 33, 77], SamplingParams(max_tokens=1, temperature=0))
+        e.step()
+    finally:
+        hook.remove()
+    taps = e.runner.speculator.taps
+    stored = taps.gather(np.array([0]), np.array([4]))[0, -5:]
+    assert torch.equal(stored, seen[0].flatten(1))
+
+    drafter: MTPDrafter = e.runner.speculator.proposer.drafter
+    g = torch.Generator().manual_seed(0)
+    C, hcD = 6, model.cfg.hc_mult * model.cfg.hidden_size
+    streams = torch.randn(1, C, hcD, generator=g)
+    nxt = torch.randint(3, 400, (1, C), generator=g)
+    last = torch.tensor([10])
+    embed, head = model.model.embed_tokens, model.lm_head
+    two = drafter.propose(streams, last, nxt, 2, embed, head)
+    # the second draft again, by a causal pass over one more context row: the first step's inputs (the layer's
+    # output streams at the last context position, the first draft) at position last + 1
+    layer = drafter.mtp[0]
+    with torch.no_grad():
+        pos = torch.arange(last.item() - C + 1, last.item() + 1)
+        h = layer.inputs(streams.view(C, model.cfg.hc_mult, -1), embed(nxt[0]))
+        q, kv, cos, sin, mixes = layer.project(h, pos)
+        out = layer.finish(h, q, kv.expand(C, -1, -1), torch.ones(C, C, dtype=torch.bool).tril(), cos, sin, mixes,
+                           nxt[0])
+    redo = drafter.propose(torch.cat([streams, out[-1].reshape(1, 1, -1)], dim=1), last + 1,
+                           torch.cat([nxt, two[:, :1]], dim=1), 1, embed, head)
+    assert redo[0, 0] == two[0, 1]
+    # and its first draft is the causal pass's own pick at the last context position
+    assert two[0, 0] == head(layer.head_hidden(out[-1:])).argmax(-1)[0]
+
+
+def test_mtp_drafts_must_fit_the_compressor_ring(tiny_v4_dir: str) -> None:
+    """A verify chunk longer than V4's shortest compressor ring (tiny-v4: 8 positions) could not be restored."""
+    with pytest.raises(ConfigError, match="at most 7"):
+        LLMEngine.from_args(tiny_v4_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 8})
 
 
 def test_speculative_config_needs_a_drafter(tmp_path: Any, model_dir: str) -> None:
@@ -137,17 +237,20 @@ def test_taps_are_the_hc_mean_of_the_streams_entering_each_target_layer(model_di
 
 
 # ---- greedy: identical to plain decoding ----------------------------------------------------------------------------
-def test_greedy_random_drafter_identical_batched_chunked(model_dir: str, baseline: dict[str, list[int]]) -> None:
-    outs, e = _run(model_dir, PROMPTS, GREEDY, SPEC, max_num_batched_tokens=8)
-    assert _tokens(outs) == baseline
+def test_greedy_random_drafter_identical_batched_chunked(family: tuple[str, dict],
+                                                        family_baseline: dict[str, list[int]]) -> None:
+    outs, e = _run(family[0], PROMPTS, GREEDY, family[1], max_num_batched_tokens=8)
+    assert _tokens(outs) == family_baseline
     st = e.spec_decode_stats
     assert st.num_drafts > 0 and st.num_draft_tokens >= 2 * st.num_drafts
     assert st.num_accepted_tokens < st.num_draft_tokens  # a random drafter is (almost always) rejected
 
 
-def test_greedy_oracle_drafter_accepts_everything(model_dir: str, baseline: dict[str, list[int]]) -> None:
-    outs, e = _run(model_dir, PROMPTS, GREEDY, SPEC, oracle=_oracle(baseline), max_num_batched_tokens=8)
-    assert _tokens(outs) == baseline
+def test_greedy_oracle_drafter_accepts_everything(family: tuple[str, dict],
+                                                  family_baseline: dict[str, list[int]]) -> None:
+    outs, e = _run(family[0], PROMPTS, GREEDY, family[1], oracle=_oracle(family_baseline),
+                   max_num_batched_tokens=8)
+    assert _tokens(outs) == family_baseline
     st = e.spec_decode_stats
     assert st.num_draft_tokens > 0 and st.num_accepted_tokens == st.num_draft_tokens
     assert st.num_accepted_tokens_per_pos[0] == st.num_drafts
@@ -157,14 +260,17 @@ def test_greedy_oracle_drafter_accepts_everything(model_dir: str, baseline: dict
     assert st.num_accepted_tokens + st.num_drafts + len(PROMPTS) <= 3 * 16
 
 
-def test_wrong_oracle_drafts_are_rolled_back(model_dir: str, baseline: dict[str, list[int]]) -> None:
+def test_wrong_oracle_drafts_are_rolled_back(family: tuple[str, dict],
+                                             family_baseline: dict[str, list[int]]) -> None:
     """An oracle that is right for a while, then wrong: partial acceptance at every depth, odd and even committed
-    lengths (the compressor pair rewind) - still the plain output."""
+    lengths (V4.1: the compressor pair rewind; V4: the compressor rings restored, without which this fails) - still
+    the plain output."""
+    baseline = family_baseline
     oracle = _oracle(baseline)
     for i, seq in enumerate(oracle.values()):
         for j in range(len(PROMPTS[i]) + 2 + i, len(seq), 3):
             seq[j] = (seq[j] + 1) % 500
-    outs, e = _run(model_dir, PROMPTS, GREEDY, SPEC, oracle=oracle)
+    outs, e = _run(family[0], PROMPTS, GREEDY, family[1], oracle=oracle)
     assert _tokens(outs) == baseline
     st = e.spec_decode_stats
     assert 0 < st.num_accepted_tokens < st.num_draft_tokens
@@ -172,13 +278,14 @@ def test_wrong_oracle_drafts_are_rolled_back(model_dir: str, baseline: dict[str,
 
 
 @pytest.mark.parametrize("drafter", ["random", "oracle"])
-def test_greedy_identical_under_preemption(model_dir: str, drafter: str) -> None:
+def test_greedy_identical_under_preemption(family: tuple[str, dict], drafter: str) -> None:
+    model_dir, spec = family
     prompts = [[0] + [(7 * i + j) % 400 + 3 for j in range(10 + 3 * i)] for i in range(4)]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     kw = dict(block_size=4, num_kv_blocks=22, enable_prefix_caching=False)
     base_outs, base_e = _run(model_dir, prompts, params, **kw)
     base = _tokens(base_outs)
-    outs, e = _run(model_dir, prompts, params, SPEC, oracle=_oracle(base, prompts) if drafter == "oracle" else None,
+    outs, e = _run(model_dir, prompts, params, spec, oracle=_oracle(base, prompts) if drafter == "oracle" else None,
                    **kw)
     assert e.scheduler.num_preemptions > 0
     assert _tokens(outs) == base
@@ -198,8 +305,10 @@ def test_greedy_identical_with_prefix_caching(model_dir: str) -> None:
         assert _tokens(outs) == base
 
 
-def test_stop_strings_stop_tokens_and_max_tokens(model_dir: str, baseline: dict[str, list[int]]) -> None:
+def test_stop_strings_stop_tokens_and_max_tokens(family: tuple[str, dict],
+                                                 family_baseline: dict[str, list[int]]) -> None:
     """The oracle emits up to 4 tokens per step: nothing past a stop string, a stop token or max_tokens is kept."""
+    (model_dir, spec), baseline = family, family_baseline
     tok = Tokenizer.from_dir(model_dir)
     seq = baseline["0"]
     stop_text = tok.decode(seq[6:8])  # a stop string completed by the 8th token, mid-block
@@ -209,7 +318,7 @@ def test_stop_strings_stop_tokens_and_max_tokens(model_dir: str, baseline: dict[
     prompts = [PROMPTS[0]] * len(cases)
     base, _ = _run(model_dir, prompts, cases)
     oracle = {str(i): PROMPTS[0] + seq for i in range(len(cases))}
-    outs, e = _run(model_dir, prompts, cases, SPEC, oracle=oracle)
+    outs, e = _run(model_dir, prompts, cases, spec, oracle=oracle)
     for k in base:
         assert list(outs[k].token_ids) == list(base[k].token_ids), k
         assert (outs[k].text, outs[k].finish_reason, outs[k].stop_reason) == \
@@ -295,3 +404,97 @@ def test_speculative_sampling_follows_the_target_softmax(model_dir: str, baselin
     assert _chi_square_p(observed, expected) > 1e-3
     st = e.spec_decode_stats
     assert st.num_draft_tokens == n and 0 < st.num_accepted_tokens < n  # the test exercised both branches
+
+
+# ---- user surface: LLM(speculative_config=...), --speculative-config ------------------------------------------------
+def test_llm_takes_a_speculative_config(model_dir: str, baseline: dict[str, list[int]]) -> None:
+    llm = LLM(model_dir, device="cpu", dtype="float32", max_num_seqs=4,
+              speculative_config='{"method": "dspark", "num_speculative_tokens": 2}')
+    assert llm.engine.config.speculative == SpeculativeConfig("dspark", 2, None)
+    assert not llm.engine.config.scheduler.async_scheduling
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [baseline[str(i)] for i in range(len(PROMPTS))]
+    assert llm.engine.spec_decode_stats.num_drafts > 0
+
+
+def test_cli_generate_with_a_speculative_config(model_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "--model", model_dir, "--prompt", "The quick brown fox", "--max-tokens", "10",
+            "--temperature", "0", "--device", "cpu", "--dtype", "float32"]
+    assert cli_main(argv) == 0
+    plain = capsys.readouterr().out
+    assert cli_main(argv + ["--speculative-config", '{"method": "dspark"}']) == 0
+    assert capsys.readouterr().out == plain  # greedy: the same completion
+
+
+@pytest.mark.parametrize("command", [["generate"], ["serve"], ["bench", "latency"], ["bench", "throughput"]])
+def test_cli_speculative_config_errors_exit_2_before_loading(command: list[str], tmp_path: Any, model_dir: str,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """One line on stderr, exit 2, before the model is built (or tensor-parallel ranks spawned: each would say it)."""
+    plain = make_model("tiny-v41-noengram", str(tmp_path / "plain"), seed=0, config_only=True)
+    tp = ["--tensor-parallel-size", "2"] if command != ["bench", "throughput"] else []
+    cases = [(model_dir, "{method: dspark}", "not valid JSON"),
+             (model_dir, '["dspark"]', "must be a JSON object"),
+             (model_dir, '{"method": "dspark", "num_speculative_tokens": 9}', "num_speculative_tokens"),
+             (model_dir, '{"method": "dspark", "k": 2}', "unknown key `k`"),
+             (model_dir, '{"method": "mtp"}', "DSpark drafter"),
+             (plain, '{"method": "dspark"}', "ships none")]
+    for model, value, message in cases:
+        assert cli_main([*command, "--model", model, "--speculative-config", value, *tp]) == 2, value
+        err = capsys.readouterr().err
+        assert err.startswith("dsv4: error: speculative config") and message in err, err
+        assert err.count("\n") == 1
+
+
+# ---- disable_by_batch_size ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("drafter", ["random", "oracle"])
+def test_disable_by_batch_size_decodes_plainly_at_or_above_it(model_dir: str, drafter: str) -> None:
+    """disable_by_batch_size 3: while 3 or more requests run, no drafts are proposed and steps without drafts are
+    the runner's plain steps (its decode path); below 3 the batch speculates again. Requests join mid-run (drafts
+    proposed for a batch of 2 are verified in the step the batch grows) and finish at different steps; the greedy
+    output is plain decoding's."""
+    prompts = [[0] + [(13 * i + 7 * j) % 400 + 3 for j in range(6 + 2 * i)] for i in range(5)]
+    lengths = [18, 5, 9, 14, 7]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    joins = {0: [0, 1], 3: [2, 3], 12: [4]}  # step -> prompts added before it
+
+    def run(spec: dict | None, oracle: dict[str, list[int]] | None) -> tuple[dict[str, list[int]], LLMEngine,
+                                                                                 list[tuple[str, int]]]:
+        e = LLMEngine.from_args(model_dir, speculative_config=spec, max_num_seqs=4)
+        seen: list[tuple[str, int]] = []  # (what ran, requests holding a row)
+        if spec is not None:
+            sp, runner = e.runner.speculator, e.runner
+            if oracle is not None:
+                sp.set_proposer(OracleProposer(oracle, 4))
+            propose, plain, decode, verify_ = sp.proposer.propose, runner.launch_plain, runner._decode, sp._verify
+            sp._verify = lambda *a: (seen.append(("verify", runner.req_state.num_active)), verify_(*a))[1]
+            sp.proposer.propose = lambda *a: (seen.append(("propose", runner.req_state.num_active)), propose(*a))[1]
+            runner.launch_plain = lambda so: (seen.append(("plain", runner.req_state.num_active)), plain(so))[1]
+            runner._decode = lambda batch: (seen.append(("decode", batch.num_reqs)), decode(batch))[1]
+        outs: dict[str, list[int]] = {}
+        step = 0
+        while step <= max(joins) or e.has_unfinished_requests():
+            for i in joins.get(step, []):
+                e.add_request(prompts[i], params[i], request_id=str(i))
+            for o in e.step():
+                if o.finished:
+                    outs[o.request_id] = list(o.outputs[0].token_ids)
+            step += 1
+        return outs, e, seen
+
+    base, _, _ = run(None, None)
+    assert [len(base[str(i)]) for i in range(5)] == lengths
+    oracle = {str(i): prompts[i] + base[str(i)] for i in range(5)} if drafter == "oracle" else None
+    outs, e, seen = run({"method": "dspark", "num_speculative_tokens": 3, "disable_by_batch_size": 3}, oracle)
+    assert outs == base
+    proposed = [n for what, n in seen if what == "propose"]
+    plain = [n for what, n in seen if what == "plain"]
+    assert proposed and plain and e.runner.speculator.num_plain_steps == len(plain)
+    assert max(proposed) < 3 <= min(plain)
+    assert 3 in plain  # the boundary: exactly disable_by_batch_size requests decode plainly
+    # step 3: drafts proposed while fewer ran are verified in the step the batch grows past the limit
+    assert max(n for what, n in seen if what == "verify") >= 3
+    assert any(what == "decode" for what, _ in seen)  # the plain uniform-decode path (CUDA graphs on a GPU)
+    st = e.spec_decode_stats
+    assert st.num_drafts > 0
+    if drafter == "oracle":
+        assert st.num_accepted_tokens == st.num_draft_tokens

@@ -7,6 +7,10 @@ must at least read from device memory (`decode_floor`) over the measured device 
 (`measure_copy_bandwidth`); the fraction of the floor reached is floor time / measured median decode step. Under
 torchrun (`--tensor-parallel-size N --expert-parallel`) the floor is what one GPU reads, over one GPU's bandwidth.
 
+`--speculative-config` (speculative decoding with the checkpoint's drafter): a decode step is a verify step emitting
+one or more tokens per request; the report adds the acceptance counters of the timed batches, the acceptance length
+(tokens per verify step per request) and output tokens per second per request (`spec_decode`).
+
 `--baseline hf` runs transformers' DeepseekV4ForCausalLM on the same checkpoint in the same process (eager
 attention, a manual greedy decode loop with its DynamicCache) on the same prompts, for a side-by-side ratio.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 import contextlib
 
 import argparse
+import copy
 import gc
 import inspect
 import json
@@ -39,6 +44,7 @@ from dsv4.models.presets import tensor_shapes
 from dsv4.config import ENGRAM_PLACEMENTS, LOAD_FORMATS
 from dsv4.quant.config import QUANTIZATION_CHOICES, QuantConfig
 from dsv4.quant.released import quant_kind, stored_nbytes
+from dsv4.spec_decode.config import SPECULATIVE_CONFIG_HELP
 
 logger = logging.getLogger(__name__)
 
@@ -322,6 +328,7 @@ class StepTime:
     num_requests: int
     host_s: float = 0.0  # the runner's host time to launch the step (ModelRunner.last_launch_s)
     md_host_s: float = 0.0  # of which the decode-metadata build (ModelRunner.last_decode_md_s)
+    num_tokens: int = 0  # output tokens the step emitted, all requests (several per request under speculation)
 
 
 def weight_bytes(engine: Any) -> int:
@@ -360,6 +367,8 @@ def build_engine(args: argparse.Namespace, device: str, dtype: str) -> tuple[Any
         kwargs["load_format"] = args.load_format
     if args.engram_placement != "auto":
         kwargs["engram_placement"] = args.engram_placement
+    if args.speculative_config is not None:
+        kwargs["speculative_config"] = args.speculative_config
     engine = LLMEngine.from_args(args.model, **kwargs, **knobs)
     resolved = {"async_scheduling": engine.config.scheduler.async_scheduling}  # what the engine chose by default
     return engine, {"engine_kwargs": {**kwargs, **knobs, **resolved}, "ignored_engine_kwargs": ignored}
@@ -398,7 +407,8 @@ def run_batch(engine: Any, prompts: list[list[int]], output_len: int, device: to
             sync(device)
         runner = getattr(engine, "runner", None)
         steps.append(StepTime(time.perf_counter() - t0, decode, running, getattr(runner, "last_launch_s", 0.0),
-                              getattr(runner, "last_decode_md_s", 0.0)))
+                              getattr(runner, "last_decode_md_s", 0.0),
+                              sum(len(out.outputs[0].token_ids) for out in outputs)))
         for out in outputs:
             tokens[out.request_id].extend(out.outputs[0].token_ids)
             produced[out.request_id] = len(tokens[out.request_id])
@@ -493,7 +503,38 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="dummy: random weights of the checkpoint's layout, no weight files (full-size shapes)")
     parser.add_argument("--engram-placement", choices=list(ENGRAM_PLACEMENTS), default="auto",
                         help="where V4.1's engram tables live: device, host (read by the GPU over PCIe), auto")
+    parser.add_argument("--speculative-config", metavar="JSON", help=SPECULATIVE_CONFIG_HELP)
     parser.add_argument("--output-json", metavar="FILE", help="write every number as JSON")
+
+
+def spec_decode_counters(engine: Any, before: Any) -> dict[str, Any] | None:
+    """Speculative decoding's acceptance counters since `before` (a copy of `engine.spec_decode_stats` taken
+    earlier; None when speculation is off) and the acceptance length: tokens a verify step emits per request,
+    accepted drafts per draft + 1."""
+    after = engine.spec_decode_stats
+    if after is None:
+        return None
+    drafts = after.num_drafts - before.num_drafts
+    draft_tokens = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    return {"speculative_config": asdict(engine.config.speculative), "num_drafts": drafts,
+            "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+            "num_accepted_tokens_per_pos": [a - b for a, b in zip(after.num_accepted_tokens_per_pos,
+                                                                  before.num_accepted_tokens_per_pos)],
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "acceptance_length": 1.0 + accepted / drafts if drafts else 1.0}
+
+
+def spec_decode_report(engine: Any, before: Any, decode_tokens: int, decode_seconds: float, batch: int
+                       ) -> dict[str, Any] | None:
+    """`spec_decode_counters` over the timed batches plus output tokens per second over their decode steps, in
+    total and per request (a request's tokens over the time the whole batch decodes: what one user sees)."""
+    report = spec_decode_counters(engine, before)
+    if report is None:
+        return None
+    rate = decode_tokens / decode_seconds if decode_seconds > 0 else float("nan")
+    return {**report, "decode_tokens": decode_tokens, "output_tokens_per_s": rate,
+            "output_tokens_per_s_per_request": rate / batch}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -516,6 +557,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for w in range(args.num_iters_warmup):
         run_batch(engine, random_prompts(cfg, b, i, args.seed + 1000 + w), o, device, f"warmup{w}", schema)
     prompts = random_prompts(cfg, b, i, args.seed)
+    # acceptance counters since start: the report takes the timed batches' share (warm-up excluded)
+    spec_before = copy.deepcopy(engine.spec_decode_stats)
+    decode_tokens = 0
     decode_steps: list[float] = []
     host_times: list[float] = []
     md_times: list[float] = []
@@ -525,6 +569,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for it in range(args.num_iters):
         steps, tokens = run_batch(engine, prompts, o, device, f"iter{it}", schema)
         decode_steps += [s.seconds for s in steps if s.decode]
+        decode_tokens += sum(s.num_tokens for s in steps if s.decode)
         host_times += [s.host_s for s in steps if s.decode]
         md_times += [s.md_host_s for s in steps if s.decode]
         prefill_times.append(sum(s.seconds for s in steps if not s.decode))  # the batch's prefill step(s)
@@ -533,6 +578,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     held = {"model_load_s": engine.model_load_s, "weight_bytes_on_device": weight_bytes(engine),
             "memory": engine.memory.to_json(), "weight_plan": engine.weight_plan,
             "max_memory_allocated": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    spec = spec_decode_report(engine, spec_before, decode_tokens, sum(decode_steps), b)
     del engine
     gc.collect()
     if device.type == "cuda":
@@ -552,7 +598,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "decode_step_s": stats, "decode_steps": len(decode_steps), "decode_step_times_s": decode_steps,
         "decode_host_launch_s": summarize(host_times), "decode_metadata_host_s": summarize(md_times),
         "decode_backend": args.decode_backend, "tensor_parallel_size": world, "json_schema": schema,
-        "decode_tokens_per_s": b / stats["median"], "prefill_s": summarize(prefill_times), "e2e_s": summarize(e2e),
+        # a plain decode step emits one token per request; a speculative one a varying number: tokens over time
+        "decode_tokens_per_s": b / stats["median"] if spec is None else spec["output_tokens_per_s"],
+        "spec_decode": spec, "prefill_s": summarize(prefill_times), "e2e_s": summarize(e2e),
         "quantization": None if quant is None else quant.to_json(), "load_format": args.load_format, **held,
         "floor_bytes": floor.total, "floor": {**asdict(floor), "total": floor.total},
         "copy_bytes": copy_bytes, "copy_bandwidth_Bps": bandwidth, "floor_time_s": floor_time,
@@ -589,6 +637,14 @@ def print_result(res: dict[str, Any]) -> None:
     p = res["prefill_s"]
     print(f"{'prefill steps (ms)':24}{_ms(p['median'])} {_ms(p['mean'])} {_ms(p['p90'])}")
     print(f"{'decode tokens/s':24}{res['decode_tokens_per_s']:10.1f}")
+    sd = res.get("spec_decode")
+    if sd is not None:
+        cfg = sd["speculative_config"]
+        print(f"{'speculative':24}{cfg['method']:>10} k={cfg['num_speculative_tokens']}, {sd['num_drafts']} verify "
+              f"steps, {sd['num_accepted_tokens']}/{sd['num_draft_tokens']} drafts accepted")
+        print(f"{'acceptance length':24}{sd['acceptance_length']:10.3f}  tokens per verify step per request "
+              f"(rate {sd['acceptance_rate'] * 100:.1f} %)")
+        print(f"{'tokens/s per request':24}{sd['output_tokens_per_s_per_request']:10.1f}")
     world = res.get("tensor_parallel_size", 1)
     per_gpu = f" per GPU ({world} GPUs)" if world > 1 else ""
     print(f"{'floor bytes/step':24}{res['floor_bytes'] / 1e9:10.4f} GB  (weights {f['weight_bytes'] / 1e9:.4f}, "

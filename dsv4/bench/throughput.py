@@ -9,14 +9,17 @@ kernel compilation), untimed.
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 from typing import Any
 
 import torch
 
 from dsv4.bench import run_and_report
-from dsv4.bench.latency import engine_knobs, environment, random_prompts, resolve_device_dtype, sync
+from dsv4.bench.latency import (engine_knobs, environment, random_prompts, resolve_device_dtype, spec_decode_counters,
+                                sync)
 from dsv4.models.config import load_model_config
+from dsv4.spec_decode.config import SPECULATIVE_CONFIG_HELP
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +37,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, help="passed to the engine when it supports it")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
     parser.add_argument("--seed", type=int, default=0, help="prompt and engine seed (default 0)")
+    parser.add_argument("--speculative-config", metavar="JSON", help=SPECULATIVE_CONFIG_HELP)
     parser.add_argument("--output-json", metavar="FILE", help="write every number as JSON")
 
 
@@ -49,6 +53,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"model": args.model, "dtype": dtype, "device": device_str,
                               "max_model_len": args.max_model_len or i + o, "max_num_seqs": args.max_num_seqs,
                               "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed}
+    if args.speculative_config is not None:
+        kwargs["speculative_config"] = args.speculative_config
     knobs, ignored = engine_knobs(LLM, args.enforce_eager, args.gpu_memory_utilization)
     llm = LLM(**kwargs, **knobs)
 
@@ -57,10 +63,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(device_str)
     llm.generate(prompts[:1], SamplingParams(temperature=args.temperature, max_tokens=2, ignore_eos=True))
     sync(device)
+    spec_before = copy.deepcopy(llm.engine.spec_decode_stats)  # counters since start: the timed call's share
     t0 = time.perf_counter()
     outputs = llm.generate(prompts, params)
     sync(device)
     elapsed = time.perf_counter() - t0
+    spec = spec_decode_counters(llm.engine, spec_before)
 
     out_tokens = sum(len(c.token_ids) for r in outputs for c in r.outputs)
     prompt_tokens = sum(len(r.prompt_token_ids) for r in outputs)
@@ -70,7 +78,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "enforce_eager": bool(args.enforce_eager), "engine_kwargs": {**kwargs, **knobs},
         "ignored_engine_kwargs": ignored, "elapsed_s": elapsed, "prompt_tokens": prompt_tokens,
         "output_tokens": out_tokens, "requests_per_s": n / elapsed, "output_tokens_per_s": out_tokens / elapsed,
-        "total_tokens_per_s": (prompt_tokens + out_tokens) / elapsed,
+        "total_tokens_per_s": (prompt_tokens + out_tokens) / elapsed, "spec_decode": spec,
     }
 
 
@@ -83,6 +91,10 @@ def print_result(res: dict[str, Any]) -> None:
     print(f"{'requests/s':24}{res['requests_per_s']:12.2f}")
     print(f"{'output tokens/s':24}{res['output_tokens_per_s']:12.1f}")
     print(f"{'total tokens/s':24}{res['total_tokens_per_s']:12.1f}")
+    sd = res.get("spec_decode")
+    if sd is not None:
+        print(f"{'acceptance length':24}{sd['acceptance_length']:12.3f}  ({sd['num_accepted_tokens']}/"
+              f"{sd['num_draft_tokens']} drafts accepted over {sd['num_drafts']} verify steps)")
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -139,6 +139,8 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, metrics: EngineMetrics | None = None) -> None:
         self.engine = engine
         self.metrics = metrics if metrics is not None else EngineMetrics()
+        if engine.spec_decode_stats is not None:  # speculative decoding: vLLM's acceptance counters on /metrics
+            self.metrics.enable_spec_decode(len(engine.spec_decode_stats.num_accepted_tokens_per_pos))
         self._cond = threading.Condition()
         self._commands = _Commands()
         self._live: dict[str, _Live] = {}  # engine thread only
@@ -333,3 +335,7 @@ class AsyncLLMEngine:
         encoder_graphs = getattr(self.engine.runner.model, "encoder_graphs", None)  # V4.1 vision with graphs only
         if encoder_graphs is not None:
             self.metrics.on_encoder_graphs(encoder_graphs.hits, encoder_graphs.misses)
+        spec = self.engine.spec_decode_stats
+        if spec is not None:
+            self.metrics.on_spec_decode(spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                                        spec.num_accepted_tokens_per_pos)

@@ -352,11 +352,14 @@ class DeepseekV4Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, md: AttnMetadata, caches: list[LayerKVCache]) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, md: AttnMetadata, caches: list[LayerKVCache],
+                taps: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         h = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for layer, cache in zip(self.layers, caches):
             h = layer(h, input_ids, md, cache)
+        if taps is not None:  # the MTP drafter's input (dsv4.spec_decode.mtp): the streams before hc_head
+            taps[len(self.layers)] = h.flatten(1)
         return self.norm(self.hc_head(h))
 
 
@@ -376,8 +379,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.model = DeepseekV4Model(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, md: AttnMetadata, caches: list[LayerKVCache]) -> torch.Tensor:
-        return self.model(input_ids, md, caches)
+    def forward(self, input_ids: torch.Tensor, md: AttnMetadata, caches: list[LayerKVCache],
+                taps: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """`taps` (speculative decoding with the MTP layer): filled in place with {n: the final residual streams
+        [T, hc*D]} (entering layer n = num_hidden_layers, the MTP's index; before hc_head); None costs nothing."""
+        return self.model(input_ids, md, caches, taps)
 
     def forward_decode(self, input_ids: torch.Tensor, dmd: DecodeMetadata, caches: list[LayerKVCache]) -> torch.Tensor:
         """One token per row, fixed shapes, no host sync: the forward a FULL decode CUDA graph captures."""

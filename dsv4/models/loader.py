@@ -11,7 +11,8 @@ The engine's model uses exactly the state-dict names and shapes of transformers'
 
 FP8 block-scaled weights (`X.weight` in float8 plus `X.weight_scale_inv` or `X.scale`) and packed FP4 (e2m1, two
 per int8 byte, with per-block scales) are dequantized on load. Per-expert tensors are stacked into
-`gate_up_proj [E, 2I, D]` (w1 rows, then w3 rows) and `down_proj [E, D, I]`. `mtp.*` tensors are ignored.
+`gate_up_proj [E, 2I, D]` (w1 rows, then w3 rows) and `down_proj [E, D, I]`. `mtp.*` tensors (the speculative
+drafters') are ignored by the target's routes; `route_mtp` (V4) and `route_dspark` (V4.1) load them on their own.
 
 Public API: `load_weights` (returns a dict), `iter_weights` (streams, validated up front), `load_into_module`
 (fills an `nn.Module`'s parameters and buffers in place), `expected_from_module`, `keeps_fp32`, `param_dtype`,
@@ -213,17 +214,50 @@ def route_v4(key: str) -> _Route | None:
     if isinstance(split, _Route):
         return split
     prefix, rest = split
+    return _Route(prefix + _v4_layer_name(rest))
+
+
+def _v4_layer_name(rest: str) -> str:
+    """The HF name of a layer-relative V4 key (original, hybrid or HF spelling; per-expert pieces excluded)."""
     if rest in _LAYER_PARAMS:
-        return _Route(prefix + _LAYER_PARAMS[rest])
+        return _LAYER_PARAMS[rest]
     module, _, leaf = rest.rpartition(".")
     if module in _LAYER_MODULES:
-        return _Route(prefix + _LAYER_MODULES[module] + "." + leaf)
+        return _LAYER_MODULES[module] + "." + leaf
     # Already HF-style (or half-converted): only the two container names differ.
     if rest.startswith("attn."):
         rest = "self_attn." + rest[len("attn."):]
     elif rest.startswith("ffn."):
         rest = "mlp." + rest[len("ffn."):]
-    return _Route(prefix + rest)
+    return rest
+
+
+# The V4 MTP layer's own tensors (docs/dspark.md 4): released name -> name in `MTPLayer` (the rest of the layer is
+# named as a target layer); the embedding and head some exports copy under `mtp.{i}.` are the target's (ignored).
+_MTP_OWN = {"e_proj.weight": "e_proj.weight", "h_proj.weight": "h_proj.weight", "enorm.weight": "enorm.weight",
+            "hnorm.weight": "hnorm.weight", "norm.weight": "norm.weight", "shared_head.norm.weight": "norm.weight",
+            "hc_head_fn": "hc_head.hc_fn", "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
+_MTP_SHARED = ("emb.tok_emb.weight", "embed_tokens.weight", "head.weight", "shared_head.head.weight")
+
+
+def route_mtp(key: str) -> _Route | None:
+    """Internal name of a DeepSeek-V4 MTP key (`mtp.{i}.*`) in `MTPDrafter`: the layer's tensors under their HF
+    target names (`_v4_layer_name`, experts packed), the MTP's own by `_MTP_OWN`; None for the target's keys and
+    for copies of the shared embedding / head."""
+    bare = key[len("model."):] if key.startswith("model.") else key
+    m = _MTP_RE.match(bare)
+    if m is None:
+        return None
+    prefix, rest = f"mtp.{m.group(1)}.", m.group(2)
+    if rest in _MTP_SHARED:
+        return None
+    if rest in _MTP_OWN:
+        return _Route(prefix + _MTP_OWN[rest])
+    e = _EXPERT_RE.match(rest)
+    if e is not None:
+        packed, half = _EXPERT_PART[e.group(2)]
+        return _Route(prefix + "mlp.experts." + packed, expert=int(e.group(1)), half=half)
+    return _Route(prefix + _v4_layer_name(rest))
 
 
 # ---- V4.1 names ------------------------------------------------------------------------------------------------

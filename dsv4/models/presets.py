@@ -74,7 +74,7 @@ _TINY_V4: dict[str, Any] = {
     "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64,
                         "beta_fast": 32, "beta_slow": 1},
     "max_position_embeddings": 1024,
-    "num_nextn_predict_layers": 0,
+    "num_nextn_predict_layers": 1,  # one MTP layer (`mtp.0.*`, released names), as DeepSeek-V4 ships
     "bos_token_id": 0,
     "eos_token_id": 1,
     "pad_token_id": None,
@@ -498,6 +498,8 @@ def v4_tensor_shapes(cfg: ModelConfig, dtype: str = "float32") -> dict[str, tupl
 # V4.1 tensors HF-V41 keeps in float32 whatever the save dtype (model.md 11.1); the engram scale is a dummy F32.
 _V41_FP32_SUFFIXES = ("hc_attn_fn", "hc_attn_base", "hc_attn_scale", "hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale",
                       "attn.attn_sink", "gate.bias", "gate.bias_vl", "engram.embed.scale")
+# V4's MTP layer in released names: its own hc_head (the rest of its fp32 tensors end like V4.1's)
+_MTP_FP32_SUFFIXES = ("hc_head_fn", "hc_head_base", "hc_head_scale")
 
 
 def disk_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -506,7 +508,7 @@ def disk_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     suffix sets do not overlap in meaning (V4 names never end like V4.1's and vice versa), so one rule serves both."""
     if name.endswith("tid2eid"):
         return torch.int64
-    return torch.float32 if name.endswith(_FP32_SUFFIXES + _V41_FP32_SUFFIXES) else dtype
+    return torch.float32 if name.endswith(_FP32_SUFFIXES + _V41_FP32_SUFFIXES + _MTP_FP32_SUFFIXES) else dtype
 
 
 def v41_tensor_shapes(cfg: ModelConfig, dtype: str = "float32") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -655,6 +657,52 @@ def dspark_tensor_shapes(cfg: ModelConfig, ds: DSparkConfig, dtype: str = "float
     shapes[last + "markov_head.embed.weight"] = (V, r)
     shapes[last + "markov_head.head.weight"] = (V, r)
     shapes[last + "confidence_head.proj.weight"] = (1, D + r)
+    return {name: (shape, disk_dtype(name, wdtype)) for name, shape in shapes.items()}
+
+
+def mtp_tensor_shapes(cfg: ModelConfig, dtype: str = "float32") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Every tensor of a DeepSeek-V4 checkpoint's MTP layers as released (docs/dspark.md 4: `mtp.{i}.*` in DeepSeek's
+    own names, a window-only V4 layer with top-k MoE and per-expert w1/w2/w3, plus e_proj / h_proj, enorm / hnorm,
+    norm and its hc_head) -> (shape, on-disk dtype). The embedding and LM head are the target's."""
+    wdtype = torch_dtype(dtype)
+    D, N, H, hd, ql = cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
+    G, ol, I, E = cfg.o_groups, cfg.o_lora_rank, cfg.moe_intermediate_size, cfg.n_routed_experts
+    mix = (2 + N) * N
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(cfg.num_nextn_predict_layers):
+        p = f"mtp.{i}."
+        for site in ("attn", "ffn"):
+            shapes[p + f"hc_{site}_fn"] = (mix, N * D)
+            shapes[p + f"hc_{site}_base"] = (mix,)
+            shapes[p + f"hc_{site}_scale"] = (3,)
+        shapes[p + "attn_norm.weight"] = (D,)
+        shapes[p + "ffn_norm.weight"] = (D,)
+        a = p + "attn."
+        shapes[a + "attn_sink"] = (H,)
+        shapes[a + "wq_a.weight"] = (ql, D)
+        shapes[a + "q_norm.weight"] = (ql,)
+        shapes[a + "wq_b.weight"] = (H * hd, ql)
+        shapes[a + "wkv.weight"] = (hd, D)
+        shapes[a + "kv_norm.weight"] = (hd,)
+        shapes[a + "wo_a.weight"] = (G * ol, H * hd // G)
+        shapes[a + "wo_b.weight"] = (D, G * ol)
+        f = p + "ffn."
+        shapes[f + "gate.weight"] = (E, D)
+        shapes[f + "gate.bias"] = (E,)
+        for e in range(E):
+            shapes[f + f"experts.{e}.w1.weight"] = (I, D)
+            shapes[f + f"experts.{e}.w2.weight"] = (D, I)
+            shapes[f + f"experts.{e}.w3.weight"] = (I, D)
+        shapes[f + "shared_experts.w1.weight"] = (I, D)
+        shapes[f + "shared_experts.w2.weight"] = (D, I)
+        shapes[f + "shared_experts.w3.weight"] = (I, D)
+        for name in ("e_proj", "h_proj"):
+            shapes[p + f"{name}.weight"] = (D, D)
+        for name in ("enorm", "hnorm", "norm"):
+            shapes[p + f"{name}.weight"] = (D,)
+        shapes[p + "hc_head_fn"] = (N, N * D)
+        shapes[p + "hc_head_base"] = (N,)
+        shapes[p + "hc_head_scale"] = (1,)
     return {name: (shape, disk_dtype(name, wdtype)) for name, shape in shapes.items()}
 
 

@@ -31,7 +31,7 @@ from dsv4.runtime.model_state import (DeepseekV41ModelState, DeepseekV41Speciali
                                       DefaultModelState)
 from dsv4.runtime.request_state import RequestState
 from dsv4.runtime.sampler import SampledLogprobs, Sampler, SamplingTensors, greedy_sample, needs_output_values
-from dsv4.spec_decode.speculator import SpecOutput, Speculator, make_speculator
+from dsv4.spec_decode.speculator import PlainSpecOutput, SpecOutput, Speculator, make_speculator
 from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
 from dsv4.structured import GrammarCompiler, GrammarMatchers
 
@@ -110,9 +110,15 @@ class ModelRunner:
         self.grammars = GrammarMatchers(sc.max_num_seqs, self.vocab_size, self.device)
         sizes = round_capture_sizes(list(config.cudagraph_capture_sizes or default_capture_sizes(sc.max_num_seqs)),
                                     1, sc.max_num_seqs)
-        # speculative steps run eagerly (Speculator.launch): no decode graphs to capture yet
-        use_graphs = (self.device.type == "cuda" and not config.enforce_eager and config.speculative is None
+        graph_sizes = sizes
+        if config.speculative is not None:
+            # steps with drafts run eagerly (Speculator.launch); only the plain decode steps of a batch of
+            # disable_by_batch_size or more requests replay graphs: sizes that cannot hold one are not captured
+            limit = config.speculative.disable_by_batch_size
+            graph_sizes = [s for s in sizes if limit is not None and s >= limit]
+        use_graphs = (self.device.type == "cuda" and not config.enforce_eager and bool(graph_sizes)
                       and self._graph_safe())
+        sizes = graph_sizes or sizes
         self.graphs = CudaGraphManager(sizes, enabled=use_graphs)
         state_args = (groups, sc.max_num_seqs, sc.max_model_len, config.model.sliding_window, self.device)
         if config.decode_backend == "latency_specialized":
@@ -236,7 +242,7 @@ class ModelRunner:
             self._unresolved.remove(pending)
 
     @torch.inference_mode()
-    def execute_async(self, so: SchedulerOutput) -> PendingOutput | SpecOutput:
+    def execute_async(self, so: SchedulerOutput) -> PendingOutput | SpecOutput | PlainSpecOutput:
         """Launch one step; rows whose chunk ends at their last planned token get a sampled token. The host knows
         how many tokens every row has at once (the next step's inputs come from the device history); their values
         come with the returned PendingOutput."""
@@ -245,10 +251,15 @@ class ModelRunner:
         self.last_launch_s = time.perf_counter() - t_start
         return pending
 
-    def _launch(self, so: SchedulerOutput) -> PendingOutput | SpecOutput:
+    def _launch(self, so: SchedulerOutput) -> PendingOutput | SpecOutput | PlainSpecOutput:
         if self.speculator is not None:
             return self.speculator.launch(so)
         self._apply_deltas(so)
+        return self.launch_plain(so)
+
+    def launch_plain(self, so: SchedulerOutput) -> PendingOutput:
+        """A step without drafts, its request deltas applied already (the speculator runs such steps here when
+        speculation is off for the batch: disable_by_batch_size)."""
         rs = self.req_state
         # decodes first (builders split decodes from prefills), then by query length; stable
         req_ids = sorted(so.num_scheduled_tokens, key=lambda r: (so.num_scheduled_tokens[r] != 1,

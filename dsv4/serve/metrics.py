@@ -76,9 +76,10 @@ class Counter(_Metric):
         key = tuple(sorted(labels.items()))
         self.values[key] = self.values.get(key, 0.0) + amount
 
-    def set_total(self, value: float) -> None:
-        """Mirror a total kept elsewhere (the scheduler counts preemptions itself)."""
-        self.values[()] = float(value)
+    def set_total(self, value: float, **labels: str) -> None:
+        """Mirror a total kept elsewhere (the scheduler counts preemptions itself), for the sample with these
+        labels."""
+        self.values[tuple(sorted(labels.items()))] = float(value)
 
     def samples(self, const: Labels) -> list[str]:
         return [f"{self.name}{_labels(const + k)} {_fmt(v)}" for k, v in self.values.items()]
@@ -166,6 +167,27 @@ class EngineMetrics:
         self._all: list[_Metric] = [self.running, self.waiting, self.kv_usage, self.preemptions, self.prompt_tokens,
                                     self.generation_tokens, self.prefix_queries, self.prefix_hits, self.success,
                                     self.ttft, self.itl, self.e2e, self.encoder_graph_hits, self.encoder_graph_misses]
+        # speculative decoding (vLLM's spec_decode counters): declared by enable_spec_decode, absent without it
+        self.spec_drafts: Counter | None = None
+        self.spec_draft_tokens: Counter | None = None
+        self.spec_accepted: Counter | None = None
+        self.spec_accepted_per_pos: Counter | None = None
+
+    def enable_spec_decode(self, num_speculative_tokens: int) -> None:
+        """Declare vLLM's speculative-decoding counters (an engine with speculation on); the per-position one has
+        a sample per draft position 0 .. k-1, rendered as 0 until a draft there is accepted."""
+        with self.lock:
+            self.spec_drafts = Counter("vllm:spec_decode_num_drafts_total",
+                                       "Number of spec decoding drafts (verify steps with at least one draft).")
+            self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens_total",
+                                             "Number of draft tokens verified.")
+            self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens_total",
+                                         "Number of accepted draft tokens.")
+            self.spec_accepted_per_pos = Counter(
+                "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+                "Accepted draft tokens per draft position (0 = the first draft after the verified token).",
+                [{"position": str(p)} for p in range(num_speculative_tokens)])
+            self._all += [self.spec_drafts, self.spec_draft_tokens, self.spec_accepted, self.spec_accepted_per_pos]
 
     def on_scheduler_state(self, running: int, waiting: int, kv_usage: float, preemptions: int) -> None:
         """Gauges after an engine step (or after commands were applied while idle)."""
@@ -180,6 +202,19 @@ class EngineMetrics:
         with self.lock:
             self.encoder_graph_hits.set_total(hits)
             self.encoder_graph_misses.set_total(misses)
+
+    def on_spec_decode(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int,
+                       num_accepted_tokens_per_pos: Sequence[int]) -> None:
+        """Mirror the speculator's acceptance totals (dsv4.spec_decode.speculator.SpecDecodeStats counts them)."""
+        if self.spec_drafts is None:
+            return
+        assert self.spec_draft_tokens and self.spec_accepted and self.spec_accepted_per_pos
+        with self.lock:
+            self.spec_drafts.set_total(num_drafts)
+            self.spec_draft_tokens.set_total(num_draft_tokens)
+            self.spec_accepted.set_total(num_accepted_tokens)
+            for p, n in enumerate(num_accepted_tokens_per_pos):
+                self.spec_accepted_per_pos.set_total(n, position=str(p))
 
     def on_first_output(self, ttft: float, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         """A request's prompt is done and its first token out."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,13 @@ METHODS = (DSPARK, MTP)
 # by the checkpoint; acceptance decays geometrically with depth and peers run at most 3 steps (docs/dspark.md), so a
 # larger value is almost certainly a typo for a DSpark block size.
 MAX_MTP_STEPS = 8
+
+# `--speculative-config`'s help, shared by every command that takes it (dsv4.cli, dsv4.bench)
+SPECULATIVE_CONFIG_HELP = (
+    'speculative decoding with the checkpoint\'s drafter, as vLLM: \'{"method": "dspark" | "mtp", '
+    '"num_speculative_tokens": k, "disable_by_batch_size": B}\' (k defaults to the DSpark block size / the MTP layer '
+    "count; with B or more running requests a step decodes plainly, without drafts); turns async scheduling off; "
+    "steps with drafts run eagerly (no CUDA graphs)")
 
 _KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size")
 # Keys vLLM accepts that dsv4 does not implement yet: refused with a message that says so, not as a typo.
@@ -220,3 +228,13 @@ def parse_speculative_config(value: str | Mapping[str, Any] | None, spec: Drafte
     if batch is not None:
         batch = _check_int(batch, "disable_by_batch_size", 1)
     return SpeculativeConfig(method=method, num_speculative_tokens=k, disable_by_batch_size=batch)
+
+
+def load_speculative_config(model_dir: str, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:
+    """`parse_speculative_config` against the drafter of the checkpoint in `model_dir` (read from its config.json
+    only, no weights): the CLI checks `--speculative-config` with it before loading or spawning anything."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        raw = json.load(f)
+    return parse_speculative_config(value, drafter_spec(raw))

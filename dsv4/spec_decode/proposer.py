@@ -2,6 +2,8 @@
 
 - `DSparkProposer`: the checkpoint's DSpark drafter (docs/dspark.md) on the target taps of the request's last
   `sliding_window` committed positions, kept per state row in a `TapBuffer`.
+- `MTPProposer`: DeepSeek-V4's MTP layer (dsv4.spec_decode.mtp) on the target's final streams of the same positions
+  (also a `TapBuffer`) and the tokens after them.
 - `OracleProposer`: a test hook that replays known continuations (e.g. the target's own greedy output, computed by a
   run without speculation), so every draft is accepted.
 """
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from dsv4.spec_decode.dspark import DSparkDrafter
+from dsv4.spec_decode.mtp import MTPDrafter
 
 
 class TapBuffer:
@@ -53,10 +56,12 @@ class TapBuffer:
 
 
 class Proposer(Protocol):
-    """Proposes `block_size` drafts per request; `tap_layer_ids` names the target layers it reads (empty: none)."""
+    """Proposes `block_size` drafts per request; `tap_layer_ids` names the target layers it reads (empty: none),
+    `tap_width` the width of their taps concatenated (a TapBuffer row)."""
 
     block_size: int
     tap_layer_ids: tuple[int, ...]
+    tap_width: int
 
     def propose(self, req_ids: Sequence[str], rows: np.ndarray, last_positions: np.ndarray, anchors: torch.Tensor,
                 taps: TapBuffer | None) -> torch.Tensor:
@@ -73,6 +78,7 @@ class DSparkProposer:
         self.drafter, self.embed, self.lm_head = drafter, embed, lm_head
         self.block_size = drafter.dspark.block_size
         self.tap_layer_ids = drafter.dspark.target_layer_ids
+        self.tap_width = drafter.cfg.hidden_size * len(self.tap_layer_ids)  # hc-means, concatenated
 
     def propose(self, req_ids: Sequence[str], rows: np.ndarray, last_positions: np.ndarray, anchors: torch.Tensor,
                 taps: TapBuffer | None) -> torch.Tensor:
@@ -82,11 +88,41 @@ class DSparkProposer:
         return self.drafter.propose(ctx, last, anchors, self.embed, self.lm_head).tokens
 
 
+class MTPProposer:
+    """DeepSeek-V4's MTP layer, eager (its reference `propose`: the layer's context keys are recomputed from the
+    taps each call), k greedy drafts per request (the layer re-applied), so the verifier's draft distribution is
+    one-hot. Its tap is the target's final streams (`DeepseekV4ForCausalLM.forward`'s tap n = num_hidden_layers);
+    the token after each tapped position comes from the device token history."""
+
+    def __init__(self, drafter: MTPDrafter, k: int, embed: nn.Module, lm_head: nn.Module,
+                 token_history: torch.Tensor) -> None:
+        self.drafter, self.embed, self.lm_head, self.token_history = drafter, embed, lm_head, token_history
+        cfg = drafter.cfg
+        self.block_size = k
+        self.tap_layer_ids = (cfg.num_hidden_layers,)
+        self.tap_width = cfg.hc_mult * cfg.hidden_size
+
+    def propose(self, req_ids: Sequence[str], rows: np.ndarray, last_positions: np.ndarray, anchors: torch.Tensor,
+                taps: TapBuffer | None) -> torch.Tensor:
+        assert taps is not None
+        dev = anchors.device
+        W = taps.window
+        # the token after each tapped position last - W + 1 .. last (the last one: the anchor); a position before
+        # the sequence start reads token 0, its row is masked by the drafter
+        pos = last_positions[:, None] - W + 2 + np.arange(W)
+        hist_rows = torch.from_numpy(rows).to(dev)[:, None]
+        tokens = self.token_history[hist_rows, torch.from_numpy(np.maximum(pos, 0)).to(dev)]
+        last = torch.from_numpy(last_positions).to(dev)
+        return self.drafter.propose(taps.gather(rows, last_positions), last, tokens, self.block_size, self.embed,
+                                    self.lm_head)
+
+
 class OracleProposer:
     """Test hook: request `req_id` drafts the tokens that follow its anchor in `sequences[req_id]` (prompt and the
     expected output), i.e. the positions last + 2 ..; `fill` past the end of a sequence or for unknown ids."""
 
     tap_layer_ids: tuple[int, ...] = ()
+    tap_width = 0
 
     def __init__(self, sequences: Mapping[str, Sequence[int]], block_size: int, fill: int = 0) -> None:
         self.sequences, self.block_size, self.fill = sequences, block_size, fill

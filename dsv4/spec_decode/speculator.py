@@ -13,7 +13,7 @@ drafts included; each kind is position-addressed or recomputed:
   tokens, and the lookback reads only positions before a chunk, all committed; emitted tokens overwrite them;
 - taps for the drafter: a ring of `window + block + 2` positions per row (`TapBuffer`), so rejected positions never
   overwrite the committed window the drafter reads;
-- the only recurrent state is the ratio-2 compressors' open pair (V4.1's ring of `ratio` rows per request, slot =
+- V4.1's only recurrent state is the ratio-2 compressors' open pair (its ring of `ratio` rows per request, slot =
   position % ratio): a rejected position can overwrite the ring row of an accepted one. Instead of snapshotting the
   ring, a step with a rejection rewinds the request's computed count to the start of its open pair
   (floor(committed / R) * R, R = 2): the next step recomputes that one accepted token (its window, its pair, the
@@ -22,6 +22,12 @@ drafts included; each kind is position-addressed or recomputed:
   (verifying without committing and re-running the accepted tokens would cost a whole forward per step);
   the rewind never goes below the step's own start (committed >= the step's known tokens) nor below a cached
   prefix unit (units are multiples of 2 tokens), so no freed window block and no shared block is touched.
+- DeepSeek-V4's compressor rings (CSA: 2 * ratio rows, HCA: ratio rows; slot = position % rows) hold the raw rows of
+  the open windows, with overlapping CSA windows reaching a whole ring back: a rewind would recompute up to a ring
+  of accepted tokens, so V4 snapshots instead (`RingSnapshot`): before a step with drafts, the drafting rows' ring
+  slots are saved; after a rejection, the slots the rejected positions wrote get their saved rows back (the rows of
+  the positions one ring earlier, all before the step, since a verify chunk is at most one ring long: k + 1 <= the
+  smallest ring, checked at start-up).
 - scheduler state (num_computed_tokens, KV blocks, prefix units, stop strings and max_tokens): the runner returns
   how many of the step's tokens are not computed after all (`RunnerOutput.num_uncomputed_tokens`); blocks allocated
   for rejected drafts stay with the request for its next drafts; units are cached only over known tokens; tokens are
@@ -29,6 +35,12 @@ drafts included; each kind is position-addressed or recomputed:
   max_tokens and max_model_len leave room for them and a bonus token.
 
 This step is eager (the token-row forward, no CUDA graph), sync (no async scheduling), and drafts are greedy.
+
+`disable_by_batch_size` B (vLLM's): while B or more requests hold a row, no drafts are proposed, and a step with no
+drafts to verify is the runner's plain step (`ModelRunner.launch_plain`: decode CUDA graphs of sizes >= B, no taps).
+Drafts proposed before the batch grew are still verified (one eager step). Positions a plain step computes leave
+no taps, so after the batch shrinks below B the drafter reads stale taps for up to a window of positions: fewer
+drafts accepted for a while, never a different output.
 """
 
 from __future__ import annotations
@@ -40,15 +52,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from dsv4.models.config import ConfigError
 from dsv4.runtime.input_batch import InputBatch
 from dsv4.runtime.sampler import SamplingTensors
 from dsv4.spec_decode.config import SpeculativeConfig
-from dsv4.spec_decode.proposer import DSparkProposer, Proposer, TapBuffer
+from dsv4.spec_decode.proposer import DSparkProposer, MTPProposer, Proposer, TapBuffer
 from dsv4.spec_decode.rejection import verify
 from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
 
 if TYPE_CHECKING:
-    from dsv4.runtime.runner import ModelRunner
+    from dsv4.runtime.runner import ModelRunner, PendingOutput
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +96,60 @@ class SpecOutput:
         return self._out
 
 
+class PlainSpecOutput:
+    """A plain step's output (`ModelRunner.launch_plain`), reported as a speculative step that computed everything
+    and left no drafts: the scheduler then drops the draft counts its requests held (drafts proposed for positions
+    this step decoded past)."""
+
+    def __init__(self, pending: "PendingOutput") -> None:
+        self._pending = pending
+
+    def result(self) -> RunnerOutput:
+        out = self._pending.result()
+        if out.num_draft_tokens is None:
+            out.num_uncomputed_tokens = [0] * len(out.req_ids)
+            out.num_draft_tokens = [0] * len(out.req_ids)
+        return out
+
+
+class RingSnapshot:
+    """DeepSeek-V4's compressor rings of the rows a step drafts for, saved before the step (module docstring)."""
+
+    def __init__(self, runner: "ModelRunner") -> None:
+        caches = runner.kv_caches
+        self.tensors = [t for c in caches for t in (c.ring_kv, c.ring_gate, c.index_ring_kv, c.index_ring_gate)
+                        if t is not None]
+        self.table = runner.block_tables.tables.get("compressor_state")
+        self.capacity = min((t.shape[1] for t in self.tensors), default=0)  # the shortest ring, in positions
+        self.index: dict[int, int] = {}
+        self.blocks: torch.Tensor | None = None
+        self.saved: list[torch.Tensor] = []
+
+    def save(self, rows: np.ndarray) -> None:
+        """Copy the ring rows of the state rows `rows` (those with drafts this step)."""
+        self.index = {int(r): i for i, r in enumerate(rows.tolist())}
+        if not self.tensors or not len(rows):
+            self.saved = []
+            return
+        assert self.table is not None
+        self.blocks = self.table[torch.from_numpy(rows).to(self.table.device), 0].long()
+        self.saved = [t[self.blocks] for t in self.tensors]  # advanced indexing: copies
+
+    def restore(self, row: int, first: int, end: int) -> None:
+        """Positions first .. end - 1 of state row `row` were computed for rejected drafts: their ring slots get the
+        rows saved before the step back."""
+        if not self.saved:
+            return
+        assert end - first <= self.capacity, "a verify chunk longer than a compressor ring"
+        i = self.index[row]
+        assert self.blocks is not None
+        block = self.blocks[i]
+        positions = torch.arange(first, end, device=block.device)
+        for t, saved in zip(self.tensors, self.saved):
+            slots = positions % t.shape[1]
+            t[block, slots] = saved[i, slots]
+
+
 def ring_ratio(runner: "ModelRunner") -> int:
     """R: the computed count a rejecting step rewinds to is a multiple of R (1 without compressor ring state)."""
     cfg = runner.config.model
@@ -105,13 +172,19 @@ class Speculator:
         n = runner.config.scheduler.max_num_seqs
         self.drafts = torch.zeros(n, proposer.block_size, dtype=torch.int64, device=runner.device)
         self.ratio = ring_ratio(runner)
+        # V4's rings are restored, not rewound (module docstring); V4.1's ratio-2 pairs are rewound
+        self.rings = RingSnapshot(runner) if runner.config.model.v41 is None else None
+        if self.rings is not None and self.rings.tensors and self.k + 1 > self.rings.capacity:
+            raise ConfigError(f"speculative config field `num_speculative_tokens`: {self.k} drafts and the anchor "
+                              f"do not fit this model's shortest compressor ring ({self.rings.capacity} positions); "
+                              f"use at most {self.rings.capacity - 1}")
         self.taps: TapBuffer | None = None
         if proposer.tap_layer_ids:
-            D = runner.config.model.hidden_size
             dtype = runner.model.lm_head.weight.dtype
             self.taps = TapBuffer(n, runner.config.model.sliding_window, proposer.block_size + 2,
-                                  D * len(proposer.tap_layer_ids), dtype, runner.device)
+                                  proposer.tap_width, dtype, runner.device)
         self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * self.k)
+        self.num_plain_steps = 0  # steps run by ModelRunner.launch_plain (speculation disabled for the batch)
 
     def set_proposer(self, proposer: Proposer) -> None:
         """Swap the proposer (the oracle test hook); it must read no taps the current one does not provide."""
@@ -122,11 +195,21 @@ class Speculator:
             self.drafts = torch.zeros(self.drafts.shape[0], proposer.block_size, dtype=torch.int64,
                                       device=self.drafts.device)
 
+    def disabled(self) -> bool:
+        """Speculation is off for the current batch: disable_by_batch_size or more requests hold a row."""
+        limit = self.spec.disable_by_batch_size
+        return limit is not None and self.runner.req_state.num_active >= limit
+
     # ---- one step ----------------------------------------------------------------------------------------------
-    def launch(self, so: SchedulerOutput) -> SpecOutput:
+    def launch(self, so: SchedulerOutput) -> SpecOutput | PlainSpecOutput:
         r = self.runner
         r._apply_deltas(so)
         rs = r.req_state
+        if self.disabled() and not any(rs.num_computed[rs.req_id_to_row[q]] + n > rs.num_tokens[rs.req_id_to_row[q]]
+                                       for q, n in so.num_scheduled_tokens.items()):
+            # a large batch and no drafts to verify: the plain step (its decode CUDA graphs), no taps, no drafts
+            self.num_plain_steps += 1
+            return PlainSpecOutput(r.launch_plain(so))
         req_ids = sorted(so.num_scheduled_tokens, key=lambda q: (so.num_scheduled_tokens[q] != 1,
                                                                    so.num_scheduled_tokens[q]))
         if not req_ids:
@@ -146,6 +229,8 @@ class Speculator:
             idx = torch.arange(d, device=hist.device) + (row * L + int(known[b]))
             hist.index_copy_(0, idx, self.drafts[row, :d])
 
+        if self.rings is not None:
+            self.rings.save(rows[drafts > 0])
         batch = InputBatch.prepare(r.buffers, rs.token_history, req_ids, rows, computed, sched, sample)
         md = r.model_state.prepare_attn(batch, r.block_tables)
         extra = r.model_state.prepare_inputs(batch, rs)
@@ -213,6 +298,8 @@ class Speculator:
             for t in toks:
                 r.grammars.accept(row, t)
             if j < d:  # a rejection: rewind to the open compressor window's start (module docstring)
+                if self.rings is not None:  # V4: the rings get the rejected positions' saved rows back
+                    self.rings.restore(row, n0 + j, int(ends[b]))
                 new = (n0 + j) // self.ratio * self.ratio
                 assert new >= computed[b], "a rewind below the step's start"
                 rs.num_computed[row] = new
@@ -230,10 +317,9 @@ class Speculator:
     def _propose(self, sample: np.ndarray, srows: np.ndarray, last_positions: np.ndarray, req_ids: list[str],
                  num_drafts: list[int]) -> None:
         """The next drafts of the rows that just sampled: each has committed positions .. last, its newest token at
-        last + 1 (the anchor). Constrained rows and steps above `disable_by_batch_size` get none."""
+        last + 1 (the anchor). Constrained rows and batches of `disable_by_batch_size` or more requests get none."""
         r = self.runner
-        limit = self.spec.disable_by_batch_size
-        if limit is not None and r.req_state.num_active > limit:
+        if self.disabled():
             return
         keep = np.array([r.req_state.sampling_params[row].structured_outputs is None for row in srows.tolist()],
                         dtype=bool)
@@ -268,13 +354,20 @@ class Speculator:
 
 
 def make_speculator(runner: "ModelRunner", spec: SpeculativeConfig) -> Speculator:
-    """The speculator of the checkpoint's drafter: DSpark's weights (`mtp.*`) loaded from the model directory."""
+    """The speculator of the checkpoint's drafter, its weights (`mtp.*`) loaded from the model directory: DSpark
+    (DeepSeek-V4.1) or the MTP layer (DeepSeek-V4)."""
     from dsv4.spec_decode.dspark import load_dspark_drafter
+    from dsv4.spec_decode.mtp import load_mtp_drafter
 
     cfg = runner.config
-    if spec.method != "dspark":
-        raise NotImplementedError(f"speculative method {spec.method!r} is not implemented yet (only dspark)")
     model = runner.model
+    if spec.method == "mtp":
+        k = spec.num_speculative_tokens
+        mtp = load_mtp_drafter(cfg.model_dir, cfg.model, model.lm_head.weight.dtype, runner.device,
+                               cfg.scheduler.max_model_len, k)
+        logger.info("speculative decoding: MTP, %d draft(s) per step (eager, no CUDA graphs)", k)
+        proposer = MTPProposer(mtp, k, model.model.embed_tokens, model.lm_head, runner.req_state.token_history)
+        return Speculator(runner, proposer, spec)
     drafter = load_dspark_drafter(cfg.model_dir, cfg.model, model.lm_head.weight.dtype, runner.device,
                                   cfg.scheduler.max_model_len)
     logger.info("speculative decoding: DSpark, %d of %d block tokens verified per step (eager, no CUDA graphs)",
