@@ -564,7 +564,7 @@ def v41_tensor_shapes(cfg: ModelConfig, dtype: str = "float32") -> dict[str, tup
             if is_kv_source:  # the group's indexer keys are derived from the compressor's latents
                 shapes[a + "indexer.wk.weight"] = (ihd, hd)
                 shapes[a + "indexer.k_norm.weight"] = (ihd,)
-        shapes.update(_v41_moe_shapes(p + "ffn.", E, D, I))
+        shapes.update(_moe_shapes(p + "ffn.", E, D, I))
         if layer in rows:
             g = p + "engram."
             cols = (eng.max_ngram_size - 1) * eng.n_heads  # one table row per (n-gram size, hash head)
@@ -608,11 +608,13 @@ def vision_tensor_shapes(vcfg: VisionConfig, hidden_size: int, dtype: str = "flo
     return {name: (shape, vision_param_dtype(name, wdtype)) for name, shape in shapes.items()}
 
 
-def _v41_moe_shapes(f: str, E: int, D: int, I: int) -> dict[str, tuple[int, ...]]:
-    """A V4.1 MoE FFN under prefix `f` (a target layer's or a drafter stage's), in the checkpoint's order: the router
-    (with the vision bias), E routed experts, and one shared expert of width I, as HF-V41 builds it (V4.1 ships
-    n_shared_experts = 1)."""
-    shapes = {f + "gate.weight": (E, D), f + "gate.bias": (E,), f + "gate.bias_vl": (E,)}
+def _moe_shapes(f: str, E: int, D: int, I: int, vision_bias: bool = True) -> dict[str, tuple[int, ...]]:
+    """An MoE FFN under prefix `f` (a V4.1 target layer's, a drafter stage's, a V4 MTP layer's), in the checkpoint's
+    order: the router (with V4.1's vision bias), E routed experts, and one shared expert of width I, as HF-V41
+    builds it (V4.1 ships n_shared_experts = 1)."""
+    shapes = {f + "gate.weight": (E, D), f + "gate.bias": (E,)}
+    if vision_bias:
+        shapes[f + "gate.bias_vl"] = (E,)
     for e in range(E):
         shapes[f + f"experts.{e}.w1.weight"] = (I, D)
         shapes[f + f"experts.{e}.w2.weight"] = (D, I)
@@ -622,34 +624,42 @@ def _v41_moe_shapes(f: str, E: int, D: int, I: int) -> dict[str, tuple[int, ...]
     return shapes
 
 
+def _draft_layer_shapes(p: str, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The mHC mixes, norms and window-only attention of a drafter layer under prefix `p` (a DSpark stage, a V4 MTP
+    layer: the same names in the same order)."""
+    D, N, H, hd, ql = cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
+    G, ol, mix = cfg.o_groups, cfg.o_lora_rank, (2 + cfg.hc_mult) * cfg.hc_mult
+    shapes: dict[str, tuple[int, ...]] = {}
+    for site in ("attn", "ffn"):
+        shapes[p + f"hc_{site}_fn"] = (mix, N * D)
+        shapes[p + f"hc_{site}_base"] = (mix,)
+        shapes[p + f"hc_{site}_scale"] = (3,)
+    shapes[p + "attn_norm.weight"] = (D,)
+    shapes[p + "ffn_norm.weight"] = (D,)
+    a = p + "attn."
+    shapes[a + "attn_sink"] = (H,)
+    shapes[a + "wq_a.weight"] = (ql, D)
+    shapes[a + "q_norm.weight"] = (ql,)
+    shapes[a + "wq_b.weight"] = (H * hd, ql)
+    shapes[a + "wkv.weight"] = (hd, D)
+    shapes[a + "kv_norm.weight"] = (hd,)
+    shapes[a + "wo_a.weight"] = (G * ol, H * hd // G)
+    shapes[a + "wo_b.weight"] = (D, G * ol)
+    return shapes
+
+
 def dspark_tensor_shapes(cfg: ModelConfig, ds: DSparkConfig, dtype: str = "float32"
                          ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Every tensor of a V4.1 DSpark drafter as released (docs/dspark.md 1.2: `mtp.{s}.*`, per-expert w1/w2/w3,
     which dsv4 packs at load as the target's) -> (shape, on-disk dtype)."""
     wdtype = torch_dtype(dtype)
-    D, N, H, hd, ql = cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
-    G, ol, I, E = cfg.o_groups, cfg.o_lora_rank, cfg.moe_intermediate_size, ds.n_routed_experts
+    D, I, E = cfg.hidden_size, cfg.moe_intermediate_size, ds.n_routed_experts
     V, r, S = cfg.vocab_size, ds.markov_rank, ds.num_stages
-    mix = (2 + N) * N
     shapes: dict[str, tuple[int, ...]] = {}
     for s in range(S):
         p = f"mtp.{s}."
-        for site in ("attn", "ffn"):
-            shapes[p + f"hc_{site}_fn"] = (mix, N * D)
-            shapes[p + f"hc_{site}_base"] = (mix,)
-            shapes[p + f"hc_{site}_scale"] = (3,)
-        shapes[p + "attn_norm.weight"] = (D,)
-        shapes[p + "ffn_norm.weight"] = (D,)
-        a = p + "attn."
-        shapes[a + "attn_sink"] = (H,)
-        shapes[a + "wq_a.weight"] = (ql, D)
-        shapes[a + "q_norm.weight"] = (ql,)
-        shapes[a + "wq_b.weight"] = (H * hd, ql)
-        shapes[a + "wkv.weight"] = (hd, D)
-        shapes[a + "kv_norm.weight"] = (hd,)
-        shapes[a + "wo_a.weight"] = (G * ol, H * hd // G)
-        shapes[a + "wo_b.weight"] = (D, G * ol)
-        shapes.update(_v41_moe_shapes(p + "ffn.", E, D, I))
+        shapes.update(_draft_layer_shapes(p, cfg))
+        shapes.update(_moe_shapes(p + "ffn.", E, D, I))
     shapes["mtp.0.main_proj.weight"] = (D, len(ds.target_layer_ids) * D)
     shapes["mtp.0.main_norm.weight"] = (D,)
     last = f"mtp.{S - 1}."
@@ -665,37 +675,12 @@ def mtp_tensor_shapes(cfg: ModelConfig, dtype: str = "float32") -> dict[str, tup
     own names, a window-only V4 layer with top-k MoE and per-expert w1/w2/w3, plus e_proj / h_proj, enorm / hnorm,
     norm and its hc_head) -> (shape, on-disk dtype). The embedding and LM head are the target's."""
     wdtype = torch_dtype(dtype)
-    D, N, H, hd, ql = cfg.hidden_size, cfg.hc_mult, cfg.num_attention_heads, cfg.head_dim, cfg.q_lora_rank
-    G, ol, I, E = cfg.o_groups, cfg.o_lora_rank, cfg.moe_intermediate_size, cfg.n_routed_experts
-    mix = (2 + N) * N
+    D, N, I, E = cfg.hidden_size, cfg.hc_mult, cfg.moe_intermediate_size, cfg.n_routed_experts
     shapes: dict[str, tuple[int, ...]] = {}
     for i in range(cfg.num_nextn_predict_layers):
         p = f"mtp.{i}."
-        for site in ("attn", "ffn"):
-            shapes[p + f"hc_{site}_fn"] = (mix, N * D)
-            shapes[p + f"hc_{site}_base"] = (mix,)
-            shapes[p + f"hc_{site}_scale"] = (3,)
-        shapes[p + "attn_norm.weight"] = (D,)
-        shapes[p + "ffn_norm.weight"] = (D,)
-        a = p + "attn."
-        shapes[a + "attn_sink"] = (H,)
-        shapes[a + "wq_a.weight"] = (ql, D)
-        shapes[a + "q_norm.weight"] = (ql,)
-        shapes[a + "wq_b.weight"] = (H * hd, ql)
-        shapes[a + "wkv.weight"] = (hd, D)
-        shapes[a + "kv_norm.weight"] = (hd,)
-        shapes[a + "wo_a.weight"] = (G * ol, H * hd // G)
-        shapes[a + "wo_b.weight"] = (D, G * ol)
-        f = p + "ffn."
-        shapes[f + "gate.weight"] = (E, D)
-        shapes[f + "gate.bias"] = (E,)
-        for e in range(E):
-            shapes[f + f"experts.{e}.w1.weight"] = (I, D)
-            shapes[f + f"experts.{e}.w2.weight"] = (D, I)
-            shapes[f + f"experts.{e}.w3.weight"] = (I, D)
-        shapes[f + "shared_experts.w1.weight"] = (I, D)
-        shapes[f + "shared_experts.w2.weight"] = (D, I)
-        shapes[f + "shared_experts.w3.weight"] = (I, D)
+        shapes.update(_draft_layer_shapes(p, cfg))
+        shapes.update(_moe_shapes(p + "ffn.", E, D, I, vision_bias=False))
         for name in ("e_proj", "h_proj"):
             shapes[p + f"{name}.weight"] = (D, D)
         for name in ("enorm", "hnorm", "norm"):
