@@ -5,13 +5,26 @@ root, except third-party packages (`site-packages`, `dist-packages`) and the tes
 `tests` or `idle_test`: large, repetitive, and partly deliberately broken code). `HELD_OUT` is the evaluation text:
 twelve small modules that exist unchanged in name from Python 3.10 to 3.13, never trained on. The library differs a
 little between Python versions, so `CorpusInfo` records the version, the files and a hash of their contents.
+
+The training files also leave out generated data (`is_data_table`, rule `DATA_TABLE_RULE`): files of at least
+LITERAL_MIN_CHARS characters whose tokens are at least LITERAL_SHARE_MAX string or number literals. That is the
+~70 charmap codec tables (`encodings/cp*.py`, `mac_*.py`, `iso8859_*.py`, `koi8_*.py`, ... and their alias table),
+`pydoc_data/topics.py` (the library reference as one dict of strings, ~6% of the library), `html/entities.py`,
+`stringprep.py` (Unicode tables) and `_sysconfigdata_*.py`; every hand-written module of the library scores under
+0.4 (the highest, `keyword.py` 0.39, `locale.py` 0.32 with its alias table), so the cut is wide. The first run's
+model spent its capacity on the codec tables and continued `def ` with their lines. The held-out files are not
+filtered (none is a table); the rule and what it dropped go into train_info.json.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import io
 import platform
 import sysconfig
+import token
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +37,13 @@ _SKIP_ANY = {"test", "tests", "idle_test"}
 # numbers, data structures, a parser) present in every supported Python version.
 HELD_OUT = ("calendar.py", "fnmatch.py", "fractions.py", "graphlib.py", "heapq.py", "json/decoder.py", "numbers.py",
             "queue.py", "shlex.py", "statistics.py", "string.py", "textwrap.py")
+
+
+LITERAL_SHARE_MAX = 0.4
+LITERAL_MIN_CHARS = 4000  # smaller files (docstring-only packages' __init__.py) are kept whatever they hold
+DATA_TABLE_RULE = (f"training files of >= {LITERAL_MIN_CHARS} characters whose Python tokens are >= "
+                   f"{LITERAL_SHARE_MAX:.0%} string/number literals (STRING + NUMBER over STRING + NUMBER + NAME + "
+                   "OP, by the tokenize module) are left out as generated data tables")
 
 
 @dataclass(frozen=True)
@@ -68,15 +88,46 @@ def read_files(paths: list[str], root: Path | None = None) -> list[CorpusFile]:
     return [CorpusFile(p, (root / p).read_bytes().decode("utf-8", errors="replace")) for p in paths]
 
 
-def split(root: Path | None = None) -> tuple[list[CorpusFile], list[CorpusFile]]:
-    """(training files, held-out files) of this Python's standard library."""
+@functools.lru_cache(maxsize=None)  # one tokenize pass per text per process (a run splits the library twice)
+def literal_share(text: str) -> float:
+    """The share of string and number literals among a module's literal, name and operator tokens (a docstring
+    counts as one token, so documented code scores low and a table of literals high). Text that stops tokenizing
+    (a file of another Python version's syntax) is scored on the tokens before that point."""
+    lit = other = 0
+    try:
+        for t in tokenize.generate_tokens(io.StringIO(text).readline):
+            if t.type in (token.STRING, token.NUMBER):
+                lit += 1
+            elif t.type in (token.NAME, token.OP):
+                other += 1
+    except (tokenize.TokenError, SyntaxError):
+        pass
+    return lit / max(1, lit + other)
+
+
+def is_data_table(text: str) -> bool:
+    """Whether a file is generated data by `DATA_TABLE_RULE`."""
+    return len(text) >= LITERAL_MIN_CHARS and literal_share(text) >= LITERAL_SHARE_MAX
+
+
+def split(root: Path | None = None, excluded: list[str] | None = None
+          ) -> tuple[list[CorpusFile], list[CorpusFile]]:
+    """(training files, held-out files) of this Python's standard library; the training files without the data
+    tables (`is_data_table`), whose paths are appended to `excluded` when given."""
     paths = stdlib_files(root)
     missing = [p for p in HELD_OUT if p not in paths]
     if missing:
         raise FileNotFoundError(f"held-out files missing from the standard library at {root or stdlib_root()}: "
                                 f"{missing}")
     held = set(HELD_OUT)
-    return read_files([p for p in paths if p not in held], root), read_files(list(HELD_OUT), root)
+    train = []
+    for f in read_files([p for p in paths if p not in held], root):
+        if is_data_table(f.text):
+            if excluded is not None:
+                excluded.append(f.path)
+        else:
+            train.append(f)
+    return train, read_files(list(HELD_OUT), root)
 
 
 def describe(files: list[CorpusFile], root: Path | None = None) -> CorpusInfo:

@@ -1,6 +1,9 @@
 """`dsv4 eval`: the accuracy check of a checkpoint on a runtime path. Perplexity on the held-out standard-library
 text (`dsv4.train.corpus.HELD_OUT`) and greedy continuations of a few fixed prompts.
 
+With speculative decoding on (`--engine-arg speculative_config=...`), the report adds the drafter's acceptance
+over the continuations (`speculation`: drafts, accepted, mean acceptance length).
+
 Both run on the model the engine builds (`LLMEngine.from_args` with the given dtype, device, quantization and any
 other engine argument), so a quantized or speculative configuration is evaluated as it serves. The continuations
 go through the engine itself (scheduler, runner, sampler, detokenizer). The engine has no prompt-logprobs output
@@ -68,6 +71,12 @@ def evaluate(model_dir: str, prompts: tuple[str, ...] | list[str] = PROMPTS, max
         for out in engine.step():
             if out.finished:
                 texts[out.request_id] = out.outputs[0].text
+    stats = engine.spec_decode_stats  # None without speculation
+    speculation = None if stats is None else {
+        "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted_tokens, "acceptance_rate": round(stats.acceptance_rate, 4),
+        "mean_acceptance_length": round(stats.mean_acceptance_length, 4),
+        "accepted_per_position": list(stats.num_accepted_tokens_per_pos)}
     return {
         "model": model_dir,
         "engine": {k: v for k, v in engine_args.items()},
@@ -78,6 +87,8 @@ def evaluate(model_dir: str, prompts: tuple[str, ...] | list[str] = PROMPTS, max
         "perplexity": math.exp(nll / count),
         "bits_per_byte": nll / math.log(2) / scored_bytes,
         "continuations": [{"prompt": p, "text": texts[str(i)]} for i, p in enumerate(prompts)],
+        # the drafter's acceptance over the continuations' decoding (tokens emitted per verify step, ...)
+        "speculation": speculation,
     }
 
 
@@ -121,3 +132,8 @@ def main(args: argparse.Namespace) -> None:
           f"(Python {report['held_out']['python']}); engine {report['engine']}")
     for c in report["continuations"]:
         print(f"--- {c['prompt']!r}\n{c['prompt']}{c['text']}")
+    if report["speculation"] is not None:
+        sp = report["speculation"]
+        print(f"speculation: mean acceptance length {sp['mean_acceptance_length']:.3f} tokens per verify step, "
+              f"{sp['num_accepted_tokens']}/{sp['num_draft_tokens']} drafts accepted, per position "
+              f"{sp['accepted_per_position']}")

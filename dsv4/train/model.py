@@ -21,16 +21,31 @@ attention, which is not done here: it keeps its random init) and the routers' se
 DeepSeek-V3's auxiliary-loss-free balancing instead (`ExpertBalancer`, which also adds V3's small balance loss).
 The Engram tables, which the engine keeps outside the module (`HostTable`), become trainable parameters on the
 device.
+
+Speed (`autograd_mode` also swaps in, for these fresh steps, sync-free forms of the three host-driven pieces of the
+prefill path; the math of every layer stays the engine's): on a GPU every device-to-host sync (`.item()`, a
+`.tolist()`, a boolean-mask index, a pageable host-to-device copy) drains the queue, so the host's op dispatch and
+the GPU's kernels add up instead of overlapping, and torch.compile breaks its graph at each one. The prefill path
+has ~50 of them a step, all bookkeeping for requests of any length and context: the window-cache write checks for
+padding slots (`write_slots`), the MoE groups rows by expert with a Python loop over host counts (`moe_output`), and
+the compressor plans its windows in numpy and copies the plan over (`Compressor.forward`). In a training step
+every slot is real, every request starts at position 0 and the batch layout never changes, so: the window write
+is one index_put, the MoE takes the engine's own dense expert path (its `fixed` branch: every expert on every token,
+weighted by the routing; 4x the routed FLOPs of top-2 of 8, a few ms at this size), and the compressor's plan is
+built once per metadata on the host (`fresh_compressor_plan`) and reused. tests/test_train_demo.py holds each
+swap equal to the engine's code on a training step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import itertools
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -39,17 +54,19 @@ from safetensors.torch import save_file
 from torch import nn
 from tokenizers import Tokenizer
 
-from dsv4.kv.spec import STATE, KVGroupSpec, make_kv_groups
+import dsv4.runtime.attn_metadata as attn_metadata
+from dsv4.kv.spec import PAD_SLOT, STATE, KVGroupSpec, make_kv_groups
 from dsv4.make_model import DEFAULT_SHARD_BYTES, random_weights
 from dsv4.models.build import build_model
 from dsv4.models.config import ModelConfig, parse_config_dict
 from dsv4.models.engram import EngramLayout, HostTable, build_compressed_token_map
+from dsv4.models.layers.moe import moe_output
 from dsv4.models.loader import route_v41
 from dsv4.models.presets import PRESETS, tensor_shapes, text_config
 from dsv4.ops.router import score
 from dsv4.ops.topk import stable_topk
 from dsv4.quant.released import write_sharded
-from dsv4.runtime.attn_metadata import AttnMetadata, build_attn_metadata
+from dsv4.runtime.attn_metadata import TRASH_SLOT, AttnMetadata, build_attn_metadata, token_key_slots
 from dsv4.runtime.kv_cache import allocate_kv_caches
 
 try:
@@ -175,10 +192,76 @@ def _no_grad(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return lambda x, *args: fn(x.detach(), *args)
 
 
+def _write_slots_no_sync(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """`write_slots` without its host check for padding: a PAD_SLOT row goes to TRASH_SLOT (slot 0 of the null
+    block, never read unmasked), as the decode path's masked writes do. The rows of real slots land as there."""
+    cache[torch.where(slots == PAD_SLOT, TRASH_SLOT, slots)] = rows.to(cache.dtype)
+
+
+def _moe_output_dense(*args: Any, **kwargs: Any) -> torch.Tensor:
+    """`moe_output` on its fixed-shape branch (the captured decode step's): every expert on every token, weighted
+    by the routing weights (0 off the top-k), instead of grouping rows by expert through host counts."""
+    kwargs["fixed"] = True
+    return moe_output(*args, **kwargs)
+
+
+def fresh_compressor_plan(md: AttnMetadata, ratio: int, device: torch.device | str
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `Compressor.forward` computes on the host for a step of fresh requests (every context 0): the tokens
+    that complete an entry [N], the entry ids [N] and the step's tokens of each entry's window [N, ratio] (aligned
+    windows of a fresh request never reach before it, so the ring is never read). Built once per metadata and
+    kept on it (`md.train_plans`): the training steps reuse one metadata."""
+    plans = getattr(md, "train_plans", None)
+    if plans is None:
+        plans = md.train_plans = {}  # type: ignore[attr-defined]
+    key = (ratio, str(device))
+    if key not in plans:
+        qsl = md.query_start_loc_cpu
+        pos = torch.cat([torch.arange(qsl[r + 1] - qsl[r]) for r in range(md.num_reqs)])  # context 0: the offset
+        close = torch.nonzero((pos + 1) % ratio == 0).flatten()  # tokens closing the window [pos - ratio + 1, pos]
+        window = close[:, None] + torch.arange(ratio) - (ratio - 1)
+        plans[key] = tuple(t.to(device) for t in (close, (pos[close] + 1) // ratio - 1, window))
+    return plans[key]
+
+
+def _fresh_compressor_forward(engine_forward: Callable[..., Any]) -> Callable[..., Any]:
+    """`Compressor.forward` for steps of fresh requests from `fresh_compressor_plan`: the same entries through the
+    compressor's own latent / project / pool, with no host work per step. The ring is not rolled (the caches of a
+    training step are discarded after it); a step with context falls back to the engine's forward."""
+    from dsv4.models.deepseek_v41 import StepEntries
+
+    def forward(self: nn.Module, x: torch.Tensor, md: AttnMetadata, cache: Any, state_blocks: Any) -> Any:
+        if any(md.context_lens_cpu):
+            return engine_forward(self, x, md, cache, state_blocks)
+        etok, ent, window = fresh_compressor_plan(md, self.ratio, x.device)
+        if self.ratio == 1:
+            return StepEntries(etok, ent, self.latent(x))
+        if window.shape[0] == 0:
+            return StepEntries(etok, ent, x.new_zeros(0, self.wkv.weight.shape[0]))
+        kv, gate = self.project(x)
+        return StepEntries(etok, ent, self.pool(kv[window], gate[window], x.dtype))
+
+    return forward
+
+
+def prepare_fresh_step(model: nn.Module, md: AttnMetadata) -> None:
+    """Build the per-metadata host plans of a fresh step up front (the compressors' and the per-token key slots)
+    and the model's lazily built device constants, so that the steps that reuse `md` do no host work and a compiled
+    forward only reads them (a cache filled inside the first compiled call would change its guards: a recompile)."""
+    device = md.positions.device
+    for i, layer in enumerate(model.model.layers):
+        token_key_slots(md, layer.attn.window)
+        if hasattr(layer.attn, "compressor"):
+            fresh_compressor_plan(md, layer.attn.ratio, device)
+        if hasattr(layer, "engram"):  # its hash constants' device copies (filled on first use: a recompile)
+            model.engram_layout.tensors(i, device)
+
+
 @contextlib.contextmanager
 def autograd_mode() -> Iterator[None]:
-    """Within: dsv4's ops take their torch paths and the V4.1 fake quant passes gradients (see the module doc).
-    Process-wide (module globals), so nothing else may run the engine meanwhile; restored on exit."""
+    """Within: dsv4's ops take their torch paths, the V4.1 fake quant passes gradients, and the prefill path's
+    host-driven pieces take their sync-free forms for fresh steps (see the module doc). Process-wide (module
+    globals), so nothing else may run the engine meanwhile; restored on exit."""
     import dsv4.models.deepseek_v41 as v41
 
     saved: list[tuple[object, str, object]] = []
@@ -197,6 +280,15 @@ def autograd_mode() -> Iterator[None]:
     swap(v41, "fp8_fake_quant", _straight_through(v41.fp8_fake_quant))
     swap(v41, "fp4_fake_quant_e4m3", _straight_through(v41.fp4_fake_quant_e4m3))
     swap(v41, "fp4_fake_quant_ue8m0", _no_grad(v41.fp4_fake_quant_ue8m0))
+    dspark = sys.modules.get("dsv4.spec_decode.dspark")
+    if dspark is not None:  # the drafter's context and block keys (window_kv) take the target's straight-through
+        swap(dspark, "fp8_fake_quant", _straight_through(dspark.fp8_fake_quant))
+    swap(v41, "write_slots", _write_slots_no_sync)
+    swap(v41, "moe_output", _moe_output_dense)
+    swap(v41.Compressor, "forward", _fresh_compressor_forward(v41.Compressor.forward))
+    # every token row of a layer in one chunk: the chunks' gathered keys are all kept for the backward anyway, so
+    # chunking saves no memory in training, only adds launches (and graph size under torch.compile)
+    swap(attn_metadata, "ROW_CHUNK_ELEMS", 1 << 62)
     try:
         yield
     finally:
@@ -231,12 +323,14 @@ def step_metadata(cfg: ModelConfig, lengths: list[int], device: torch.device | s
 
 
 def forward_logits(model: nn.Module, ids: torch.Tensor, md: AttnMetadata, groups: tuple[KVGroupSpec, ...],
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   dtype: torch.dtype = torch.float32, taps: dict[int, torch.Tensor | None] | None = None
+                   ) -> torch.Tensor:
     """fp32 logits [T, V] of the step's tokens `ids` [T] (requests concatenated as `md` says), from fresh caches in
-    `dtype` (the model's); every request starts at position 0 with an empty Engram look-back."""
+    `dtype` (the model's); every request starts at position 0 with an empty Engram look-back. `taps`: a drafter's
+    inputs, filled in place as the model's forward fills them."""
     caches = allocate_kv_caches(model.cfg, groups, dtype, ids.device)
     lookback = torch.full((md.num_reqs, model.token_lookback_depth), -1, dtype=torch.int64, device=ids.device)
-    return model.compute_logits(model(ids, md, caches, lookback_token_ids=lookback))
+    return model.compute_logits(model(ids, md, caches, lookback_token_ids=lookback, taps=taps))
 
 
 def sequence_nll(model: nn.Module, seqs: list[list[int]], device: torch.device | str,
@@ -261,25 +355,28 @@ class ExpertBalancer:
     whole batch. Both read each MoE layer's input through a forward pre-hook and score it with the layer's own router
     weights and `score` function. DeepSeek-V3 uses rate 1e-3 and a tiny alpha over a long run at a low learning
     rate; a short run at a high one needs both larger (see TrainSettings), or its routers send every token to one
-    expert within tens of steps."""
+    expert within tens of steps. Everything stays on the device (loads counted by scatter_add, the worst load kept
+    as a tensor): no host sync, and nothing that makes torch.compile break or recompile its graph."""
 
-    def __init__(self, model: nn.Module, rate: float, alpha: float) -> None:
+    def __init__(self, layers: Iterable[nn.Module], rate: float, alpha: float) -> None:
+        """`layers`: the decoder layers whose MoE (`.ffn`) to balance (a model's, or a drafter's stages)."""
         self.rate, self.alpha = rate, alpha
-        self.loads: dict[int, torch.Tensor] = {}
+        self.moes = [layer.ffn for layer in layers]
+        E = self.moes[0].gate.bias.numel()
+        self.loads = torch.zeros(len(self.moes), E, dtype=torch.int64, device=self.moes[0].gate.bias.device)
         self.aux: list[torch.Tensor] = []
-        self.moes = [layer.ffn for layer in model.model.layers]
-        self.hooks = [m.register_forward_pre_hook(self._observe) for m in self.moes]
+        self.hooks = [m.register_forward_pre_hook(functools.partial(self._observe, i)) for i, m in enumerate(self.moes)]
 
-    def _observe(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+    def _observe(self, i: int, module: nn.Module, args: tuple[Any, ...]) -> None:
         x, is_image = args[0], args[1]
         E, k = module.gate.bias.numel(), module.top_k
         logits = F.linear(x.float(), module.gate.weight.float())
         scores = score(logits / module.gate_temp, module.scoring_func)
         with torch.no_grad():
             bias = torch.where(is_image[:, None], module.gate.bias_vl, module.gate.bias)
-            idx = stable_topk(scores + bias, k)  # the experts the layer's `route` picks
-            load = torch.bincount(idx.flatten(), minlength=E)
-            self.loads[id(module)] = load
+            idx = stable_topk(scores + bias, k).flatten()  # the experts the layer's `route` picks
+            load = torch.zeros(E, dtype=torch.int64, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx))
+            self.loads[i] = load
         if self.alpha > 0 and torch.is_grad_enabled():
             share = load.float() / idx.numel()  # f_e / E
             p = (scores / scores.sum(dim=-1, keepdim=True)).mean(dim=0)
@@ -291,18 +388,30 @@ class ExpertBalancer:
         return out
 
     @torch.no_grad()
-    def update(self) -> float:
-        """Apply the step's loads to the selection biases; returns the worst layer's max / mean expert load."""
-        worst = 1.0
-        for m in self.moes:
-            load = self.loads.pop(id(m)).float()
-            m.gate.bias += self.rate * torch.sign(load.mean() - load)
-            worst = max(worst, float(load.max() / load.mean().clamp(min=1e-9)))
-        return worst
+    def update(self) -> torch.Tensor:
+        """Apply the last forward's loads to the selection biases; returns the worst layer's max / mean expert load
+        (at least 1), a device scalar (read it when logging: a float() is a host sync)."""
+        load = self.loads.float()
+        mean = load.mean(dim=1, keepdim=True)
+        for m, step in zip(self.moes, torch.sign(mean - load).unbind(0)):
+            m.gate.bias += self.rate * step
+        return (load.amax(dim=1) / mean[:, 0].clamp(min=1e-9)).max().clamp(min=1.0)
 
     def close(self) -> None:
         for h in self.hooks:
             h.remove()
+
+
+def routed_tensor(state: dict[str, torch.Tensor], r: Any) -> torch.Tensor:
+    """The part of a module's state that a checkpoint tensor routes to (a loader `_Route`): the whole parameter,
+    or one expert's slice of a packed one (w1 rows, then w3 rows, of gate_up_proj)."""
+    t = state[r.name]
+    if r.expert is not None:
+        t = t[r.expert]
+        if r.name.endswith("gate_up_proj"):
+            rows = t.shape[0] // 2
+            t = t[r.half * rows:(r.half + 1) * rows]
+    return t
 
 
 def checkpoint_tensors(model: nn.Module, tables: nn.ParameterDict, dtype: str
@@ -319,13 +428,7 @@ def checkpoint_tensors(model: nn.Module, tables: nn.ParameterDict, dtype: str
                 layer = name.split(".")[2]
                 t = tables[layer] if name.endswith(".weight") else torch.ones(shape)
             else:
-                r = route_v41(name)
-                t = state[r.name]
-                if r.expert is not None:
-                    t = t[r.expert]
-                    if r.name.endswith("gate_up_proj"):  # w1 rows, then w3 rows
-                        rows = t.shape[0] // 2
-                        t = t[r.half * rows:(r.half + 1) * rows]
+                t = routed_tensor(state, route_v41(name))
             if tuple(t.shape) != tuple(shape):
                 raise RuntimeError(f"{name}: the model holds {tuple(t.shape)}, the layout wants {shape}")
             yield name, t.detach().to("cpu", disk).contiguous()
@@ -333,9 +436,14 @@ def checkpoint_tensors(model: nn.Module, tables: nn.ParameterDict, dtype: str
     return layout, tensors()
 
 
-def save_weights(model: nn.Module, tables: nn.ParameterDict, out_dir: str, dtype: str = "bfloat16") -> list[str]:
-    """Write the model's weights as model.safetensors (make_model's writer) in `dtype`; returns the files."""
+def save_weights(model: nn.Module, tables: nn.ParameterDict, out_dir: str, dtype: str = "bfloat16",
+                 extra: tuple[dict[str, Any], Iterator[tuple[str, torch.Tensor]]] | None = None) -> list[str]:
+    """Write the model's weights as model.safetensors (make_model's writer) in `dtype`, followed by `extra`'s
+    (layout, tensors) when given (a drafter's `mtp.*`, written last as make_model does); returns the files."""
     layout, tensors = checkpoint_tensors(model, tables, dtype)
+    if extra is not None:
+        layout = {**layout, **extra[0]}
+        tensors = itertools.chain(tensors, extra[1])
     return write_sharded(layout, tensors, out_dir, DEFAULT_SHARD_BYTES)
 
 
