@@ -102,6 +102,7 @@ def _cli(args: list[str]) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.slow  # (main tier under 10 minutes on two cores; CI runs the slow tier too)
 def test_tensor_parallel_outside_torchrun_starts_its_own_ranks() -> None:
     """As with vLLM, `dsv4 generate --tensor-parallel-size 2 --expert-parallel` needs no launcher: it runs itself
     under torch.distributed.run with two ranks, prints the completion once, the single process's completion; a

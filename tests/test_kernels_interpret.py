@@ -193,6 +193,7 @@ def test_pick_sources_kernel_equals_torch() -> None:
     """)
 
 
+@pytest.mark.slow  # (main tier under 10 minutes on two cores; CI runs the slow tier too)
 def test_decode_select_kernels_equal_torch() -> None:
     """The fused decode selection (scores of each row's visible entries through its block table, running top-k,
     merge) against the reference (every entry up to max_entries scored, sorted): the same picks in the same order,

@@ -451,6 +451,7 @@ def test_a_read_timeout_must_be_positive(capsys: pytest.CaptureFixture[str]) -> 
     assert capsys.readouterr().err.count("--request-read-timeout must be a positive number of seconds") == 3
 
 
+@pytest.mark.slow  # (main tier under 10 minutes on two cores; CI runs the slow tier too)
 def test_a_huge_prompt_does_not_stall_the_others(server: Server) -> None:
     """Tokenizing a 10 MB chat body runs off the event loop: /health answers meanwhile (it took 7 s when the
     tokenizer ran on the loop)."""
@@ -653,6 +654,7 @@ def _spec_samples(server: Server) -> tuple[dict[str, float], dict[int, float]]:
     return totals, per_pos
 
 
+@pytest.mark.slow  # (main tier under 10 minutes on two cores; CI runs the slow tier too)
 def test_speculative_decoding_metrics(tmp_path_factory: pytest.TempPathFactory) -> None:
     """`dsv4 serve --speculative-config` (tiny-v41's DSpark drafter): vLLM's spec_decode counters on /metrics, zero
     at start with a sample per draft position, counting the drafts of a request; the greedy text is the plain

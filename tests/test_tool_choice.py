@@ -220,6 +220,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield s
 
 
+@pytest.mark.slow  # (main tier under 10 minutes on two cores; CI runs the slow tier too)
 def test_required_tool_choice_returns_valid_tool_calls(server: Server) -> None:
     """Greedy on a random model: what it prefers is no call at all, yet the reply is tool calls, the last chunk /
     the choice finishes with "tool_calls", nothing leaks into the content, and thinking was off."""

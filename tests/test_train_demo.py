@@ -234,6 +234,7 @@ def _compiled_vs_eager(d: str, files: list[corpus.CorpusFile], out: str, backend
     assert losses[1] == pytest.approx(losses[0], rel=1e-4, abs=1e-4)
 
 
+@pytest.mark.slow  # (main tier under 10 minutes on two cores; CI runs the slow tier too)
 def test_compiled_step_is_one_graph(micro_dir: str, files: list[corpus.CorpusFile], tmp_path: Path) -> None:
     # backend "eager": torch.compile's capture (dynamo; fullgraph, so a graph break fails) run as captured, once,
     # with the same losses as the eager trainer: what compiling on the GPU starts from, in seconds
