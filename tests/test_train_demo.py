@@ -7,6 +7,7 @@ independent full-sequence implementation (tests/v41_reference.py) gives."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -183,6 +184,42 @@ def test_training_forward_is_the_engines(micro_dir: str) -> None:
     # order (fp32 rounding)
     assert all(torch.equal(a, b) for a, b in zip(ref, got)) and ref.entry.numel() == 32 + 16 + 1
     torch.testing.assert_close(train, engine, rtol=1e-5, atol=1e-5)
+
+
+def test_fresh_attention_equals_the_engines_with_gradients(micro_dir: str) -> None:
+    """The per-sequence attention of a fresh step (dsv4/train/fresh_attention.py) against the engine's token-row
+    gather: the same logits and the same gradient for every parameter, and it ran on every layer."""
+    from unittest import mock
+
+    import dsv4.train.fresh_attention as fa
+
+    model, tables = _load(micro_dir)
+    ids = torch.randint(3, 500, (3 * 64,), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for dense in (True, False):
+        calls: list[int] = []
+
+        def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+            calls.append(1)
+            return fa.dense_sink_attention.__wrapped__(*args, **kwargs)
+
+        spy.__wrapped__ = fa.dense_sink_attention  # type: ignore[attr-defined]
+        model.zero_grad(set_to_none=True)
+        tables.zero_grad(set_to_none=True)
+        off = mock.patch.object(fa, "plan_fresh_attention", lambda md, window: None) if not dense else None
+        with autograd_mode(), mock.patch.object(fa, "dense_sink_attention", spy), (off or contextlib.nullcontext()):
+            md, groups = step_metadata(model.cfg, [64] * 3, "cpu")
+            logits = forward_logits(model, ids, md, groups)
+            torch.nn.functional.cross_entropy(logits[:-1], ids[1:]).backward()
+        assert len(calls) == (len(model.model.layers) if dense else 0)
+        grads = {n: p.grad.clone() for n, p in list(model.named_parameters()) + list(tables.items())
+                 if p.grad is not None}
+        runs.append((logits.detach(), grads))
+    (dense_logits, dense_grads), (engine_logits, engine_grads) = runs
+    torch.testing.assert_close(dense_logits, engine_logits, rtol=1e-5, atol=1e-5)
+    assert dense_grads.keys() == engine_grads.keys() and len(dense_grads) > 20
+    for name, g in engine_grads.items():
+        torch.testing.assert_close(dense_grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
 class _HostSyncSpy(torch.utils._python_dispatch.TorchDispatchMode):

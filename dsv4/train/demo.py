@@ -18,10 +18,15 @@ Everything random comes from `--seed` (weights, batches); on CUDA the determinis
 
 Time: `--max-minutes` (default 5) bounds the whole run. The target's training gets what the drafter's
 `--drafter-minutes` (default 1) and the writing (SAVE_RESERVE_S) leave; each loop times its first steps and cuts its
-step count to what fits (the printed `--steps N --drafter-steps M --max-minutes 0` reproduces the run). On CUDA the
-target's forward and loss are compiled (`--compile`, see `Trainer`): the first step then takes the compilation,
-which the time fitting counts, and every later step runs as fused kernels with no host sync. The drafter's steps
-run eagerly (a second compilation would cost more than its minute saves).
+step count to what fits (the printed `--steps N --drafter-steps M --max-minutes 0` reproduces the run). `--compile`
+compiles the target's forward and loss (see `Trainer`): the first step then takes the compilation, which the time
+fitting counts; off by default, as inductor took 244 s of a 5-minute run on the H200. The drafter's steps run
+eagerly.
+
+The written target is the one of the lowest held-out loss among the evaluations (every --eval-every steps and the
+last step): with ~2 M training tokens a long run repeats the corpus many times, and the held-out loss turns up
+before the training loss stops falling. (The same 16 held-out windows choose the step and are reported, a mild
+selection on 16 of the held-out files' windows; `dsv4 eval` measures all of the held-out text.)
 """
 
 from __future__ import annotations
@@ -72,7 +77,9 @@ class TrainSettings:
     eval_every: int = 100
     val_windows: int = 16  # held-out windows behind the val_loss column (the first ones, fixed)
     max_minutes: float | None = 5.0  # fit --steps into this many minutes from the start (`_fit_steps`), then save
-    compile: bool | None = None  # torch.compile the training forward + loss; None: on CUDA only (Trainer)
+    # torch.compile the training forward + loss (Trainer). Off by default: inductor's compilation of the demo step
+    # took 244 s on the H200 (torch 2.11), most of a 5-minute run (benchmarks/results/2026-12-01-h200-train-demo)
+    compile: bool = False
     max_train_files: int | None = None  # the first N training files only (tests)
     # then the DSpark drafter on the frozen target (dsv4.train.drafter), in the last drafter_minutes of max_minutes
     drafter: bool = True
@@ -286,7 +293,7 @@ def train(s: TrainSettings) -> dict[str, Any]:
         init_checkpoint(config, init_dir, s.seed)
         model, tables = load_trainable(init_dir, cfg, device, dtype)
 
-    compile_ = cuda if s.compile is None else s.compile
+    compile_ = s.compile
     trainer = Trainer(model, tables, s, dtype, compile=compile_)
     gen = torch.Generator().manual_seed(s.seed)
     t_setup = time.perf_counter() - t0
@@ -307,6 +314,7 @@ def train(s: TrainSettings) -> dict[str, Any]:
     running, n_running, step, steps, stopped_early = torch.zeros((), device=device), 0, 0, s.steps, False
     t_loop = t_first = time.perf_counter()
     t_step1 = 0.0
+    best: tuple[float, int, list[torch.Tensor]] | None = None  # (held-out loss, step, fp32 masters) of the best
     with autograd_mode():
         while step < steps:
             step += 1
@@ -325,6 +333,8 @@ def train(s: TrainSettings) -> dict[str, Any]:
                 if step % s.eval_every == 0 or step == 1 or last:
                     with torch.no_grad():
                         row["val_loss"] = float(sequence_nll(model, val, device, dtype).mean())
+                    if best is None or row["val_loss"] < best[0]:
+                        best = (row["val_loss"], step, [p.detach().clone() for p in trainer.params])
                 rows.append(row)
                 running, n_running = torch.zeros((), device=device), 0
                 val_text = "" if row["val_loss"] is None else f"  held-out {row['val_loss']:.3f}"
@@ -340,6 +350,13 @@ def train(s: TrainSettings) -> dict[str, Any]:
             if out_of_time:
                 stopped_early = step < steps
                 break
+    assert best is not None  # the last step is always evaluated
+    if best[1] != step:  # write the target of the best held-out loss (see the module doc)
+        with torch.no_grad():
+            for p, kept in zip(trainer.params, best[2]):
+                p.copy_(kept)
+        trainer.master.masters_to_model()
+        print(f"train-demo: the target of step {best[1]} (held-out {best[0]:.3f}) is the one written", flush=True)
     trainer.close()
     t_train = time.perf_counter() - t_loop
     t_after1 = time.perf_counter() - t_first
@@ -391,6 +408,7 @@ def train(s: TrainSettings) -> dict[str, Any]:
         "steps": steps, "steps_done": step, "stopped_early": stopped_early,
         "tokens_seen": step * s.batch_size * s.seq_len,
         "final": {"loss": rows[-1]["loss"], "val_loss": rows[-1]["val_loss"], "max_expert_load": trainer.max_load},
+        "written": {"step": best[1], "val_loss": best[0]},  # the target in the checkpoint: the best held-out loss
         "seconds": {"tokenizer": round(t_tok, 2), "setup": round(t_setup, 2), "train": round(t_train, 2),
                     "save": round(time.perf_counter() - t_save, 2), "total": round(time.perf_counter() - t0, 2)},
         "tokens_per_s": round(step * s.batch_size * s.seq_len / t_train),
@@ -439,9 +457,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter-batch-size", type=int, default=d.drafter_batch_size,
                         help=f"sequences per drafter step (default {d.drafter_batch_size}; every "
                              "8th position of each is an anchor)")
-    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the training forward and loss (default: on CUDA; the first step then "
-                             "takes the compilation, ~1-2 minutes; a compile failure falls back to eager)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                        help="torch.compile the training forward and loss (default: off; the first step then takes "
+                             "the compilation, 244 s on an H200; a compile failure falls back to eager)")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -453,7 +471,7 @@ def main(args: argparse.Namespace) -> None:
     info = train(s)
     print(f"wrote {s.out}: {info['model']['parameters'] / 1e6:.1f}M parameters, {info['model']['bytes'] / 1e6:.1f} MB; "
           f"loss {info['final']['loss']:.3f}, held-out {info['final']['val_loss']:.3f} after {info['steps_done']} "
-          f"steps in {info['seconds']['total']:.0f} s ({info['tokens_per_s']:,} tok/s); curve: {info['plot']}")
+          f"steps (written: step {info['written']['step']}, held-out {info['written']['val_loss']:.3f}) in {info['seconds']['total']:.0f} s ({info['tokens_per_s']:,} tok/s); curve: {info['plot']}")
     if info["drafter"] is not None:
         final = info["drafter"]["final"]
         print(f"drafter: {info['drafter']['parameters'] / 1e6:.1f}M parameters, {info['drafter']['steps_done']} steps; "

@@ -34,6 +34,9 @@ is one index_put, the MoE takes the engine's own dense expert path (its `fixed` 
 weighted by the routing; 4x the routed FLOPs of top-2 of 8, a few ms at this size), and the compressor's plan is
 built once per metadata on the host (`fresh_compressor_plan`) and reused. tests/test_train_demo.py holds each
 swap equal to the engine's code on a training step.
+And one swap for the GPU's sake, not the host's: the attention of a fresh step runs per sequence
+(dsv4/train/fresh_attention.py) instead of gathering every token row's keys, whose backward (an index_put with
+accumulation over each key's ~W duplicates) was 90% of an H200 training step.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from dsv4.ops.topk import stable_topk
 from dsv4.quant.released import write_sharded
 from dsv4.runtime.attn_metadata import TRASH_SLOT, AttnMetadata, build_attn_metadata, token_key_slots
 from dsv4.runtime.kv_cache import allocate_kv_caches
+from dsv4.train.fresh_attention import FreshAttention, plan_fresh_attention
 
 try:
     import triton as _TRITON
@@ -251,6 +255,7 @@ def prepare_fresh_step(model: nn.Module, md: AttnMetadata) -> None:
     device = md.positions.device
     for i, layer in enumerate(model.model.layers):
         token_key_slots(md, layer.attn.window)
+        plan_fresh_attention(md, layer.attn.window)
         if hasattr(layer.attn, "compressor"):
             fresh_compressor_plan(md, layer.attn.ratio, device)
         if hasattr(layer, "engram"):  # its hash constants' device copies (filled on first use: a recompile)
@@ -286,6 +291,11 @@ def autograd_mode() -> Iterator[None]:
     swap(v41, "write_slots", _write_slots_no_sync)
     swap(v41, "moe_output", _moe_output_dense)
     swap(v41.Compressor, "forward", _fresh_compressor_forward(v41.Compressor.forward))
+    # the attention of a fresh step per sequence (dsv4/train/fresh_attention.py): the token rows' key gather has a
+    # backward that took ~90% of a training step on the GPU
+    fresh = FreshAttention(v41.decode_sink_attention)
+    swap(v41, "decode_sink_attention", fresh.attention)
+    swap(v41.AttentionV41, "forward", fresh.layer_forward(v41.AttentionV41.forward))
     # every token row of a layer in one chunk: the chunks' gathered keys are all kept for the backward anyway, so
     # chunking saves no memory in training, only adds launches (and graph size under torch.compile)
     swap(attn_metadata, "ROW_CHUNK_ELEMS", 1 << 62)
