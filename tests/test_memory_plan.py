@@ -118,3 +118,18 @@ def test_report_of_a_started_engine(tmp_path) -> None:
     assert eng.weight_plan["experts"] == rep.weights["experts"]  # the plan's estimate, exact for the experts
     text = "\n".join(rep.lines())
     assert "KV pool" in text and "engram tables" in text and rep.to_json()["kv_pool"] == rep.kv_pool
+
+
+@pytest.mark.parametrize("preset, method", [("tiny-v41", "dspark"), ("tiny-v4", "mtp")])
+def test_plan_and_report_count_the_drafter(tmp_path, preset: str, method: str) -> None:
+    """With speculative decoding the plan counts the drafter's weights before loading, exactly what the loaded
+    drafter holds (an fp32 CPU engine: every tensor in the model dtype); without it, nothing."""
+    from dsv4.make_model import make_model
+
+    path = make_model(preset, str(tmp_path / "m"), seed=0)
+    eng = LLMEngine.from_args(path, max_model_len=64, max_num_seqs=2, speculative_config={"method": method})
+    held = sum(t.numel() * t.element_size() for t in eng.runner.speculator.proposer.drafter.state_dict().values())
+    assert eng.weight_plan["drafter"] == held == eng.memory.weights["drafter"] > 0
+    assert "drafter" in "\n".join(eng.memory.lines())
+    plain = LLMEngine.from_args(path, max_model_len=64, max_num_seqs=2)
+    assert plain.weight_plan["drafter"] == plain.memory.weights["drafter"] == 0

@@ -147,8 +147,9 @@ class LLMEngine:
         before = torch.cuda.memory_reserved(torch.device(config.device)) if cuda else 0
         self.runner.capture_graphs()
         graphs = torch.cuda.memory_reserved(torch.device(config.device)) - before if cuda else None
+        spec = self.runner.speculator
         self.memory = memory_report(config, model, kv_cache_bytes(config.model, self.groups, dtype), self._step_peak,
-                                    graphs)
+                                    graphs, spec.proposer.drafter if spec is not None else None)
         for line in self.memory.lines():
             logger.info("%s", line)
         self.kv_manager = KVCacheManager(self.groups, config.scheduler.max_num_batched_tokens, cc.enable_prefix_caching)

@@ -14,8 +14,10 @@ or not.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -59,9 +61,32 @@ def planned_weight_bytes(config: EngineConfig, dtype: torch.dtype) -> dict[str, 
         out["dense"] //= world
         if config.parallel.expert_parallel:
             out["experts"] //= world
-    # the DSpark drafter (mtp.*, ~14B parameters for V4.1-Flash) loaded with speculative decoding is not counted yet
-    out["drafter"] = 0
+    out["drafter"] = planned_drafter_bytes(config, dtype)
     return out
+
+
+def planned_drafter_bytes(config: EngineConfig, dtype: torch.dtype) -> int:
+    """Bytes of the drafter speculative decoding loads (0 without it): the checkpoint's `mtp.*` tensors, held
+    whole on every rank in the model dtype (dsv4.spec_decode loads them dequantized, like a float checkpoint; its
+    few fp32 tensors counted in the model dtype, as the plan's). V4.1-Flash's DSpark drafter is 3 stages of 128
+    experts: 14.2 B parameters, 26.5 GiB in bf16, a fifth of an H200."""
+    spec = config.speculative
+    if spec is None:
+        return 0
+    from dsv4.models.presets import dspark_tensor_shapes, mtp_tensor_shapes
+
+    name = str(dtype).removeprefix("torch.")
+    if spec.method == "mtp":
+        shapes = mtp_tensor_shapes(config.model, name)
+    else:
+        from dsv4.spec_decode.config import parse_dspark
+
+        # the drafter's fields are in the checkpoint's config.json only (validated with the speculative config)
+        with open(os.path.join(config.model_dir, "config.json"), encoding="utf-8") as f:
+            ds = parse_dspark(json.load(f))
+        assert ds is not None, "a validated DSpark speculative config has the checkpoint's dspark fields"
+        shapes = dspark_tensor_shapes(config.model, ds, name)
+    return sum(math.prod(shape) * dtype.itemsize for shape, _ in shapes.values())
 
 
 def check_weights_fit(config: EngineConfig, dtype: torch.dtype) -> dict[str, int]:
@@ -160,10 +185,12 @@ class MemoryReport:
 
 
 def memory_report(config: EngineConfig, model: nn.Module, kv_pool: int, peak_allocated: int | None,
-                  graphs: int | None) -> MemoryReport:
+                  graphs: int | None, drafter: nn.Module | None = None) -> MemoryReport:
     """`peak_allocated`: the device's peak allocation in the worst-case step's profile (weights included, the
-    profile's minimal KV pool not), or None."""
+    profile's minimal KV pool not), or None. `drafter`: speculative decoding's drafter module, if loaded."""
     weights, host = held_weight_bytes(model)
+    if drafter is not None:
+        weights["drafter"] += sum(t.numel() * t.element_size() for t in drafter.state_dict().values())
     step_peak = None if peak_allocated is None else max(0, peak_allocated - sum(weights.values()))
     cuda = config.device.startswith("cuda")
     pinned = [v for v in (_proc_status_bytes("VmPin"), _proc_status_bytes("VmLck")) if v is not None]
