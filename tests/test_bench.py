@@ -356,7 +356,9 @@ LATENCY_FIELDS = {"benchmark", "model", "model_type", "date", "device", "device_
                   "floor", "copy_bytes", "copy_bandwidth_Bps", "floor_time_s", "fraction_of_floor", "achieved_Bps",
                   "hf", "decode_host_launch_s", "decode_metadata_host_s", "decode_backend", "tensor_parallel_size",
                   "quantization", "load_format", "model_load_s", "weight_bytes_on_device", "max_memory_allocated",
-                  "json_schema", "memory", "weight_plan", "spec_decode"}
+                  "json_schema", "memory", "weight_plan", "spec_decode", "prefill_time_s", "prefill_cached_tokens",
+                  "prefill_tokens", "prefill_tokens_per_s", "prefill_flops", "prefill_flops_by_component",
+                  "prefill_tflops_per_s", "peak_tflops_per_s", "peak_source", "prefill_fraction_of_peak"}
 
 
 @pytest.mark.parametrize("which", ["tiny-v4", "tiny-v41"])

@@ -11,6 +11,13 @@ torchrun (`--tensor-parallel-size N --expert-parallel`) the floor is what one GP
 one or more tokens per request; the report adds the acceptance counters of the timed batches, the acceptance length
 (tokens per verify step per request) and output tokens per second per request (`spec_decode`).
 
+Prefill: the steps that compute prompt tokens (one step of B x I tokens by default) are timed with a device sync on
+both sides even under async scheduling (`prefill_time_s`, per batch); every timed batch has prompts of its own, so no
+prefill is served from the prefix cache. Prefill tokens/s = B * I / median prefill time; the FLOPs of that prefill
+(`dsv4.bench.flops.prefill_flops`) over the same time give TFLOP/s and the fraction of the dense peak
+(`dsv4.bench.flops.peak_flops`: one H200's for the run's dtype, times the GPUs under tensor parallelism, or
+`--peak-tflops` per GPU).
+
 `--baseline hf` runs transformers' DeepseekV4ForCausalLM on the same checkpoint in the same process (eager
 attention, a manual greedy decode loop with its DynamicCache) on the same prompts, for a side-by-side ratio.
 """
@@ -38,6 +45,7 @@ from typing import Any
 import torch
 
 from dsv4.bench import run_and_report
+from dsv4.bench.flops import flop_rate_report, prefill_flops
 from dsv4.distributed import split_over_ranks
 from dsv4.models.config import CSA, ModelConfig, load_model_config
 from dsv4.models.presets import tensor_shapes
@@ -329,6 +337,7 @@ class StepTime:
     host_s: float = 0.0  # the runner's host time to launch the step (ModelRunner.last_launch_s)
     md_host_s: float = 0.0  # of which the decode-metadata build (ModelRunner.last_decode_md_s)
     num_tokens: int = 0  # output tokens the step emitted, all requests (several per request under speculation)
+    prefill: bool = False  # the step computed prompt tokens (synced on both sides whatever the scheduling)
 
 
 def weight_bytes(engine: Any) -> int:
@@ -374,10 +383,23 @@ def build_engine(args: argparse.Namespace, device: str, dtype: str) -> tuple[Any
     return engine, {"engine_kwargs": {**kwargs, **knobs, **resolved}, "ignored_engine_kwargs": ignored}
 
 
+def prefill_pending(engine: Any, ids: list[str]) -> bool:
+    """Whether a request of `ids` still has prompt tokens to schedule (the scheduler counts scheduled tokens as
+    computed, so this turns False with the step that schedules the last prompt chunk)."""
+    for rid in ids:
+        user = engine.requests.get(rid)
+        if user is not None and any(c.request.num_computed_tokens < c.request.num_prompt_tokens
+                                    for c in user.children):
+            return True
+    return False
+
+
 def run_batch(engine: Any, prompts: list[list[int]], output_len: int, device: torch.device, tag: str,
-              json_schema: dict[str, Any] | None = None) -> tuple[list[StepTime], list[list[int]]]:
+              json_schema: dict[str, Any] | None = None,
+              cached_tokens: list[int] | None = None) -> tuple[list[StepTime], list[list[int]]]:
     """Submit the batch, step the engine until it drains; return every step's time and the output tokens.
-    `json_schema`: every request's output is constrained to it (structured outputs)."""
+    `json_schema`: every request's output is constrained to it (structured outputs). `cached_tokens`: the prompt
+    tokens each request got from the prefix cache are appended to it."""
     from dsv4.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
     # DELTA outputs: each step returns only the new tokens (what a streaming server asks for), so the timed step
@@ -393,27 +415,36 @@ def run_batch(engine: Any, prompts: list[list[int]], output_len: int, device: to
     # async scheduling overlaps a step's host work with the previous step's GPU work: a device sync around every
     # step would serialise them again. Each step still waits for the previous step's tokens, so in the steady
     # state a step's wall time is the step period.
+    # The steps that compute prompt tokens are synced on both sides always, so the prefill is timed alone (under
+    # async scheduling the next step is launched only after it finished: that costs one overlap, outside the decode
+    # steps).
     per_step_sync = not engine.config.scheduler.async_scheduling
+    pending = True  # prompt tokens left to schedule (checked until they are all scheduled)
+    hits: dict[str, int] = {}
     sync(device)
     while engine.has_unfinished_requests():
         # a decode step: every request of the batch is still running and has its first token (its prefill is done)
         decode = len(alive) == len(ids) and all(produced[r] > 0 for r in ids)
         running = len(alive)
-        if per_step_sync:
+        pending = pending and prefill_pending(engine, ids)
+        if per_step_sync or pending:
             sync(device)
         t0 = time.perf_counter()
         outputs = engine.step()
-        if per_step_sync:
+        if per_step_sync or pending:
             sync(device)
         runner = getattr(engine, "runner", None)
         steps.append(StepTime(time.perf_counter() - t0, decode, running, getattr(runner, "last_launch_s", 0.0),
                               getattr(runner, "last_decode_md_s", 0.0),
-                              sum(len(out.outputs[0].token_ids) for out in outputs)))
+                              sum(len(out.outputs[0].token_ids) for out in outputs), pending))
         for out in outputs:
+            hits[out.request_id] = out.num_cached_tokens
             tokens[out.request_id].extend(out.outputs[0].token_ids)
             produced[out.request_id] = len(tokens[out.request_id])
             if out.finished:
                 alive.discard(out.request_id)
+    if cached_tokens is not None:
+        cached_tokens.extend(hits.get(r, 0) for r in ids)
     return steps, [tokens[r] for r in ids]
 
 
@@ -504,7 +535,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engram-placement", choices=list(ENGRAM_PLACEMENTS), default="auto",
                         help="where V4.1's engram tables live: device, host (read by the GPU over PCIe), auto")
     parser.add_argument("--speculative-config", metavar="JSON", help=SPECULATIVE_CONFIG_HELP)
+    parser.add_argument("--peak-tflops", type=float,
+                        help="dense peak TFLOP/s of one device for the prefill's fraction of peak (default: the "
+                             "H200 datasheet's for the dtype: 989.5 bf16 / fp16, 67 fp32)")
     parser.add_argument("--output-json", metavar="FILE", help="write every number as JSON")
+
+
+def prefill_report(cfg: ModelConfig, batch: int, input_len: int, seconds: float, dtype: str, world: int = 1,
+                   peak_tflops: float | None = None) -> dict[str, Any]:
+    """Prefill rates of `batch` prompts of `input_len` tokens computed in `seconds` (whole prompts, no prefix
+    hit): tokens/s, the FLOP model's FLOPs (`prefill_flops`) and TFLOP/s, and their fraction of the dense peak of
+    `world` devices (`peak_tflops` per device, else one H200's for `dtype`): `flop_rate_report`'s fields."""
+    return {"prefill_tokens": batch * input_len,
+            "prefill_tokens_per_s": batch * input_len / seconds if seconds > 0 else float("nan"),
+            **flop_rate_report(prefill_flops(cfg, input_len, batch), seconds, dtype, world, peak_tflops)}
 
 
 def spec_decode_counters(engine: Any, before: Any) -> dict[str, Any] | None:
@@ -556,6 +600,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     engine, engine_info = build_engine(args, device_str, dtype)
     for w in range(args.num_iters_warmup):
         run_batch(engine, random_prompts(cfg, b, i, args.seed + 1000 + w), o, device, f"warmup{w}", schema)
+    # every timed batch prefills prompts of its own: a repeated prompt would be served from the prefix cache
     prompts = random_prompts(cfg, b, i, args.seed)
     # acceptance counters since start: the report takes the timed batches' share (warm-up excluded)
     spec_before = copy.deepcopy(engine.spec_decode_stats)
@@ -564,15 +609,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     host_times: list[float] = []
     md_times: list[float] = []
     prefill_times: list[float] = []
+    prefill_compute: list[float] = []
+    cached: list[int] = []
     e2e: list[float] = []
     tokens: list[list[int]] = []
     for it in range(args.num_iters):
-        steps, tokens = run_batch(engine, prompts, o, device, f"iter{it}", schema)
+        if it > 0:
+            prompts = random_prompts(cfg, b, i, args.seed + it)
+        steps, tokens = run_batch(engine, prompts, o, device, f"iter{it}", schema, cached)
         decode_steps += [s.seconds for s in steps if s.decode]
         decode_tokens += sum(s.num_tokens for s in steps if s.decode)
         host_times += [s.host_s for s in steps if s.decode]
         md_times += [s.md_host_s for s in steps if s.decode]
         prefill_times.append(sum(s.seconds for s in steps if not s.decode))  # the batch's prefill step(s)
+        prefill_compute.append(sum(s.seconds for s in steps if s.prefill))  # the steps computing prompt tokens
         e2e.append(sum(s.seconds for s in steps))
     quant = engine.config.quant  # the weight format the engine runs, for the floor
     held = {"model_load_s": engine.model_load_s, "weight_bytes_on_device": weight_bytes(engine),
@@ -591,6 +641,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     copy_bytes = args.copy_bytes or ((2 << 30) if device.type == "cuda" else (256 << 20))
     bandwidth = measure_copy_bandwidth(device, copy_bytes)
     floor_time = floor.total / bandwidth
+    prefill = summarize(prefill_compute)
     result: dict[str, Any] = {
         "benchmark": "latency", "model": args.model, "model_type": cfg.model_type, **environment(args, device),
         "dtype": dtype, "batch_size": b, "input_len": i, "output_len": o, "num_iters": args.num_iters,
@@ -601,6 +652,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # a plain decode step emits one token per request; a speculative one a varying number: tokens over time
         "decode_tokens_per_s": b / stats["median"] if spec is None else spec["output_tokens_per_s"],
         "spec_decode": spec, "prefill_s": summarize(prefill_times), "e2e_s": summarize(e2e),
+        "prefill_time_s": prefill, "prefill_cached_tokens": sum(cached),
+        **prefill_report(cfg, b, i, prefill["median"], dtype, world, args.peak_tflops),
         "quantization": None if quant is None else quant.to_json(), "load_format": args.load_format, **held,
         "floor_bytes": floor.total, "floor": {**asdict(floor), "total": floor.total},
         "copy_bytes": copy_bytes, "copy_bandwidth_Bps": bandwidth, "floor_time_s": floor_time,
@@ -636,6 +689,15 @@ def print_result(res: dict[str, Any]) -> None:
     print(f"{'  of it metadata (ms)':24}{_ms(m['median'])} {_ms(m['mean'])} {_ms(m['p90'])}")
     p = res["prefill_s"]
     print(f"{'prefill steps (ms)':24}{_ms(p['median'])} {_ms(p['mean'])} {_ms(p['p90'])}")
+    p = res["prefill_time_s"]
+    print(f"{'prefill, synced (ms)':24}{_ms(p['median'])} {_ms(p['mean'])} {_ms(p['p90'])}  "
+          f"({res['prefill_tokens']} prompt tokens)")
+    print(f"{'prefill tokens/s':24}{res['prefill_tokens_per_s']:10.1f}")
+    c = res["prefill_flops_by_component"]
+    parts = ", ".join(f"{k} {c[k] / c['total'] * 100:.0f}%" for k in c if k != "total" and c[k])
+    print(f"{'prefill FLOPs':24}{res['prefill_flops'] / 1e12:10.4g} TFLOP  ({parts})")
+    print(f"{'prefill TFLOP/s':24}{res['prefill_tflops_per_s']:10.4g}  = {res['prefill_fraction_of_peak'] * 100:.3g} % "
+          f"of {res['peak_tflops_per_s']:.1f} TFLOP/s ({res['peak_source']})")
     print(f"{'decode tokens/s':24}{res['decode_tokens_per_s']:10.1f}")
     sd = res.get("spec_decode")
     if sd is not None:
