@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Speculative decoding's speed on one H200 (issue 21's acceptance). From the repo root, PYTHONPATH=.:
+#   benchmarks/run_spec_decode.sh OUTDIR PART [PART ...]
+#   tests   tests/gpu/test_spec_decode_gpu.py (tiny V4.1 / V4, fp32: greedy outputs with a random, an oracle and an
+#           MTP drafter equal plain decoding's)
+#   bench   V4.1-Flash-8l (random bf16 weights) WITH its DSpark drafter (make_model(..., drafter=True): the released
+#           drafter's fields, 3 stages of 128 experts, k = block 5), written to /tmp/v41-flash-8l-dspark (not
+#           device_lib's /tmp/v41-flash-8l, which has no drafter); then benchmarks/spec_decode_speed.py at batch
+#           $BATCHES (default 1,2,4,8,16,32), 512 tokens in, $OUTPUT_LEN (default 128) out: plain decode, the
+#           oracle drafter (free drafts, all accepted), the oracle after the real drafter (its cost, all accepted),
+#           the random drafter (acceptance ~0); JSON + log in OUTDIR. $DRAFTER_EXPERTS (unset: the released 128)
+#           writes a smaller drafter instead, to /tmp/v41-flash-8l-dspark-e$DRAFTER_EXPERTS.
+#
+# Time estimate (whole script, expected ~330 s, every command capped: 80 + 200 + 280 = 560 s at worst):
+#   tests  ~35 s (9 GPU tests took 31 s on 2026-12-01, this file's 5 of them less).
+#   make   the checkpoint is 44.5 GB (target 16.0 GB + drafter 28.5 GB, 14.2 B params): drawn on the GPU and
+#          written at disk speed; estimated 60-150 s from the 16 GB preset fitting device_lib's 150 s (the log
+#          prints the time it took; a second call on a warm machine reuses the directory).
+#   bench  ~130 s (~200 s if eager steps are twice the guess). Start-up: imports ~10 s, the plain engine ~20 s
+#          (7 s load, graphs of 6 sizes), the speculative one ~30 s (44.5 GB load). Plain, per batch: a warm-up of
+#          16 tokens and a timed run of 128, 2 prefills (0.1 s at batch 1 to 0.45 s at batch 32) + 143 graph steps
+#          of 3.7 ms (batch 1) to 6 ms (batch 32): ~9 s over the 6 batches. Speculative steps are eager (no graphs):
+#          ~30 ms per verify step (an eager 8-layer decode step measured 23-30 ms) plus ~15 ms for the eager
+#          drafter (guess). Per batch: oracle ~29 steps (26 verify steps of 6 tokens + warm-up) ~1 s, oracle after
+#          the drafter ~1.3 s, random ~144 steps ~6.5 s, 6 prefills ~0.5-2.7 s: ~60 s over the 6 batches.
+#          The CPU run (tiny-v41, batch 1,2, 4 in / 6 out, 1 thread) takes ~5 s and counts the same steps per mode.
+#   The JSON is rewritten after every measured (batch, mode), so a run cut short keeps what it measured; batch 1,
+#   the acceptance's batch, comes first.
+. "$(dirname "$0")/device_lib.sh"
+p=v41-flash-8l
+
+part_tests() { gpu_pytest 80 gpu_tests_spec.log tests/gpu/test_spec_decode_gpu.py; }
+
+# make_drafter_preset DIR: v41-flash-8l with its DSpark drafter (drawn on the GPU) at DIR, unless it is there;
+# written to DIR.partial first, so a write cut short is never taken for a checkpoint
+make_drafter_preset() {
+  local dir=$1 t0=$SECONDS
+  [ -d "$dir" ] && return 0
+  rm -rf "$dir.partial"
+  local need=46 free  # GB: 44.5 with the released drafter; a smaller one ($DRAFTER_EXPERTS) needs less
+  [ -n "${DRAFTER_EXPERTS:-}" ] && need=$(( 18 + DRAFTER_EXPERTS / 4 ))
+  free=$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)
+  if [ "${free:-0}" -lt "$need" ]; then  # the 1-GPU machine has a 64 GiB disk: /tmp/v41-flash-8l (16 GB) too?
+    echo "make $dir: only ${free} GB free in /tmp, ~$need GB needed; the largest there:" \
+      "$(du -sh /tmp/* 2>/dev/null | sort -h | tail -3 | tr '\n' ' ')"
+    return 1
+  fi
+  timeout 200 python3 - "$dir.partial" > "$out/make_model.log" 2>&1 <<'EOF'
+import os, sys
+from dsv4.make_model import make_model
+from dsv4.models.presets import DRAFTER_FIELDS
+n = os.environ.get("DRAFTER_EXPERTS")
+overrides = {**DRAFTER_FIELDS, "dspark_n_routed_experts": int(n)} if n else None
+make_model("v41-flash-8l", sys.argv[1], device="cuda", drafter=True, overrides=overrides)
+EOF
+  local rc=$?
+  [ $rc -eq 0 ] && mv "$dir.partial" "$dir"
+  echo "make $dir (rc $rc): $((SECONDS - t0)) s, $(du -sh "$dir" 2>/dev/null | cut -f1)"
+  return $rc
+}
+
+part_bench() {
+  local dir=/tmp/$p-dspark${DRAFTER_EXPERTS:+-e$DRAFTER_EXPERTS}
+  make_drafter_preset "$dir" || { tail -5 "$out/make_model.log" 2>/dev/null; return 1; }
+  local t0=$SECONDS log=$out/spec_decode_speed.log
+  timeout 280 python3 benchmarks/spec_decode_speed.py --model "$dir" --batch-sizes "${BATCHES:-1,2,4,8,16,32}" \
+    --input-len 512 --output-len "${OUTPUT_LEN:-128}" --output-json "$out/spec_decode_speed.json" > "$log" 2>&1
+  local rc=$?
+  echo "spec_decode_speed (rc $rc): $((SECONDS - t0)) s"
+  sed -n '/^spec_decode_speed: /,$p' "$log"  # the table and the verdicts
+  grep -E "Error|Traceback|FAILED" "$log" | head -5
+}
+
+run_parts "$@"

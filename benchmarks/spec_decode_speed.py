@@ -1,0 +1,423 @@
+"""Speculative decoding's speed against plain decoding, per batch size (issue 21's acceptance).
+
+usage: PYTHONPATH=. python3 benchmarks/spec_decode_speed.py --model DIR [--batch-sizes 1,2,4,8,16,32]
+           [--input-len 512] [--output-len 128] [--num-speculative-tokens K] [--output-json FILE]
+           [--modes plain,oracle,oracle_drafter,random] [--warmup-output-len 16] [--num-iters 1] ...
+
+For each batch size B: B random prompts of I tokens (`dsv4.bench.latency.random_prompts`, a seed per B), greedy,
+`ignore_eos`, O output tokens each, run through `LLMEngine` step by step (`dsv4.bench.latency.run_batch`: every
+`engine.step()` timed with `time.perf_counter`, with a device sync on both sides when scheduling is sync, which it
+always is under speculation; under async scheduling a step's time is the step period). The steps in which every
+request of the batch is running and has its first token are the decode steps (plain) or verify steps
+(speculation); output tokens/s = the tokens those steps emitted / their summed time, the step time is their median.
+Modes, each on the same prompts:
+
+- `plain`: an engine without speculation (CUDA graphs of every measured batch size, the engine's default
+  scheduling: async on CUDA). Its greedy outputs are the reference every other mode must equal token for token,
+  and the oracle's continuations.
+- `oracle`: an engine with the checkpoint's drafter (`--speculative-config {"method": <the checkpoint's>,
+  "num_speculative_tokens": k, "disable_by_batch_size": max batch + 1}`: speculation runs at every measured batch
+  size), its proposer swapped for `OracleProposer` (the test hook of tests/test_spec_decode.py:
+  `engine.runner.speculator.set_proposer(OracleProposer(sequences, k))`), which drafts each request's plain
+  continuation: every draft is accepted. The drafts cost nothing (a host lookup), so this is the verify step's
+  own speed-up bound.
+- `oracle_drafter`: the same oracle drafts, but the checkpoint's drafter still runs every step (its drafts are
+  computed, then replaced by the oracle's): what a drafter that is always right would give at the drafter's cost.
+- `random`: the checkpoint's own drafter, whose random weights make its drafts (almost) never accepted: the cost
+  of a step that verifies k drafts and keeps none, against a plain step (`step_ratio`).
+
+The oracle's sequences are built before its runs (not timed); the proposer swap happens outside the timed steps.
+Warm-up: each engine captures its CUDA graphs at start-up; then, before each timed run, the same prompts run once
+with `--warmup-output-len` tokens in the same mode (kernels compiled and autotuned for that batch's shapes).
+Prefix caching is off (`--enable-prefix-caching` turns it on), so warm-up and timed runs do the same work.
+
+Per batch: tokens/s of each mode, mean acceptance length (tokens a verify step emits per request: accepted drafts
+per draft + 1) and acceptance rate, median step time, speed-up = mode tokens/s / plain tokens/s, step ratio = mode
+median step / plain median step, and whether the outputs equal plain's. The break-even batch of a mode is the
+largest measured batch at which it is still faster than plain (None: at none); `disable_by_batch_size_suggested`
+is the first measured batch above it (speculation stops paying somewhere between the two; None: it still pays at
+the largest measured batch). A mode whose outputs differ from plain's is reported (`failures`, an ERROR line) and
+the script exits 1 after measuring everything. The JSON is rewritten after every run (`complete`: false until the
+end), so a run cut short by a time limit leaves what it measured.
+
+JSON: the run (`benchmark`, `model`, `model_type`, `date`, `device`, `device_name`, `torch`, `triton`, `cuda`,
+`python`, `command`, `dtype`, `method`, `drafter_block_size`, `num_speculative_tokens`, `speculative_config`,
+`batch_sizes`, `input_len`, `output_len`, `warmup_output_len`, `num_iters`, `modes`, `enable_prefix_caching`,
+`engines`: each engine's arguments, scheduling, graphs, start-up and load seconds); `results`: per batch
+{`batch_size`, per mode {`output_tokens_per_s`, `output_tokens_per_s_median_step`, `decode_tokens`,
+`decode_time_s`, `decode_steps`, `tokens_per_step`, `step_s` (median/mean/p90/min/max), `step_times_s`, `e2e_s`;
+speculative modes also `spec_decode` (num_drafts, num_draft_tokens, num_accepted_tokens,
+num_accepted_tokens_per_pos, acceptance_rate, acceptance_length), `num_plain_steps` (must be 0), `outputs_match`,
+`mismatches`}, `speedup` and `step_ratio` per speculative mode}; `break_even_batch`,
+`disable_by_batch_size_suggested` per speculative mode; `acceptance` (batch 1: the oracle's speed-up against 3.5,
+the random drafter's step ratio against 1.3); `failures`, `outputs_match`, `complete`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import logging
+import os
+import shlex
+import sys
+import time
+from typing import Any
+
+import torch
+
+from dsv4.bench import write_json
+from dsv4.bench.latency import (environment, random_prompts, resolve_device_dtype, run_batch, spec_decode_counters,
+                                summarize, sync)
+from dsv4.models.config import load_model_config
+from dsv4.spec_decode.config import DSPARK, drafter_spec
+from dsv4.spec_decode.proposer import OracleProposer
+
+logger = logging.getLogger("spec_decode_speed")
+
+MODES = ("plain", "oracle", "oracle_drafter", "random")
+SPEC_MODES = MODES[1:]
+
+
+class OracleAfterDrafter:
+    """The checkpoint's drafter runs (its cost is paid: its kernels are queued, its taps read), then its drafts are
+    replaced by the oracle's."""
+
+    def __init__(self, drafter: Any, oracle: OracleProposer) -> None:
+        self.drafter, self.oracle = drafter, oracle
+        self.block_size = drafter.block_size
+        self.tap_layer_ids = drafter.tap_layer_ids
+        self.tap_width = drafter.tap_width
+
+    def propose(self, req_ids: Any, rows: Any, last_positions: Any, anchors: torch.Tensor, taps: Any) -> torch.Tensor:
+        self.drafter.propose(req_ids, rows, last_positions, anchors, taps)
+        return self.oracle.propose(req_ids, rows, last_positions, anchors, taps)
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(v) for v in text.replace(",", " ").split()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint directory with a drafter (e.g. make_model(..., "
+                                                  "drafter=True))")
+    p.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4, 8, 16, 32],
+                   help="comma-separated batch sizes (default 1,2,4,8,16,32)")
+    p.add_argument("--input-len", type=int, default=512, help="prompt tokens per request (default 512)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request (default 128)")
+    p.add_argument("--warmup-output-len", type=int, default=16,
+                   help="output tokens of the untimed run before each timed one (default 16; 0: none)")
+    p.add_argument("--num-iters", type=int, default=1, help="timed runs per batch size and mode (default 1)")
+    p.add_argument("--num-speculative-tokens", type=int,
+                   help="drafts verified per step (default: the checkpoint's DSpark block size / MTP layer count)")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated, among {','.join(MODES)} (plain always runs: it is the reference)")
+    p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 (default: bf16 on CUDA)")
+    p.add_argument("--device", default="auto", help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--max-model-len", type=int, help="default: input-len + output-len + k + 1")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="tokens per step (default: max(2048, largest batch * input-len): one prefill step)")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size (default 16)")
+    p.add_argument("--num-kv-blocks", type=int, help="KV pool blocks (default: the engine's)")
+    p.add_argument("--gpu-memory-utilization", type=float, help="the engine's default unless given")
+    p.add_argument("--cudagraph-capture-sizes", type=_int_list,
+                   help="the plain engine's decode graph sizes (default: the batch sizes)")
+    p.add_argument("--enforce-eager", action="store_true", help="the plain engine without CUDA graphs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="the plain engine's scheduling (default: the engine's, async on CUDA); speculation is sync")
+    p.add_argument("--enable-prefix-caching", action="store_true", help="default off (see the module doc)")
+    p.add_argument("--seed", type=int, default=0, help="prompt and engine seed (default 0)")
+    p.add_argument("--output-json", metavar="FILE", help="write every number as JSON")
+    return p
+
+
+# ---- one engine, one run ---------------------------------------------------------------------------------------
+def _engine(args: argparse.Namespace, device: str, dtype: str, spec: dict[str, Any] | None
+            ) -> tuple[Any, dict[str, Any]]:
+    from dsv4.engine.engine import LLMEngine
+
+    top = max(args.batch_sizes)
+    kw: dict[str, Any] = {
+        "dtype": dtype, "device": device, "max_model_len": args.max_model_len, "max_num_seqs": top,
+        "max_num_batched_tokens": args.max_num_batched_tokens or max(2048, top * args.input_len),
+        "block_size": args.block_size, "num_kv_blocks": args.num_kv_blocks, "seed": args.seed,
+        "load_tokenizer": False, "enable_prefix_caching": args.enable_prefix_caching,
+    }
+    if args.gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if spec is None:
+        kw["cudagraph_capture_sizes"] = tuple(args.cudagraph_capture_sizes or sorted(set(args.batch_sizes)))
+        kw["enforce_eager"] = args.enforce_eager
+        if args.async_scheduling is not None:
+            kw["async_scheduling"] = args.async_scheduling
+    else:
+        kw["speculative_config"] = spec
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_args(args.model, **kw)
+    info = {**kw, "async_scheduling": engine.config.scheduler.async_scheduling,
+            "cuda_graphs": bool(engine.runner.graphs.enabled), "start_s": time.perf_counter() - t0,
+            "model_load_s": engine.model_load_s}
+    logger.info("engine (%s) ready in %.1f s", "plain" if spec is None else "speculative", info["start_s"])
+    return engine, info
+
+
+def _release(device: torch.device) -> None:
+    """Free a dropped engine's device memory (the caller holds no reference to it any more)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _compare(got: list[list[int]], ref: list[list[int]]) -> dict[str, Any]:
+    """Token-for-token equality with the plain outputs: the mismatching requests and where each first differs."""
+    bad = []
+    for i, (g, r) in enumerate(zip(got, ref)):
+        if g != r:
+            first = next((j for j, (a, b) in enumerate(zip(g, r)) if a != b), min(len(g), len(r)))
+            bad.append({"request": i, "first_mismatch": first, "len": len(g), "ref_len": len(r)})
+    return {"outputs_match": not bad and len(got) == len(ref), "mismatches": bad}
+
+
+def _timed(engine: Any, prompts: list[list[int]], args: argparse.Namespace, device: torch.device, tag: str
+           ) -> tuple[dict[str, Any], list[list[int]]]:
+    """`--num-iters` timed runs of the batch (request ids `{tag}-i{it}-{k}`): decode / verify steps pooled."""
+    steps_s: list[float] = []
+    tokens_total = 0
+    e2e: list[float] = []
+    outputs: list[list[int]] = []
+    for it in range(args.num_iters):
+        sync(device)
+        t0 = time.perf_counter()
+        steps, outs = run_batch(engine, prompts, args.output_len, device, f"{tag}-i{it}")
+        sync(device)
+        e2e.append(time.perf_counter() - t0)
+        steps_s += [s.seconds for s in steps if s.decode]
+        tokens_total += sum(s.num_tokens for s in steps if s.decode)
+        if it == 0:
+            outputs = outs
+        elif outs != outputs:  # greedy and deterministic: every iteration emits the same tokens
+            outputs = [o if o == p else [] for o, p in zip(outs, outputs)]
+    seconds = sum(steps_s)
+    step = summarize(steps_s)
+    per_step = tokens_total / len(steps_s) if steps_s else float("nan")
+    return {"output_tokens_per_s": tokens_total / seconds if seconds > 0 else float("nan"),
+            # the same rate from the median step (insensitive to a few slow steps)
+            "output_tokens_per_s_median_step": per_step / step["median"] if steps_s else float("nan"),
+            "decode_tokens": tokens_total, "decode_time_s": seconds, "decode_steps": len(steps_s),
+            "tokens_per_step": per_step,
+            "step_s": step, "step_times_s": steps_s, "e2e_s": summarize(e2e)}, outputs
+
+
+def _warm(engine: Any, prompts: list[list[int]], args: argparse.Namespace, device: torch.device, tag: str) -> None:
+    if args.warmup_output_len > 0:
+        run_batch(engine, prompts, args.warmup_output_len, device, f"{tag}-warm")
+
+
+def _oracle_sequences(prompts: list[list[int]], ref: list[list[int]], tags: list[str], iters: int
+                      ) -> dict[str, list[int]]:
+    """Every request id a run of `tags` gives (run_batch: `{tag}-{k}`) -> prompt + the plain output."""
+    seqs: dict[str, list[int]] = {}
+    for tag in tags:
+        for k, (p, r) in enumerate(zip(prompts, ref)):
+            seqs[f"{tag}-warm-{k}"] = p + r
+            for it in range(iters):
+                seqs[f"{tag}-i{it}-{k}"] = p + r
+    return seqs
+
+
+# ---- the benchmark --------------------------------------------------------------------------------------------
+def _break_even(rows: list[dict[str, Any]], mode: str) -> tuple[int | None, int | None]:
+    """(largest measured batch where `mode` is faster than plain, the first measured batch above it)."""
+    sizes = [r["batch_size"] for r in rows if mode in r["speedup"]]
+    faster = [r["batch_size"] for r in rows if r["speedup"].get(mode, 0.0) > 1.0]
+    if not faster:
+        return None, min(sizes) if sizes else None
+    be = max(faster)
+    above = [b for b in sizes if b > be]
+    return be, min(above) if above else None
+
+
+def _summarize_run(result: dict[str, Any], modes: list[str]) -> None:
+    rows = result["results"]
+    result["break_even_batch"] = {}
+    result["disable_by_batch_size_suggested"] = {}
+    for m in modes:
+        if m == "plain":
+            continue
+        be, nxt = _break_even(rows, m)
+        result["break_even_batch"][m] = be
+        result["disable_by_batch_size_suggested"][m] = nxt
+    one = next((r for r in rows if r["batch_size"] == 1), None)
+    acc: dict[str, Any] = {}
+    if one is not None:
+        if "oracle" in one["speedup"]:
+            acc["oracle_speedup_batch1"] = one["speedup"]["oracle"]
+            acc["oracle_speedup_batch1_target"] = 3.5
+            acc["oracle_met"] = one["speedup"]["oracle"] >= 3.5
+        if "random" in one["step_ratio"]:
+            acc["random_step_ratio_batch1"] = one["step_ratio"]["random"]
+            acc["random_step_ratio_batch1_target"] = 1.3
+            acc["random_met"] = one["step_ratio"]["random"] <= 1.3
+    result["acceptance"] = acc
+    result["outputs_match"] = not result["failures"]
+
+
+def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, Any]:
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise ValueError(f"unknown mode(s) {unknown}; choose among {', '.join(MODES)}")
+    modes = ["plain"] + [m for m in SPEC_MODES if m in modes]
+    if not args.batch_sizes or min(args.batch_sizes) < 1 or args.input_len < 1 or args.output_len < 2:
+        raise ValueError("need batch sizes >= 1, --input-len >= 1 and --output-len >= 2")
+    args.batch_sizes = sorted(set(args.batch_sizes))
+    with open(os.path.join(args.model, "config.json"), encoding="utf-8") as f:
+        drafter = drafter_spec(json.load(f))
+    if drafter.method is None:
+        raise ValueError(f"{args.model}: the checkpoint ships no drafter dsv4 can run (write one with "
+                         "make_model(..., drafter=True))")
+    block = drafter.dspark.block_size if drafter.method == DSPARK else drafter.num_layers
+    k = args.num_speculative_tokens or block
+    if args.max_model_len is None:
+        args.max_model_len = args.input_len + args.output_len + k + 1
+    cfg = load_model_config(args.model)
+    device_str, dtype = resolve_device_dtype(args.device, args.dtype)
+    device = torch.device(device_str)
+    top = max(args.batch_sizes)
+    # speculation at every measured batch size: an explicit limit above the largest (whatever the default is)
+    spec_cfg = {"method": drafter.method, "num_speculative_tokens": k, "disable_by_batch_size": top + 1}
+
+    env = environment(args, device)
+    env["command"] = "python3 benchmarks/spec_decode_speed.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    result: dict[str, Any] = {
+        "benchmark": "spec_decode_speed", "model": args.model, "model_type": cfg.model_type, **env, "dtype": dtype,
+        "method": drafter.method, "drafter_block_size": block, "num_speculative_tokens": k,
+        "speculative_config": spec_cfg, "batch_sizes": args.batch_sizes, "input_len": args.input_len,
+        "output_len": args.output_len, "warmup_output_len": args.warmup_output_len, "num_iters": args.num_iters,
+        "modes": modes, "enable_prefix_caching": args.enable_prefix_caching, "engines": {}, "results": [],
+        "failures": [], "complete": False,
+    }
+    rows: dict[int, dict[str, Any]] = {}
+
+    def save() -> None:
+        result["results"] = [rows[b] for b in sorted(rows)]
+        _summarize_run(result, modes)
+        if args.output_json:
+            write_json(args.output_json, result)
+
+    prompts = {b: random_prompts(cfg, b, args.input_len, args.seed + b) for b in args.batch_sizes}
+    ref: dict[int, list[list[int]]] = {}
+
+    # (a) plain decoding: the reference outputs, and the baseline speed
+    engine, result["engines"]["plain"] = _engine(args, device_str, dtype, None)
+    for b in args.batch_sizes:
+        _warm(engine, prompts[b], args, device, f"plain-b{b}")
+        stats, ref[b] = _timed(engine, prompts[b], args, device, f"plain-b{b}")
+        rows[b] = {"batch_size": b, "plain": stats, "speedup": {}, "step_ratio": {}}
+        logger.info("b=%d plain: %.1f tok/s, step %.3f ms", b, stats["output_tokens_per_s"],
+                    stats["step_s"]["median"] * 1e3)
+        save()
+    engine = None
+    _release(device)
+
+    # (b), (c): one speculative engine; the proposer is swapped per mode
+    if len(modes) > 1:
+        engine, result["engines"]["speculative"] = _engine(args, device_str, dtype, spec_cfg)
+        speculator = engine.runner.speculator
+        own = speculator.proposer
+        for b in args.batch_sizes:
+            for mode in modes[1:]:
+                tag = f"{mode}-b{b}"
+                if mode == "random":
+                    speculator.set_proposer(own)
+                else:  # built before the runs: not timed
+                    oracle = OracleProposer(_oracle_sequences(prompts[b], ref[b], [tag], args.num_iters),
+                                            own.block_size if mode == "oracle_drafter" else k)
+                    speculator.set_proposer(oracle if mode == "oracle" else OracleAfterDrafter(own, oracle))
+                _warm(engine, prompts[b], args, device, tag)
+                before = copy.deepcopy(engine.spec_decode_stats)
+                plain_before = speculator.num_plain_steps
+                stats, outs = _timed(engine, prompts[b], args, device, tag)
+                counters = spec_decode_counters(engine, before)
+                counters.pop("speculative_config", None)
+                stats["spec_decode"] = counters
+                stats["num_plain_steps"] = speculator.num_plain_steps - plain_before
+                stats.update(_compare(outs, ref[b]))
+                row = rows[b]
+                row[mode] = stats
+                base = row["plain"]
+                row["speedup"][mode] = stats["output_tokens_per_s"] / base["output_tokens_per_s"]
+                row["step_ratio"][mode] = stats["step_s"]["median"] / base["step_s"]["median"]
+                if not stats["outputs_match"] or stats["num_plain_steps"]:
+                    why = (f"outputs differ from plain decoding's: {stats['mismatches']}" if not stats["outputs_match"]
+                           else f"{stats['num_plain_steps']} steps ran without speculation")
+                    result["failures"].append({"batch_size": b, "mode": mode, "error": why})
+                    logger.error("FAILED: batch %d, %s: %s", b, mode, why)
+                logger.info("b=%d %s: %.1f tok/s (x%.2f), acceptance length %.2f, step %.3f ms (x%.2f)", b, mode,
+                            stats["output_tokens_per_s"], row["speedup"][mode], counters["acceptance_length"],
+                            stats["step_s"]["median"] * 1e3, row["step_ratio"][mode])
+                save()
+            speculator.set_proposer(own)
+        engine = speculator = own = None
+        _release(device)
+    result["complete"] = True
+    save()
+    return result
+
+
+# ---- the report -----------------------------------------------------------------------------------------------
+def print_result(res: dict[str, Any]) -> None:
+    print(f"spec_decode_speed: {res['model']} ({res['model_type']}), {res['device_name']} [{res['device']}], "
+          f"{res['dtype']}, torch {res['torch']}, triton {res['triton']}")
+    print(f"{res['method']} k={res['num_speculative_tokens']} (block {res['drafter_block_size']}), input "
+          f"{res['input_len']}, output {res['output_len']}, {res['num_iters']} timed run(s) per mode")
+    spec = [m for m in res["modes"] if m != "plain"]
+    head = f"{'batch':>5} | {'plain tok/s':>11} {'step ms':>8}"
+    for m in spec:
+        head += f" | {m + ' tok/s':>20} {'acc.len':>7} {'step ms':>8} {'x step':>6} {'speedup':>7} {'ok':>3}"
+    print(head)
+    print("-" * len(head))
+    for r in res["results"]:
+        p = r["plain"]
+        line = f"{r['batch_size']:>5} | {p['output_tokens_per_s']:>11.1f} {p['step_s']['median'] * 1e3:>8.3f}"
+        for m in spec:
+            s = r.get(m)
+            if s is None:
+                line += f" | {'-':>20} {'':>7} {'':>8} {'':>6} {'':>7} {'':>3}"
+                continue
+            line += (f" | {s['output_tokens_per_s']:>20.1f} {s['spec_decode']['acceptance_length']:>7.2f} "
+                     f"{s['step_s']['median'] * 1e3:>8.3f} {r['step_ratio'][m]:>6.2f} {r['speedup'][m]:>7.2f} "
+                     f"{'yes' if s['outputs_match'] else 'NO':>3}")
+        print(line)
+    for m in spec:
+        be, nxt = res["break_even_batch"].get(m), res["disable_by_batch_size_suggested"].get(m)
+        where = (f"{m}: faster than plain at no measured batch" if be is None else
+                 f"{m}: break-even batch {be} (the largest measured batch where it is faster than plain)")
+        limit = ("no limit within the measured batches" if nxt is None else f"disable_by_batch_size {nxt}")
+        print(f"{where}; suggested {limit}")
+    acc = res["acceptance"]
+    if "oracle_speedup_batch1" in acc:
+        print(f"acceptance: oracle speed-up at batch 1 {acc['oracle_speedup_batch1']:.2f}x (>= 3.5: "
+              f"{'met' if acc['oracle_met'] else 'NOT met'})")
+    if "random_step_ratio_batch1" in acc:
+        print(f"acceptance: random-drafter step at batch 1 {acc['random_step_ratio_batch1']:.2f}x a plain step "
+              f"(<= 1.3: {'met' if acc['random_met'] else 'NOT met'})")
+    for f in res["failures"]:
+        print(f"FAILED: batch {f['batch_size']} {f['mode']}: {f['error']}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse `argv`, run, print the table, write --output-json; return the result."""
+    args = build_parser().parse_args(argv)
+    res = run(args, argv)
+    print_result(res)
+    return res
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    sys.exit(1 if main()["failures"] else 0)

@@ -1,0 +1,88 @@
+"""benchmarks/spec_decode_speed.py on the CPU: tiny-v41 (its tiny DSpark drafter), batch sizes 1 and 2, a few
+tokens. The JSON carries every field, every speculative mode's outputs equal plain decoding's, the oracle's drafts
+are all accepted, and the rates and ratios are positive numbers."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dsv4.make_model import make_model
+
+SCRIPT = Path(__file__).parent.parent / "benchmarks" / "spec_decode_speed.py"
+
+
+def _script() -> Any:
+    spec = importlib.util.spec_from_file_location("spec_decode_speed", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_spec_decode_speed_bench_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = make_model("tiny-v41", str(tmp_path / "m"), seed=0)
+    out = tmp_path / "spec.json"
+    # output 6: the first token from the prefill, then one verify step of k = 4 drafts + the bonus token
+    argv = ["--model", model, "--batch-sizes", "1,2", "--input-len", "4", "--output-len", "6",
+            "--warmup-output-len", "2", "--device", "cpu", "--output-json", str(out)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # eager tiny steps: one thread is several times faster on a shared two-core box
+    try:
+        res = _script().main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    printed = capsys.readouterr().out
+    assert "break-even batch" in printed and "oracle speed-up at batch 1" in printed
+
+    data = json.loads(out.read_text())
+    for key in ("benchmark", "model", "date", "device", "device_name", "torch", "triton", "command", "dtype",
+                "method", "num_speculative_tokens", "drafter_block_size", "speculative_config", "batch_sizes",
+                "input_len", "output_len", "engines", "results", "break_even_batch",
+                "disable_by_batch_size_suggested", "acceptance", "outputs_match", "failures", "complete"):
+        assert key in data, key
+    assert data["complete"] and data["outputs_match"] and data["failures"] == []
+    assert data["command"].startswith("python3 benchmarks/spec_decode_speed.py --model")
+    k = data["num_speculative_tokens"]
+    assert data["method"] == "dspark" and k == data["drafter_block_size"] == 4  # tiny-v41's block
+    assert data["speculative_config"]["disable_by_batch_size"] > max(data["batch_sizes"])  # speculation always on
+    assert set(data["engines"]) == {"plain", "speculative"}
+    assert not data["engines"]["speculative"]["async_scheduling"]
+    assert [r["batch_size"] for r in data["results"]] == [1, 2]
+    for m in ("oracle", "oracle_drafter", "random"):
+        be, nxt = data["break_even_batch"][m], data["disable_by_batch_size_suggested"][m]
+        assert be in (None, 1, 2) and nxt in (None, 1, 2)
+    acc = data["acceptance"]
+    assert _positive(acc["oracle_speedup_batch1"]) and _positive(acc["random_step_ratio_batch1"])
+    assert isinstance(acc["oracle_met"], bool) and isinstance(acc["random_met"], bool)
+
+    for row in data["results"]:
+        b = row["batch_size"]
+        plain = row["plain"]
+        assert _positive(plain["output_tokens_per_s"]) and _positive(plain["step_s"]["median"])
+        assert plain["decode_steps"] >= 4 and plain["decode_tokens"] == plain["decode_steps"] * b
+        for m in ("oracle", "oracle_drafter", "random"):
+            s = row[m]
+            assert s["outputs_match"] and s["mismatches"] == [] and s["num_plain_steps"] == 0, (b, m)
+            assert _positive(s["output_tokens_per_s"]) and _positive(s["step_s"]["median"]), (b, m)
+            assert _positive(row["speedup"][m]) and _positive(row["step_ratio"][m]), (b, m)
+            assert row["speedup"][m] == pytest.approx(s["output_tokens_per_s"] / plain["output_tokens_per_s"])
+            sd = s["spec_decode"]
+            assert sd["num_drafts"] > 0 and sd["num_draft_tokens"] > 0, (b, m)
+            if m != "random":  # every draft accepted; 5 tokens after the first: one full block per request
+                assert sd["num_accepted_tokens"] == sd["num_draft_tokens"] == k * sd["num_drafts"], (b, m)
+                assert sd["acceptance_rate"] == 1.0 and sd["acceptance_length"] == k + 1, (b, m)
+                assert s["decode_tokens"] == (k + 1) * b, (b, m)
+            else:
+                assert sd["acceptance_rate"] < 1.0
+    assert res["results"][0]["plain"]["output_tokens_per_s"] == data["results"][0]["plain"]["output_tokens_per_s"]
