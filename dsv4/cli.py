@@ -14,7 +14,7 @@ from dsv4.bench.chat import add_cli_args as add_bench_chat_args
 from dsv4.bench.latency import add_cli_args as add_bench_latency_args
 from dsv4.bench.serve import add_cli_args as add_bench_serve_args
 from dsv4.bench.throughput import add_cli_args as add_bench_throughput_args
-from dsv4.config import SCHEDULING_POLICIES
+from dsv4.config import SCHEDULING_POLICIES, SchedulerConfig
 from dsv4 import __version__
 from dsv4.chat.prompt import PARSER_CHOICES, TOKENIZER_MODES
 from dsv4.config import ENGRAM_PLACEMENTS, LOAD_FORMATS
@@ -82,6 +82,7 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-model-len", type=int, help="longest prompt + completion, in tokens")
     srv.add_argument("--max-num-seqs", type=int, help="requests per batch")
     srv.add_argument("--max-num-batched-tokens", type=int, help="tokens per engine step")
+    SchedulerConfig.add_mixed_load_cli_args(srv)
     srv.add_argument("--block-size", type=int, help="KV cache block size, in tokens")
     srv.add_argument("--num-kv-blocks", type=int, help="KV cache blocks (default: room for max-num-seqs requests)")
     srv.add_argument("--seed", type=int, help="engine random seed")
@@ -270,7 +271,7 @@ def _serve(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     names = ("dtype", "device", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-             "num_kv_blocks", "seed") + _GPU_ARGS
+             "num_kv_blocks", "seed") + SchedulerConfig.MIXED_LOAD_ARGS + _GPU_ARGS
     engine_args = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     run_server(args.model, host=args.host, port=args.port, api_key=_api_key(args),
                max_body=int(args.max_request_body_mb * (1 << 20)), request_read_timeout=args.request_read_timeout,

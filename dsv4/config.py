@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
+from typing import ClassVar
 
 from dsv4.distributed import ParallelConfig
 from dsv4.models.config import ConfigError, ModelConfig
@@ -34,8 +36,65 @@ class SchedulerConfig:
     # gives one up (preempted, recomputed later), so a short request is not stuck behind a large fan-out.
     # "fcfs": strict arrival order over sequences, as vLLM's default. Alike while a single request is active.
     scheduling_policy: str = "fair"
+    # Mixed load (dsv4.engine.scheduler; vLLM's options of these names). Decodes always take their tokens of a
+    # step's budget before any prefill. `long_prefill_token_threshold` T > 0 caps the tokens one request's prefill
+    # computes in one step at T, for a running chunked prefill and a newly admitted one alike (vLLM V1's meaning;
+    # V1 caps decodes too, which only matters for T below 1 + the drafts), so a long prompt is spread over short
+    # steps instead of filling whole ones; a prefill of more than T tokens (after any prefix-cache hit) is "long".
+    # `max_num_partial_prefills`: how many requests may be mid-prefill (admitted, prefill not complete) at a step
+    # boundary; a prefill that completes in its admission step never counts. `max_long_partial_prefills` (<=
+    # max_num_partial_prefills): how many of those may be long; a prompt that finds no room waits while shorter
+    # ones behind it are admitted (vLLM V0's meaning; V1 refuses values other than 1). T = 0 is off unless
+    # max_num_partial_prefills > 1, which sets T to 4% of max_model_len, as vLLM does.
+    # Default decision: off (0, 1, 1), as vLLM. At these values scheduling is step for step what it was before the
+    # options existed (a prefill takes whatever budget the decodes leave; at most one request is mid-prefill). A
+    # cap shortens the steps that decodes share with prefills (issue 23: at 1024 in / 128 out, concurrency 64 on an
+    # H200, TPOT median 36 ms while a pure decode step is < 7 ms) but spreads each prefill over more steps, which
+    # costs its time to first token and, with too few partial prefills, prefill throughput: with T = 256 and one
+    # partial prefill, at most one 1024-token prompt completes its prefill every four steps. The right T and limits
+    # depend on the model, the GPU and the load; benchmarks/run_mixed_load.sh measures them, and the default should
+    # follow its numbers rather than a guess.
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+
+    # the fields above as engine arguments (LLM, LLMEngine.from_args), and their command-line flags
+    MIXED_LOAD_ARGS: ClassVar[tuple[str, ...]] = ("long_prefill_token_threshold", "max_num_partial_prefills",
+                                                  "max_long_partial_prefills")
+
+    @staticmethod
+    def add_mixed_load_cli_args(parser: argparse.ArgumentParser) -> None:
+        """--long-prefill-token-threshold, --max-num-partial-prefills, --max-long-partial-prefills (default None:
+        the engine's defaults), for every command that takes --max-num-batched-tokens."""
+        parser.add_argument("--long-prefill-token-threshold", type=int,
+                            help="cap each request's prefill chunk at this many tokens per step; longer prompts are "
+                                 "'long' (default 0: no cap, or 4%% of max-model-len with --max-num-partial-prefills "
+                                 "> 1)")
+        parser.add_argument("--max-num-partial-prefills", type=int,
+                            help="requests that may be mid-prefill at once (default 1)")
+        parser.add_argument("--max-long-partial-prefills", type=int,
+                            help="of those, how many may be long (default 1; <= --max-num-partial-prefills): "
+                                 "shorter prompts are admitted past long ones that wait")
+
+    @property
+    def prefill_chunk_cap(self) -> int:
+        """The effective long_prefill_token_threshold: the most tokens one prefill computes per step (0: no cap)."""
+        if self.long_prefill_token_threshold == 0 and self.max_num_partial_prefills > 1:
+            return int(self.max_model_len * 0.04)  # vLLM's derived default
+        return self.long_prefill_token_threshold
 
     def validate(self) -> None:
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError(f"long_prefill_token_threshold must be >= 0 (0 = off), got "
+                              f"{self.long_prefill_token_threshold}")
+        if self.max_num_partial_prefills < 1:
+            raise ConfigError(f"max_num_partial_prefills must be >= 1, got {self.max_num_partial_prefills}")
+        if self.max_long_partial_prefills < 1:
+            raise ConfigError(f"max_long_partial_prefills must be >= 1, got {self.max_long_partial_prefills}")
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ConfigError(f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be <= "
+                              f"max_num_partial_prefills ({self.max_num_partial_prefills}): the long partial "
+                              f"prefills are some of the partial prefills")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ConfigError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got "
                               f"{self.scheduling_policy!r}")

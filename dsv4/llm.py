@@ -32,7 +32,8 @@ class LLM:
                  expert_parallel: bool = False, quantization: str | None = None, load_format: str = "auto",
                  skip_tokenizer_init: bool = False, scheduling_policy: str = "fair",
                  tokenizer_mode: str = "auto", engram_placement: str = "auto",
-                 speculative_config: str | dict[str, Any] | None = None) -> None:
+                 speculative_config: str | dict[str, Any] | None = None, long_prefill_token_threshold: int = 0,
+                 max_num_partial_prefills: int = 1, max_long_partial_prefills: int = 1) -> None:
         if model is None:
             from dsv4.models.presets import default_model_dir
 
@@ -54,7 +55,10 @@ class LLM:
                                           quantization=quantization, load_format=load_format,
                                           skip_tokenizer_init=skip_tokenizer_init,
                                           scheduling_policy=scheduling_policy, engram_placement=engram_placement,
-                                          speculative_config=speculative_config)
+                                          speculative_config=speculative_config,
+                                          long_prefill_token_threshold=long_prefill_token_threshold,
+                                          max_num_partial_prefills=max_num_partial_prefills,
+                                          max_long_partial_prefills=max_long_partial_prefills)
         self.tokenizer = self.engine.tokenizer
         # how chat() renders (dsv4.chat.prompt): the checkpoint's template, else DeepSeek's encoder of its family
         self.chat_renderer = (ChatRenderer.create(self.tokenizer, self.engine.config.model, tokenizer_mode)

@@ -210,7 +210,8 @@ class LLMEngine:
                   follow_rank0: bool = False, quantization: str | None = None,
                   load_format: str = "auto", skip_tokenizer_init: bool = False,
                   scheduling_policy: str = "fair", engram_placement: str = "auto",
-                  speculative_config: str | dict[str, Any] | None = None) -> "LLMEngine":
+                  speculative_config: str | dict[str, Any] | None = None, long_prefill_token_threshold: int = 0,
+                  max_num_partial_prefills: int = 1, max_long_partial_prefills: int = 1) -> "LLMEngine":
         """Build an engine from a checkpoint directory and the usual knobs (async_scheduling None: on for CUDA;
         quantization None / "auto": the checkpoint's format, "none": dequantize FP8 / FP4 weights at load;
         speculative_config: vLLM's `{"method": "dspark", "num_speculative_tokens": k}`, a dict or its JSON, which
@@ -227,7 +228,10 @@ class LLMEngine:
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
                                       max_model_len=max_model_len,
                                       async_scheduling=default_async_scheduling(device, async_scheduling),
-                                      scheduling_policy=scheduling_policy),
+                                      scheduling_policy=scheduling_policy,
+                                      long_prefill_token_threshold=long_prefill_token_threshold,
+                                      max_num_partial_prefills=max_num_partial_prefills,
+                                      max_long_partial_prefills=max_long_partial_prefills),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               enable_prefix_caching=enable_prefix_caching, swa_bounded_replay=swa_bounded_replay),
             dtype=dtype, device=device, seed=seed, enforce_eager=enforce_eager,

@@ -1,10 +1,27 @@
 """Scheduler: continuous batching with chunked prefill and preemption by recomputation (vLLM V1 style).
 
-Each step has a token budget. Running requests go first, in arrival order: a decode takes 1 token, a prefill as
-many as the budget leaves (so prefills are chunked and share steps with decodes). When the KV pool runs dry, the
-most recently admitted running request is preempted: its blocks are freed and it returns to the front of the
-waiting queue, to be recomputed from scratch (prompt + tokens generated so far) when there is room again. Then
-waiting requests are admitted in FIFO order while budget, sequence slots and blocks last.
+Each step has a token budget (`max_num_batched_tokens`). Running requests go first, decodes before prefills: every
+running decode (1 token, plus the drafts it verifies under speculative decoding) takes its tokens of the budget,
+in admission order; then the running prefills (admitted, prefill not complete) take chunks of what is left, in
+admission order; so prefills are chunked, share steps with decodes, and never take the budget a decode needs.
+Blocks are then allocated in admission order. When the KV pool runs dry, the most recently admitted running
+request is preempted (never one allocated already in the step: victims come from the tail): its blocks are freed
+and it returns to the front of the waiting queue, to be recomputed from scratch (prompt + tokens generated so far)
+when there is room again. Then waiting requests are admitted in FIFO order while budget, sequence slots and blocks
+last, each with a prefill chunk of what the budget leaves.
+
+Mixed load (`SchedulerConfig.long_prefill_token_threshold`, `max_num_partial_prefills`,
+`max_long_partial_prefills`; vLLM's names). A threshold T > 0 (given, or derived as 4% of max_model_len when
+max_num_partial_prefills > 1) caps each prefill's chunk at T tokens per step, for running prefills and new
+admissions alike (decodes are not capped), so a long prompt is spread over short steps instead of filling whole
+ones. A prefill computing more than T tokens is "long". At every step boundary at most max_num_partial_prefills
+running requests are mid-prefill, at most max_long_partial_prefills of them long: a waiting request whose prefill
+would not complete in its admission step is admitted only within these limits; otherwise its group is passed over
+for this step and admission goes on with the next (so a short prompt is admitted, and finishes, next to a long one
+that waits or prefills). A prefill that completes in its admission step is never mid-prefill and needs no room.
+At the defaults (0, 1, 1) there is no cap, a running prefill always takes what the decodes leave, so a request is
+left mid-prefill only when the budget runs out on it, and nothing is passed over: scheduling is the same, step for
+step, as before these options. Chunking never changes a request's greedy tokens (chunked-prefill equivalence).
 
 Fair share between requests (`SchedulerConfig.scheduling_policy = "fair"`, the default). The engine fans a request
 with `n` samples out into n sequences of one group (`Request.group_id`); FIFO over sequences would let one
@@ -70,6 +87,10 @@ class Scheduler:
         # Ids the runner must forget at the start of the next step (finished, aborted, preempted).
         self._finished_ids: set[str] = set()
         self.num_preemptions = 0  # total since start (a metric; tests check preemption really happened)
+        # Mixed load: the most tokens one prefill computes per step (0: no cap), and the running requests whose
+        # prefill is not complete (mid-prefill), each with whether it is long (computes more than the cap)
+        self._chunk_cap = scheduler_config.prefill_chunk_cap
+        self._prefilling: dict[str, bool] = {}
 
     # ---- requests in and out -------------------------------------------------------------------------------
 
@@ -142,34 +163,52 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's requests and token counts, allocating their KV blocks."""
-        budget = self.config.max_num_batched_tokens
-        num_scheduled: dict[str, int] = {}
+        cfg = self.config
+        cap = self._chunk_cap
+        budget = cfg.max_num_batched_tokens
         new_reqs: list[NewRequestData] = []
         cached = CachedRequestData()
         preempted = False
 
         # Before anything is scheduled (a victim must not have been): give a waiting group its fair share
-        if self._fair and self._waiting and (len(self.running) >= self.config.max_num_seqs
-                                             or self._admission_blocked):
+        if self._fair and self._waiting and (len(self.running) >= cfg.max_num_seqs or self._admission_blocked):
             self._preempt_for_fairness()
         self._admission_blocked = False
 
-        # Running requests first: they already hold blocks and a runner row.
+        # Running requests: they already hold blocks and a runner row. Their token counts are planned first,
+        # decodes before prefills (so a prefill never takes the budget a decode needs), each kind in running order...
+        prefilling = self._prefilling
+        plan: dict[str, int] = {}
+        for decodes in (True, False) if prefilling else (True,):  # (with no prefill running, one pass does)
+            for req in self.running:
+                if budget <= 0:
+                    break
+                if (req.req_id in prefilling) == decodes:
+                    continue
+                todo = self._num_planned(req) - req.num_computed_tokens
+                n = min(todo, budget) if decodes or not cap else min(todo, cap, budget)
+                if req.num_draft_tokens and n == todo:  # speculative decoding: verify drafts after the known tokens
+                    n += self._num_drafts_to_verify(req, budget - n)
+                # nothing to compute (the runner sampled nothing last step; never schedule 0 tokens), or in-flight
+                # tokens will end the request by length: computing past them would be wasted (or past max_len)
+                if n <= 0 or self._ends_by_length_in_flight(req):
+                    continue
+                plan[req.req_id] = n
+                budget -= n
+        # ... then their blocks are allocated in running order: a request that finds the pool dry preempts the most
+        # recently admitted running request, which is never one allocated already in this step (victims come from
+        # the tail; a victim's planned tokens go unused: a step that had to preempt admits nobody)
+        num_scheduled: dict[str, int] = {}
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running):
             req = self.running[i]
-            todo = self._num_planned(req) - req.num_computed_tokens
-            n = min(todo, budget)
-            if req.num_draft_tokens and n == todo:  # speculative decoding: verify drafts after the known tokens
-                n += self._num_drafts_to_verify(req, budget - n)
-            # nothing to compute (the runner sampled nothing last step; never schedule 0 tokens), or in-flight
-            # tokens will end the request by length: computing past them would be wasted (or past max_len)
-            if n <= 0 or self._ends_by_length_in_flight(req):
+            n = plan.get(req.req_id, 0)
+            if n == 0:
                 i += 1
                 continue
             while (new_blocks := self.kv_manager.allocate_slots(req.req_id, req.num_computed_tokens + n,
                                                                  req.num_computed_tokens)) is None:
-                victim = self.running.pop()  # always at index >= i: not scheduled yet this step
+                victim = self.running.pop()  # always at index >= i: not allocated yet this step
                 self._preempt(victim)
                 preempted = True
                 if victim is req:
@@ -185,15 +224,22 @@ class Scheduler:
             req.num_computed_tokens += n
             self._cache_blocks(req)
             self._add_placeholder(req)
-            budget -= n
+            self._note_prefill_progress(req)
             i += 1
+        budget = cfg.max_num_batched_tokens - sum(num_scheduled.values())
 
         # Waiting requests, FIFO (by group under "fair"), without preempting anyone; not at all in a step that had
-        # to preempt for blocks (as vLLM: the pool is short).
+        # to preempt for blocks (as vLLM: the pool is short). A request whose prefill would stay partial after this
+        # step is admitted only while fewer than max_num_partial_prefills requests are mid-prefill (and, if it is
+        # long, fewer than max_long_partial_prefills long ones): otherwise its group is passed over in this step and
+        # the next one is considered, so short prompts get past a long one that must wait.
+        passed_over: set[str] = set()
         while (
-            not preempted and self._waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+            not preempted and self._waiting and budget > 0 and len(self.running) < cfg.max_num_seqs
         ):
-            group = self._next_group()
+            group = self._next_group(passed_over)
+            if group is None:
+                break
             req = self._waiting[group][0]
             if req.num_output_placeholders or req.req_id in self._finished_ids:
                 # preempted while a step sampled for it: re-admit once that token has landed; or preempted by this
@@ -204,7 +250,12 @@ class Scheduler:
             hit = kv.find_prefix(req.prefix_keys, req.all_token_ids, req.images) if kv.prefix is not None else []
             hit_tokens = len(hit) * kv.prefix.unit_tokens if hit else 0
             start = hit_tokens - min(kv.replay_tokens, hit_tokens)
-            n = min(req.num_tokens - start, budget)
+            todo = req.num_tokens - start
+            long = 0 < cap < todo
+            n = min(todo, cap, budget) if cap else min(todo, budget)
+            if n < todo and not self._partial_prefill_room(long):
+                passed_over.add(group)
+                continue
             if (kv.allocate_with_prefix(req.req_id, hit, start, start + n) if hit
                     else kv.allocate_slots(req.req_id, n, 0)) is None:
                 self._admission_blocked = True
@@ -234,6 +285,8 @@ class Scheduler:
             req.num_computed_tokens += n
             self._cache_blocks(req)
             self._add_placeholder(req)
+            if n < todo:
+                self._prefilling[req.req_id] = long
             budget -= n
 
         finished, self._finished_ids = self._finished_ids, set()
@@ -241,9 +294,19 @@ class Scheduler:
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
             num_scheduled_tokens=num_scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
             finished_req_ids=finished,
         )
+
+    @property
+    def num_partial_prefills(self) -> int:
+        """Running requests whose prefill is not complete (after the last schedule(): mid-prefill)."""
+        return len(self._prefilling)
+
+    @property
+    def num_long_partial_prefills(self) -> int:
+        """Those of them whose prefill computes more than the chunk cap (long_prefill_token_threshold) tokens."""
+        return sum(self._prefilling.values())
 
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
         """Append sampled tokens, apply token-level stops and length limits; returns the requests that changed."""
@@ -304,13 +367,16 @@ class Scheduler:
             del self._waiting[group]
         self._num_waiting -= 1
 
-    def _next_group(self) -> str:
+    def _next_group(self, passed_over: set[str] | None = None) -> str | None:
         """The waiting group admission serves next: the one with the fewest running requests, the first in queue
-        order on a tie (under "fcfs", or with one waiting group, the first). The groups scanned before one with
-        none running all hold a slot, so this looks at max_num_seqs groups at most."""
+        order on a tie (under "fcfs", or with one waiting group, the first); groups in `passed_over` are left out
+        (None: no other group waits). The groups scanned before one with none running all hold a slot (or were
+        passed over), so this looks at max_num_seqs groups (plus those passed over) at most."""
         running = self._num_running_of
-        best, fewest = "", -1
+        best, fewest = None, -1
         for group in self._waiting:
+            if passed_over and group in passed_over:
+                continue
             n = running.get(group, 0)
             if n == 0:
                 return group
@@ -322,8 +388,13 @@ class Scheduler:
         # A slot (or blocks) for the group admission serves next, taken from the group running the most if that
         # one would still run at least as many: preempt its newest request (the least progress to recompute).
         group = self._next_group()
-        if self._waiting[group][0].num_output_placeholders:
+        assert group is not None  # something waits
+        head = self._waiting[group][0]
+        if head.num_output_placeholders:
             return  # not admissible this step anyway (a preempted request waiting for its in-flight token)
+        long = 0 < self._chunk_cap < head.num_tokens  # (a prefix hit could make it short: then it waits a bit)
+        if long and not self._partial_prefill_room(long):
+            return  # not admissible this step either: no room for another long partial prefill (no thrashing)
         running = self._num_running_of
         if not running:
             return  # blocked last step, but every running request has finished since
@@ -338,6 +409,17 @@ class Scheduler:
     def _num_planned(req: Request) -> int:
         # tokens the next step may compute up to: the known ones plus those in-flight steps will sample
         return req.num_tokens + req.num_output_placeholders
+
+    def _partial_prefill_room(self, long: bool) -> bool:
+        # whether one more request may be left mid-prefill by this step (a long one counts against both limits)
+        cfg = self.config
+        return len(self._prefilling) < cfg.max_num_partial_prefills and (
+            not long or self.num_long_partial_prefills < cfg.max_long_partial_prefills)
+
+    def _note_prefill_progress(self, req: Request) -> None:
+        # a running prefill whose last chunk was just scheduled is mid-prefill no more: from now on it decodes
+        if req.req_id in self._prefilling and req.num_computed_tokens >= req.num_tokens:
+            del self._prefilling[req.req_id]
 
     def _cache_blocks(self, req: Request) -> None:
         # the units this step fills become hits for later requests: their KV is written by this step, which runs
@@ -420,6 +502,7 @@ class Scheduler:
         self._finished_ids.add(req.req_id)
 
     def _uncount_running(self, req: Request) -> None:
+        self._prefilling.pop(req.req_id, None)
         group = self._group(req)
         n = self._num_running_of[group] - 1
         if n:

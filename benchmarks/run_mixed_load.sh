@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Mixed load (issue 23 item 4) on one H200. From the repo root, PYTHONPATH=.:
+#   benchmarks/run_mixed_load.sh OUTDIR PART [PART ...]
+# Each part starts `dsv4 serve` on V4.1-Flash-8l (random weights) with its scheduler options, loads it with
+# `dsv4 bench serve` (vLLM's random dataset: 1024 tokens in / 128 out, concurrency 64, $NUM_PROMPTS prompts, default
+# 320 = five turnovers), writes OUTDIR/mixed-PART.json (bench serve's --save-result) and the logs, and stops the
+# server. About 2-4 minutes a part (start-up and CUDA graph capture included); run a few parts per device call.
+#   base      the defaults: no chunk cap, decodes first (measured before this work: TPOT median 36 ms, while a pure
+#             decode step at batch 64 takes < 7 ms)
+#   t512      --long-prefill-token-threshold 512  --max-num-partial-prefills 2 --max-long-partial-prefills 2
+#   t256      --long-prefill-token-threshold 256  --max-num-partial-prefills 4 --max-long-partial-prefills 4
+#   derived   --max-num-partial-prefills 4 --max-long-partial-prefills 4: vLLM's derived cap, 4% of max-model-len
+#             (163 tokens at the default 4096)
+#   t256l1    --long-prefill-token-threshold 256  --max-num-partial-prefills 4 --max-long-partial-prefills 1: here
+#             every prompt is long, so one prefill at a time (the starving extreme, for contrast)
+# Compare TPOT / ITL (step length) against TTFT and throughput (prefill spread over more steps) across the parts.
+. "$(dirname "$0")/device_lib.sh"
+p=${PRESET:-v41-flash-8l}
+port=${PORT:-8123}
+# (a CPU smoke test of the script: PRESET=tiny-v41 with /tmp/tiny-v41 made beforehand, INPUT_LEN=64 OUTPUT_LEN=8
+# CONCURRENCY=4 NUM_PROMPTS=8)
+
+# serve_and_bench NAME SERVE_ARGS...: start the server with SERVE_ARGS, wait for /health, run the load, stop it
+serve_and_bench() {
+  local name=$1; shift
+  make_preset $p
+  timeout 900 python3 -m dsv4.cli serve --model /tmp/$p --port "$port" --max-num-seqs "${CONCURRENCY:-64}" "$@" \
+    > "$out/mixed-$name-server.log" 2>&1 &
+  local pid=$! ready=0 i
+  for i in $(seq 1 300); do
+    if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=2)" \
+      2> /dev/null; then ready=1; break; fi
+    kill -0 $pid 2> /dev/null || break
+    sleep 1
+  done
+  if [ $ready = 1 ]; then
+    timeout 300 python3 -m dsv4.cli bench serve --base-url "http://127.0.0.1:$port" \
+      --num-prompts "${NUM_PROMPTS:-320}" --max-concurrency "${CONCURRENCY:-64}" \
+      --random-input-len "${INPUT_LEN:-1024}" --random-output-len "${OUTPUT_LEN:-128}" \
+      --save-result "$out/mixed-$name.json" > "$out/mixed-$name.log" 2>&1
+    summary "$p mixed load $name" $? "$out/mixed-$name.log" \
+      'Failed requests|Output token throughput|Median (TTFT|TPOT|ITL)|P99 (TPOT|ITL)|Error'
+  else
+    echo "$p mixed load $name: the server did not start (tail of its log:)"; tail -5 "$out/mixed-$name-server.log"
+  fi
+  kill $pid 2> /dev/null; wait $pid 2> /dev/null
+}
+
+part_base() { serve_and_bench base; }
+part_t512() {
+  serve_and_bench t512 --long-prefill-token-threshold 512 --max-num-partial-prefills 2 --max-long-partial-prefills 2
+}
+part_t256() {
+  serve_and_bench t256 --long-prefill-token-threshold 256 --max-num-partial-prefills 4 --max-long-partial-prefills 4
+}
+part_derived() { serve_and_bench derived --max-num-partial-prefills 4 --max-long-partial-prefills 4; }
+part_t256l1() {
+  serve_and_bench t256l1 --long-prefill-token-threshold 256 --max-num-partial-prefills 4 --max-long-partial-prefills 1
+}
+
+run_parts "$@"
