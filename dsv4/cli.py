@@ -1,6 +1,7 @@
 """The `dsv4` command: `dsv4 generate` (offline generation), `dsv4 serve` (OpenAI-compatible server),
-`dsv4 bench serve | latency | throughput | chat` (benchmarks), `dsv4 make-model` (random checkpoints), `dsv4 train-demo`
-(the trained demo model) and `dsv4 eval` (its accuracy check, on any checkpoint)."""
+`dsv4 bench serve | latency | throughput | chat` (benchmarks), `dsv4 make-model` (random checkpoints), `dsv4 quantize` (a
+float checkpoint in the released FP8 / MXFP4 layout), `dsv4 train-demo` (the trained demo model) and `dsv4 eval` (its
+accuracy check, on any checkpoint)."""
 
 from __future__ import annotations
 
@@ -129,7 +130,22 @@ def _build_parser() -> argparse.ArgumentParser:
     mk.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: the preset's, float32 for tiny-*)")
     mk.add_argument("--device", help="draw the weights on this device (e.g. cuda: much faster; other values than "
                                      "the CPU draws)")
+
+    qz = sub.add_parser("quantize", help="rewrite a float checkpoint in the released FP8 / MXFP4 layout")
+    qz.add_argument("--model", required=True, help="float checkpoint directory (make-model's, train-demo's)")
+    qz.add_argument("--out", required=True, help="output directory")
+    qz.add_argument("--quant", choices=["released", "released-fp8-experts"], default="released",
+                    help="released (default): the release of the model's family (FP8 dense, MXFP4 experts, V4.1's "
+                         "FP8 engram tables); released-fp8-experts: the V4 Base layout")
     return parser
+
+
+def _quantize(args: argparse.Namespace) -> None:
+    from dsv4.quant.convert import quantize_checkpoint
+
+    files = quantize_checkpoint(args.model, args.out, args.quant)
+    size = sum(os.path.getsize(os.path.join(args.out, f)) for f in files)
+    print(f"wrote {args.model} in the {args.quant} layout to {args.out} ({size / 1e6:.1f} MB in {len(files)} file(s))")
 
 
 def _make_model(args: argparse.Namespace) -> None:
@@ -319,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         spawned = _spawn_ranks(args, argv)
         if spawned is not None:
             return spawned
-        commands = {"make-model": _make_model, "generate": _generate, "serve": _serve, "bench": _bench,
-                    "train-demo": train_demo.main, "eval": train_eval.main}
+        commands = {"make-model": _make_model, "quantize": _quantize, "generate": _generate, "serve": _serve,
+                    "bench": _bench, "train-demo": train_demo.main, "eval": train_eval.main}
         commands[args.command](args)
     except _user_errors() as e:
         print(f"dsv4: error: {e}", file=sys.stderr)
