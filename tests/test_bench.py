@@ -31,16 +31,6 @@ def _preset_cfg(preset: str) -> ModelConfig:
     return parse_config_dict(preset_config(preset))
 
 
-@pytest.fixture(scope="module")
-def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_model("tiny-v4", str(tmp_path_factory.mktemp("tiny-v4")), seed=0)
-
-
-@pytest.fixture(scope="module")
-def tiny_v41(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_model("tiny-v41", str(tmp_path_factory.mktemp("tiny-v41")), seed=0)
-
-
 # ---- the floor -------------------------------------------------------------------------------------------------
 def test_expected_distinct_experts() -> None:
     assert expected_distinct_experts(16, 6, 1) == pytest.approx(6)  # one token: exactly its top-k

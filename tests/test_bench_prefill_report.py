@@ -24,7 +24,6 @@ from dsv4.bench.flops import (H200_BF16_DENSE_FLOPS, H200_FP8_DENSE_FLOPS, H200_
                               flop_rate_report, peak_flops, prefill_flops)
 from dsv4.bench.throughput import prefill_work
 from dsv4.cli import main
-from dsv4.make_model import make_model
 from dsv4.models.config import CSA, HCA, ModelConfig, load_model_config, parse_config_dict
 from dsv4.models.presets import preset_config
 from dsv4.step import CachedRequestData, NewRequestData, SchedulerOutput
@@ -34,16 +33,6 @@ COMPONENTS = ("dense", "attention", "indexer", "compressor", "moe", "engram", "m
 
 def _cfg(preset: str, **overrides: object) -> ModelConfig:
     return parse_config_dict(preset_config(preset, overrides or None))
-
-
-@pytest.fixture(scope="module")
-def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_model("tiny-v4", str(tmp_path_factory.mktemp("tiny-v4")), seed=0)
-
-
-@pytest.fixture(scope="module")
-def tiny_v41(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_model("tiny-v41", str(tmp_path_factory.mktemp("tiny-v41")), seed=0)
 
 
 # ---- by hand, one query position at a time -------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from dsv4.engine.engine import LLMEngine
 from dsv4.engine.request import Request
 from dsv4.engine.scheduler import Scheduler
 from dsv4.kv.manager import KVCacheManager
-from dsv4.make_model import make_model
 from dsv4.models.config import ConfigError
 from dsv4.outputs import RequestOutput
 from dsv4.sampling_params import SamplingParams
@@ -26,11 +25,6 @@ BIG = SamplingParams(temperature=0.0, n=2 * MAX_NUM_SEQS, max_tokens=24, ignore_
 SHORT = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 BIG_PROMPT = list(range(5, 17))
 SHORT_PROMPT = list(range(40, 48))
-
-
-@pytest.fixture(scope="module")
-def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_model("tiny-v4", str(tmp_path_factory.mktemp("tiny-v4")), seed=0)
 
 
 def _drain(eng: LLMEngine) -> tuple[dict[str, RequestOutput], dict[str, int]]:

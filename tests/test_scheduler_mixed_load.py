@@ -18,7 +18,6 @@ from dsv4.config import SchedulerConfig
 from dsv4.engine.request import Request
 from dsv4.engine.scheduler import Scheduler
 from dsv4.kv.manager import KVCacheManager
-from dsv4.make_model import make_model
 from dsv4.models.config import ConfigError
 from dsv4.step import RunnerOutput, SchedulerOutput
 
@@ -266,11 +265,6 @@ def test_config_errors(kwargs: dict, needle: str) -> None:
 
 
 # ---- end to end --------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_v41(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_model("tiny-v41", str(tmp_path_factory.mktemp("tiny-v41")), seed=0)
 
 
 def test_greedy_outputs_do_not_depend_on_the_options(tiny_v41: str) -> None:
