@@ -85,6 +85,45 @@ def test_decode_attention_splits_and_one_source() -> None:
     """)
 
 
+def test_table_source_loops_to_each_rows_n() -> None:
+    """A second source read through a block table (`TableSource`, V4's HCA entries) equals the reference on its
+    materialised slots, for rows with no entry, fewer than a block, several blocks, exactly the width; with splits
+    past every row's n (chunk 32 over a width of 200) and without; and its work follows n: garbage in the table past
+    each row's blocks and in the cache rows no row sees is never read (NaN there would spread into the output)."""
+    _interpret(_SETUP + """
+    from dsv4.ops.decode_attention import TableSource, decode_sink_attention_torch
+    g = torch.Generator().manual_seed(3)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        R, H, D, W, BS, width = 5, 4, 32, 8, 4, 200
+        window = torch.randn(64, D, generator=g).to(dtype)
+        q = (torch.randn(R, H, D, generator=g) * 3).to(dtype)
+        sinks = torch.randn(H, generator=g)
+        ws = torch.randint(0, 64, (R, W), generator=g)
+        wm = torch.rand(R, W, generator=g) < 0.7
+        n = torch.tensor([0, 3, 9, 17, width])
+        MB = -(-width // BS)
+        table = torch.full((R, MB), 10 ** 6, dtype=torch.int32)  # far out of range: never read
+        comp = torch.full((R * MB * BS + BS, D), float("nan")).to(dtype)
+        for r in range(R):
+            used = -(-int(n[r]) // BS)
+            blocks = torch.randperm(R * MB, generator=g)[:used] + 1
+            table[r, :used] = blocks.int()
+            for b in blocks.tolist():
+                comp[b * BS:(b + 1) * BS] = (torch.randn(BS, D, generator=g) * 2).to(dtype)
+        src = TableSource(comp, table, n, BS, width)
+        _, slots, vis = src.as_slots()
+        ref_comp = comp.clone()
+        ref_comp[torch.isnan(ref_comp)] = 0  # the reference gathers every slot; masked ones must not matter
+        ref = decode_sink_attention_torch(q, [(window, ws, wm), (ref_comp, slots.clamp(max=ref_comp.shape[0] - 1), vis)],
+                                          sinks, D ** -0.5)
+        for chunk in (32, None):
+            got = decode_sink_attention_triton(q, [(window, ws, wm), src], sinks, D ** -0.5, chunk=chunk)
+            assert not torch.isnan(got).any(), chunk
+            assert torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol), (chunk, (got.float() - ref.float()).abs().max())
+    print("ok")
+    """)
+
+
 def test_dispatch_uses_torch_on_cpu() -> None:
     """On CPU tensors the entry point is the reference exactly (the model's CPU decode path is unchanged)."""
     import torch

@@ -22,7 +22,7 @@ from dsv4.models.layers.moe import MoE
 from dsv4.models.layers.norm import RMSNorm, unweighted_rms_norm
 from dsv4.models.layers.rope import RotaryTable
 from dsv4.ops.compress_pool import entry_start, pool_decode, pool_rows, write_entries
-from dsv4.ops.decode_attention import decode_sink_attention
+from dsv4.ops.decode_attention import TableSource, decode_sink_attention
 from dsv4.ops.indexer import decode_select, indexer_scores, pick_sources
 from dsv4.ops.rope import apply_rope
 from dsv4.ops.topk import stable_topk
@@ -268,10 +268,9 @@ class Attention(nn.Module):
                 _, cslots, cmask, _ = decode_select(qi, iw, cache.index_keys, ent.table, ent.block_size, ent.n,
                                                     ent.max_entries, indexer.head_dim ** -0.5,
                                                     min(indexer.topk, ent.max_entries))
-            else:  # HCA: every visible entry (materialised to max_entries: see the module docstring)
-                cslots = ent.slots()
-                cmask = torch.arange(cslots.shape[1], device=q.device)[None, :] < ent.n[:, None]
-            sources.append((cache.compressed, cslots, cmask))
+                sources.append((cache.compressed, cslots, cmask))
+            else:  # HCA: every visible entry, read through the block table up to each row's n
+                sources.append(TableSource(cache.compressed, ent.table, ent.n, ent.block_size, ent.max_entries))
         out = decode_sink_attention(q, sources, self.sinks, self.head_dim ** -0.5)
         out = apply_rope(out, cos, sin, inverse=True)
         return self._output(out)

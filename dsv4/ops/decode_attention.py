@@ -5,6 +5,10 @@ sources (the sliding window and the compressed entries), each a (cache [N, D], s
 bool) triple: row r sees cache[slots[r, j]] where mask[r, j]. K = V (MQA: one latent per key, shared by every
 head). The result equals `sink_attention_rows` on the concatenated gathered keys: logits and sums in fp32,
 output in q's dtype; a row with no visible key puts all weight on the sink, i.e. outputs 0.
+The second source may instead be a `TableSource` (cache, table [R, max_blocks], n [R], block_size, width): row r sees
+entries e < n[r], entry e in slot table[r, e // block_size] * block_size + e % block_size (a compressed group read
+through its block table, as every entry of DeepSeek-V4's HCA layers): the kernel loops to each row's n, so its work
+and memory do not grow with `width` (ceil(max_model_len / ratio)), which only sizes the splits.
 
 The Triton path reads the keys in place through the slots (the reference gathers them into a temporary, casts it
 to fp32 and needs a cat, two einsums and a softmax: several launches and three copies of the keys). A first
@@ -18,11 +22,13 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Sequence, Union
 
 import torch
 
 from dsv4.models.layers.attention import sink_attention_rows
+from dsv4.ops.indexer import table_entry_slots
 
 try:
     import triton
@@ -31,6 +37,27 @@ except ImportError:  # CPU-only installs use the torch reference
     triton = None
 
 Source = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (cache [N, D], slots [R, L] int64, mask [R, L] bool)
+
+
+@dataclass(frozen=True)
+class TableSource:
+    """Every visible entry of a row, read through its block table: entries e < n[r] in slot table[r, e //
+    block_size] * block_size + e % block_size. `width` bounds n (the torch reference materialises [R, width])."""
+
+    cache: torch.Tensor  # [N, D]
+    table: torch.Tensor  # [R, max_blocks] int32
+    n: torch.Tensor  # [R] int64
+    block_size: int
+    width: int
+
+    def as_slots(self) -> Source:
+        """The (cache, slots, mask) triple of the same keys: O(width) per row (references, the CPU)."""
+        slots = table_entry_slots(self.table, self.block_size, self.width)
+        visible = torch.arange(self.width, device=self.table.device)[None, :] < self.n[:, None]
+        return self.cache, slots, visible
+
+
+AnySource = Union[Source, TableSource]
 
 BLOCK_H = 16  # heads per program: they share every key tile it loads (MQA); 16 is the smallest tl.dot M
 BLOCK_N = 32  # keys per tile
@@ -43,9 +70,10 @@ SPLIT_WARPS = 8
 SPLIT_STAGES = 2
 
 
-def decode_sink_attention_torch(q: torch.Tensor, sources: Sequence[Source], sinks: torch.Tensor,
+def decode_sink_attention_torch(q: torch.Tensor, sources: Sequence[AnySource], sinks: torch.Tensor,
                                 scale: float) -> torch.Tensor:
     """Reference: gather every source's keys, concatenate, `sink_attention_rows`."""
+    sources = [s.as_slots() if isinstance(s, TableSource) else s for s in sources]
     keys = [cache[slots] for cache, slots, _ in sources]
     masks = [mask for _, _, mask in sources]
     if len(sources) > 1:
@@ -68,20 +96,28 @@ if triton is not None:
             return tl.dot(a, b)
 
     @triton.jit
-    def _source_partial(q, cache_ptr, c_stride, slots_ptr, vis_ptr, L, start, chunk, scale, d, dm,
+    def _source_partial(q, cache_ptr, c_stride, slots_ptr, vis_ptr, L, start, chunk, scale, d, dm, BS,
                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr,
-                        UPCAST: tl.constexpr):
+                        UPCAST: tl.constexpr, TABLE: tl.constexpr):
         """Online softmax over keys [start, min(start + chunk, L)) of one row of one source: running max m,
         sum l and unnormalised values acc of BLOCK_H heads. Masked keys are never loaded (their slots may be
-        anything) and get logit -inf, like the reference's masked_fill."""
+        anything) and get logit -inf, like the reference's masked_fill. TABLE: `slots_ptr` is the row's block
+        table and `vis_ptr` its visible count n: keys e < n, in slot table[e // BS] * BS + e % BS, and the loop
+        stops at n."""
         m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
         end = tl.minimum(start + chunk, L)
+        if TABLE:
+            end = tl.minimum(end, tl.load(vis_ptr).to(tl.int32))
         for n0 in range(start, end, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
-            vis = tl.load(vis_ptr + n, mask=n < end, other=0) != 0
-            slot = tl.load(slots_ptr + n, mask=vis, other=0).to(tl.int64)
+            if TABLE:
+                vis = n < end
+                slot = tl.load(slots_ptr + n // BS, mask=vis, other=0).to(tl.int64) * BS + n % BS
+            else:
+                vis = tl.load(vis_ptr + n, mask=n < end, other=0) != 0
+                slot = tl.load(slots_ptr + n, mask=vis, other=0).to(tl.int64)
             k = tl.load(cache_ptr + slot[:, None] * c_stride + d[None, :], mask=vis[:, None] & dm[None, :],
                         other=0.0)
             if TC:
@@ -110,9 +146,9 @@ if triton is not None:
 
     @triton.jit
     def _split_kernel(q_ptr, sq_r, sq_h, c1_ptr, c1_stride, s1_ptr, s1_stride, v1_ptr, v1_stride, L1,
-                      c2_ptr, c2_stride, s2_ptr, s2_stride, v2_ptr, v2_stride, L2, S1, S, chunk, H, scale,
+                      c2_ptr, c2_stride, s2_ptr, s2_stride, v2_ptr, v2_stride, L2, BS2, S1, S, chunk, H, scale,
                       ws_m, ws_l, ws_acc, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_N: tl.constexpr, TC: tl.constexpr, UPCAST: tl.constexpr):
+                      BLOCK_N: tl.constexpr, TC: tl.constexpr, UPCAST: tl.constexpr, TABLE2: tl.constexpr):
         r = tl.program_id(0)
         # torch.compile hands float arguments to user kernels as fp64: keep the math (and loop-carried values) fp32
         scale = tl.cast(scale, tl.float32)
@@ -129,12 +165,12 @@ if triton is not None:
         # one call per branch (not a pointer picked per branch): the two caches may differ in dtype
         if split < S1:
             m_i, l_i, acc = _source_partial(q, c1_ptr, c1_stride, s1_ptr + r * s1_stride, v1_ptr + r * v1_stride,
-                                            L1, split * chunk, chunk, scale, d, dm, BLOCK_H, BLOCK_D, BLOCK_N, TC,
-                                            UPCAST)
+                                            L1, split * chunk, chunk, scale, d, dm, 1, BLOCK_H, BLOCK_D, BLOCK_N, TC,
+                                            UPCAST, False)
         else:
             m_i, l_i, acc = _source_partial(q, c2_ptr, c2_stride, s2_ptr + r * s2_stride, v2_ptr + r * v2_stride,
-                                            L2, (split - S1) * chunk, chunk, scale, d, dm, BLOCK_H, BLOCK_D,
-                                            BLOCK_N, TC, UPCAST)
+                                            L2, (split - S1) * chunk, chunk, scale, d, dm, BS2, BLOCK_H, BLOCK_D,
+                                            BLOCK_N, TC, UPCAST, TABLE2)
         base = (r * S + split) * H + heads
         tl.store(ws_m + base, m_i, mask=hm)
         tl.store(ws_l + base, l_i, mask=hm)
@@ -185,25 +221,33 @@ def decode_splits(R: int, H: int, lengths: Sequence[int], sm_count: int,
     return chunk, splits
 
 
-def decode_sink_attention_triton(q: torch.Tensor, sources: Sequence[Source], sinks: torch.Tensor, scale: float,
+def decode_sink_attention_triton(q: torch.Tensor, sources: Sequence[AnySource], sinks: torch.Tensor, scale: float,
                                  chunk: int | None = None) -> torch.Tensor:
     """The same in two launches: split partials into an fp32 workspace, then the merge with the sink."""
     assert triton is not None, "triton is not installed"
     assert 1 <= len(sources) <= 2, len(sources)
+    assert not isinstance(sources[0], TableSource), "a TableSource is the second source"
     R, H, D = q.shape
     out = torch.empty_like(q)
     if R == 0 or H == 0:
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
-    srcs = []
-    for cache, slots, mask in sources:
+    srcs, lengths, table2, bs2 = [], [], False, 1
+    for src in sources:
+        if isinstance(src, TableSource):  # (cache, table, n): the kernel loops to each row's n
+            cache, slots, mask, L = src.cache, src.table, src.n.contiguous(), src.width
+            slots = slots if slots.stride(-1) == 1 else slots.contiguous()
+            table2, bs2 = True, src.block_size
+        else:
+            cache, slots, mask = src
+            # slots/mask are small (R x L): a copy is cheap; the cache is read in place
+            slots = slots if slots.stride(-1) == 1 else slots.contiguous()
+            mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+            L = slots.shape[1]
         assert cache.dim() == 2 and cache.shape[1] == D and cache.stride(1) == 1, (cache.shape, cache.stride())
-        # slots/mask are small (R x L): a copy is cheap; the cache is read in place
-        slots = slots if slots.stride(-1) == 1 else slots.contiguous()
-        mask = mask if mask.stride(-1) == 1 else mask.contiguous()
         srcs.append((cache, slots, mask))
-    lengths = [s.shape[1] for _, s, _ in srcs]
+        lengths.append(L)
     if len(srcs) == 1:  # the second source: the first again, with no keys and no splits
         srcs.append(srcs[0])
         lengths.append(0)
@@ -219,17 +263,18 @@ def decode_sink_attention_triton(q: torch.Tensor, sources: Sequence[Source], sin
     warps = SPLIT_WARPS if block_d >= 256 else 4  # the [BLOCK_H, BLOCK_D] fp32 accumulator lives in registers
     _split_kernel[(R, triton.cdiv(H, BLOCK_H), S)](
         q, q.stride(0), q.stride(1), c1, c1.stride(0), s1, s1.stride(0), v1, v1.stride(0), lengths[0],
-        c2, c2.stride(0), s2, s2.stride(0), v2, v2.stride(0), lengths[1], S1, S, chunk, H, float(scale),
-        ws_m, ws_l, ws_acc, D=D, BLOCK_H=BLOCK_H, BLOCK_D=block_d, BLOCK_N=BLOCK_N, TC=tc,
-        UPCAST=_INTERPRET, num_warps=warps, num_stages=SPLIT_STAGES)
+        c2, c2.stride(0), s2, s2.stride(0), v2, v2.stride(0) if v2.dim() > 1 else 1, lengths[1], bs2, S1, S, chunk,
+        H, float(scale), ws_m, ws_l, ws_acc, D=D, BLOCK_H=BLOCK_H, BLOCK_D=block_d, BLOCK_N=BLOCK_N, TC=tc,
+        UPCAST=_INTERPRET, TABLE2=table2, num_warps=warps, num_stages=SPLIT_STAGES)
     _combine_kernel[(R, H)](ws_m, ws_l, ws_acc, sinks.contiguous(), out, out.stride(0), out.stride(1), S, H, D=D,
                             BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(S)))
     return out
 
 
-def decode_sink_attention(q: torch.Tensor, sources: Sequence[Source], sinks: torch.Tensor,
+def decode_sink_attention(q: torch.Tensor, sources: Sequence[AnySource], sinks: torch.Tensor,
                           scale: float) -> torch.Tensor:
     """Triton on CUDA, torch elsewhere (and for caches whose rows are not contiguous)."""
-    if q.is_cuda and triton is not None and all(c.stride(-1) == 1 for c, _, _ in sources):
+    caches = [s.cache if isinstance(s, TableSource) else s[0] for s in sources]
+    if q.is_cuda and triton is not None and all(c.stride(-1) == 1 for c in caches):
         return decode_sink_attention_triton(q, sources, sinks, scale)
     return decode_sink_attention_torch(q, sources, sinks, scale)

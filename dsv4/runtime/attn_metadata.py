@@ -140,12 +140,6 @@ class EntryTable:
     block_size: int
     max_entries: int
 
-    def slots(self) -> torch.Tensor:
-        """[R, max_entries] int64 slot of every entry through the table (blocks past the table clamped to its last
-        column): the reference paths' materialised view; O(max_model_len) per row, so CPU / tests only."""
-        e = torch.arange(self.max_entries, device=self.table.device).expand(self.table.shape[0], -1)
-        return _table_slots(self.table, e, self.block_size)
-
 
 @dataclass
 class DecodeMetadata:
