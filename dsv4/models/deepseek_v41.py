@@ -30,6 +30,7 @@ from dsv4.ops.decode_attention import decode_sink_attention
 from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant
 from dsv4.ops.indexer import (candidate_blocks_of, candidate_pool, decode_select, indexer_scores, pick_sources,
                               pick_table_sources)
+from dsv4.ops.indexer_prefill import prefill_select, use_prefill_select
 from dsv4.ops.mhc_streams import collapse
 from dsv4.ops.mhc_streams import expand as expand_streams
 from dsv4.ops.rmsnorm import rms_norm_v41_triton, triton
@@ -273,13 +274,18 @@ class AttentionV41(nn.Module):
         cands: list[torch.Tensor | None] = []
         # chunks see the picks of the earlier layers by row range; this layer's are published after the loop
         width = step.keys.entry_slots[f"compressed_{self.ratio}"].shape[1] if self.ratio > 0 else 0
-        # gathered per row: window + picked keys, and on an index source every entry's indexer key
+        # CUDA: the selection of all the step's rows in one fused call (no [rows, entries] scores), sliced per chunk
+        sel = None
+        if qi is not None and width > 0 and use_prefill_select(qi, self.cfg.v41.candidate_block_size):
+            sel = self._select_rows(qi, iw, caches[self.kv_source].index_keys, step.keys, step.candidates)
+        # gathered per row: window + picked keys, and on an index source every entry's indexer key (torch path)
         per_row = (self.window + (self.cfg.index_topk if self.ratio > 0 else 0)) * self.head_dim
-        per_row += width * self.cfg.index_head_dim if self.is_index_source else 0
+        per_row += width * self.cfg.index_head_dim if self.is_index_source and sel is None else 0
         for a, b in row_chunks(T, self.CHUNK, per_row):
             o, t, c = self._attend_rows(q[a:b], self._row_slice(qi, a, b), self._row_slice(iw, a, b), caches,
                                         step.keys.rows(a, b), self._row_slice(step.topk, a, b),
-                                        self._row_slice(step.candidates, a, b))
+                                        self._row_slice(step.candidates, a, b),
+                                        None if sel is None else tuple(self._row_slice(s, a, b) for s in sel))
             outs.append(o)
             topk.append(t)
             cands.append(c)
@@ -350,11 +356,12 @@ class AttentionV41(nn.Module):
 
     def _attend_rows(self, q: torch.Tensor, qi: torch.Tensor | None, iw: torch.Tensor | None,
                      caches: list[LayerKVCache], keys: TokenKeySlots | DecodeMetadata, topk: torch.Tensor | None,
-                     candidates: torch.Tensor | None
+                     candidates: torch.Tensor | None, sel: tuple | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Sink attention of query rows q [R, H, D] over their window keys and, on a compressed layer, the entries
         of their top-k picks; an index source picks them here from its indexer queries qi / weights iw. `topk` /
-        `candidates`: the rows' picks / candidate blocks published by earlier layers (None: none yet). Returns the
+        `candidates`: the rows' picks / candidate blocks published by earlier layers (None: none yet); `sel`: these
+        rows' (picks, slots, mask, candidates) when `_select_rows` selected them already. Returns the
         output [R, H, D] and the rows' picks / candidate blocks after this layer (None where there are none)."""
         sources = [(caches[self.layer].window, keys.window_slots, keys.window_mask)]
         if self.ratio > 0 and isinstance(keys, DecodeMetadata):
@@ -375,9 +382,12 @@ class AttentionV41(nn.Module):
             else:
                 src = caches[self.kv_source]
                 scores = None
-                if self.is_index_source:
-                    topk, scores, candidates = self._select(qi, iw, src.index_keys, eslots, n, candidates)
-                topk, cslots, cmask = pick_sources(topk, eslots, scores)  # -1 for picks of a -inf score
+                if sel is not None:
+                    topk, cslots, cmask, candidates = sel
+                else:
+                    if self.is_index_source:
+                        topk, scores, candidates = self._select(qi, iw, src.index_keys, eslots, n, candidates)
+                    topk, cslots, cmask = pick_sources(topk, eslots, scores)  # -1 for picks of a -inf score
                 sources.append((src.compressed, cslots, cmask))
         out = decode_sink_attention(q, sources, self.attn_sink, self.head_dim ** -0.5)
         return out, topk, candidates
@@ -397,6 +407,18 @@ class AttentionV41(nn.Module):
         elif self.uses_candidates and candidates is not None:
             s = s.masked_fill(~candidate_pool(candidates, s.shape[1], sched.candidate_block_size), float("-inf"))
         return stable_topk(s, min(self.indexer.topk, s.shape[1])), s, candidates
+
+    def _select_rows(self, qi: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor, keys: TokenKeySlots,
+                     candidates: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`_select` + `pick_sources` of all the step's token rows, fused (`prefill_select`): picks [T, K], their slots
+        and mask, and the candidate blocks after this layer."""
+        sched, group = self.cfg.v41, f"compressed_{self.ratio}"
+        keep = sched.candidate_topk_blocks if self.is_candidate else 0
+        picks, slots, mask, cands = prefill_select(
+            qi, iw, ikeys, keys.entry_slots[group], keys.n_entries[group], self.indexer.head_dim ** -0.5,
+            self.indexer.topk, candidates if self.uses_candidates else None, sched.candidate_block_size, keep)
+        return picks, slots, mask, (cands if self.is_candidate else candidates)
 
     def _select_decode(self, qi: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor, ent: EntryTable,
                        candidates: torch.Tensor | None
