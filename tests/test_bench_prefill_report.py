@@ -309,3 +309,18 @@ def test_bench_throughput_reports_the_prefill(tiny_v41: str, tmp_path: Path,
     assert res["prefill_fraction_of_peak"] == pytest.approx(res["prefill_tflops_per_s"] * 1e12 / H200_FP32_FLOPS)
     parts = {k: v for k, v in res["prefill_flops_by_component"].items() if k != "total"}
     assert PrefillFlops(**parts).total == res["prefill_flops"] == res["prefill_flops_by_component"]["total"]
+
+
+def test_bench_throughput_takes_the_mixed_load_options(tiny_v41: str, tmp_path: Path) -> None:
+    """--long-prefill-token-threshold reaches the engine: each 16-token prompt's prefill is cut into chunks of 4, so
+    the prefill takes at least n * i / 4 steps' worth of chunks although the step budget holds whole prompts."""
+    out = tmp_path / "thr.json"
+    n, i, o = 2, 16, 2
+    assert main(["bench", "throughput", "--model", tiny_v41, "--num-prompts", str(n), "--input-len", str(i),
+                 "--output-len", str(o), "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--device", "cpu",
+                 "--long-prefill-token-threshold", "4", "--max-num-partial-prefills", "2",
+                 "--output-json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["engine_kwargs"]["long_prefill_token_threshold"] == 4
+    assert res["engine_kwargs"]["max_num_partial_prefills"] == 2
+    assert res["prefill_tokens_computed"] == n * i and res["prefill_steps"] >= i // 4

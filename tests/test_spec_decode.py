@@ -38,13 +38,15 @@ PROMPTS = [[0, 5, 9, 33, 77], [0, 8, 100, 200, 300, 400, 17, 18, 19, 20, 21, 22,
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_model("tiny-v41", str(tmp_path_factory.mktemp("tiny-v41-dspark")), seed=0)
+def model_dir(tiny_v41: str) -> str:
+    """tiny-v41 (conftest): its DSpark drafter."""
+    return tiny_v41
 
 
 @pytest.fixture(scope="module")
-def tiny_v4_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_model("tiny-v4", str(tmp_path_factory.mktemp("tiny-v4-mtp")), seed=0)
+def tiny_v4_dir(tiny_v4: str) -> str:
+    """tiny-v4 (conftest): its MTP layer."""
+    return tiny_v4
 
 
 @pytest.fixture(scope="module", params=["dspark", "mtp"])

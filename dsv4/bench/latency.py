@@ -49,7 +49,7 @@ from dsv4.bench.flops import flop_rate_report, prefill_flops
 from dsv4.distributed import split_over_ranks
 from dsv4.models.config import CSA, ModelConfig, load_model_config
 from dsv4.models.presets import tensor_shapes
-from dsv4.config import ENGRAM_PLACEMENTS, LOAD_FORMATS
+from dsv4.config import ENGRAM_PLACEMENTS, LOAD_FORMATS, SchedulerConfig
 from dsv4.quant.config import QUANTIZATION_CHOICES, QuantConfig
 from dsv4.quant.released import quant_kind, stored_nbytes
 from dsv4.spec_decode.config import SPECULATIVE_CONFIG_HELP
@@ -378,6 +378,9 @@ def build_engine(args: argparse.Namespace, device: str, dtype: str) -> tuple[Any
         kwargs["engram_placement"] = args.engram_placement
     if args.speculative_config is not None:
         kwargs["speculative_config"] = args.speculative_config
+    for name in SchedulerConfig.MIXED_LOAD_ARGS:  # the mixed-load scheduling options, when given
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
     engine = LLMEngine.from_args(args.model, **kwargs, **knobs)
     resolved = {"async_scheduling": engine.config.scheduler.async_scheduling}  # what the engine chose by default
     return engine, {"engine_kwargs": {**kwargs, **knobs, **resolved}, "ignored_engine_kwargs": ignored}
@@ -516,6 +519,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, help="default: input-len + output-len")
     parser.add_argument("--max-num-batched-tokens", type=int,
                         help="tokens per step (default: max(2048, batch * input-len): one prefill step)")
+    SchedulerConfig.add_mixed_load_cli_args(parser)
     parser.add_argument("--block-size", type=int, default=16, help="KV block size (default 16)")
     parser.add_argument("--num-kv-blocks", type=int, help="KV pool blocks (default: the engine's)")
     parser.add_argument("--detokenize", action="store_true", help="load the tokenizer and detokenize (default off)")

@@ -35,6 +35,7 @@ from dsv4.bench import run_and_report
 from dsv4.bench.flops import PrefillFlops, flop_rate_report, prefill_flops
 from dsv4.bench.latency import (engine_knobs, environment, random_prompts, resolve_device_dtype, spec_decode_counters,
                                 sync)
+from dsv4.config import SchedulerConfig
 from dsv4.models.config import ModelConfig, load_model_config
 from dsv4.spec_decode.config import SPECULATIVE_CONFIG_HELP
 
@@ -49,6 +50,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="cpu | cuda | cuda:N (default: cuda if available)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="requests per batch (default 64)")
     parser.add_argument("--max-num-batched-tokens", type=int, help="tokens per step (default: the engine's)")
+    SchedulerConfig.add_mixed_load_cli_args(parser)
     parser.add_argument("--max-model-len", type=int, help="default: input-len + output-len")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (when the engine has them)")
     parser.add_argument("--gpu-memory-utilization", type=float, help="passed to the engine when it supports it")
@@ -149,6 +151,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed}
     if args.speculative_config is not None:
         kwargs["speculative_config"] = args.speculative_config
+    for name in SchedulerConfig.MIXED_LOAD_ARGS:  # the mixed-load scheduling options, when given
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
     knobs, ignored = engine_knobs(LLM, args.enforce_eager, args.gpu_memory_utilization)
     llm = LLM(**kwargs, **knobs)
 
