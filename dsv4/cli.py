@@ -6,6 +6,7 @@ accuracy check, on any checkpoint)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -19,13 +20,14 @@ from dsv4.config import SCHEDULING_POLICIES, SchedulerConfig
 from dsv4 import __version__
 from dsv4.chat.prompt import PARSER_CHOICES, TOKENIZER_MODES
 from dsv4.config import ENGRAM_PLACEMENTS, LOAD_FORMATS
+from dsv4.generation_config import GENERATION_CONFIG_MODES, format_defaults
 from dsv4.models.config import ConfigError, hub_hint
 from dsv4.quant.config import QUANTIZATION_CHOICES
 from dsv4.sampling_params import SamplingParams, SamplingParamsError
 from dsv4.spec_decode.config import SPECULATIVE_CONFIG_HELP
 from dsv4.train import demo as train_demo, evaluate as train_eval
 
-DEFAULT_PROMPT = "The quick brown fox"
+DEFAULT_PROMPT = "def "  # the built-in model writes Python
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -46,12 +48,15 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate completions for prompts (offline)")
-    gen.add_argument("--model", help="checkpoint directory (default: the built-in random tiny-v4 model)")
+    gen.add_argument("--model", help="checkpoint directory (default: the built-in trained demo model, dsv4-demo)")
     gen.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
-    gen.add_argument("--temperature", type=float, help="0 = greedy (default 1.0)")
-    gen.add_argument("--top-p", type=float, help="nucleus sampling mass (default 1.0 = off)")
-    gen.add_argument("--top-k", type=int, help="sample among the k most likely tokens (default off)")
+    gen.add_argument("--temperature", type=float,
+                     help="0 = greedy (default: the model's, see --generation-config, else 1.0)")
+    gen.add_argument("--top-p", type=float, help="nucleus sampling mass (default: the model's, else 1.0 = off)")
+    gen.add_argument("--top-k", type=int,
+                     help="sample among the k most likely tokens (default: the model's, else off)")
+    _add_generation_config_arg(gen)
     gen.add_argument("--seed", type=int, help="engine random seed")
     gen.add_argument("--dtype", help="float32 | bfloat16 | float16")
     gen.add_argument("--device", help="cpu | cuda | cuda:N")
@@ -65,7 +70,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_gpu_args(gen)
 
     srv = sub.add_parser("serve", help="serve the OpenAI API (chat, completions, /metrics) over HTTP")
-    srv.add_argument("--model", help="checkpoint directory (default: the built-in random tiny-v4 model)")
+    srv.add_argument("--model", help="checkpoint directory (default: the built-in trained demo model, dsv4-demo)")
     srv.add_argument("--served-model-name", help="the model's name in the API (default: --model as given)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -100,6 +105,7 @@ def _build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--enable-auto-tool-choice", action="store_true",
                      help="accepted for vLLM command lines; tool_choice \"auto\" works whenever a tool-call parser "
                           "is on")
+    _add_generation_config_arg(srv)
     _add_gpu_args(srv)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
@@ -138,6 +144,14 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="released (default): the release of the model's family (FP8 dense, MXFP4 experts, V4.1's "
                          "FP8 engram tables); released-fp8-experts: the V4 Base layout")
     return parser
+
+
+def _add_generation_config_arg(parser: argparse.ArgumentParser) -> None:
+    """vLLM's --generation-config (dsv4.generation_config), shared by `generate` and `serve`."""
+    parser.add_argument("--generation-config", choices=list(GENERATION_CONFIG_MODES), default="auto",
+                        help="auto (default): the sampling fields of the checkpoint's generation_config.json "
+                             "(temperature, top_p, top_k, min_p, repetition_penalty) are the defaults, which a "
+                             "flag or a request's own value overrides; none: ignore the file (dsv4's defaults)")
 
 
 def _quantize(args: argparse.Namespace) -> None:
@@ -242,17 +256,23 @@ def _generate(args: argparse.Namespace) -> None:
     for name in ("temperature", "top_p", "top_k"):
         if getattr(args, name) is not None:
             sampling[name] = getattr(args, name)
-    params = SamplingParams(**sampling)  # validate before the (slower) model build and engine start
+    SamplingParams(**sampling)  # validate the flags before the (slower) model build and engine start
 
     from dsv4 import LLM
     from dsv4.make_model import default_model_dir
 
     model = args.model or default_model_dir()
-    engine_args: dict[str, Any] = {"model": model}
+    engine_args: dict[str, Any] = {"model": model, "generation_config": args.generation_config}
     for name in ("dtype", "device", "max_model_len", "max_num_seqs", "seed", "tokenizer_mode") + _GPU_ARGS:
         if getattr(args, name) is not None:
             engine_args[name] = getattr(args, name)
     llm = LLM(**engine_args)
+    # the flags given win; one left out takes the model's generation_config.json default, else dsv4's (as vLLM)
+    params = dataclasses.replace(llm.get_default_sampling_params(), **sampling)
+    taken = {k: v for k, v in llm.generation_defaults.items() if k not in sampling}
+    if taken and os.environ.get("RANK", "0") == "0":  # say so: the same flags sample differently per checkpoint
+        print(f"note: sampling defaults from the model's generation_config.json: {format_defaults(taken)} "
+              "(override with flags, or ignore the file with --generation-config none)", file=sys.stderr)
 
     if args.chat:
         conversations = [[{"role": "user", "content": p}] for p in prompts]
@@ -293,7 +313,7 @@ def _serve(args: argparse.Namespace) -> None:
                max_body=int(args.max_request_body_mb * (1 << 20)), request_read_timeout=args.request_read_timeout,
                served_model_name=args.served_model_name, log_level=args.log_level.lower(),
                tokenizer_mode=args.tokenizer_mode, reasoning_parser=args.reasoning_parser,
-               tool_call_parser=args.tool_call_parser, **engine_args)
+               tool_call_parser=args.tool_call_parser, generation_config=args.generation_config, **engine_args)
 
 
 def _bench(args: argparse.Namespace) -> None:

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from dsv4.chat.prompt import ChatRenderer
 from dsv4.engine.engine import LLMEngine
+from dsv4.generation_config import load_sampling_defaults
 from dsv4.outputs import RequestOutput
 from dsv4.sampling_params import RequestOutputKind, SamplingParams
 
@@ -18,9 +19,12 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 class LLM:
-    """Load a checkpoint and generate. `model=None` uses the built-in tiny default model (no download).
+    """Load a checkpoint and generate. `model=None` uses the built-in trained demo model (no download).
     `speculative_config`: vLLM's `{"method": "dspark" | "mtp", "num_speculative_tokens": k, "disable_by_batch_size":
-    B}` (a dict or its JSON), speculative decoding with the checkpoint's drafter (`engine.spec_decode_stats`)."""
+    B}` (a dict or its JSON), speculative decoding with the checkpoint's drafter (`engine.spec_decode_stats`).
+    `generation_config`: vLLM's `--generation-config`: "auto" (default) takes the sampling fields of the checkpoint's
+    generation_config.json as the defaults `get_default_sampling_params()` returns (and `generate` / `chat` use
+    without `sampling_params`); "none" ignores the file (dsv4.generation_config)."""
 
     def __init__(self, model: str | None = None, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 16, max_num_batched_tokens: int | None = None,
@@ -33,11 +37,14 @@ class LLM:
                  skip_tokenizer_init: bool = False, scheduling_policy: str = "fair",
                  tokenizer_mode: str = "auto", engram_placement: str = "auto",
                  speculative_config: str | dict[str, Any] | None = None, long_prefill_token_threshold: int = 0,
-                 max_num_partial_prefills: int = 1, max_long_partial_prefills: int = 1) -> None:
+                 max_num_partial_prefills: int = 1, max_long_partial_prefills: int = 1,
+                 generation_config: str = "auto") -> None:
         if model is None:
             from dsv4.models.presets import default_model_dir
 
             model = default_model_dir()
+        # read before the (slow) engine build: a bad value in the file fails at once, naming the file and field
+        self.generation_defaults: dict[str, Any] = load_sampling_defaults(model, generation_config)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if dtype == "auto":
@@ -64,20 +71,27 @@ class LLM:
         self.chat_renderer = (ChatRenderer.create(self.tokenizer, self.engine.config.model, tokenizer_mode)
                               if self.tokenizer is not None else None)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the model's generation_config.json defaults (see `generation_config`) over
+        dsv4's own; a fresh object each call. A SamplingParams passed to `generate` is used as it is (its unset
+        fields cannot be told from set ones): to keep the model's defaults, start from this one
+        (`dataclasses.replace(llm.get_default_sampling_params(), max_tokens=64)`)."""
+        return SamplingParams(**self.generation_defaults)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt (a string, token ids, or {"prompt": ...} / {"prompt_token_ids": ...}).
 
         All prompts are validated first: if one is bad, none runs and the error names it.
-        Outputs come back in prompt order.
+        Outputs come back in prompt order. Without `sampling_params`, `get_default_sampling_params()`.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and
                                                  isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, Sequence) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")

@@ -1,4 +1,4 @@
-"""Write random-weight DeepSeek-V4/V4.1 checkpoints (`dsv4 make-model`) and the cached built-in default model.
+"""Write random-weight DeepSeek-V4/V4.1 checkpoints (`dsv4 make-model`); locate the built-in (trained) default model.
 
 A checkpoint here is what a real one ships: config.json, model.safetensors (HF DeepseekV4ForCausalLM names for V4;
 the layout HF-V41 saves for V4.1, with a composite config.json; the presets of `VISION_PRESETS` add the vision
@@ -20,10 +20,7 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import string
-import sys
-import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -42,10 +39,6 @@ from dsv4.quant.config import QuantConfig
 from dsv4.quant.released import release_quant, released_config, write_released, write_sharded
 from dsv4.models.vision import parse_vision_config
 from dsv4.spec_decode.config import parse_dspark
-
-# Bump when anything make_model writes changes, so cached default models are rebuilt.
-FORMAT_VERSION = 3
-DEFAULT_PRESET = "tiny-v4"
 
 # The special tokens of DeepSeek's prompts (dsv4.chat.tokens), BOS/EOS/PAD at DeepSeek's ids 0/1/2 (config
 # bos_token_id 0, eos_token_id 1). One tokenizer serves every preset, so it holds both families' tokens: V4.1's
@@ -410,34 +403,19 @@ def make_model(preset: str, out_dir: str, seed: int = 0, dtype: str | None = Non
     return out_dir
 
 
-def cache_root() -> str:
-    """Where dsv4 keeps built models: $DSV4_HOME, else $XDG_CACHE_HOME/dsv4, else ~/.cache/dsv4."""
-    if os.environ.get("DSV4_HOME"):
-        return os.environ["DSV4_HOME"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "dsv4")
+DEFAULT_MODEL_NAME = "dsv4-demo"  # the API's model name for the built-in model (`dsv4 serve` without --model)
+ASSETS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")  # package data (pyproject.toml)
 
 
 def default_model_dir() -> str:
-    """The built-in default model (tiny-v4, seed 0), made on first use under cache_root().
-
-    Built in a temporary sibling directory and renamed into place, so a half-written model is never seen and
-    concurrent first uses are safe (the loser of the rename discards its copy)."""
-    root = cache_root()
-    final = os.path.join(root, f"{DEFAULT_PRESET}-v{FORMAT_VERSION}")
-    if os.path.isfile(os.path.join(final, "model.safetensors")):
-        return final
-    os.makedirs(root, exist_ok=True)
-    print(f"dsv4: first use: building the built-in random-weight {DEFAULT_PRESET} model in {final} "
-          f"(set $DSV4_HOME to move it)", file=sys.stderr)
-    tmp = tempfile.mkdtemp(prefix=f".{DEFAULT_PRESET}-", dir=root)
-    try:
-        make_model(DEFAULT_PRESET, tmp, seed=0)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not os.path.isfile(os.path.join(final, "model.safetensors")):
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    """The built-in default model: the V4.1-architecture demo model `dsv4 train-demo` trained on the Python
+    standard library (12M parameters, bf16, with its DSpark drafter), shipped inside the package (dsv4/assets/;
+    its train_info.json says how it was made). The random-weight presets (`make-model --preset tiny-v4`, ...)
+    remain for tests."""
+    path = os.path.join(ASSETS_DIR, DEFAULT_MODEL_NAME)
+    missing = [f for f in ("config.json", "model.safetensors", "tokenizer.json") if not os.path.isfile(
+        os.path.join(path, f))]
+    if missing:  # an install that dropped the package data: say so instead of a loader traceback
+        raise FileNotFoundError(f"the built-in model is incomplete: {', '.join(missing)} missing in {path} "
+                                f"(reinstall dsv4, or pass --model DIR)")
+    return path

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +9,6 @@ import torch
 
 from dsv4 import __version__
 from dsv4.cli import main
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -25,8 +20,8 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a torch without CUDA")
 def test_cuda_device_without_cuda_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "--device", "cuda", "--max-tokens", "2"]) == 2
-    errors = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("dsv4: first use")]
-    assert len(errors) == 1 and "use --device cpu" in errors[0]  # one line (after the built-in model's first build)
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 1 and "use --device cpu" in errors[0]  # one line
 
 
 def test_hub_id_says_checkpoints_are_local(capsys: pytest.CaptureFixture[str]) -> None:
@@ -45,14 +40,6 @@ def test_make_model_says_when_it_overwrites(tmp_path: Path, capsys: pytest.Captu
     assert "overwritten" not in capsys.readouterr().err
     assert main(["make-model", "--preset", "tiny-v4", "--out", out]) == 0
     assert "is not empty" in capsys.readouterr().err
-
-
-def test_first_use_of_the_built_in_model_says_so(tmp_path: Path) -> None:
-    env = {**os.environ, "DSV4_HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
-    code = "from dsv4.make_model import default_model_dir; default_model_dir(); default_model_dir()"
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    assert res.stderr.count("first use: building the built-in") == 1  # once: the second call finds it
 
 
 def test_scheduling_policy_flag(capsys: pytest.CaptureFixture[str]) -> None:

@@ -168,6 +168,7 @@ def test_w8a16_kernel_matches_reference() -> None:
     """)
 
 
+@pytest.mark.slow  # 9 s under the interpreter: the slow tier (CI runs it too) keeps the main tier under 10 minutes
 def test_one_row_gemv_matches_reference() -> None:
     """The one-row path (`fp8_gemv_triton`: the FP8 expert gemv over the weight's groups), which `fp8_linear` takes
     for a single row on CUDA: fp32 and bf16 x, blocks 128 and 32 with partial ones, UE8M0 and float scales, every

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from dsv4 import LLM, SamplingParams
 from dsv4.cli import main
-from dsv4.make_model import default_model_dir, make_model, random_weights, write_tokenizer_files
+from dsv4.make_model import make_model, random_weights, write_tokenizer_files
 from dsv4.models.build import build_model
 from dsv4.models.config import HASH_MOE, load_model_config, parse_config_dict
 from dsv4.models.engram import EngramLayout, build_compressed_token_map
@@ -127,17 +127,6 @@ def test_unknown_preset(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown preset"):
         make_model("nope", str(tmp_path))
     assert "tiny-v4" in PRESETS
-
-
-def test_default_model_dir_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("DSV4_HOME", str(tmp_path))
-    first = default_model_dir()
-    assert os.path.dirname(first) == str(tmp_path)
-    assert all(os.path.isfile(os.path.join(first, f)) for f in FILES)
-    stamp = os.stat(os.path.join(first, "model.safetensors")).st_mtime_ns
-    assert default_model_dir() == first
-    assert os.stat(os.path.join(first, "model.safetensors")).st_mtime_ns == stamp  # not rebuilt
-    assert os.listdir(tmp_path) == [os.path.basename(first)]  # no temporary directory left behind
 
 
 def test_cli_make_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -174,6 +174,7 @@ def test_kernels_are_exact_on_a_coarse_grid() -> None:
     """)
 
 
+@pytest.mark.slow  # 12 s under the interpreter: the slow tier (CI runs it too) keeps the main tier under 10 minutes
 def test_gemv_kernel_matches_reference() -> None:
     """The decode kernel on random data: every nibble, UE8M0 scales 2^-27 and 2^23
     among ordinary ones, FP8 subnormals and +-448, float scales (bf16 x: the weight rounded to bf16 first, as the

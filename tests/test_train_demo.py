@@ -31,7 +31,7 @@ from dsv4.tokenizer import Tokenizer
 from dsv4.train import corpus
 from dsv4.train.bpe import train_tokenizer
 from dsv4.train.demo import Trainer, TrainSettings, train
-from dsv4.train.evaluate import evaluate
+from dsv4.train.evaluate import HELD_OUT_PROMPT_TOKENS, evaluate, held_out_prompts
 from dsv4.train.model import (autograd_mode, demo_config, forward_logits, init_checkpoint, load_trainable,
                               step_metadata)
 
@@ -342,6 +342,15 @@ def test_checkpoint_loads_and_generates(trained: tuple[str, dict]) -> None:
     assert llm.engine.spec_decode_stats.num_drafts > 0
 
 
+def test_held_out_prompts_spread_over_the_windows() -> None:
+    n = HELD_OUT_PROMPT_TOKENS
+    windows = [[0] + [100 * i + j for j in range(n + 3)] for i in range(10)] + [[0] + [7] * n]  # the last: too short
+    picks = held_out_prompts(windows, 4)
+    assert [p[0] for p, _ in picks] == [0, 200, 500, 700]  # windows 0, 2, 5, 7 of the 10 usable ones
+    assert all(len(p) == n and rest == list(range(p[0] + n, p[0] + n + 3)) for p, rest in picks)
+    assert len(held_out_prompts(windows, 50)) == 10 and held_out_prompts(windows[-1:], 3) == []
+
+
 def test_eval_matches_training_and_an_independent_forward(trained: tuple[str, dict], capsys) -> None:
     out, info = trained
     # the held-out loss measured in training (fp32 weights) and by eval from the written bf16 checkpoint agree:
@@ -355,6 +364,11 @@ def test_eval_matches_training_and_an_independent_forward(trained: tuple[str, di
                     speculative_config={"method": "dspark"})
     assert spec["perplexity"] == report["perplexity"] and spec["continuations"] == report["continuations"]
     assert spec["speculation"]["num_drafts"] > 0 and spec["speculation"]["mean_acceptance_length"] >= 1.0
+    # the held-out code continuations (8 prefixes of 31 tokens at seq_len 64, 4 tokens each) are the same tokens
+    # with speculation
+    code, spec_code = report["held_out_continuations"], spec["held_out_continuations"]
+    assert code["prompts"] == 8 and code["prompt_tokens"] == 31 and code["tokens_compared"] == 8 * 4 and 0.0 <= code["match_rate"] <= 1.0
+    assert [len(ids) for ids in code["token_ids"]] == [4] * 8 and spec_code == code
 
     # exp(mean NLL) of an independent full-sequence forward of the same windows (tests/v41_reference.py)
     short = evaluate(out, prompts=[], seq_len=24, max_windows=3, device="cpu")

@@ -704,7 +704,7 @@ def checkpoint_size(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> t
 
 
 def default_model_dir() -> str:
-    """The cached built-in default model; see dsv4.make_model.default_model_dir (imported lazily: make_model
+    """The built-in default model; see dsv4.make_model.default_model_dir (imported lazily: make_model
     imports this module)."""
     from dsv4.make_model import default_model_dir as _default_model_dir
 

@@ -23,7 +23,7 @@ import os
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from dsv4.chat.prompt import PARSER_CHOICES, ChatPrompt, ChatPromptError, ChatRe
 from dsv4.chat.tokens import Family
 from dsv4.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from dsv4.engine.engine import LLMEngine, RequestError
+from dsv4.generation_config import load_sampling_defaults
 from dsv4.models.config import hub_hint
 from dsv4.outputs import RequestOutput
 from dsv4.sampling_params import SamplingParams, StructuredOutputsParams
@@ -131,10 +132,13 @@ class _Guard:
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
               max_body: int = DEFAULT_MAX_BODY_BYTES, tokenizer_mode: str = "auto",
-              reasoning_parser: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, tool_call_parser: str | None = None,
+              generation_defaults: Mapping[str, Any] | None = None) -> FastAPI:
     """The FastAPI app serving `engine` under `served_model_name`; /v1, /tokenize, /detokenize and /metrics need
     `api_key` when it is set (checked before the body is read); bodies above `max_body` bytes get 413. Chat prompts
     are rendered as `tokenizer_mode` says (dsv4.chat.prompt) and replies parsed as `ReplyParsers.create` says.
+    `generation_defaults`: the sampling fields a request leaves out take these (the model's generation_config.json,
+    `dsv4.generation_config.load_sampling_defaults`), else dsv4's defaults.
     A bad mode or parser is a ValueError, before anything is served."""
     renderer = (ChatRenderer.create(engine.tokenizer, engine.engine.config.model, tokenizer_mode)
                 if engine.tokenizer is not None else None)
@@ -150,7 +154,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     # with a key, nothing but /health answers without it: the API docs are off, /metrics needs the key
     docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="dsv4", lifespan=lifespan, **docs)
-    server = _Server(engine, served_model_name, renderer, parsers)
+    server = _Server(engine, served_model_name, renderer, parsers, generation_defaults)
     _install_error_handlers(app)
 
     app.add_middleware(_Guard, api_key=api_key, max_body=max_body)  # the key and the body size: see _Guard
@@ -244,12 +248,14 @@ class _Server:
     """The route handlers, sharing the engine and the served model name."""
 
     def __init__(self, engine: AsyncLLMEngine, served_model_name: str, renderer: ChatRenderer | None,
-                 parsers: ReplyParsers) -> None:
+                 parsers: ReplyParsers, generation_defaults: Mapping[str, Any] | None = None) -> None:
         self.engine = engine
         self.name = served_model_name
         self.created = int(time.time())
         self.renderer = renderer
         self.parsers = parsers
+        # the model's sampling defaults for fields a request leaves out (vLLM's --generation-config auto)
+        self.generation_defaults = dict(generation_defaults or {})
 
     async def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [model_card(self.name, self.created, self.engine.max_model_len)]}
@@ -365,7 +371,8 @@ class _Server:
         check_image_sources(prompt.images)
         parser = self._parser_options(req, prompt)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, constraint)
+        params = req.sampling_params(max_tokens, (req.top_logprobs or 0) if req.logprobs else None, constraint,
+                                     self.generation_defaults)
         self._check_length(len(ids), max_tokens, "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         jobs = await self._start([(ids, prompt.text)], params, rid, list(prompt.images) or None)
@@ -398,7 +405,7 @@ class _Server:
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         self._check_model(req.model)
         req.check_supported()
-        params = req.sampling_params(req.max_tokens, req.logprobs)
+        params = req.sampling_params(req.max_tokens, req.logprobs, defaults=self.generation_defaults)
         batch = req.prompts()
         self._check_capacity(len(batch), req.n)  # before tokenizing a batch that will not be taken
         prompts = []
@@ -592,21 +599,26 @@ def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000, api
                served_model_name: str | None = None, log_level: str = "info",
                max_body: int = DEFAULT_MAX_BODY_BYTES, request_read_timeout: float = DEFAULT_REQUEST_READ_TIMEOUT,
                tokenizer_mode: str = "auto", reasoning_parser: str | None = None,
-               tool_call_parser: str | None = None, **engine_args: Any) -> None:
-    """Build the engine (without `model`, the built-in default model), then serve until interrupted."""
+               tool_call_parser: str | None = None, generation_config: str = "auto", **engine_args: Any) -> None:
+    """Build the engine (without `model`, the built-in default model), then serve until interrupted; requests that
+    leave a sampling field out take the model's generation_config.json value unless `generation_config` is "none"
+    (dsv4.generation_config)."""
     import torch
     import uvicorn
 
     if not request_read_timeout > 0:  # (not <= 0: NaN too) a deadline of 0 would close every connection at once
         raise ValueError(f"--request-read-timeout must be a positive number of seconds, got {request_read_timeout}")
     if model is None:
-        from dsv4.models.presets import default_model_dir
+        from dsv4.make_model import DEFAULT_MODEL_NAME, default_model_dir
 
-        model, name = default_model_dir(), served_model_name or "tiny-v4"
+        model, name = default_model_dir(), served_model_name or DEFAULT_MODEL_NAME
     else:
         if not os.path.isdir(model):
             raise FileNotFoundError(f"--model {model!r} is not a directory{hub_hint(model)}")
         name = served_model_name or model
+    # before any engine is built, on every rank alike: a bad value stops them all at once (none waits for a rank
+    # that failed), and not at the first request
+    generation_defaults = load_sampling_defaults(model, generation_config)
     device = engine_args.pop("device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = engine_args.pop("dtype", None) or ("bfloat16" if device.startswith("cuda") else "float32")
     from dsv4.serve.metrics import EngineMetrics
@@ -622,7 +634,8 @@ def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000, api
     logger.info("serving %s as %r on http://%s:%d (max_model_len %d)", model, name, host, port,
                 engine.max_model_len)
     try:
-        app = build_app(engine, name, api_key, max_body, tokenizer_mode, reasoning_parser, tool_call_parser)
+        app = build_app(engine, name, api_key, max_body, tokenizer_mode, reasoning_parser, tool_call_parser,
+                        generation_defaults)
         uvicorn.run(app, host=host, port=port, log_level=log_level,
                     timeout_graceful_shutdown=5, http=_read_deadline_protocol(request_read_timeout))
     finally:  # (the app's lifespan stopped the engine thread already, unless the server never started)

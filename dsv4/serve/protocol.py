@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,21 +131,25 @@ class _Request(_Body):
         return bool(self.stream and self.stream_options and self.stream_options.get("include_usage"))
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
+                        structured: StructuredOutputsParams | None = None,
+                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """The engine's SamplingParams, constrained by `structured` when given (the server's tool_choice grammar),
-        else by `structured()`; 400 naming the field when a value is out of range."""
+        else by `structured()`; 400 naming the field when a value is out of range. A sampling field the request
+        leaves out (or sends as null) takes `defaults` (the model's generation_config.json values,
+        dsv4.generation_config), else SamplingParams' own default, as vLLM does."""
         bias = None
         if self.logit_bias:
             try:
                 bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except ValueError:
                 raise bad_request("logit_bias keys must be token ids", "logit_bias") from None
+        given = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                 "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
+                 "repetition_penalty": self.repetition_penalty}
+        sampling = {**(defaults or {}), **{name: value for name, value in given.items() if value is not None}}
         try:
             return SamplingParams(
-                n=self.n, temperature=_or(self.temperature, 1.0), top_p=_or(self.top_p, 1.0),
-                top_k=_or(self.top_k, 0), min_p=_or(self.min_p, 0.0),
-                presence_penalty=_or(self.presence_penalty, 0.0), frequency_penalty=_or(self.frequency_penalty, 0.0),
-                repetition_penalty=_or(self.repetition_penalty, 1.0), seed=self.seed, stop=self.stop,
+                n=self.n, **sampling, seed=self.seed, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
                 min_tokens=self.min_tokens, logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=bias,
@@ -356,10 +361,6 @@ def model_card(name: str, created: int, max_model_len: int) -> dict[str, Any]:
     """One entry of GET /v1/models (max_model_len is vLLM's extra field)."""
     return {"id": name, "object": "model", "created": created, "owned_by": "dsv4", "root": name, "parent": None,
             "max_model_len": max_model_len}
-
-
-def _or(value: Any, default: Any) -> Any:
-    return default if value is None else value
 
 
 # ---- response shapes ---------------------------------------------------------------------------------------------

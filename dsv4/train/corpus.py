@@ -110,15 +110,26 @@ def is_data_table(text: str) -> bool:
     return len(text) >= LITERAL_MIN_CHARS and literal_share(text) >= LITERAL_SHARE_MAX
 
 
+def _check_held_out(paths: list[str], root: Path | None) -> None:
+    missing = [p for p in HELD_OUT if p not in paths]
+    if missing:
+        raise FileNotFoundError(f"held-out files missing from the standard library at {root or stdlib_root()}: "
+                                f"{missing}")
+
+
+def held_out(root: Path | None = None) -> list[CorpusFile]:
+    """The held-out files alone (what `split` returns second), without reading and classifying the training
+    files: what an evaluation needs."""
+    _check_held_out(stdlib_files(root), root)
+    return read_files(list(HELD_OUT), root)
+
+
 def split(root: Path | None = None, excluded: list[str] | None = None
           ) -> tuple[list[CorpusFile], list[CorpusFile]]:
     """(training files, held-out files) of this Python's standard library; the training files without the data
     tables (`is_data_table`), whose paths are appended to `excluded` when given."""
     paths = stdlib_files(root)
-    missing = [p for p in HELD_OUT if p not in paths]
-    if missing:
-        raise FileNotFoundError(f"held-out files missing from the standard library at {root or stdlib_root()}: "
-                                f"{missing}")
+    _check_held_out(paths, root)
     held = set(HELD_OUT)
     train = []
     for f in read_files([p for p in paths if p not in held], root):

@@ -16,8 +16,8 @@ an auxiliary loss. Sequences are BOS + `seq_len - 1` tokens from uniformly drawn
 Everything random comes from `--seed` (weights, batches); on CUDA the deterministic algorithms are requested too
 (`torch.use_deterministic_algorithms`, warn-only).
 
-Time: `--max-minutes` (default 5) bounds the whole run. The target's training gets what the drafter's
-`--drafter-minutes` (default 1) and the writing (SAVE_RESERVE_S) leave; each loop times its first steps and cuts its
+Time: `--max-minutes` (default 4) bounds the whole run. The target's training gets what the drafter's
+`--drafter-minutes` (default 2) and the writing (SAVE_RESERVE_S) leave; each loop times its first steps and cuts its
 step count to what fits (the printed `--steps N --drafter-steps M --max-minutes 0` reproduces the run). `--compile`
 compiles the target's forward and loss (see `Trainer`): the first step then takes the compilation, which the time
 fitting counts; off by default, as inductor took 244 s of a 5-minute run on the H200. The drafter's steps run
@@ -62,7 +62,9 @@ class TrainSettings:
     out: str
     size: str = "demo"
     device: str | None = None  # None: cuda when available, else cpu
-    steps: int = 1000
+    # 400 steps (13M tokens, ~7 passes over the 1.9M-token corpus): held-out loss stopped improving near step 400
+    # of a 1000-step schedule on the H200 (benchmarks/results/2026-12-01-h200-train-demo), so the schedule ends there
+    steps: int = 400
     batch_size: int = 64
     seq_len: int = 512
     lr: float = 3e-3
@@ -76,14 +78,14 @@ class TrainSettings:
     log_every: int = 10
     eval_every: int = 100
     val_windows: int = 16  # held-out windows behind the val_loss column (the first ones, fixed)
-    max_minutes: float | None = 5.0  # fit --steps into this many minutes from the start (`_fit_steps`), then save
+    max_minutes: float | None = 4.0  # fit --steps into this many minutes from the start (`_fit_steps`), then save
     # torch.compile the training forward + loss (Trainer). Off by default: inductor's compilation of the demo step
     # took 244 s on the H200 (torch 2.11), most of a 5-minute run (benchmarks/results/2026-12-01-h200-train-demo)
     compile: bool = False
     max_train_files: int | None = None  # the first N training files only (tests)
     # then the DSpark drafter on the frozen target (dsv4.train.drafter), in the last drafter_minutes of max_minutes
     drafter: bool = True
-    drafter_minutes: float = 1.0
+    drafter_minutes: float = 2.0  # the drafter was still improving fast after the 1 minute it had before
     drafter_steps: int = 1000  # cut to what fits, as --steps
     drafter_batch_size: int = 32
     drafter_lr: float = 2e-3
@@ -189,6 +191,7 @@ def _write_json(path: str, obj: dict[str, Any]) -> None:
         f.write("\n")
 
 
+SAMPLING_DEFAULTS = {"temperature": 0.6, "top_p": 0.95}  # written to generation_config.json
 CALIBRATION_STEPS = 6  # with --max-minutes: steps 2..6 are timed, then --steps is cut to what fits
 SAVE_RESERVE_S = 20  # what --max-minutes keeps for writing the checkpoint
 
@@ -368,8 +371,13 @@ def train(s: TrainSettings) -> dict[str, Any]:
                                                dtype)
         extra = drafter_tensors(drafter, "bfloat16")
     if timed:
-        print(f"train-demo: `--steps {step}" + (f" --drafter-steps {drafter_info['steps_done']}" if s.drafter
-                                                 else "") + " --max-minutes 0` reproduces this run", flush=True)
+        cut = stopped_early or (drafter_info is not None and drafter_info["steps_done"] < drafter_info["steps"])
+        command = (f"`--steps {steps}" + (f" --drafter-steps {drafter_info['steps']}" if drafter_info else "")
+                   + " --max-minutes 0`")
+        # a loop the clock stopped inside its schedule is not reproduced by any step count: the learning rate of
+        # its last steps belonged to a longer schedule
+        print(f"train-demo: {command} " + ("runs these schedules to their end (the clock stopped this run before: "
+                                           "not reproducible exactly)" if cut else "reproduces this run"), flush=True)
 
     t_save = time.perf_counter()
     os.makedirs(s.out, exist_ok=True)
@@ -377,8 +385,10 @@ def train(s: TrainSettings) -> dict[str, Any]:
     _write_json(os.path.join(s.out, "config.json"), config)
     bpe.write_tokenizer(tok, s.out, max_len)
     files = save_weights(model, tables, s.out, "bfloat16", extra=extra)
+    # the sampling defaults a server or `dsv4 generate` takes from the model (vLLM's --generation-config auto): at
+    # temperature 1 a 12M-parameter model wanders off into invented names; 0.6 / 0.95 keep it on plausible code
     _write_json(os.path.join(s.out, "generation_config.json"),
-                {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids[0]})
+                {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_ids[0], **SAMPLING_DEFAULTS})
     with open(os.path.join(s.out, "train_log.csv"), "w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
