@@ -8,6 +8,18 @@ make_preset() {
   [ -d "/tmp/$1" ] || timeout 150 python3 -m dsv4.cli make-model --preset "$1" --out "/tmp/$1" --device cuda > /dev/null
 }
 
+# use_wheels: install the wheels carried in .whl/ (`run` with carry [".whl"]: fastapi/uvicorn for a served
+# benchmark, xgrammar; the device has no package registry) into /tmp/site and put it on PYTHONPATH; once per machine
+use_wheels() {
+  ls .whl/*.whl > /dev/null 2>&1 || { echo "no .whl/ carried: run with carry [\".whl\"]" >&2; return 1; }
+  if [ ! -f /tmp/site/.done ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl || { echo "use_wheels: installing .whl/*.whl failed" >&2; return 1; }
+    touch /tmp/site/.done
+  fi
+  export PYTHONPATH=".:/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+}
+
 # gpu_pytest LIMIT LOGNAME PYTEST_ARGS...: run pytest quietly into $out/LOGNAME, print its last lines
 gpu_pytest() {
   local limit=$1 log=$2; shift 2

@@ -15,6 +15,7 @@
 #             every prompt is long, so one prefill at a time (the starving extreme, for contrast)
 # Compare TPOT / ITL (step length) against TTFT and throughput (prefill spread over more steps) across the parts.
 . "$(dirname "$0")/device_lib.sh"
+use_wheels || exit 1  # the server's fastapi / uvicorn (call with carry [".whl"])
 p=${PRESET:-v41-flash-8l}
 port=${PORT:-8123}
 # (a CPU smoke test of the script: PRESET=tiny-v41 with /tmp/tiny-v41 made beforehand, INPUT_LEN=64 OUTPUT_LEN=8

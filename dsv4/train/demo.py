@@ -37,6 +37,7 @@ import json
 import math
 import os
 import platform
+import random
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -83,6 +84,9 @@ class TrainSettings:
     # took 244 s on the H200 (torch 2.11), most of a 5-minute run (benchmarks/results/2026-12-01-h200-train-demo)
     compile: bool = False
     max_train_files: int | None = None  # the first N training files only (tests)
+    # training text cut after this share of the spaces a word follows, pieces encoded apart (corpus.split_word_spaces:
+    # prompts that end in a space, like "def "); 0 = plain encoding, as the shipped model was trained
+    space_split_rate: float = 0.0
     # then the DSpark drafter on the frozen target (dsv4.train.drafter), in the last drafter_minutes of max_minutes
     drafter: bool = True
     drafter_minutes: float = 2.0  # the drafter was still improving fast after the 1 minute it had before
@@ -90,6 +94,10 @@ class TrainSettings:
     drafter_batch_size: int = 32
     drafter_lr: float = 2e-3
     drafter_warmup: int = 10
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.space_split_rate <= 1.0:
+            raise ValueError(f"space_split_rate must be in [0, 1], got {self.space_split_rate}")
 
 
 def schedule(peak: float, warmup: int, min_ratio: float, step: int, steps: int) -> float:
@@ -285,7 +293,15 @@ def train(s: TrainSettings) -> dict[str, Any]:
     def encode(files: list[corpus.CorpusFile]) -> list[list[int]]:
         return [e.ids for e in tok.encode_batch([f.text for f in files], add_special_tokens=False)]
 
-    stream = corpus.token_stream(encode(train_files), eos)
+    def encode_split(files: list[corpus.CorpusFile]) -> list[list[int]]:
+        """Training files encoded piecewise at s.space_split_rate (the cuts drawn per file from the seed)."""
+        out = []
+        for f in files:
+            pieces = corpus.split_word_spaces(f.text, s.space_split_rate, random.Random(f"{s.seed}:{f.path}"))
+            out.append([t for e in tok.encode_batch(pieces, add_special_tokens=False) for t in e.ids])
+        return out
+
+    stream = corpus.token_stream(encode_split(train_files) if s.space_split_rate > 0 else encode(train_files), eos)
     val = corpus.eval_windows(encode(held), eos, bos, s.seq_len)[:s.val_windows]
     config = demo_config(s.size, tok)
     max_len = text_config(config)["max_position_embeddings"]
@@ -457,6 +473,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                              "after timing the first steps, --steps is cut to what fits (printed; rerun with that "
                              "--steps and --max-minutes 0 to reproduce), and the loop stops there at the latest, then "
                              "the checkpoint is written")
+    parser.add_argument("--space-split-rate", type=float, default=d.space_split_rate,
+                        help="encode the training text cut after this share of the spaces a word follows, so prompts "
+                             f"that end in a space (\"def \") are in-distribution (default {d.space_split_rate})")
     parser.add_argument("--drafter", action=argparse.BooleanOptionalAction, default=d.drafter,
                         help="then train the DSpark drafter on the frozen target and write it into the checkpoint "
                              "(default: on)")
@@ -477,7 +496,8 @@ def main(args: argparse.Namespace) -> None:
                       seq_len=args.seq_len, lr=args.lr, warmup=args.warmup, seed=args.seed, precision=args.precision,
                       log_every=args.log_every, eval_every=args.eval_every, max_minutes=args.max_minutes or None,
                       compile=args.compile, drafter=args.drafter, drafter_minutes=args.drafter_minutes,
-                      drafter_steps=args.drafter_steps, drafter_batch_size=args.drafter_batch_size)
+                      drafter_steps=args.drafter_steps, drafter_batch_size=args.drafter_batch_size,
+                      space_split_rate=args.space_split_rate)
     info = train(s)
     print(f"wrote {s.out}: {info['model']['parameters'] / 1e6:.1f}M parameters, {info['model']['bytes'] / 1e6:.1f} MB; "
           f"loss {info['final']['loss']:.3f}, held-out {info['final']['val_loss']:.3f} after {info['steps_done']} "
