@@ -8,6 +8,7 @@
 #   bench   V4.1-Flash-8l prefill latency, batch 1, $LENS prompt tokens (default "16384 32768"), 2 output tokens;
 #           one prefill step by default (the bench's budget max(2048, input-len)), BUDGET=N for N-token chunks.
 #           Target: 16,384 tokens <= 0.4 s ("prefill, synced"; before: 1.56 s, 755 ms of it in the indexer)
+#   profile the kernels of one $LEN-token (default 16384) prefill by family (benchmarks/profile_prefill.py)
 . "$(dirname "$0")/device_lib.sh"
 p=v41-flash-8l
 
@@ -28,6 +29,13 @@ part_bench() {
     timeout 400 python3 -m dsv4.cli $args --output-json "$out/$tag.json" > "$out/$tag.log" 2>&1
     summary "$p input $len${BUDGET:+ budget $BUDGET}" $? "$out/$tag.log" 'prefill, synced|prefill tokens/s|Error'
   done
+}
+
+# where the 16K prefill's time goes by kernel family (item 2: the MoE / dense GEMMs): benchmarks/profile_prefill.py
+part_profile() {
+  make_preset $p
+  timeout 300 python3 benchmarks/profile_prefill.py /tmp/$p "${LEN:-16384}" 30 > "$out/profile_prefill.log" 2>&1
+  echo "profile_prefill (rc $?):"; sed -n '1,12p' "$out/profile_prefill.log"
 }
 
 run_parts "$@"
