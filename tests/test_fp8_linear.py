@@ -232,6 +232,7 @@ def test_dequantize_kernel_is_exact() -> None:
     """)
 
 
+@pytest.mark.slow  # 9 s under the interpreter: the slow tier (CI runs it too) keeps the main tier under 10 minutes
 def test_w8a16_kernel_special_values_and_configs() -> None:
     """Every finite e4m3 code (zeros, -0, subnormals below 2^-6, +-448) under scales from 2^-27 (e = 100) to 2^13
     (e = 140), mixed and uniform, UE8M0 and float; then one input through forced configs: no split, every K-tile

@@ -138,6 +138,7 @@ def _interpret(code: str) -> None:
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
 
 
+@pytest.mark.slow  # 9 s under the interpreter: the slow tier (CI runs it too) keeps the main tier under 10 minutes
 def test_kernels_are_exact_on_a_coarse_grid() -> None:
     """Values on a grid where every fp32 partial sum is exact (MXFP4 codes times scales 2^-2..2^2: multiples of
     2^-3 up to 24; e4m3 values of 2^-2..2^0 times scales 2^-2..2^0: multiples of 2^-7 up to 1.875; x: multiples of

@@ -100,7 +100,7 @@ def test_trained_drafter_on_held_out_code(tmp_path: Path) -> None:
     assert len({tuple(p) for p in prompts}) == 3 and prompts == script.held_out_code_prompts(model, 3, 48, seed=1)
     out = tmp_path / "demo.json"
     argv = ["--model", model, "--prompts", "held-out-code", "--modes", "random", "--batch-sizes", "1,2",
-            "--input-len", "48", "--output-len", "16", "--warmup-output-len", "2", "--device", "cpu",
+            "--input-len", "48", "--output-len", "12", "--warmup-output-len", "2", "--device", "cpu",
             "--output-json", str(out)]  # "random": the drafter mode's old name
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
