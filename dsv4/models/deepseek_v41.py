@@ -25,6 +25,7 @@ from dsv4.models.layers.mhc import hc_mixes
 from dsv4.models.layers.norm import rms_norm_v41_torch
 from dsv4.models.layers.moe import Experts, moe_output
 from dsv4.models.layers.rope import RotaryTable
+from dsv4.models.verify_rows import pool_verify_rows
 from dsv4.models.vision import VisionEncoder
 from dsv4.ops.decode_attention import decode_sink_attention
 from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant
@@ -301,6 +302,8 @@ class AttentionV41(nn.Module):
         pos, c = dmd.positions, self.compressor
         if self.ratio == 1:
             latent, ent = c.latent(x), pos
+        elif dmd.query_len > 1:  # several rows of a request in one step would collide in the ring: their own room
+            latent, ent = pool_verify_rows(c, x, dmd, cache)
         else:
             kv, gate = c.project(x)
             blk, slot = dmd.state_blocks, pos % self.ratio
@@ -597,8 +600,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         return self.model.norm(collapse(h, pre))
 
     def forward_decode(self, input_ids: torch.Tensor, dmd: DecodeMetadata, caches: list[LayerKVCache],
-                       lookback_token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per row, fixed shapes, no host sync: the forward a FULL decode CUDA graph captures."""
+                       lookback_token_ids: torch.Tensor | None = None,
+                       taps: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """One token per row, fixed shapes, no host sync: the forward a FULL decode CUDA graph captures. A verify
+        step's rows (`dmd.query_len` q > 1: q rows per request at consecutive positions) run here too; `taps` as
+        in `forward` (the drafter's inputs, one row per decode row)."""
         cfg = self.cfg
         is_image = input_ids == cfg.v41.image_token_id
         h = self.model.embed(input_ids).unsqueeze(1).expand(-1, cfg.hc_mult, -1).contiguous()
@@ -607,8 +613,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         step = StepState()
         for i, layer in enumerate(self.model.layers):
             if hasattr(layer, "engram"):
-                h = self._engram(i, layer.engram, h, input_ids, is_image, dmd.query_start_loc, dmd.num_padded,
-                                 lookback_token_ids)
+                h = self._engram(i, layer.engram, h, input_ids, is_image, dmd.query_start_loc,
+                                 dmd.num_padded // dmd.query_len, lookback_token_ids)
+            if taps is not None and i in taps:
+                taps[i] = h.mean(dim=1)
             h, pre = layer.forward_decode(h, pre, is_image, dmd, caches, step)
         return self.model.norm(collapse(h, pre))
 

@@ -166,6 +166,11 @@ class DecodeMetadata:
     n_entries: dict[str, torch.Tensor]
     entry_write: dict[str, torch.Tensor]
     entry_geometry: dict[str, tuple[int, int]]  # group -> (block_size, max_entries)
+    # rows per request: 1 for a plain decode; q > 1 for a speculative verify step run as decode rows (every request
+    # has q consecutive rows at consecutive positions; dsv4/spec_decode/verify_decode.py), and then
+    # `query_start_loc` [P/q + 1] holds the requests' row offsets (0, q, 2q, ..): the engram n-grams and lookback
+    # are per request, as on the token-row path
+    query_len: int = 1
 
     def entries(self, group: str) -> EntryTable:
         """The group's entries of every row, as the decode kernels read them."""
@@ -194,17 +199,20 @@ class DecodeMetadataBuffers:
         self.entry_write = {g.name: z(max_rows) for g in self.compressed}
         self._wrange = torch.arange(window - 1, -1, -1, device=device)  # offsets pos-W+1 .. pos
 
-    def views(self, num_reqs: int, num_padded: int) -> DecodeMetadata:
-        """The first `num_padded` rows of every buffer (no writes): what a graph of that size reads."""
-        P = num_padded
+    def views(self, num_reqs: int, num_padded: int, query_len: int = 1) -> DecodeMetadata:
+        """The first `num_padded` rows of every buffer (no writes): what a graph of that size reads. `query_len` q:
+        rows per request (a multi-row verify step; num_padded is a multiple of q), the request offsets a strided
+        view of the same arange (0, q, .., num_padded)."""
+        P, q = num_padded, query_len
+        assert P % q == 0, "a multi-row decode pads to whole requests"
         return DecodeMetadata(
             num_reqs=num_reqs, num_padded=P, positions=self.positions[:P],
-            query_start_loc=self.query_start_loc[: P + 1], window_slots=self.window_slots[:P],
+            query_start_loc=self.query_start_loc[: P + 1: q], window_slots=self.window_slots[:P],
             window_mask=self.window_mask[:P], write_slots=self.write_slots[:P], state_blocks=self.state_blocks[:P],
             entry_tables={k: v[:P] for k, v in self.entry_tables.items()},
             n_entries={k: v[:P] for k, v in self.n_entries.items()},
             entry_write={k: v[:P] for k, v in self.entry_write.items()},
-            entry_geometry=self.entry_geometry,
+            entry_geometry=self.entry_geometry, query_len=q,
         )
 
     @property

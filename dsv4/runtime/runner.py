@@ -171,6 +171,8 @@ class ModelRunner:
                                                                  sc.max_model_len, self.device)
             encoder_graphs.capture()
             self.model.encoder_graphs = encoder_graphs
+        if self.speculator is not None and self.speculator.verify_decode is not None:
+            self.speculator.verify_decode.capture()  # multi-row verify graphs (spec_decode/verify_decode.py)
         if not self.graphs.enabled:
             return
         # graphs hold the addresses of everything they read: a recapture drops the old ones first

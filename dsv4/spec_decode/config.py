@@ -29,9 +29,10 @@ SPECULATIVE_CONFIG_HELP = (
     'speculative decoding with the checkpoint\'s drafter, as vLLM: \'{"method": "dspark" | "mtp", '
     '"num_speculative_tokens": k, "disable_by_batch_size": B}\' (k defaults to the DSpark block size / the MTP layer '
     "count; with B or more running requests a step decodes plainly, without drafts); turns async scheduling off; "
-    "steps with drafts run eagerly (no CUDA graphs)")
+    "steps with drafts run eagerly (no CUDA graphs); \"verify_decode\": true (DSpark, experimental) runs steps where "
+    "every request verifies k drafts as k + 1 decode rows each")
 
-_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size")
+_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", "verify_decode")
 # Keys vLLM accepts that dsv4 does not implement yet: refused with a message that says so, not as a typo.
 _VLLM_ONLY_KEYS = ("model", "draft_tensor_parallel_size", "draft_sample_method", "rejection_sample_method",
                    "enable_adaptive_verification", "prompt_lookup_max", "prompt_lookup_min", "quantization",
@@ -66,11 +67,18 @@ class DrafterSpec:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """A validated `--speculative-config`."""
+    """A validated `--speculative-config`.
+
+    `verify_decode` (dsv4's own key, default off; DSpark / DeepSeek-V4.1 only): a verify step in which every request
+    has exactly one anchor and k drafts runs as k + 1 decode rows per request through the model's fixed-shape
+    decode forward (dsv4/spec_decode/verify_decode.py) instead of the eager token-row forward; any other step with
+    drafts (a rewound request's extra token, fewer drafts, a prefill, images) stays eager. The greedy output is the
+    same either way."""
 
     method: str
     num_speculative_tokens: int
     disable_by_batch_size: int | None = None
+    verify_decode: bool = False
 
 
 def _spec_error(field: str, msg: str) -> ConfigError:
@@ -182,8 +190,9 @@ def _unknown_key_hint(key: str) -> str:
 
 
 def parse_speculative_config(value: str | Mapping[str, Any] | None, spec: DrafterSpec) -> SpeculativeConfig | None:
-    """A vLLM-shaped `{"method", "num_speculative_tokens", "disable_by_batch_size"}` (a dict or its JSON text),
-    checked against the checkpoint's drafter. None (or an empty string) means no speculative decoding."""
+    """A vLLM-shaped `{"method", "num_speculative_tokens", "disable_by_batch_size"}` (a dict or its JSON text; plus
+    dsv4's `verify_decode`), checked against the checkpoint's drafter. None (or an empty string) means no
+    speculative decoding."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
     if isinstance(value, str):
@@ -227,7 +236,14 @@ def parse_speculative_config(value: str | Mapping[str, Any] | None, spec: Drafte
     batch = value.get("disable_by_batch_size")
     if batch is not None:
         batch = _check_int(batch, "disable_by_batch_size", 1)
-    return SpeculativeConfig(method=method, num_speculative_tokens=k, disable_by_batch_size=batch)
+    verify_decode = value.get("verify_decode", False)
+    if not isinstance(verify_decode, bool):
+        raise _spec_error("verify_decode", f"must be true or false, got {verify_decode!r}")
+    if verify_decode and method != DSPARK:
+        # V4's compressor rings (CSA overlapping windows) have no multi-row decode: its verify steps stay eager
+        raise _spec_error("verify_decode", "runs DeepSeek-V4.1's DSpark verify steps only; MTP steps run eagerly")
+    return SpeculativeConfig(method=method, num_speculative_tokens=k, disable_by_batch_size=batch,
+                             verify_decode=verify_decode)
 
 
 def load_speculative_config(model_dir: str, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:

@@ -35,6 +35,9 @@ drafts included; each kind is position-addressed or recomputed:
   max_tokens and max_model_len leave room for them and a bonus token.
 
 This step is eager (the token-row forward, no CUDA graph), sync (no async scheduling), and drafts are greedy.
+With `verify_decode` on (V4.1), a step in which every request verifies exactly k drafts after its anchor runs as
+k + 1 decode rows per request through the model's fixed-shape decode forward instead (verify_decode.py); the
+rollback above holds unchanged (dsv4/models/verify_rows.py: the ring after such a step).
 
 `disable_by_batch_size` B (vLLM's): while B or more requests hold a row, no drafts are proposed, and a step with no
 drafts to verify is the runner's plain step (`ModelRunner.launch_plain`: decode CUDA graphs of sizes >= B, no taps).
@@ -58,6 +61,7 @@ from dsv4.runtime.sampler import SamplingTensors
 from dsv4.spec_decode.config import SpeculativeConfig
 from dsv4.spec_decode.proposer import DSparkProposer, MTPProposer, Proposer, TapBuffer
 from dsv4.spec_decode.rejection import verify
+from dsv4.spec_decode.verify_decode import VerifyDecode
 from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -184,6 +188,9 @@ class Speculator:
             self.taps = TapBuffer(n, runner.config.model.sliding_window, proposer.block_size + 2,
                                   proposer.tap_width, dtype, runner.device)
         self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * self.k)
+        # uniform verify steps as decode rows (spec.verify_decode, V4.1 only: the config refuses it for MTP)
+        self.verify_decode = (VerifyDecode(runner, self.k, proposer.tap_layer_ids) if spec.verify_decode
+                              else None)
         self.num_plain_steps = 0  # steps run by ModelRunner.launch_plain (speculation disabled for the batch)
 
     def set_proposer(self, proposer: Proposer) -> None:
@@ -232,15 +239,21 @@ class Speculator:
         if self.rings is not None:
             self.rings.save(rows[drafts > 0])
         batch = InputBatch.prepare(r.buffers, rs.token_history, req_ids, rows, computed, sched, sample)
-        md = r.model_state.prepare_attn(batch, r.block_tables)
-        extra = r.model_state.prepare_inputs(batch, rs)
         image_rows = r._image_rows(batch)
-        if image_rows is not None:
-            extra["image_embeds"] = image_rows
         taps = dict.fromkeys(self.proposer.tap_layer_ids) if self.proposer.tap_layer_ids else None
-        if taps is not None:
-            extra["taps"] = taps
-        hidden = r.model(batch.input_ids, md, r.kv_caches, **extra)
+        vd = self.verify_decode
+        if vd is not None and vd.uniform(batch, drafts, sample, image_rows):
+            hidden = vd.forward(batch, taps)  # k + 1 decode rows per request (verify_decode.py)
+        else:
+            if vd is not None and drafts.any():
+                vd.num_eager_steps += 1
+            md = r.model_state.prepare_attn(batch, r.block_tables)
+            extra = r.model_state.prepare_inputs(batch, rs)
+            if image_rows is not None:
+                extra["image_embeds"] = image_rows
+            if taps is not None:
+                extra["taps"] = taps
+            hidden = r.model(batch.input_ids, md, r.kv_caches, **extra)
         qsl = batch.query_start_loc_np
         if taps is not None and self.taps is not None:
             token_rows = np.repeat(rows, sched)
@@ -370,6 +383,7 @@ def make_speculator(runner: "ModelRunner", spec: SpeculativeConfig) -> Speculato
         return Speculator(runner, proposer, spec)
     drafter = load_dspark_drafter(cfg.model_dir, cfg.model, model.lm_head.weight.dtype, runner.device,
                                   cfg.scheduler.max_model_len)
-    logger.info("speculative decoding: DSpark, %d of %d block tokens verified per step (eager, no CUDA graphs)",
-                spec.num_speculative_tokens, drafter.dspark.block_size)
+    logger.info("speculative decoding: DSpark, %d of %d block tokens verified per step (%s)",
+                spec.num_speculative_tokens, drafter.dspark.block_size,
+                "uniform steps as decode rows: verify_decode" if spec.verify_decode else "eager, no CUDA graphs")
     return Speculator(runner, DSparkProposer(drafter, model.model.embed, model.lm_head), spec)

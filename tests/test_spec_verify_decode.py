@@ -1,0 +1,353 @@
+"""The multi-row decode verify step (`"verify_decode": true`, dsv4/spec_decode/verify_decode.py): a speculative step
+in which every request verifies exactly k drafts runs as k + 1 decode rows per request through the fixed-shape
+decode forward. Greedy output equals plain decoding (all drafts accepted, some rejected, rewinds; pair boundaries at
+even and odd positions; batches of 1-3); its logits and taps equal the eager token-row forward's for the same step;
+uniform steps take the new path and all others the eager one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from dsv4.engine.engine import LLMEngine
+from dsv4.kv.spec import NULL_BLOCK
+from dsv4.models.config import ConfigError
+from dsv4.models.deepseek_v41 import Compressor
+from dsv4.models.verify_rows import pool_verify_rows
+from dsv4.runtime.cudagraphs import CudaGraphManager
+from dsv4.runtime.input_batch import InputBatch
+from dsv4.sampling_params import SamplingParams
+from dsv4.spec_decode.config import DrafterSpec, DSparkConfig, SpeculativeConfig, parse_speculative_config
+from dsv4.spec_decode.proposer import OracleProposer
+from dsv4.spec_decode.verify_decode import VerifyDecode, verify_capture_sizes
+
+# lengths 5, 13, 2, 8: the first verify step's anchor at odd and even positions (closing a ratio-2 pair with the
+# ring's row, or opening one)
+PROMPTS = [[0, 5, 9, 33, 77], [0, 8, 100, 200, 300, 400, 17, 18, 19, 20, 21, 22, 23], [0, 44],
+           [0, 7, 70, 170, 270, 370, 3, 4]]
+GREEDY = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+
+
+def _spec(k: int, on: bool = True) -> dict[str, Any]:
+    return {"method": "dspark", "num_speculative_tokens": k, "verify_decode": on}
+
+
+def _run(model_dir: str, prompts: list[list[int]], spec: dict[str, Any] | None = None,
+         oracle: dict[str, list[int]] | None = None, pad: bool = False, graphs: bool = False,
+         params: SamplingParams = GREEDY, **kw: Any) -> tuple[dict[str, list[int]], LLMEngine]:
+    """Outputs by request id ("0", "1", ..) of one engine run; `pad`: verify steps padded to the graph sizes
+    (`_pad_like_graphs`), `graphs`: and replayed."""
+    kw.setdefault("max_num_seqs", 4)
+    e = LLMEngine.from_args(model_dir, speculative_config=spec, **kw)
+    if oracle is not None:
+        e.runner.speculator.set_proposer(OracleProposer(oracle, 4))
+    if pad:
+        _pad_like_graphs(e.runner.speculator.verify_decode, graphs)
+    for i, p in enumerate(prompts):
+        e.add_request(p, params, request_id=str(i))
+    outs: dict[str, list[int]] = {}
+    while e.has_unfinished_requests():
+        for o in e.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+    return outs, e
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_v41: str) -> dict[str, list[int]]:
+    """Plain decoding of every prompt (greedy: batching does not change the tokens)."""
+    return _run(tiny_v41, PROMPTS)[0]
+
+
+def _oracle(baseline: dict[str, list[int]], ids: list[int], wrong_every: int = 0) -> dict[str, list[int]]:
+    """The oracle's sequences of prompts `ids` (request ids "0", ".." in that order): the plain output, with a wrong
+    token every `wrong_every` positions (0: none) at offsets that differ per request."""
+    out = {}
+    for r, i in enumerate(ids):
+        seq = PROMPTS[i] + baseline[str(i)]
+        if wrong_every:
+            for j in range(len(PROMPTS[i]) + 2 + r, len(seq), wrong_every):
+                seq[j] = (seq[j] + 1) % 500
+        out[str(r)] = seq
+    return out
+
+
+def _record_uniform(vd: VerifyDecode) -> list[tuple[bool, list[int], list[int]]]:
+    """Every `uniform` decision of the run: (decision, scheduled tokens, drafts) per step with a forward."""
+    seen: list[tuple[bool, list[int], list[int]]] = []
+    orig = vd.uniform
+
+    def spy(batch: InputBatch, drafts: np.ndarray, sample: np.ndarray, image_rows: Any) -> bool:
+        ok = orig(batch, drafts, sample, image_rows)
+        seen.append((ok, batch.num_scheduled_tokens.tolist(), drafts.tolist()))
+        return ok
+
+    vd.uniform = spy  # type: ignore[method-assign]
+    return seen
+
+
+# ---- greedy: identical to plain decoding ----------------------------------------------------------------------------
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("ids", [[0], [2, 1], [3, 0, 2]], ids=["b1", "b2", "b3"])
+@pytest.mark.parametrize("wrong_every", [0, 3], ids=["accept", "reject"])
+def test_greedy_equals_plain_decoding(tiny_v41: str, baseline: dict[str, list[int]], k: int, ids: list[int],
+                                      wrong_every: int) -> None:
+    """All drafts accepted, or a wrong draft every 3 positions (partial acceptance at every depth, rewinds to the
+    open pair's start followed by eager steps, and uniform steps again after them), k + 1 = 3 (the pair boundary
+    moves every step) and 4 rows per request."""
+    prompts = [PROMPTS[i] for i in ids]
+    outs, e = _run(tiny_v41, prompts, _spec(k), _oracle(baseline, ids, wrong_every))
+    assert outs == {str(r): baseline[str(i)] for r, i in enumerate(ids)}
+    vd = e.runner.speculator.verify_decode
+    assert vd is not None and vd.num_decode_steps > 0
+    st = e.spec_decode_stats
+    if wrong_every:
+        assert 0 < st.num_accepted_tokens < st.num_draft_tokens and vd.num_eager_steps > 0
+    else:
+        assert st.num_accepted_tokens == st.num_draft_tokens > 0
+
+
+def test_random_drafter_equals_plain_decoding(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
+    """The checkpoint's own (random) DSpark drafter: drafts almost always rejected at the first position, so steps
+    alternate between rewinds (eager) and uniform verify steps at even positions (taps written by both)."""
+    outs, e = _run(tiny_v41, PROMPTS[:3], _spec(3))
+    assert outs == {str(i): baseline[str(i)] for i in range(3)}
+    vd = e.runner.speculator.verify_decode
+    assert vd.num_decode_steps > 0 and vd.num_eager_steps > 0
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_greedy_equals_plain_decoding_through_the_graph_path(tiny_v41: str, baseline: dict[str, list[int]],
+                                                              k: int) -> None:
+    """Rows padded to the graph sizes (3 requests pad to 4, then 2 or 1) and every decode-row step replayed
+    (`_RerunGraphs`); the padded eager path is in test_verify_logits_equal_the_eager_forward."""
+    ids = [3, 0, 2]
+    outs, e = _run(tiny_v41, [PROMPTS[i] for i in ids], _spec(k), _oracle(baseline, ids, 3), pad=True, graphs=True)
+    assert outs == {str(r): baseline[str(i)] for r, i in enumerate(ids)}
+    vd = e.runner.speculator.verify_decode
+    assert vd.num_decode_steps > 0 and vd.num_graph_replays == vd.num_decode_steps
+
+
+@pytest.mark.parametrize("case", ["prefix_cache", "preemption"])
+def test_greedy_equals_plain_with_prefix_caching_and_preemption(tiny_v41: str, case: str) -> None:
+    """Prefix-cache hits (their replayed rows stay eager; verify rows after them) and preemption (recomputed
+    requests): the plain output with a partly rejected oracle (accepted runs and rewinds)."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    if case == "prefix_cache":
+        shared = [0] + [(11 * j) % 450 + 5 for j in range(37)]
+        prompts = [shared + [9, 10], shared + [12, 13, 14], shared + [9, 10]]
+        kw: dict[str, Any] = dict(block_size=4, max_num_seqs=1)
+    else:
+        prompts = [[0] + [(7 * i + j) % 400 + 3 for j in range(10 + 3 * i)] for i in range(4)]
+        kw = dict(block_size=4, num_kv_blocks=22, enable_prefix_caching=False, max_num_seqs=4)
+    base = _run(tiny_v41, prompts, params=params, **kw)[0]
+    oracle = {str(i): p + base[str(i)] for i, p in enumerate(prompts)}
+    for r, seq in enumerate(oracle.values()):
+        for j in range(len(prompts[r]) + 2 + r, len(seq), 4):
+            seq[j] = (seq[j] + 1) % 500
+    outs, e = _run(tiny_v41, prompts, _spec(3), oracle, params=params, **kw)
+    assert outs == base
+    st = e.spec_decode_stats
+    assert e.runner.speculator.verify_decode.num_decode_steps > 0 and 0 < st.num_accepted_tokens < st.num_draft_tokens
+    if case == "prefix_cache":
+        assert e.kv_manager.prefix is not None and e.kv_manager.prefix.hits > 0
+    else:
+        assert e.scheduler.num_preemptions > 0
+
+
+# ---- the ratio-2 compressor ring of several rows per request -----------------------------------------------------
+class _RecordingRing:
+    """A ring tensor that records the (block, slot) pairs of every scatter into it."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.shape, self.dtype = t, t.shape, t.dtype
+        self.writes: list[list[tuple[int, int]]] = []
+
+    def __getitem__(self, idx: Any) -> torch.Tensor:
+        return self.t[idx]
+
+    def __setitem__(self, idx: tuple[torch.Tensor, torch.Tensor], value: torch.Tensor) -> None:
+        self.writes.append(list(zip(idx[0].tolist(), idx[1].tolist())))
+        self.t[idx] = value
+
+
+def test_ring_rows_pair_within_the_step_and_scatter_once() -> None:
+    """Two requests of q = 4 rows (starting at an odd and an even position): a row closing a pair pools its
+    partner from the step (j > 0) or from the ring the previous step left (j = 0); the ring ends holding each
+    request's newest position of each slot; no two rows scatter into the same ring row of a request's block (a
+    duplicate index has an undefined winner on the GPU; the CPU would hide it)."""
+    torch.manual_seed(0)
+    D, q = 4, 4
+    comp = Compressor(8, D, 2, 1e-6)
+    x = torch.randn(2 * q, 8)
+    starts, blocks = [5, 8], [3, 7]
+    pos = torch.tensor([p + j for p in starts for j in range(q)])
+    blk = torch.tensor([b for b in blocks for _ in range(q)])
+    ring_kv, ring_gate = torch.randn(9, 2, D), torch.randn(9, 2, D)
+    old_kv, old_gate = ring_kv.clone(), ring_gate.clone()
+    cache = SimpleNamespace(ring_kv=_RecordingRing(ring_kv), ring_gate=_RecordingRing(ring_gate))
+    dmd = SimpleNamespace(positions=pos, state_blocks=blk, query_len=q)
+    latent, ent = pool_verify_rows(comp, x, dmd, cache)
+    kv, gate = comp.project(x)
+    for b in range(2 * q):
+        p, r = int(pos[b]), b // q
+        if p % 2 == 0:
+            continue  # an open pair: its entry write goes to the trash slot
+        if b % q == 0:  # the partner (p - 1) is from before the step
+            wkv = torch.stack([old_kv[blocks[r], (p - 1) % 2], kv[b]])
+            wgate = torch.stack([old_gate[blocks[r], (p - 1) % 2], gate[b]])
+        else:
+            wkv, wgate = kv[b - 1: b + 1], gate[b - 1: b + 1]
+        torch.testing.assert_close(latent[b], comp.pool(wkv[None], wgate[None], x.dtype)[0])
+        assert int(ent[b]) == (p + 1) // 2 - 1
+    for r, (p, blk_id) in enumerate(zip(starts, blocks)):
+        for b in range(r * q + q - 2, r * q + q):  # the request's last two rows
+            torch.testing.assert_close(ring_kv[blk_id, int(pos[b]) % 2], kv[b])
+            torch.testing.assert_close(ring_gate[blk_id, int(pos[b]) % 2], gate[b])
+    for rec in (cache.ring_kv, cache.ring_gate):
+        real = [w for w in rec.writes[0] if w[0] != NULL_BLOCK]
+        assert len(real) == len(set(real)) == 4
+
+
+# ---- the same step both ways ----------------------------------------------------------------------------------------
+def _cache_tensors(e: LLMEngine) -> list[torch.Tensor]:
+    return [getattr(c, f.name) for c in e.runner.kv_caches for f in dataclasses.fields(c)
+            if isinstance(getattr(c, f.name), torch.Tensor)]
+
+
+class _RerunGraphs(CudaGraphManager):
+    """A CPU stand-in for the CUDA graphs: `capture` keeps the run closure, `replay` runs it again. A graph replays
+    its kernels on the addresses it captured, so a closure that reads anything but the persistent buffers `forward`
+    fills (input ids, metadata, lookback window, caches) fails here as it would on the GPU."""
+
+    def capture(self, run: Any, warmups: int = 2) -> None:
+        self.run = run
+        for size in self.capture_sizes:
+            run(size)  # the capture's own pass (all padding: trash slots and the null ring block only)
+            self.graphs[size] = (None, None)  # type: ignore[assignment]
+
+    def replay(self, size: int) -> torch.Tensor:
+        return self.run(size)
+
+
+def _pad_like_graphs(vd: VerifyDecode, graphs: bool = False) -> None:
+    """Steps padded to the graph sizes (requests 1, 2, 4): run eagerly (an enabled manager with nothing captured,
+    as a GPU run whose graph of some size is missing), or `graphs`: "replayed" by `_RerunGraphs`, captured as the
+    runner captures them. Padding rows must leave the real rows' outputs and caches alone."""
+    sizes = verify_capture_sizes([1, 2, 4], vd.q, 4, None)
+    vd.graphs = (_RerunGraphs if graphs else CudaGraphManager)(sizes, enabled=True)
+    if graphs:
+        vd.capture()
+
+
+@pytest.mark.parametrize(("mode", "drafter"), [("exact", "dspark"), ("exact", "wrong"), ("padded", "wrong"),
+                                               ("graphs", "accept"), ("graphs", "dspark")])
+def test_verify_logits_equal_the_eager_forward(tiny_v41: str, baseline: dict[str, list[int]], drafter: str,
+                                               mode: str) -> None:
+    """Every decode-row verify step is also run by the eager token-row forward from the same caches (cloned before,
+    restored after): hidden states (so the logits rejection.verify gets), the drafter's taps and every cache after
+    the step (window KV, entries, indexer keys, compressor rings) agree within fp32 round-off; also with the rows
+    padded to the graph sizes, and through the graph path's capture and replay (`_RerunGraphs`)."""
+    ids = [0, 1, 2]
+    e = LLMEngine.from_args(tiny_v41, speculative_config=_spec(3), max_num_seqs=4)
+    sp, r = e.runner.speculator, e.runner
+    if drafter != "dspark":  # the oracle (no taps), all right or wrong every 4 positions
+        sp.set_proposer(OracleProposer(_oracle(baseline, ids, wrong_every=4 if drafter == "wrong" else 0), 4))
+    vd = sp.verify_decode
+    if mode != "exact":
+        _pad_like_graphs(vd, graphs=mode == "graphs")
+    pads: list[int] = []
+    build = vd.decode.build_groups
+    vd.decode.build_groups = lambda names, R, P, *a: (pads.append(P - R), build(names, R, P, *a))[1]
+    orig = vd.forward
+    compared: list[int] = []
+
+    def both(batch: InputBatch, taps: dict[int, torch.Tensor | None] | None) -> torch.Tensor:
+        tensors = _cache_tensors(e)
+        before = [t.clone() for t in tensors]
+        md = r.model_state.prepare_attn(batch, r.block_tables)
+        extra = dict(r.model_state.prepare_inputs(batch, r.req_state))
+        eager_taps = dict.fromkeys(taps) if taps is not None else None
+        if eager_taps is not None:
+            extra["taps"] = eager_taps
+        want = r.model(batch.input_ids, md, r.kv_caches, **extra).clone()
+        eager_state = [t.clone() for t in tensors]
+        for t, b in zip(tensors, before):
+            t.copy_(b)
+        got = orig(batch, taps)
+        # every cache the step writes (window KV, compressed entries, indexer keys, rings) as the eager step left it,
+        # but for row 0 (the trash slot / null ring block, which both paths' masked writes hit)
+        for t, w in zip(tensors, eager_state):
+            torch.testing.assert_close(t[1:], w[1:], rtol=1e-5, atol=1e-6)
+        T = batch.num_tokens
+        assert got.shape[0] == T
+        torch.testing.assert_close(r.model.compute_logits(got), r.model.compute_logits(want), rtol=1e-5, atol=1e-5)
+        if taps is not None:
+            for i in taps:
+                torch.testing.assert_close(taps[i], eager_taps[i], rtol=1e-4, atol=1e-5)
+        compared.append(T)
+        return got
+
+    vd.forward = both  # type: ignore[method-assign]
+    for i in ids:
+        e.add_request(PROMPTS[i], GREEDY, request_id=str(i))
+    outs: dict[str, list[int]] = {}
+    while e.has_unfinished_requests():
+        for o in e.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+    assert outs == {str(i): baseline[str(i)] for i in ids}
+    assert len(compared) == vd.num_decode_steps > 0
+    assert vd.num_graph_replays == (len(compared) if mode == "graphs" else 0)
+    assert any(pads) == (mode != "exact")  # 3 requests pad to the graph of 4
+
+
+# ---- which steps take the path --------------------------------------------------------------------------------------
+def test_uniform_steps_take_the_decode_path_others_stay_eager(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
+    """Decisions per step: uniform exactly when every request computes its anchor and k drafts (k + 1 tokens, k
+    drafts); a rewound request (k + 2 tokens), fewer drafts near max_tokens and the prefill stay eager. The
+    counters match the decisions; with the switch off nothing changes (no VerifyDecode)."""
+    k, ids = 3, [0, 3]
+    e = LLMEngine.from_args(tiny_v41, speculative_config=_spec(k), max_num_seqs=4)
+    e.runner.speculator.set_proposer(OracleProposer(_oracle(baseline, ids, wrong_every=3), 4))
+    vd = e.runner.speculator.verify_decode
+    seen = _record_uniform(vd)
+    for r, i in enumerate(ids):
+        e.add_request(PROMPTS[i], GREEDY, request_id=str(r))
+    while e.has_unfinished_requests():
+        e.step()
+    for ok, sched, drafts in seen:
+        assert ok == (all(s == k + 1 for s in sched) and all(d == k for d in drafts)), (sched, drafts)
+    assert vd.num_decode_steps == sum(ok for ok, _, _ in seen) > 0
+    assert vd.num_eager_steps == sum(not ok and any(d) for ok, _, d in seen) > 0
+    assert any(k + 2 in sched for ok, sched, _ in seen if not ok)  # a rewound request's extra token
+    assert any(0 < max(d) < k for ok, _, d in seen if not ok)  # fewer drafts: max_tokens leaves no room
+    off = LLMEngine.from_args(tiny_v41, speculative_config=_spec(k, on=False), max_num_seqs=4)
+    assert off.runner.speculator.verify_decode is None
+
+
+def test_verify_capture_sizes() -> None:
+    """q rows per plain-decode request count, rounded and bounded as the plain sizes; with disable_by_batch_size B
+    only up to the first size that holds B - 1 requests."""
+    assert verify_capture_sizes([1, 2, 4, 8], 4, 8, None) == [4, 8, 16, 32]
+    assert verify_capture_sizes([1, 2, 4, 8], 3, 8, 4) == [3, 6, 12]
+    assert verify_capture_sizes([1, 2, 4, 8], 3, 8, 1) == [3]
+    assert verify_capture_sizes([1, 2, 4, 8], 4, 8, None, 12) == [4, 8, 16]  # at most 3 requests of 4 tokens
+
+
+def test_config_switch() -> None:
+    dspark = DrafterSpec("deepseek_v41", "dspark", 3, DSparkConfig(3, 4, 1, (2, 4, 5), 8, 8, 2))
+    mtp = DrafterSpec("deepseek_v4", "mtp", 1)
+    assert parse_speculative_config({"method": "dspark"}, dspark) == SpeculativeConfig("dspark", 4, None, False)
+    assert parse_speculative_config({"method": "dspark", "verify_decode": True}, dspark).verify_decode
+    assert parse_speculative_config({"method": "mtp"}, mtp) == SpeculativeConfig("mtp", 1, None, False)
+    with pytest.raises(ConfigError, match="verify_decode"):
+        parse_speculative_config({"method": "mtp", "verify_decode": True}, mtp)
+    with pytest.raises(ConfigError, match="true or false"):
+        parse_speculative_config({"method": "mtp", "verify_decode": 1}, mtp)
