@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drafts verified per step (default: the checkpoint's DSpark block size / MTP layer count)")
     p.add_argument("--prompts", choices=PROMPT_SOURCES, default="random",
                    help="random token ids (default) or held-out standard-library code (a model trained on code)")
+    p.add_argument("--verify-decode", action="store_true",
+                   help="the speculative engine verifies uniform steps as decode rows with CUDA graphs "
+                        "(speculative config \"verify_decode\": true; default: eager verify steps)")
     p.add_argument("--modes", default=",".join(MODES),
                    help=f"comma-separated, among {','.join(MODES)} (plain always runs: it is the reference)")
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 (default: bf16 on CUDA)")
@@ -319,6 +322,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
     top = max(args.batch_sizes)
     # speculation at every measured batch size: an explicit limit above the largest (whatever the default is)
     spec_cfg = {"method": drafter.method, "num_speculative_tokens": k, "disable_by_batch_size": top + 1}
+    if args.verify_decode:
+        spec_cfg["verify_decode"] = True
 
     env = environment(args, device)
     env["command"] = "python3 benchmarks/spec_decode_speed.py " + shlex.join(sys.argv[1:] if argv is None else argv)
