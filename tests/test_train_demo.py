@@ -396,8 +396,8 @@ def test_held_out_prompts_spread_over_the_windows() -> None:
     n = HELD_OUT_PROMPT_TOKENS
     windows = [[0] + [100 * i + j for j in range(n + 3)] for i in range(10)] + [[0] + [7] * n]  # the last: too short
     picks = held_out_prompts(windows, 4)
-    assert [p[0] for p, _ in picks] == [0, 200, 500, 700]  # windows 0, 2, 5, 7 of the 10 usable ones
-    assert all(len(p) == n and rest == list(range(p[0] + n, p[0] + n + 3)) for p, rest in picks)
+    assert [p[1] for p, _ in picks] == [0, 200, 500, 700]  # windows 0, 2, 5, 7 of the 10 usable ones
+    assert all(len(p) == n + 1 and p[0] == 0 and rest == list(range(p[1] + n, p[1] + n + 3)) for p, rest in picks)
     assert len(held_out_prompts(windows, 50)) == 10 and held_out_prompts(windows[-1:], 3) == []
 
 

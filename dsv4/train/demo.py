@@ -64,7 +64,8 @@ class TrainSettings:
     size: str = "demo"
     device: str | None = None  # None: cuda when available, else cpu
     # 400 steps (13M tokens, ~7 passes over the 1.9M-token corpus): held-out loss stopped improving near step 400
-    # of a 1000-step schedule on the H200 (benchmarks/results/2026-12-01-h200-train-demo), so the schedule ends there
+    # of a 1000-step schedule on the H200 (benchmarks/results/2026-12-01-h200-train-demo-shipped), so the schedule
+    # ends there
     steps: int = 400
     batch_size: int = 64
     seq_len: int = 512

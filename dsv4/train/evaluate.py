@@ -54,12 +54,13 @@ def perplexity(model: torch.nn.Module, windows: list[list[int]], device: str, dt
 
 def held_out_prompts(windows: list[list[int]], n: int, prompt_tokens: int = HELD_OUT_PROMPT_TOKENS
                      ) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, the file's next ids) of `n` windows spread evenly over `windows` (each BOS + tokens): the
-    first `prompt_tokens` tokens after BOS, and the rest of the window, which the continuation is compared with.
-    Windows too short to hold a prompt and one token after it are skipped."""
+    """(prompt ids, the file's next ids) of `n` windows spread evenly over `windows` (each BOS + tokens): BOS and
+    the first `prompt_tokens` tokens after it (a text prompt is encoded with BOS first too), and the rest of the
+    window, which the continuation is compared with. Windows too short to hold a prompt and one token after it are
+    skipped."""
     usable = [w for w in windows if len(w) > prompt_tokens + 1]
     picks = [usable[i * len(usable) // n] for i in range(min(n, len(usable)))]
-    return [(w[1:prompt_tokens + 1], w[prompt_tokens + 1:]) for w in picks]
+    return [(w[:prompt_tokens + 1], w[prompt_tokens + 1:]) for w in picks]
 
 
 def evaluate(model_dir: str, prompts: tuple[str, ...] | list[str] = PROMPTS, max_new_tokens: int = 64,
