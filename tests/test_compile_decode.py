@@ -20,8 +20,9 @@ from dsv4.sampling_params import SamplingParams
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "deepseek-v41-tiny")
 
 
-# v41 (16 s on two cores) in the slow tier, which CI also runs: the main tier stays under 10 minutes
-@pytest.mark.parametrize("which", ["v4", pytest.param("v41", marks=pytest.mark.slow)])
+# both (11-16 s each on two cores) in the slow tier, which CI also runs: the main tier stays under 10 minutes
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["v4", "v41"])
 def test_compiled_decode_forward_equals_eager(which: str, tmp_path) -> None:
     if which == "v4":
         raw = tiny_config(sliding_window=6, compress_rates={"compressed_sparse_attention": 2,

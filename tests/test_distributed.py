@@ -53,6 +53,7 @@ def test_expert_parallel_ranks_give_the_single_process_tokens(which: str, world:
         assert got["preemptions"] == want["preemptions"]
 
 
+@pytest.mark.slow  # 9 s: a rank start-up timeout: the slow tier (CI runs it too) keeps the main tier under 10 minutes
 def test_a_missing_rank_fails_start_up_clearly(tmp_path: Path) -> None:
     spec = equality_spec(GOLDEN, tmp_path / "x", 2)
     spec["engine"]["parallel_init_timeout_s"] = 5
@@ -136,6 +137,7 @@ def test_bench_latency_under_torchrun_style_ranks_rank0_reports(tmp_path: Path) 
     assert res["floor_bytes"] == pytest.approx(mean_decode_floor(cfg, 2, 8, 3, res["dtype"], world=2).total)
 
 
+@pytest.mark.slow  # 8 s: two ranks start: the slow tier (CI runs it too) keeps the main tier under 10 minutes
 def test_serve_with_two_ranks_rank0_drives() -> None:
     """`dsv4 serve` under two torchrun-style ranks: rank 0 serves and schedules, rank 1 executes its steps; a
     greedy completion equals the single-process engine's; stopping rank 0 releases rank 1."""

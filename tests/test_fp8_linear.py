@@ -140,6 +140,7 @@ def test_reference_rejects_bad_shapes() -> None:
 
 
 # ---- the Triton kernels under the interpreter --------------------------------------------------------------------
+@pytest.mark.slow  # 8 s under the interpreter: the slow tier (CI runs it too) keeps the main tier under 10 minutes
 def test_w8a16_kernel_matches_reference() -> None:
     """fp32 and bf16 activations, M = 1, 3, 17 (one M tile, split-K) and 70 (the tiled GEMM), blocks 128 and 32,
     UE8M0 and float32 scales, N and K not multiples of the block, 2 and 4 groups (a group boundary inside a scale

@@ -86,6 +86,7 @@ def _run(body: str) -> None:
     _interpret(_COMMON + textwrap.dedent(body))
 
 
+@pytest.mark.slow  # 11 s under the interpreter: the slow tier (CI runs it too) keeps the main tier under 10 minutes
 def test_prefill_select_plain_candidate_pooled() -> None:
     """Three requests in one step, ratio 2, k = 4, row blocks of 16 that straddle them (rows scored with their own
     keys, not their block leader's; the first two requests share their first two entry slots, a prefix-cache hit;

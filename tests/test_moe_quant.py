@@ -213,6 +213,7 @@ def test_gemv_kernel_matches_reference() -> None:
     """)
 
 
+@pytest.mark.slow  # 7 s under the interpreter: the slow tier (CI runs it too) keeps the main tier under 10 minutes
 def test_grouped_kernel_matches_reference() -> None:
     """The grouped kernel on random data (as the gemv test), plus the grouping: one expert with more than a block
     of rows (blocks of 64 and of 16: several full blocks and a partial one), experts with none, more experts than
