@@ -332,6 +332,26 @@ def test_uniform_steps_take_the_decode_path_others_stay_eager(tiny_v41: str, bas
     assert off.runner.speculator.verify_decode is None
 
 
+def test_dummy_forward_for_the_memory_profile_writes_nothing_real(tiny_v41: str,
+                                                                  baseline: dict[str, list[int]]) -> None:
+    # the start-up memory profile's largest verify forward (padding rows) before any request: the outputs after it
+    # are plain decoding's, so it wrote only trash slots and the null ring block
+    e = LLMEngine.from_args(tiny_v41, speculative_config=_spec(3), max_num_seqs=4)
+    vd = e.runner.speculator.verify_decode
+    out = vd.dummy_forward()
+    D = e.config.model.hidden_size
+    assert out.shape == (vd.graphs.capture_sizes[-1], D * (1 + len(vd.tap_layer_ids)))
+    assert bool(torch.isfinite(out).all())
+    for i, p in enumerate(PROMPTS):
+        e.add_request(p, GREEDY, request_id=str(i))
+    outs: dict[str, list[int]] = {}
+    while e.has_unfinished_requests():
+        for o in e.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+    assert outs == baseline and vd.num_decode_steps > 0
+
+
 def test_verify_capture_sizes() -> None:
     """q rows per plain-decode request count, rounded and bounded as the plain sizes; with disable_by_batch_size B
     only up to the first size that holds B - 1 requests."""

@@ -368,6 +368,8 @@ class ModelRunner:
         extra = self.model_state.prepare_dummy_inputs(P, P)
         self.model.forward_decode(self.buffers.input_ids[:P], self.model_state.prepare_dummy_decode_attn(P),
                                   self.kv_caches, **extra)
+        if self.speculator is not None and self.speculator.verify_decode is not None:
+            self.speculator.verify_decode.dummy_forward()  # k + 1 rows a request: may outgrow the plain decode
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
 

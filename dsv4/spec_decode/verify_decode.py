@@ -31,6 +31,7 @@ Not yet measured on a GPU (tests/gpu/test_spec_verify_decode_gpu.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -134,15 +135,11 @@ class VerifyDecode:
         # one dtype, so the hidden part keeps its own (the taps are the same streams before the final norm)
         return torch.cat([hidden] + [taps[i].to(hidden.dtype) for i in tap_layer_ids], dim=-1)
 
-    def capture(self) -> None:
-        """Capture every size (no-op when graphs are off). All-padding metadata and input ids: captures write
-        only the trash slots and the null ring block. The extra inputs (the lookback window) are the model
-        state's persistent buffer, filled before each replay by `forward`."""
-        if not self.graphs.enabled:
-            return
-        self.graphs.release()
-        largest = self.graphs.capture_sizes[-1]
-        q = self.q
+    def _dummy(self) -> Callable[[int], torch.Tensor]:
+        """`run(size)`: the forward of `size` all-padding rows (metadata and input ids of padding: it writes only
+        the trash slots and the null ring block), up to the largest capture size. The extra inputs (the lookback
+        window) are the model state's persistent buffer, which `forward` fills before each replay."""
+        largest, q = self.graphs.capture_sizes[-1], self.q
         extra = self.runner.model_state.prepare_dummy_inputs(largest // q, largest)
         self.decode.build_torch(0, largest, self.decode.positions[:0], {})
         self.input_ids.zero_()
@@ -151,5 +148,19 @@ class VerifyDecode:
             inputs = {name: v[: size // q] for name, v in extra.items()}  # one lookback row per request
             return self._run(self.decode.views(size, size, q), inputs, self.tap_layer_ids)
 
+        return run
+
+    def dummy_forward(self) -> torch.Tensor:
+        """The largest verify forward on padding rows: the start-up memory profile counts its activations
+        (`ModelRunner.profile_peak_memory`), which can exceed a plain decode's (k + 1 rows a request)."""
+        with torch.inference_mode():
+            return self._dummy()(self.graphs.capture_sizes[-1])
+
+    def capture(self) -> None:
+        """Capture every size (no-op when graphs are off), on padding rows (`_dummy`)."""
+        if not self.graphs.enabled:
+            return
+        self.graphs.release()
+        run = self._dummy()
         with torch.inference_mode():
             self.graphs.capture(run)
