@@ -70,10 +70,10 @@ class SpeculativeConfig:
     """A validated `--speculative-config`.
 
     `verify_decode` (dsv4's own key, default off; DSpark / DeepSeek-V4.1 only): a verify step in which every request
-    has exactly one anchor and k drafts runs as k + 1 decode rows per request through the model's fixed-shape
-    decode forward (dsv4/spec_decode/verify_decode.py) instead of the eager token-row forward; any other step with
-    drafts (a rewound request's extra token, fewer drafts, a prefill, images) stays eager. The greedy output is the
-    same either way."""
+    verifies drafts in k + 1 tokens (its anchor and k drafts; a request rewound after a rejection is drafted k - 1
+    after its recomputed token) runs as k + 1 decode rows per request through the model's fixed-shape decode
+    forward (dsv4/spec_decode/verify_decode.py) instead of the eager token-row forward; any other step with drafts
+    (fewer drafts near max_tokens, a prefill, images) stays eager. The greedy output is the same either way."""
 
     method: str
     num_speculative_tokens: int

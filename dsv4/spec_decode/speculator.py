@@ -346,8 +346,15 @@ class Speculator:
         proposed = self.proposer.propose(ids, srows, last, anchors, self.taps)
         K = self.proposer.block_size
         self.drafts[torch.from_numpy(srows).to(dev), :K] = proposed.to(torch.int64)
-        for b in sample.tolist():
+        rs = r.req_state
+        for b, row in zip(sample.tolist(), srows.tolist()):
             num_drafts[b] = self.k
+            if self.verify_decode is not None:
+                # a rewound request recomputes one accepted token before its anchor: one draft fewer keeps its
+                # next step at k + 1 tokens, so the batch stays a uniform multi-row decode (verify_decode.py)
+                # instead of falling back to the eager forward; the dropped draft is the least often accepted
+                extra = int(rs.num_tokens[row] - rs.num_computed[row]) - 1
+                num_drafts[b] = max(self.k - extra, 0)
 
     def _sampling_tensors(self, srows: np.ndarray, draft_lists: list[list[int]]) -> SamplingTensors:
         """One Sampler row per verified position: position i of a request samples after its outputs and the drafts

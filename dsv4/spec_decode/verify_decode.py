@@ -17,8 +17,11 @@ Why the decode forward can take several rows of one request (each checked in the
   `positions` / `token_rows`), so each virtual row reads its request's block tables with its own n, window and
   write slots. Its buffers are this module's own (max_num_seqs * q rows), not the plain decode's.
 
-Any other step with drafts (a rewound request's extra token, fewer drafts near max_tokens / max_model_len, a
-prefill or a request without drafts in the batch, images, a prefix-cache replay) runs the eager forward.
+A request the speculator rewound after a rejection (speculator.py) recomputes one accepted token before its anchor;
+with this switch on it is drafted one draft fewer, so its step is q tokens too (the dropped last draft is the least
+often accepted) and the batch stays uniform. Any other step with drafts (fewer drafts near max_tokens /
+max_model_len, a prefill or a request without drafts in the batch, images, a prefix-cache replay) runs the eager
+forward.
 
 CUDA graphs (as the plain decode, dsv4/runtime/cudagraphs.py): on CUDA without enforce_eager, one FULL graph per
 size R * q for every plain decode capture size R (below disable_by_batch_size: larger batches do not draft),
@@ -85,11 +88,13 @@ class VerifyDecode:
 
     def uniform(self, batch: InputBatch, drafts: np.ndarray, sample: np.ndarray,
                 image_rows: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
-        """Every request computes its anchor and exactly k drafts (q tokens, all sampled), no image span and no
-        prefix-cache replay (its window floor and padded entry writes exist only on the token-row path)."""
+        """Every request verifies drafts in exactly q tokens, all sampled: its anchor and k drafts, or, after a
+        rewind, the recomputed token, the anchor and k - 1 drafts (the speculator drafts one fewer for it); no
+        image span and no prefix-cache replay (its window floor and padded entry writes exist only on the
+        token-row path). At least one draft each: a prefill chunk that happens to be q tokens long stays eager."""
         q = self.q
         return (batch.num_reqs > 0 and len(sample) == batch.num_reqs and bool((batch.num_scheduled_tokens == q).all())
-                and bool((drafts == q - 1).all()) and image_rows is None
+                and bool((drafts >= 1).all()) and image_rows is None
                 and not self.runner.model_state.replaying(batch))
 
     def forward(self, batch: InputBatch, taps: dict[int, torch.Tensor | None] | None) -> torch.Tensor:
