@@ -26,6 +26,7 @@ from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.config import DrafterSpec, DSparkConfig, SpeculativeConfig, parse_speculative_config
 from dsv4.spec_decode.proposer import OracleProposer
 from dsv4.spec_decode.verify_decode import VerifyDecode, verify_capture_sizes
+from engine_runs import run_to_completion
 
 # lengths 5, 13, 2, 8: the first verify step's anchor at odd and even positions (closing a ratio-2 pair with the
 # ring's row, or opening one)
@@ -49,14 +50,7 @@ def _run(model_dir: str, prompts: list[list[int]], spec: dict[str, Any] | None =
         e.runner.speculator.set_proposer(OracleProposer(oracle, 4))
     if pad:
         _pad_like_graphs(e.runner.speculator.verify_decode, graphs)
-    for i, p in enumerate(prompts):
-        e.add_request(p, params, request_id=str(i))
-    outs: dict[str, list[int]] = {}
-    while e.has_unfinished_requests():
-        for o in e.step():
-            if o.finished:
-                outs[o.request_id] = list(o.outputs[0].token_ids)
-    return outs, e
+    return run_to_completion(e, {str(i): p for i, p in enumerate(prompts)}, params), e
 
 
 @pytest.fixture(scope="module")
@@ -295,13 +289,7 @@ def test_verify_logits_equal_the_eager_forward(tiny_v41: str, baseline: dict[str
         return got
 
     vd.forward = both  # type: ignore[method-assign]
-    for i in ids:
-        e.add_request(PROMPTS[i], GREEDY, request_id=str(i))
-    outs: dict[str, list[int]] = {}
-    while e.has_unfinished_requests():
-        for o in e.step():
-            if o.finished:
-                outs[o.request_id] = list(o.outputs[0].token_ids)
+    outs = run_to_completion(e, {str(i): PROMPTS[i] for i in ids}, GREEDY)
     assert outs == {str(i): baseline[str(i)] for i in ids}
     assert len(compared) == vd.num_decode_steps > 0
     assert vd.num_graph_replays == (len(compared) if mode == "graphs" else 0)
@@ -319,10 +307,7 @@ def test_uniform_steps_take_the_decode_path_others_stay_eager(tiny_v41: str, bas
     e.runner.speculator.set_proposer(OracleProposer(_oracle(baseline, ids, wrong_every=3), 4))
     vd = e.runner.speculator.verify_decode
     seen = _record_uniform(vd)
-    for r, i in enumerate(ids):
-        e.add_request(PROMPTS[i], GREEDY, request_id=str(r))
-    while e.has_unfinished_requests():
-        e.step()
+    run_to_completion(e, {str(r): PROMPTS[i] for r, i in enumerate(ids)}, GREEDY)
     for ok, sched, drafts in seen:
         assert ok == (all(s == k + 1 for s in sched) and all(d >= 1 for d in drafts)), (sched, drafts)
     assert vd.num_decode_steps == sum(ok for ok, _, _ in seen) > 0
@@ -348,11 +333,8 @@ def test_uniform_steps_take_the_decode_path_others_stay_eager(tiny_v41: str, bas
             return res
 
         sp.launch = spy  # type: ignore[method-assign]
-    for eng in (e, off):
-        for r, i in enumerate(ids):
-            eng.add_request(PROMPTS[i], GREEDY, request_id=str(r))  # the oracle's ids (the first run's are done)
-        while eng.has_unfinished_requests():
-            eng.step()
+    for eng in (e, off):  # the oracle's request ids (the first run's requests are done)
+        run_to_completion(eng, {str(r): PROMPTS[i] for r, i in enumerate(ids)}, GREEDY)
     # a rewound request (2 tokens pending: the recomputed one and the anchor) drafts k - 1 with the switch, k without
     assert (k - 1, 2) in drafted["on"] and (k, 2) not in drafted["on"]
     assert (k, 2) in drafted["off"] and (k - 1, 2) not in drafted["off"]
@@ -368,14 +350,8 @@ def test_dummy_forward_for_the_memory_profile_writes_nothing_real(tiny_v41: str,
     D = e.config.model.hidden_size
     assert out.shape == (vd.graphs.capture_sizes[-1], D * (1 + len(vd.tap_layer_ids)))
     assert bool(torch.isfinite(out).all())
-    for i, p in enumerate(PROMPTS):
-        e.add_request(p, GREEDY, request_id=str(i))
-    outs: dict[str, list[int]] = {}
-    while e.has_unfinished_requests():
-        for o in e.step():
-            if o.finished:
-                outs[o.request_id] = list(o.outputs[0].token_ids)
-    assert outs == baseline and vd.num_decode_steps > 0
+    assert run_to_completion(e, {str(i): p for i, p in enumerate(PROMPTS)}, GREEDY) == baseline
+    assert vd.num_decode_steps > 0
 
 
 def test_verify_capture_sizes() -> None:

@@ -13,6 +13,7 @@ from dsv4.engine.engine import LLMEngine
 from dsv4.make_model import make_model
 from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.proposer import OracleProposer
+from engine_runs import run_to_completion
 
 SPEC = {"method": "dspark", "num_speculative_tokens": 3}
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -23,14 +24,7 @@ def _run(path: str, prompts: list[list[int]], spec: dict | None, oracle: dict[st
     e = LLMEngine.from_args(path, device="cuda", dtype="float32", max_num_seqs=4, speculative_config=spec, **kw)
     if oracle is not None:
         e.runner.speculator.set_proposer(OracleProposer(oracle, 4))
-    for i, p in enumerate(prompts):
-        e.add_request(p, GREEDY, request_id=str(i))
-    out: dict[str, list[int]] = {}
-    while e.has_unfinished_requests():
-        for o in e.step():
-            if o.finished:
-                out[o.request_id] = list(o.outputs[0].token_ids)
-    return out, e
+    return run_to_completion(e, {str(i): p for i, p in enumerate(prompts)}, GREEDY), e
 
 
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 8},
@@ -83,12 +77,8 @@ def test_disable_by_batch_size_replays_the_decode_graphs(tmp_path) -> None:
     replay = runner.graphs.replay
     runner.graphs.replay = lambda size: (replays.append(size), replay(size))[1]
     lengths = [24, 6, 12, 24]
-    for i, (p, n) in enumerate(zip(prompts, lengths)):
-        e.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), request_id=str(i))
-    out: dict[str, list[int]] = {}
-    while e.has_unfinished_requests():
-        for o in e.step():
-            if o.finished:
-                out[o.request_id] = list(o.outputs[0].token_ids)
+    out = run_to_completion(e, {str(i): p for i, p in enumerate(prompts)},
+                            {str(i): SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                             for i, n in enumerate(lengths)})
     assert all(out[str(i)] == plain[str(i)][:n] for i, n in enumerate(lengths))
     assert replays and runner.speculator.num_plain_steps > 0 and e.spec_decode_stats.num_drafts > 0

@@ -16,6 +16,7 @@ from dsv4.make_model import make_model
 from dsv4.runtime.input_batch import InputBatch
 from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.proposer import OracleProposer
+from engine_runs import run_to_completion
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -32,14 +33,7 @@ def _engine(path: str, spec: dict[str, Any] | None, oracle: dict[str, list[int]]
 
 
 def _generate(e: LLMEngine, prompts: list[list[int]]) -> dict[str, list[int]]:
-    for i, p in enumerate(prompts):
-        e.add_request(p, GREEDY, request_id=str(i))
-    out: dict[str, list[int]] = {}
-    while e.has_unfinished_requests():
-        for o in e.step():
-            if o.finished:
-                out[o.request_id] = list(o.outputs[0].token_ids)
-    return out
+    return run_to_completion(e, {str(i): p for i, p in enumerate(prompts)}, GREEDY)
 
 
 @pytest.fixture(scope="module")
