@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -50,7 +51,7 @@ def test_incomplete_install_is_one_clear_error(tmp_path: Path, monkeypatch: pyte
 
 def test_default_model_predicts_held_out_python() -> None:
     # held-out standard-library modules the model never trained on; a random-weight model of this vocabulary
-    # scores a perplexity in the thousands, the shipped one 74 over all held-out text (fp32 on the CPU)
+    # scores a perplexity in the thousands, the shipped one 73 over all held-out text (fp32 on the CPU)
     report = evaluate(default_model_dir(), prompts=[], max_windows=2, n_held_out_prompts=0, device="cpu")
     assert report["tokens"] == 2 * 511
     assert report["perplexity"] < 150, report["perplexity"]
@@ -58,7 +59,7 @@ def test_default_model_predicts_held_out_python() -> None:
 
 def test_default_drafter_is_accepted_and_exact() -> None:
     # the shipped DSpark drafter, trained on the frozen target: greedy speculative decoding emits the target's
-    # greedy tokens, and its drafts are accepted well above a random drafter's ~0 (1.26 of 4 in training's own
+    # greedy tokens, and its drafts are accepted well above a random drafter's ~0 (1.34 of 4 in training's own
     # held-out measurement)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     prompts = ["def __init__(self", "import os\nimport sys\n\n\ndef main(", "    for i in range("]
@@ -67,6 +68,15 @@ def test_default_drafter_is_accepted_and_exact() -> None:
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
     stats = llm.engine.spec_decode_stats
     assert stats.num_drafts > 0 and stats.mean_acceptance_length > 1.5, stats.mean_acceptance_length
+
+
+def test_greedy_def_writes_a_definition() -> None:
+    # "def " ends in a lone space token: trained with --space-split-rate 0.1 the model has seen such prompts and
+    # names a function next (greedy: "_get_code_to_write(self, name, value):"); the model trained without it
+    # answered with a comment (" # and not d[L] ...")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    text = LLM(device="cpu").generate(["def "], params)[0].outputs[0].text
+    assert re.match(r"[A-Za-z_]\w*\(", text), text
 
 
 def test_generate_without_a_model_prints_code_quickly(capsys: pytest.CaptureFixture[str]) -> None:
