@@ -50,9 +50,11 @@ def test_spec_decode_speed_bench_on_cpu(tmp_path: Path, capsys: pytest.CaptureFi
     for key in ("benchmark", "model", "date", "device", "device_name", "torch", "triton", "command", "dtype",
                 "method", "num_speculative_tokens", "drafter_block_size", "speculative_config", "batch_sizes",
                 "input_len", "output_len", "engines", "results", "break_even_batch",
-                "disable_by_batch_size_suggested", "acceptance", "outputs_match", "failures", "complete"):
+                "disable_by_batch_size_suggested", "acceptance", "outputs_match", "failures", "near_ties",
+                "tie_margin", "complete"):
         assert key in data, key
-    assert data["complete"] and data["outputs_match"] and data["failures"] == []
+    assert data["complete"] and data["outputs_match"] and data["failures"] == [] and data["near_ties"] == []
+    assert data["tie_margin"] == 1e-3  # fp32's
     assert data["command"].startswith("python3 benchmarks/spec_decode_speed.py --model")
     k = data["num_speculative_tokens"]
     assert data["method"] == "dspark" and k == data["drafter_block_size"] == 4  # tiny-v41's block
@@ -72,6 +74,7 @@ def test_spec_decode_speed_bench_on_cpu(tmp_path: Path, capsys: pytest.CaptureFi
         plain = row["plain"]
         assert _positive(plain["output_tokens_per_s"]) and _positive(plain["step_s"]["median"])
         assert plain["decode_steps"] >= 4 and plain["decode_tokens"] == plain["decode_steps"] * b
+        assert plain["repeat_matches"]  # the untimed top-2 logprobs run emitted the same tokens
         for m in ("oracle", "oracle_drafter", "drafter"):
             s = row[m]
             assert s["outputs_match"] and s["mismatches"] == [] and s["num_plain_steps"] == 0, (b, m)
@@ -81,6 +84,7 @@ def test_spec_decode_speed_bench_on_cpu(tmp_path: Path, capsys: pytest.CaptureFi
             sd = s["spec_decode"]
             assert sd["num_drafts"] > 0 and sd["num_draft_tokens"] > 0, (b, m)
             if m != "drafter":  # every draft accepted; 5 tokens after the first: one full block per request
+                assert s["oracle_source"] == "plain outputs" and s["oracle_runs"] == 1 and s["oracle_all_accepted"]
                 assert sd["num_accepted_tokens"] == sd["num_draft_tokens"] == k * sd["num_drafts"], (b, m)
                 assert sd["acceptance_rate"] == 1.0 and sd["acceptance_length"] == k + 1, (b, m)
                 assert s["decode_tokens"] == (k + 1) * b, (b, m)
@@ -114,3 +118,57 @@ def test_trained_drafter_on_held_out_code(tmp_path: Path) -> None:
     for row in data["results"]:
         assert row["drafter"]["spec_decode"]["acceptance_length"] > 1.5, row["batch_size"]  # 2.42 in dsv4 eval
     assert data["acceptance"]["drafter_acceptance_length_batch1"] > 1.5
+
+
+def test_compare_marks_near_ties_by_plain_margin() -> None:
+    compare = _script()._compare
+    ref = [[5, 6, 7, 8], [9, 9, 9, 9], [1, 2, 3, 4]]
+    margins = [[2.0, 1.5, 0.04, 3.0], [0.5, 0.5, 0.5, 0.5], [1.0, 1.0, 1.0, 1.0]]
+    got = [[5, 6, 3, 3], [9, 9, 9, 9], [1, 2, 3, 4]]  # request 0 leaves plain at its 3rd token (margin 0.04)
+    c = compare(got, ref, margins, tie_margin=0.1)
+    assert not c["outputs_match"] and c["diverged_at_near_ties_only"]
+    assert c["mismatches"] == [{"request": 0, "first_mismatch": 2, "len": 4, "ref_len": 4, "plain_margin": 0.04,
+                                "near_tie": True}]
+    c = compare(got, ref, margins, tie_margin=0.01)  # the same margin above a tighter bound: a failure
+    assert not c["diverged_at_near_ties_only"] and c["mismatches"][0]["near_tie"] is False
+    got[1] = [9, 1, 9, 9]  # a second request leaves plain where plain was sure (0.5 nats): not only near ties
+    c = compare(got, ref, margins, tie_margin=0.1)
+    assert [m["near_tie"] for m in c["mismatches"]] == [True, False] and not c["diverged_at_near_ties_only"]
+    c = compare(ref, ref, margins, tie_margin=0.1)
+    assert c["outputs_match"] and not c["diverged_at_near_ties_only"] and c["mismatches"] == []
+    c = compare([[5, 6, 7]], [[5, 6, 7, 8]], [margins[0]], tie_margin=10.0)  # a short output is never a tie
+    assert c["mismatches"][0]["first_mismatch"] == 3 and "near_tie" not in c["mismatches"][0]
+    assert not c["diverged_at_near_ties_only"]
+
+
+def test_oracle_rerun_with_own_outputs_and_plain_margins(tiny_v41: str) -> None:
+    """An oracle whose drafts leave the engine's greedy path (here: plain outputs with a wrong token, as a verify
+    step that broke a near tie the other way would see them) is run again with its own outputs as the oracle:
+    the second run accepts every draft. And `_plain_margins` reports the greedy tokens with non-negative margins."""
+    from dsv4.engine.engine import LLMEngine
+
+    script = _script()
+    args = script.build_parser().parse_args(["--model", tiny_v41, "--output-len", "11", "--warmup-output-len", "0",
+                                             "--device", "cpu"])
+    device = torch.device("cpu")
+    prompts = [[5, 17, 33, 8, 40], [77, 3, 12]]
+    plain = LLMEngine.from_args(tiny_v41, device="cpu", max_num_seqs=2)
+    tokens, margins = script._plain_margins(plain, prompts, 11, "p")
+    _, ref = script.run_batch(plain, prompts, 11, device, "r")
+    assert tokens == ref and [len(m) for m in margins] == [11, 11]
+    assert all(math.isfinite(x) and x >= 0 for row in margins for x in row) and any(x > 0 for x in margins[0])
+
+    engine = LLMEngine.from_args(tiny_v41, device="cpu", max_num_seqs=2, speculative_config={"method": "dspark"})
+    speculator = engine.runner.speculator
+    own = speculator.proposer
+    k = own.block_size
+    wrong = [list(r) for r in ref]
+    wrong[0][3] = (wrong[0][3] + 1) % 500  # the oracle drafts a token greedy decoding does not choose
+    stats, counters, first = script._spec_run(engine, speculator, own, "oracle", 2, prompts, wrong, k, args, device)
+    assert first == ref  # the first run's outputs are the engine's own greedy path (compared with plain)
+    assert stats["oracle_runs"] == 2 and stats["oracle_source"] == "own outputs of run 1"
+    assert stats["oracle_all_accepted"] and counters["acceptance_rate"] == 1.0
+    assert stats["num_plain_steps"] == 0
+    args.oracle_passes = 1  # no second run: the timed run measured the rejections
+    stats, counters, first = script._spec_run(engine, speculator, own, "oracle", 2, prompts, wrong, k, args, device)
+    assert stats["oracle_runs"] == 1 and not stats["oracle_all_accepted"] and counters["acceptance_rate"] < 1.0
