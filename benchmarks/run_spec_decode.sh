@@ -11,6 +11,7 @@
 #           the random drafter (acceptance ~0); JSON + log in OUTDIR. $DRAFTER_EXPERTS (unset: the released 128)
 #           writes a smaller drafter instead, to /tmp/v41-flash-8l-dspark-e$DRAFTER_EXPERTS.
 #   VERIFY_DECODE=1 (bench, demo): the speculative engine runs uniform verify steps as decode rows with CUDA graphs
+#   DRAFTER_GRAPHS=1 (bench, demo): the speculative engine replays the DSpark drafter's proposals as CUDA graphs
 #   demo    the built-in trained model with its trained drafter on held-out code (--prompts held-out-code): the
 #           realistic acceptance beside the oracle (~1-2 minutes: a tiny model, eager verify steps)
 #
@@ -32,7 +33,10 @@
 . "$(dirname "$0")/device_lib.sh"
 p=v41-flash-8l
 
-part_tests() { gpu_pytest 150 gpu_tests_spec.log tests/gpu/test_spec_decode_gpu.py tests/gpu/test_spec_verify_decode_gpu.py; }
+part_tests() {
+  gpu_pytest 200 gpu_tests_spec.log tests/gpu/test_spec_decode_gpu.py tests/gpu/test_spec_verify_decode_gpu.py \
+    tests/gpu/test_dspark_graphs_gpu.py
+}
 
 # make_drafter_preset DIR: v41-flash-8l with its DSpark drafter (drawn on the GPU) at DIR, unless it is there;
 # written to DIR.partial first, so a write cut short is never taken for a checkpoint
@@ -68,7 +72,7 @@ part_bench() {
   local t0=$SECONDS log=$out/spec_decode_speed.log
   timeout 280 python3 benchmarks/spec_decode_speed.py --model "$dir" --batch-sizes "${BATCHES:-1,2,4,8,16,32}" \
     --input-len 512 --output-len "${OUTPUT_LEN:-128}" ${VERIFY_DECODE:+--verify-decode} \
-    --output-json "$out/spec_decode_speed.json" > "$log" 2>&1
+    ${DRAFTER_GRAPHS:+--drafter-cuda-graphs} --output-json "$out/spec_decode_speed.json" > "$log" 2>&1
   local rc=$?
   echo "spec_decode_speed (rc $rc): $((SECONDS - t0)) s"
   sed -n '/^spec_decode_speed: /,$p' "$log"  # the table and the verdicts
@@ -82,7 +86,8 @@ part_demo() {
   local t0=$SECONDS log=$out/spec_decode_demo.log
   timeout 200 python3 benchmarks/spec_decode_speed.py --model dsv4/assets/dsv4-demo --prompts held-out-code \
     --modes plain,oracle,drafter --batch-sizes "${BATCHES:-1,2,4,8,16,32}" --input-len 256 \
-    --output-len "${OUTPUT_LEN:-128}" ${VERIFY_DECODE:+--verify-decode} --output-json "$out/spec_decode_demo.json" \
+    --output-len "${OUTPUT_LEN:-128}" ${VERIFY_DECODE:+--verify-decode} ${DRAFTER_GRAPHS:+--drafter-cuda-graphs} \
+    --output-json "$out/spec_decode_demo.json" \
     > "$log" 2>&1
   echo "spec_decode_speed demo (rc $?): $((SECONDS - t0)) s"
   sed -n '/^spec_decode_speed: /,$p' "$log"

@@ -26,7 +26,7 @@ from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.config import DrafterSpec, DSparkConfig, SpeculativeConfig, parse_speculative_config
 from dsv4.spec_decode.proposer import OracleProposer
 from dsv4.spec_decode.verify_decode import VerifyDecode, verify_capture_sizes
-from engine_runs import run_to_completion
+from engine_runs import RerunGraphs, run_to_completion
 
 # lengths 5, 13, 2, 8: the first verify step's anchor at odd and even positions (closing a ratio-2 pair with the
 # ring's row, or opening one)
@@ -120,7 +120,7 @@ def test_random_drafter_equals_plain_decoding(tiny_v41: str, baseline: dict[str,
 def test_greedy_equals_plain_decoding_through_the_graph_path(tiny_v41: str, baseline: dict[str, list[int]],
                                                               k: int) -> None:
     """Rows padded to the graph sizes (3 requests pad to 4, then 2 or 1) and every decode-row step replayed
-    (`_RerunGraphs`); the padded eager path is in test_verify_logits_equal_the_eager_forward."""
+    (`RerunGraphs`); the padded eager path is in test_verify_logits_equal_the_eager_forward."""
     ids = [3, 0, 2]
     outs, e = _run(tiny_v41, [PROMPTS[i] for i in ids], _spec(k), _oracle(baseline, ids, 3), pad=True, graphs=True)
     assert outs == {str(r): baseline[str(i)] for r, i in enumerate(ids)}
@@ -215,27 +215,12 @@ def _cache_tensors(e: LLMEngine) -> list[torch.Tensor]:
             if isinstance(getattr(c, f.name), torch.Tensor)]
 
 
-class _RerunGraphs(CudaGraphManager):
-    """A CPU stand-in for the CUDA graphs: `capture` keeps the run closure, `replay` runs it again. A graph replays
-    its kernels on the addresses it captured, so a closure that reads anything but the persistent buffers `forward`
-    fills (input ids, metadata, lookback window, caches) fails here as it would on the GPU."""
-
-    def capture(self, run: Any, warmups: int = 2) -> None:
-        self.run = run
-        for size in self.capture_sizes:
-            run(size)  # the capture's own pass (all padding: trash slots and the null ring block only)
-            self.graphs[size] = (None, None)  # type: ignore[assignment]
-
-    def replay(self, size: int) -> torch.Tensor:
-        return self.run(size)
-
-
 def _pad_like_graphs(vd: VerifyDecode, graphs: bool = False) -> None:
     """Steps padded to the graph sizes (requests 1, 2, 4): run eagerly (an enabled manager with nothing captured,
-    as a GPU run whose graph of some size is missing), or `graphs`: "replayed" by `_RerunGraphs`, captured as the
+    as a GPU run whose graph of some size is missing), or `graphs`: "replayed" by `RerunGraphs`, captured as the
     runner captures them. Padding rows must leave the real rows' outputs and caches alone."""
     sizes = verify_capture_sizes([1, 2, 4], vd.q, 4, None)
-    vd.graphs = (_RerunGraphs if graphs else CudaGraphManager)(sizes, enabled=True)
+    vd.graphs = (RerunGraphs if graphs else CudaGraphManager)(sizes, enabled=True)
     if graphs:
         vd.capture()
 
@@ -247,7 +232,7 @@ def test_verify_logits_equal_the_eager_forward(tiny_v41: str, baseline: dict[str
     """Every decode-row verify step is also run by the eager token-row forward from the same caches (cloned before,
     restored after): hidden states (so the logits rejection.verify gets), the drafter's taps and every cache after
     the step (window KV, entries, indexer keys, compressor rings) agree within fp32 round-off; also with the rows
-    padded to the graph sizes, and through the graph path's capture and replay (`_RerunGraphs`)."""
+    padded to the graph sizes, and through the graph path's capture and replay (`RerunGraphs`)."""
     ids = [0, 1, 2]
     e = LLMEngine.from_args(tiny_v41, speculative_config=_spec(3), max_num_seqs=4)
     sp, r = e.runner.speculator, e.runner

@@ -171,8 +171,8 @@ class ModelRunner:
                                                                  sc.max_model_len, self.device)
             encoder_graphs.capture()
             self.model.encoder_graphs = encoder_graphs
-        if self.speculator is not None and self.speculator.verify_decode is not None:
-            self.speculator.verify_decode.capture()  # multi-row verify graphs (spec_decode/verify_decode.py)
+        if self.speculator is not None:
+            self.speculator.capture_graphs()  # multi-row verify and drafter graphs, when switched on
         if not self.graphs.enabled:
             return
         # graphs hold the addresses of everything they read: a recapture drops the old ones first
@@ -368,8 +368,8 @@ class ModelRunner:
         extra = self.model_state.prepare_dummy_inputs(P, P)
         self.model.forward_decode(self.buffers.input_ids[:P], self.model_state.prepare_dummy_decode_attn(P),
                                   self.kv_caches, **extra)
-        if self.speculator is not None and self.speculator.verify_decode is not None:
-            self.speculator.verify_decode.dummy_forward()  # k + 1 rows a request: may outgrow the plain decode
+        if self.speculator is not None:
+            self.speculator.profile_forwards()  # verify rows (k + 1 a request) and the drafter's proposal
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
 

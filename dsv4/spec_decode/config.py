@@ -30,9 +30,10 @@ SPECULATIVE_CONFIG_HELP = (
     '"num_speculative_tokens": k, "disable_by_batch_size": B}\' (k defaults to the DSpark block size / the MTP layer '
     "count; with B or more running requests a step decodes plainly, without drafts); turns async scheduling off; "
     "steps with drafts run eagerly (no CUDA graphs); \"verify_decode\": true (DSpark, experimental) runs steps where "
-    "every request verifies k drafts as k + 1 decode rows each")
+    "every request verifies k drafts as k + 1 decode rows each; \"drafter_cuda_graphs\": true (DSpark, experimental) "
+    "replays the drafter's proposals as CUDA graphs")
 
-_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", "verify_decode")
+_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", "verify_decode", "drafter_cuda_graphs")
 # Keys vLLM accepts that dsv4 does not implement yet: refused with a message that says so, not as a typo.
 _VLLM_ONLY_KEYS = ("model", "draft_tensor_parallel_size", "draft_sample_method", "rejection_sample_method",
                    "enable_adaptive_verification", "prompt_lookup_max", "prompt_lookup_min", "quantization",
@@ -73,12 +74,17 @@ class SpeculativeConfig:
     verifies drafts in k + 1 tokens (its anchor and k drafts; a request rewound after a rejection is drafted k - 1
     after its recomputed token) runs as k + 1 decode rows per request through the model's fixed-shape decode
     forward (dsv4/spec_decode/verify_decode.py) instead of the eager token-row forward; any other step with drafts
-    (fewer drafts near max_tokens, a prefill, images) stays eager. The greedy output is the same either way."""
+    (fewer drafts near max_tokens, a prefill, images) stays eager. The greedy output is the same either way.
+
+    `drafter_cuda_graphs` (dsv4's own key, default off until measured on a GPU; DSpark only): on CUDA without
+    enforce_eager the drafter's proposals replay one CUDA graph per request count (dsv4/spec_decode/dspark_graphs.py)
+    instead of its eager, launch-bound forward. The drafts are the same either way."""
 
     method: str
     num_speculative_tokens: int
     disable_by_batch_size: int | None = None
     verify_decode: bool = False
+    drafter_cuda_graphs: bool = False
 
 
 def _spec_error(field: str, msg: str) -> ConfigError:
@@ -191,7 +197,7 @@ def _unknown_key_hint(key: str) -> str:
 
 def parse_speculative_config(value: str | Mapping[str, Any] | None, spec: DrafterSpec) -> SpeculativeConfig | None:
     """A vLLM-shaped `{"method", "num_speculative_tokens", "disable_by_batch_size"}` (a dict or its JSON text; plus
-    dsv4's `verify_decode`), checked against the checkpoint's drafter. None (or an empty string) means no
+    dsv4's `verify_decode` and `drafter_cuda_graphs`), checked against the checkpoint's drafter. None (or an empty string) means no
     speculative decoding."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
@@ -242,8 +248,14 @@ def parse_speculative_config(value: str | Mapping[str, Any] | None, spec: Drafte
     if verify_decode and method != DSPARK:
         # V4's compressor rings (CSA overlapping windows) have no multi-row decode: its verify steps stay eager
         raise _spec_error("verify_decode", "runs DeepSeek-V4.1's DSpark verify steps only; MTP steps run eagerly")
+    graphs = value.get("drafter_cuda_graphs", False)
+    if not isinstance(graphs, bool):
+        raise _spec_error("drafter_cuda_graphs", f"must be true or false, got {graphs!r}")
+    if graphs and method != DSPARK:
+        raise _spec_error("drafter_cuda_graphs", "captures DeepSeek-V4.1's DSpark drafter only; the MTP layer runs "
+                                                 "eagerly")
     return SpeculativeConfig(method=method, num_speculative_tokens=k, disable_by_batch_size=batch,
-                             verify_decode=verify_decode)
+                             verify_decode=verify_decode, drafter_cuda_graphs=graphs)
 
 
 def load_speculative_config(model_dir: str, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:

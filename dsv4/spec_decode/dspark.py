@@ -79,16 +79,18 @@ class DSparkStage(DecoderLayerV41):
             self.confidence_head = ConfidenceHead(D, dspark.markov_rank)
 
     def forward_block(self, h: torch.Tensor, pre_prev: torch.Tensor, positions: torch.Tensor,
-                      context_kv: torch.Tensor, context_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      context_kv: torch.Tensor, context_mask: torch.Tensor, fixed: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """The block rows h [B*K, hc, D] (K per sequence, at `positions` [B*K]) through this stage, delayed mHC as
         the target's layer: the attention input collapses with the previous stage's pre, the FFN's with this stage's
-        attention-site pre. Returns the streams and this stage's FFN-site pre."""
+        attention-site pre. Returns the streams and this stage's FFN-site pre. `fixed`: the MoE's fixed-shape path,
+        without host syncs (a captured proposal, dspark_graphs.py)."""
         pre_a, post_a, comb_a = hc_mixes(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc)
         y = block_attention(self.attn, self.attn_norm(collapse(h, pre_prev)), positions, context_kv, context_mask)
         h = expand(y, h, post_a, comb_a)
         pre_f, post_f, comb_f = hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc)
         no_image = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)  # drafts are text tokens
-        z = self.ffn(self.ffn_norm(collapse(h, pre_a)), no_image)
+        z = self.ffn(self.ffn_norm(collapse(h, pre_a)), no_image, fixed=fixed)
         return expand(z, h, post_f, comb_f), pre_f
 
 
@@ -158,7 +160,8 @@ class DSparkDrafter(nn.Module):
 
     @torch.no_grad()
     def propose(self, taps: torch.Tensor, last_position: torch.Tensor, anchor: torch.Tensor, embed: nn.Module,
-                lm_head: nn.Module, sample: Callable[[torch.Tensor], torch.Tensor] = greedy) -> DSparkProposal:
+                lm_head: nn.Module, sample: Callable[[torch.Tensor], torch.Tensor] = greedy,
+                fixed: bool = False) -> DSparkProposal:
         """One block per sequence.
 
         taps [B, C, T*D]: the target taps of each sequence's last C committed positions, the last at
@@ -166,7 +169,7 @@ class DSparkDrafter(nn.Module):
         `sliding_window` rows are read, the drafter's window. anchor [B]: the token the target sampled at p + 1.
         The block is [anchor, noise, ..., noise] at positions p+1 .. p+K (K = dspark_block_size); row i predicts
         position p+2+i. `sample(logits [B, V]) -> [B]` picks each draft (greedy by default); the Markov bias of
-        row i uses the token picked at row i-1 (the anchor for row 0)."""
+        row i uses the token picked at row i-1 (the anchor for row 0). `fixed`: no host sync (CUDA graph capture)."""
         cfg, ds = self.cfg, self.dspark
         W, K = cfg.sliding_window, ds.block_size
         taps = taps[:, -W:]
@@ -184,7 +187,7 @@ class DSparkDrafter(nn.Module):
         pre = torch.zeros(B * K, cfg.hc_mult, dtype=torch.float32, device=dev)
         pre[:, 0] = 1.0  # one-hot start, as the target's first layer: the streams are equal copies here
         for stage, kv in zip(self.mtp, ctx_kv):
-            h, pre = stage.forward_block(h, pre, pos, kv, ctx_mask)
+            h, pre = stage.forward_block(h, pre, pos, kv, ctx_mask, fixed)
         hidden = collapse(h, pre)  # the last stage's FFN-site pre collapses the streams (V4.1 has no hc_head)
         last = self.mtp[-1]
         base = lm_head(last.norm(hidden)).float().view(B, K, -1)

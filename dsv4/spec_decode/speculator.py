@@ -56,12 +56,14 @@ import numpy as np
 import torch
 
 from dsv4.models.config import ConfigError
+from dsv4.runtime.cudagraphs import default_capture_sizes
 from dsv4.runtime.input_batch import InputBatch
 from dsv4.runtime.sampler import SamplingTensors
 from dsv4.spec_decode.config import SpeculativeConfig
+from dsv4.spec_decode.dspark_graphs import GraphedDSparkProposer
 from dsv4.spec_decode.proposer import DSparkProposer, MTPProposer, Proposer, TapBuffer
 from dsv4.spec_decode.rejection import verify
-from dsv4.spec_decode.verify_decode import VerifyDecode
+from dsv4.spec_decode.verify_decode import VerifyDecode, verify_capture_sizes
 from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
 
 if TYPE_CHECKING:
@@ -201,6 +203,22 @@ class Speculator:
         if self.drafts.shape[1] < proposer.block_size:
             self.drafts = torch.zeros(self.drafts.shape[0], proposer.block_size, dtype=torch.int64,
                                       device=self.drafts.device)
+
+    def capture_graphs(self) -> None:
+        """The speculative step's CUDA graphs, each where its switch is on (no-op otherwise, and off CUDA): the
+        multi-row verify forward (verify_decode.py) and the drafter's proposal (dspark_graphs.py)."""
+        if self.verify_decode is not None:
+            self.verify_decode.capture()
+        if isinstance(self.proposer, GraphedDSparkProposer):
+            self.proposer.capture()
+
+    def profile_forwards(self) -> None:
+        """The start-up memory profile's speculative forwards: the largest multi-row verify (k + 1 rows a request
+        can outgrow the plain decode) and the largest captured proposal."""
+        if self.verify_decode is not None:
+            self.verify_decode.dummy_forward()
+        if isinstance(self.proposer, GraphedDSparkProposer):
+            self.proposer.dummy_forward()
 
     def disabled(self) -> bool:
         """Speculation is off for the current batch: disable_by_batch_size or more requests hold a row."""
@@ -390,7 +408,18 @@ def make_speculator(runner: "ModelRunner", spec: SpeculativeConfig) -> Speculato
         return Speculator(runner, proposer, spec)
     drafter = load_dspark_drafter(cfg.model_dir, cfg.model, model.lm_head.weight.dtype, runner.device,
                                   cfg.scheduler.max_model_len)
-    logger.info("speculative decoding: DSpark, %d of %d block tokens verified per step (%s)",
+    logger.info("speculative decoding: DSpark, %d of %d block tokens verified per step (%s; drafter %s)",
                 spec.num_speculative_tokens, drafter.dspark.block_size,
-                "uniform steps as decode rows: verify_decode" if spec.verify_decode else "eager, no CUDA graphs")
-    return Speculator(runner, DSparkProposer(drafter, model.model.embed, model.lm_head), spec)
+                "uniform steps as decode rows: verify_decode" if spec.verify_decode else "eager, no CUDA graphs",
+                "as CUDA graphs: drafter_cuda_graphs" if spec.drafter_cuda_graphs else "eager")
+    speculator = Speculator(runner, DSparkProposer(drafter, model.model.embed, model.lm_head), spec)
+    if spec.drafter_cuda_graphs:
+        sc = cfg.scheduler
+        # proposals are made for at most disable_by_batch_size - 1 requests: sizes as the verify graphs' (q = 1)
+        sizes = verify_capture_sizes(list(cfg.cudagraph_capture_sizes or default_capture_sizes(sc.max_num_seqs)), 1,
+                                     sc.max_num_seqs, spec.disable_by_batch_size)
+        assert speculator.taps is not None
+        enabled = runner.device.type == "cuda" and not cfg.enforce_eager and runner._graph_safe()
+        speculator.set_proposer(GraphedDSparkProposer(drafter, model.model.embed, model.lm_head, speculator.taps,
+                                                      sizes, enabled))
+    return speculator
