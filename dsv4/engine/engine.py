@@ -7,6 +7,7 @@ stop strings.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import logging
@@ -144,6 +145,9 @@ class LLMEngine:
         self.groups = make_kv_groups(config.model, cc.block_size, num_blocks, config.scheduler.max_num_seqs, replay)
         self.runner = ModelRunner(config, model, self.groups, dtype, self.grammar_compiler)
         cuda = config.device.startswith("cuda")
+        if cuda:  # a capture empties the allocator's cache (torch.cuda.graph does): empty it first, so the
+            gc.collect()  # difference is the graphs' pools, not the profile's cached blocks going away
+            torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(torch.device(config.device)) if cuda else 0
         self.runner.capture_graphs()
         graphs = torch.cuda.memory_reserved(torch.device(config.device)) - before if cuda else None
@@ -178,6 +182,7 @@ class LLMEngine:
         peak = runner.profile_peak_memory() - kv_cache_bytes(cfg.model, probe, dtype)
         self._step_peak = peak
         del runner
+        gc.collect()  # the probe runner's speculator (and drafter) reference it back: a cycle
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory
         budget = int(total * cfg.gpu_memory_utilization) - peak
