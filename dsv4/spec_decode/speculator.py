@@ -246,13 +246,14 @@ class Speculator:
         ends = computed + sched
         drafts = np.maximum(ends - known, 0)  # the scheduler's drafts: positions past the known tokens
         sample = np.nonzero(ends >= known)[0]
-        L = rs.max_model_len
-        hist = rs.token_history.view(-1)
-        for b in np.nonzero(drafts)[0].tolist():  # the drafts become the chunk's input ids
-            d, row = int(drafts[b]), int(rows[b])
-            assert d <= self.k, "more drafts scheduled than proposed"
-            idx = torch.arange(d, device=hist.device) + (row * L + int(known[b]))
-            hist.index_copy_(0, idx, self.drafts[row, :d])
+        assert drafts.max(initial=0) <= self.k, "more drafts scheduled than proposed"
+        if drafts.any():  # the drafts become the chunks' input ids: one gather and one write for the batch
+            src_rows = np.repeat(rows, drafts)
+            cols = np.arange(len(src_rows)) - np.repeat(np.cumsum(drafts) - drafts, drafts)  # 0 .. d-1 per request
+            dst = src_rows * rs.max_model_len + np.repeat(known, drafts) + cols
+            dev = rs.token_history.device
+            rs.token_history.view(-1)[torch.from_numpy(dst).to(dev)] = self.drafts[
+                torch.from_numpy(src_rows).to(dev), torch.from_numpy(cols).to(dev)]
 
         if self.rings is not None:
             self.rings.save(rows[drafts > 0])
@@ -305,7 +306,8 @@ class Speculator:
         logits = r.model.compute_logits(hidden[torch.from_numpy(idx).to(hidden.device)])
         cu = np.zeros(len(sample) + 1, dtype=np.int64)
         np.cumsum(ds + 1, out=cu[1:])
-        draft_lists = [self.drafts[row, :d].tolist() for row, d in zip(srows.tolist(), ds.tolist())]
+        held = self.drafts[torch.from_numpy(srows).to(self.drafts.device)].cpu().numpy()  # one copy, one sync
+        draft_lists = [held[i, :d].tolist() for i, d in enumerate(ds.tolist())]
         if r.grammars.constrains(srows):  # constrained rows never draft: their one row is the bonus position
             last = torch.from_numpy(cu[1:] - 1).to(logits.device)
             sub = logits[last]
@@ -316,14 +318,15 @@ class Speculator:
             st = self._sampling_tensors(srows, draft_lists)
         res = verify(logits, draft_lists, st, r.sampler.generator)
 
-        hist = rs.token_history.view(-1)
         L = rs.max_model_len
         stats = self.stats
+        dst: list[int] = []  # the emitted tokens' places in the token history, written at once after the loop
+        emitted: list[int] = []
         for i, b in enumerate(sample.tolist()):
             row, d, j, toks = int(srows[i]), int(ds[i]), res.num_accepted[i], res.tokens[i]
             n0 = int(known[b])
-            hist.index_copy_(0, torch.arange(len(toks), device=hist.device) + (row * L + n0),
-                             torch.tensor(toks, dtype=torch.int64, device=hist.device))
+            dst.extend(range(row * L + n0, row * L + n0 + len(toks)))
+            emitted.extend(toks)
             rs.num_tokens[row] = n0 + len(toks)
             rs.output_ids[row].extend(toks)
             for t in toks:
@@ -343,6 +346,9 @@ class Speculator:
                 stats.num_accepted_tokens += j
                 for p in range(j):
                     stats.num_accepted_tokens_per_pos[p] += 1
+        hist = rs.token_history
+        hist.view(-1)[torch.tensor(dst, dtype=torch.int64).to(hist.device)] = torch.tensor(
+            emitted, dtype=torch.int64).to(hist.device)
         self._propose(sample, srows, rs.num_tokens[srows] - 2, req_ids, num_drafts)
 
     def _propose(self, sample: np.ndarray, srows: np.ndarray, last_positions: np.ndarray, req_ids: list[str],
