@@ -12,6 +12,7 @@
 #           writes a smaller drafter instead, to /tmp/v41-flash-8l-dspark-e$DRAFTER_EXPERTS.
 #   VERIFY_DECODE=1 (bench, demo): the speculative engine runs uniform verify steps as decode rows with CUDA graphs
 #   DRAFTER_GRAPHS=1 (bench, demo): the speculative engine replays the DSpark drafter's proposals as CUDA graphs
+#   PHASE_PROFILE=1 (bench, demo): one more run per speculative row, every step's phases synced and timed (phases_ms)
 #   demo    the built-in trained model with its trained drafter on held-out code (--prompts held-out-code): the
 #           realistic acceptance beside the oracle (~1-2 minutes: a tiny model, eager verify steps)
 #
@@ -72,7 +73,8 @@ part_bench() {
   local t0=$SECONDS log=$out/spec_decode_speed.log
   timeout 280 python3 benchmarks/spec_decode_speed.py --model "$dir" --batch-sizes "${BATCHES:-1,2,4,8,16,32}" \
     --input-len 512 --output-len "${OUTPUT_LEN:-128}" ${VERIFY_DECODE:+--verify-decode} \
-    ${DRAFTER_GRAPHS:+--drafter-cuda-graphs} --output-json "$out/spec_decode_speed.json" > "$log" 2>&1
+    ${DRAFTER_GRAPHS:+--drafter-cuda-graphs} ${PHASE_PROFILE:+--phase-profile} \
+    --output-json "$out/spec_decode_speed.json" > "$log" 2>&1
   local rc=$?
   echo "spec_decode_speed (rc $rc): $((SECONDS - t0)) s"
   sed -n '/^spec_decode_speed: /,$p' "$log"  # the table and the verdicts
@@ -87,7 +89,7 @@ part_demo() {
   timeout 200 python3 benchmarks/spec_decode_speed.py --model dsv4/assets/dsv4-demo --prompts held-out-code \
     --modes plain,oracle,drafter --batch-sizes "${BATCHES:-1,2,4,8,16,32}" --input-len 256 \
     --output-len "${OUTPUT_LEN:-128}" ${VERIFY_DECODE:+--verify-decode} ${DRAFTER_GRAPHS:+--drafter-cuda-graphs} \
-    --output-json "$out/spec_decode_demo.json" \
+    ${PHASE_PROFILE:+--phase-profile} --output-json "$out/spec_decode_demo.json" \
     > "$log" 2>&1
   echo "spec_decode_speed demo (rc $?): $((SECONDS - t0)) s"
   sed -n '/^spec_decode_speed: /,$p' "$log"

@@ -52,8 +52,8 @@ margin is tiny it may pick the runner-up, and from there on the continuation is 
 whose first differing token had a plain margin <= `--tie-margin` (default by dtype, `TIE_MARGIN`) is reported under
 `near_ties` (a WARNING line), not as a failure; every mismatch carries `plain_margin` and `near_tie`. An oracle run
 whose outputs left plain's this way is repeated with its own outputs as the oracle, so its drafts are accepted
-again (`oracle_source`, `oracle_runs`, `oracle_all_accepted`; at most `--oracle-passes` runs). The JSON is rewritten after every run (`complete`: false until the
-end), so a run cut short by a time limit leaves what it measured.
+again (`oracle_source`, `oracle_runs`, `oracle_all_accepted`; at most `--oracle-passes` runs). The JSON is rewritten
+after every run (`complete`: false until the end), so a run cut short by a time limit leaves what it measured.
 
 JSON: the run (`benchmark`, `model`, `model_type`, `date`, `device`, `device_name`, `torch`, `triton`, `cuda`,
 `python`, `command`, `dtype`, `method`, `drafter_block_size`, `num_speculative_tokens`, `speculative_config`,
@@ -65,7 +65,8 @@ speculative modes also `spec_decode` (num_drafts, num_draft_tokens, num_accepted
 num_accepted_tokens_per_pos, acceptance_rate, acceptance_length), `num_plain_steps` (must be 0), `outputs_match`,
 `mismatches`, `diverged_at_near_ties_only`; oracles `oracle_source`, `oracle_runs`, `oracle_all_accepted`},
 `speedup` and `step_ratio` per speculative mode}; `break_even_batch`,
-`disable_by_batch_size_suggested` per speculative mode; `acceptance` (batch 1: the oracle's speed-up against 3.5,
+`disable_by_batch_size_suggested` per speculative mode (with --phase-profile also `phases_ms`, `phases_steps` per
+speculative mode: `dsv4.spec_decode.speculator.PhaseTimes`); `acceptance` (batch 1: the oracle's speed-up against 3.5,
 the own drafter's step ratio against 1.3, the bound for a drafter that is never accepted, and its acceptance
 length); `prompts`; `tie_margin`, `near_ties`, `failures`, `outputs_match`, `complete`.
 """
@@ -92,6 +93,7 @@ from dsv4.bench.latency import (environment, random_prompts, resolve_device_dtyp
 from dsv4.models.config import load_model_config
 from dsv4.spec_decode.config import DSPARK, drafter_spec
 from dsv4.spec_decode.proposer import OracleProposer
+from dsv4.spec_decode.speculator import PhaseTimes
 from dsv4.tokenizer import Tokenizer
 from dsv4.train import corpus
 
@@ -161,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-cuda-graphs", action="store_true",
                    help="the speculative engine replays the DSpark drafter's proposals as CUDA graphs (speculative "
                         "config \"drafter_cuda_graphs\": true; default: the eager drafter)")
+    p.add_argument("--phase-profile", action="store_true",
+                   help="after each speculative run, one more (untimed) with the device synced at every phase of a "
+                        "step: prepare / forward / verify / propose milliseconds per verify step (`phases_ms`)")
     p.add_argument("--tie-margin", type=float,
                    help="plain margin (nats) at or below which a differing first token is a near tie, not a failure "
                         f"(default by dtype: {TIE_MARGIN})")
@@ -312,6 +317,7 @@ def _oracle_sequences(prompts: list[list[int]], ref: list[list[int]], tags: list
     for tag in tags:
         for k, (p, r) in enumerate(zip(prompts, ref)):
             seqs[f"{tag}-warm-{k}"] = p + r
+            seqs[f"{tag}-phases-{k}"] = p + r  # the --phase-profile run
             for it in range(iters):
                 seqs[f"{tag}-i{it}-{k}"] = p + r
     return seqs
@@ -355,6 +361,14 @@ def _spec_run(engine: Any, speculator: Any, own: Any, mode: str, b: int, prompts
         if mode == "drafter" or outs == source or any(not o for o in outs):
             break
         source = outs
+    if args.phase_profile:  # the same drafts once more, every phase synced (PhaseTimes): where a step's time goes
+        speculator.phases = PhaseTimes(device)
+        try:
+            run_batch(engine, prompts, args.output_len, device, f"{tag}-phases")
+            stats["phases_ms"] = speculator.phases.per_step_ms()
+            stats["phases_steps"] = speculator.phases.steps
+        finally:
+            speculator.phases = None
     return stats, counters, first
 
 
@@ -432,7 +446,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         "method": drafter.method, "drafter_block_size": block, "num_speculative_tokens": k,
         "speculative_config": spec_cfg, "batch_sizes": args.batch_sizes, "input_len": args.input_len,
         "output_len": args.output_len, "warmup_output_len": args.warmup_output_len, "num_iters": args.num_iters,
-        "modes": modes, "prompts": args.prompts, "enable_prefix_caching": args.enable_prefix_caching, "engines": {}, "results": [],
+        "modes": modes, "prompts": args.prompts, "enable_prefix_caching": args.enable_prefix_caching, "engines": {},
+        "results": [],
         "failures": [], "near_ties": [], "complete": False,
     }
     rows: dict[int, dict[str, Any]] = {}
@@ -549,6 +564,12 @@ def print_result(res: dict[str, Any]) -> None:
         print(f"acceptance: the own drafter's step at batch 1 {acc['drafter_step_ratio_batch1']:.2f}x a plain step "
               f"(<= 1.3: {'met' if acc['drafter_met'] else 'NOT met'}), acceptance length "
               f"{acc['drafter_acceptance_length_batch1']:.2f}")
+    for r in res["results"]:
+        for m in spec:
+            ph = r.get(m, {}).get("phases_ms")
+            if ph:
+                print(f"phases: batch {r['batch_size']} {m}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in ph.items())
+                      + f" per verify step ({r[m]['phases_steps']} steps, device synced at each)")
     for t in res.get("near_ties", []):
         print(f"near ties: batch {t['batch_size']} {t['mode']}: outputs leave plain's where plain's margin was "
               f"<= {res['tie_margin']} nats: {t['mismatches']}")

@@ -36,7 +36,7 @@ def test_spec_decode_speed_bench_on_cpu(tmp_path: Path, capsys: pytest.CaptureFi
     out = tmp_path / "spec.json"
     # output 6: the first token from the prefill, then one verify step of k = 4 drafts + the bonus token
     argv = ["--model", model, "--batch-sizes", "1,2", "--input-len", "4", "--output-len", "6",
-            "--warmup-output-len", "2", "--device", "cpu", "--output-json", str(out)]
+            "--warmup-output-len", "2", "--device", "cpu", "--phase-profile", "--output-json", str(out)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # eager tiny steps: one thread is several times faster on a shared two-core box
     try:
@@ -45,6 +45,7 @@ def test_spec_decode_speed_bench_on_cpu(tmp_path: Path, capsys: pytest.CaptureFi
         torch.set_num_threads(threads)
     printed = capsys.readouterr().out
     assert "break-even batch" in printed and "oracle speed-up at batch 1" in printed
+    assert "phases: batch 1 oracle" in printed
 
     data = json.loads(out.read_text())
     for key in ("benchmark", "model", "date", "device", "device_name", "torch", "triton", "command", "dtype",
@@ -80,6 +81,9 @@ def test_spec_decode_speed_bench_on_cpu(tmp_path: Path, capsys: pytest.CaptureFi
             assert s["outputs_match"] and s["mismatches"] == [] and s["num_plain_steps"] == 0, (b, m)
             assert _positive(s["output_tokens_per_s"]) and _positive(s["step_s"]["median"]), (b, m)
             assert _positive(row["speedup"][m]) and _positive(row["step_ratio"][m]), (b, m)
+            # --phase-profile: one more run, every verify step's phases timed (the prefill step's dropped)
+            assert set(s["phases_ms"]) == {"prepare", "forward", "verify", "propose"}, (b, m)
+            assert all(_positive(v) for v in s["phases_ms"].values()) and 0 < s["phases_steps"] <= s["decode_steps"]
             assert row["speedup"][m] == pytest.approx(s["output_tokens_per_s"] / plain["output_tokens_per_s"])
             sd = s["spec_decode"]
             assert sd["num_drafts"] > 0 and sd["num_draft_tokens"] > 0, (b, m)

@@ -197,8 +197,8 @@ def _unknown_key_hint(key: str) -> str:
 
 def parse_speculative_config(value: str | Mapping[str, Any] | None, spec: DrafterSpec) -> SpeculativeConfig | None:
     """A vLLM-shaped `{"method", "num_speculative_tokens", "disable_by_batch_size"}` (a dict or its JSON text; plus
-    dsv4's `verify_decode` and `drafter_cuda_graphs`), checked against the checkpoint's drafter. None (or an empty string) means no
-    speculative decoding."""
+    dsv4's `verify_decode` and `drafter_cuda_graphs`), checked against the checkpoint's drafter. None (or an empty
+    string) means no speculative decoding."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
     if isinstance(value, str):

@@ -49,6 +49,7 @@ drafts accepted for a while, never a different output.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -90,6 +91,47 @@ class SpecDecodeStats:
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verify step (accepted drafts + the bonus token)."""
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+class PhaseTimes:
+    """Opt-in wall time of the speculative step's phases (`Speculator.phases`; spec_decode_speed --phase-profile):
+    prepare (request deltas, drafts into the token history, the input batch), forward (the target, taps written),
+    verify (logits, acceptance, bookkeeping), propose (the drafter). Only steps that verified drafts count
+    (`steps`): a prefill step's times are dropped at the next start. The device is synced at every phase end, so a
+    phase holds the GPU work it launched; the syncs remove the overlap a real step has, so read the split, not the
+    sum."""
+
+    PHASES = ("prepare", "forward", "verify", "propose")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.steps = 0
+        self._t = 0.0
+        self._step: dict[str, float] = {}
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def start(self) -> None:
+        self._sync()
+        self._t = time.perf_counter()
+        self._step = {}
+
+    def mark(self, phase: str) -> None:
+        """The phase that ran since the last mark (or start) ends here; the last phase commits the step."""
+        self._sync()
+        now = time.perf_counter()
+        self._step[phase] = now - self._t
+        self._t = now
+        if phase == self.PHASES[-1]:
+            for p, sec in self._step.items():
+                self.seconds[p] += sec
+            self.steps += 1
+
+    def per_step_ms(self) -> dict[str, float]:
+        return {p: 1e3 * s / self.steps for p, s in self.seconds.items()} if self.steps else {}
 
 
 class SpecOutput:
@@ -194,6 +236,7 @@ class Speculator:
         self.verify_decode = (VerifyDecode(runner, self.k, proposer.tap_layer_ids) if spec.verify_decode
                               else None)
         self.num_plain_steps = 0  # steps run by ModelRunner.launch_plain (speculation disabled for the batch)
+        self.phases: PhaseTimes | None = None  # set to measure the speculative steps' phases (PhaseTimes)
 
     def set_proposer(self, proposer: Proposer) -> None:
         """Swap the proposer (the oracle test hook); it must read no taps the current one does not provide."""
@@ -226,8 +269,14 @@ class Speculator:
         return limit is not None and self.runner.req_state.num_active >= limit
 
     # ---- one step ----------------------------------------------------------------------------------------------
+    def _mark(self, phase: str) -> None:
+        if self.phases is not None:
+            self.phases.mark(phase)
+
     def launch(self, so: SchedulerOutput) -> SpecOutput | PlainSpecOutput:
         r = self.runner
+        if self.phases is not None:
+            self.phases.start()
         r._apply_deltas(so)
         rs = r.req_state
         if self.disabled() and not any(rs.num_computed[rs.req_id_to_row[q]] + n > rs.num_tokens[rs.req_id_to_row[q]]
@@ -260,6 +309,7 @@ class Speculator:
         batch = InputBatch.prepare(r.buffers, rs.token_history, req_ids, rows, computed, sched, sample)
         image_rows = r._image_rows(batch)
         taps = dict.fromkeys(self.proposer.tap_layer_ids) if self.proposer.tap_layer_ids else None
+        self._mark("prepare")
         vd = self.verify_decode
         if vd is not None and vd.uniform(batch, drafts, sample, image_rows):
             hidden = vd.forward(batch, taps)  # k + 1 decode rows per request (verify_decode.py)
@@ -279,6 +329,7 @@ class Speculator:
             positions = np.repeat(computed - qsl[:-1], sched) + np.arange(int(qsl[-1]))
             self.taps.write(torch.cat([taps[i] for i in self.proposer.tap_layer_ids], dim=-1), token_rows,
                             positions, np.repeat(ends, sched))
+        self._mark("forward")
 
         uncomputed = [0] * len(req_ids)
         rs.num_computed[rows] = ends
@@ -349,7 +400,10 @@ class Speculator:
         hist = rs.token_history
         hist.view(-1)[torch.tensor(dst, dtype=torch.int64).to(hist.device)] = torch.tensor(
             emitted, dtype=torch.int64).to(hist.device)
+        self._mark("verify")
         self._propose(sample, srows, rs.num_tokens[srows] - 2, req_ids, num_drafts)
+        if ds.any():  # a step that verified drafts: its phases count (a prefill's first token does not)
+            self._mark("propose")
 
     def _propose(self, sample: np.ndarray, srows: np.ndarray, last_positions: np.ndarray, req_ids: list[str],
                  num_drafts: list[int]) -> None:
