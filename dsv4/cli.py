@@ -204,7 +204,8 @@ def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
                              "tokens and matches a cold prefill")
     parser.add_argument("--quantization", "-q", choices=list(QUANTIZATION_CHOICES),
                         help="auto (default): keep the checkpoint's FP8 / MXFP4 weights as stored; none: dequantize "
-                             "them at load (the reference path; 2-4x the memory)")
+                             "them at load (the reference path; 2-4x the memory); fp8: a float checkpoint runs its "
+                             "released FP8 / MXFP4 copy (written once into $DSV4_CACHE_DIR, default ~/.cache/dsv4)")
     parser.add_argument("--load-format", choices=list(LOAD_FORMATS),
                         help="dummy: random weights of the checkpoint's layout, no weight files (config.json and "
                              "tokenizer only): for measuring full-size shapes (default auto)")

@@ -533,7 +533,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="prompt and engine seed (default 0)")
     parser.add_argument("--quantization", choices=QUANTIZATION_CHOICES,
                         help="weight format: auto (default: the checkpoint's quantization_config) | none (dequantized "
-                             "at load) | fp8 | deepseek_v4_fp8; sets the floor's weight bytes")
+                             "at load) | fp8 | deepseek_v4_fp8 (a float checkpoint: its released FP8 / MXFP4 copy, "
+                             "cached); sets the floor's weight bytes")
     parser.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
                         help="dummy: random weights of the checkpoint's layout, no weight files (full-size shapes)")
     parser.add_argument("--engram-placement", choices=list(ENGRAM_PLACEMENTS), default="auto",

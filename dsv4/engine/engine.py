@@ -30,6 +30,7 @@ from dsv4.engine.memory_plan import check_weights_fit, memory_report
 from dsv4.models.build import build_model
 from dsv4.models.config import ConfigError, ModelConfig, load_model_config
 from dsv4.quant.config import load_quant_config
+from dsv4.quant.online import load_dir as online_quantized_dir
 from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
 from dsv4.runtime.kv_cache import kv_cache_bytes
 from dsv4.runtime.runner import ModelRunner, PendingOutput
@@ -220,7 +221,9 @@ class LLMEngine:
         """Build an engine from a checkpoint directory and the usual knobs (async_scheduling None: on for CUDA;
         quantization None / "auto": the checkpoint's format, "none": dequantize FP8 / FP4 weights at load;
         speculative_config: vLLM's `{"method": "dspark", "num_speculative_tokens": k}`, a dict or its JSON, which
-        turns async scheduling off unless it was asked for, an error)."""
+        turns async scheduling off unless it was asked for, an error). quantization "fp8" of a float checkpoint
+        loads its released-format copy (made once, cached: dsv4/quant/online.py)."""
+        model, quantization = online_quantized_dir(model, quantization)
         mc = load_model_config(model)
         spec = parse_speculative_config(speculative_config, drafter_spec(_raw_config(model)))
         if spec is not None and async_scheduling is None:

@@ -7,7 +7,8 @@ The released checkpoints say (config.json, top level; V4.1 may nest it under `te
   V4.1-Flash:    {"quant_method": "fp8", "weight_block_size": [32, 32], "scale_fmt": "ue8m0", "expert_dtype": "fp4"}
 The switch takes what vLLM takes for these checkpoints where it makes sense: `auto` (None) = what the checkpoint
 says, `none` = dequantize every FP8/FP4 tensor at load (the reference path), `fp8` / `deepseek_v4_fp8` = the
-checkpoint's format, which must then be FP8 (a float checkpoint is refused rather than silently run unquantized).
+checkpoint's FP8 format; a float checkpoint is first quantized into the released layout of its family (cached:
+dsv4/quant/online.py, called by the engine before `load_quant_config`), never silently run unquantized.
 """
 
 from __future__ import annotations
