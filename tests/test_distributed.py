@@ -34,9 +34,10 @@ def tiny_v41_released(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_model("tiny-v41", str(tmp_path_factory.mktemp("dist") / "tiny-v41-rel"), seed=0, quant="released")
 
 
-# four ranks (17 s on two cores) in the slow tier, which CI also runs: the main tier stays under 10 minutes
+# four ranks (17 s on two cores) and the released layout (10 s) in the slow tier, which CI also runs: the main tier
+# stays under 10 minutes
 @pytest.mark.parametrize("which,world", [("v4", 2), ("v41", 2), pytest.param("v41", 4, marks=pytest.mark.slow),
-                                         ("v41-released", 2)])
+                                         pytest.param("v41-released", 2, marks=pytest.mark.slow)])
 def test_expert_parallel_ranks_give_the_single_process_tokens(which: str, world: int, tiny_v4: str,
                                                               tiny_v41_released: str, tmp_path: Path) -> None:
     from dist_worker import run
