@@ -13,7 +13,7 @@
 p=v41-flash-8l
 
 part_tests() {
-  gpu_pytest 600 gpu_tests.log tests/gpu/test_indexer_prefill_gpu.py -s
+  DSV4_INDEXER_BASELINE=1 gpu_pytest 600 gpu_tests.log tests/gpu/test_indexer_prefill_gpu.py -s
   grep -E "^T=|block_m" "$out/gpu_tests.log"
   gpu_pytest 400 gpu_rest.log tests/gpu/test_decode_select_gpu.py tests/gpu/test_engine_cuda.py \
     tests/gpu/test_decode_attention_gpu.py -s
