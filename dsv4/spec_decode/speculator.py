@@ -37,7 +37,9 @@ drafts included; each kind is position-addressed or recomputed:
 This step is eager (the token-row forward, no CUDA graph), sync (no async scheduling), and drafts are greedy.
 With `verify_decode` on (V4.1), a step in which every request verifies exactly k drafts after its anchor runs as
 k + 1 decode rows per request through the model's fixed-shape decode forward instead (verify_decode.py); the
-rollback above holds unchanged (dsv4/models/verify_rows.py: the ring after such a step).
+rollback above holds unchanged (dsv4/models/verify_rows.py: the ring after such a step). With `drafter_cuda_graphs`
+on (DSpark), the drafter's proposals replay CUDA graphs (dspark_graphs.py). `phases` (PhaseTimes, opt-in) times the
+step's parts for spec_decode_speed --phase-profile.
 
 `disable_by_batch_size` B (vLLM's): while B or more requests hold a row, no drafts are proposed, and a step with no
 drafts to verify is the runner's plain step (`ModelRunner.launch_plain`: decode CUDA graphs of sizes >= B, no taps).
