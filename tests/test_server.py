@@ -671,6 +671,27 @@ def test_speculative_decoding_metrics(tmp_path_factory: pytest.TempPathFactory) 
         totals, per_pos = _spec_samples(s)
         assert 'TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter' in urllib.request.urlopen(
             urllib.request.Request(s.url + "/metrics", headers={"Authorization": f"Bearer {KEY}"})).read().decode()
+        # `dsv4 bench serve` reports the run's part of the counters (vLLM's acceptance numbers)
+        out = tmp / "bench.json"
+        proc = subprocess.run([sys.executable, "-m", "dsv4.cli", "bench", "serve", "--base-url", s.url, "--api-key",
+                               KEY, "--tokenizer", model, "--num-prompts", "3", "--random-input-len", "8",
+                               "--random-output-len", "8", "--save-result", str(out)],
+                              cwd=REPO, capture_output=True, text=True, timeout=180)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        after, after_pos = _spec_samples(s)
+    sd = json.loads(out.read_text())["spec_decode"]
+    assert "Speculative Decoding" in proc.stdout and "Acceptance length:" in proc.stdout
+    # the bench reads the counters after its probe request (4 tokens: at most 3 verify steps), so its report is the
+    # timed requests' part of what the server counted during the bench
+    run_drafts = after["vllm:spec_decode_num_drafts_total"] - totals["vllm:spec_decode_num_drafts_total"]
+    assert 0 < sd["num_drafts"] <= run_drafts <= sd["num_drafts"] + 3
+    run_accepted = after["vllm:spec_decode_num_accepted_tokens_total"] - totals[
+        "vllm:spec_decode_num_accepted_tokens_total"]
+    assert sd["num_accepted_tokens"] <= run_accepted <= sd["num_accepted_tokens"] + 3 * 3
+    assert sum(sd["num_accepted_tokens_per_pos"]) == sd["num_accepted_tokens"]
+    assert all(0 <= sd["num_accepted_tokens_per_pos"][p] <= after_pos[p] - per_pos[p] for p in (0, 1, 2))
+    assert sd["acceptance_length"] == pytest.approx(1 + sd["num_accepted_tokens"] / sd["num_drafts"])
+    assert sd["acceptance_rate"] == pytest.approx(sd["num_accepted_tokens"] / sd["num_draft_tokens"])
     drafts = totals["vllm:spec_decode_num_drafts_total"]
     draft_tokens = totals["vllm:spec_decode_num_draft_tokens_total"]
     accepted = totals["vllm:spec_decode_num_accepted_tokens_total"]
@@ -738,6 +759,9 @@ def test_bench_serve(server: Server, tmp_path: Path) -> None:
         assert res[f"mean_{metric}_ms"] > 0
     assert res["mean_e2el_ms"] >= res["mean_ttft_ms"]
     assert len(res["ttfts"]) == len(res["itls"]) == len(res["output_lens"]) == 6
+    # after the first token a stream gets (4 - 1) tokens in E2EL - TTFT: 1000 / TPOT per request
+    assert res["median_output_tokens_per_s_per_user"] > 0 and "Median output tokens/s per user" in proc.stdout
+    assert res["spec_decode"] is None and "Speculative Decoding" not in proc.stdout  # no speculation on this server
 
 
 def test_server_log_is_clean(server: Server) -> None:

@@ -5,7 +5,14 @@ token counts). The dataset is vLLM's `random`: prompts of `--random-input-len` r
 the length is exact) when a tokenizer is at hand, else random words. Definitions, as in `vllm bench serve`:
 TTFT = time from sending a request to its first streamed chunk; TPOT = per request (E2EL - TTFT) /
 (output tokens - 1), then averaged; ITL = every gap between streamed chunks, pooled over requests; E2EL = time
-from sending to the last chunk. Throughputs divide by the benchmark's wall-clock duration.
+from sending to the last chunk. Throughputs divide by the benchmark's wall-clock duration. Tokens/s per user = per
+request (output tokens - 1) / (E2EL - TTFT), the rate one stream sees after its first token.
+
+Speculative decoding (a server whose /metrics carries vLLM's `vllm:spec_decode_*` counters, as `dsv4 serve
+--speculative-config` does): the counters are read before and after the timed requests, and their differences give
+the run's drafts, draft tokens, accepted tokens, acceptance rate (accepted / draft tokens), acceptance length
+(1 + accepted / drafts: tokens a verify step emits per request) and per-position acceptance (accepted at position
+i / drafts). A server without them (or whose /metrics cannot be read) reports `spec_decode: null`.
 
 The HTTP client is a few lines of asyncio (HTTP/1.1, chunked transfer): no dependency beyond the standard library.
 """
@@ -19,6 +26,7 @@ import json
 import math
 import os
 import random
+import re
 import ssl
 import time
 import urllib.parse
@@ -137,6 +145,59 @@ def _get_json(url: str, api_key: str | None) -> Any:
         return json.load(resp)
 
 
+# ---- speculative decoding counters (/metrics) ------------------------------------------------------------------
+
+_SPEC_PREFIX = "vllm:spec_decode_"
+_SPEC_SAMPLE = re.compile(r'^(vllm:spec_decode_\w+?)(?:\{([^}]*)\})?\s+(\S+)\s*$', re.M)
+
+
+def parse_spec_counters(text: str) -> dict[str, Any] | None:
+    """vLLM's speculative-decoding counters in a Prometheus text page, summed over label sets (one per served
+    model): {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos": {position: n}}; None when
+    the page has none."""
+    names = {"num_drafts_total": "num_drafts", "num_draft_tokens_total": "num_draft_tokens",
+             "num_accepted_tokens_total": "num_accepted_tokens"}
+    out: dict[str, Any] = {}
+    per_pos: dict[int, float] = {}
+    for m in _SPEC_SAMPLE.finditer(text):
+        name, labels, value = m.group(1)[len(_SPEC_PREFIX):], m.group(2) or "", float(m.group(3))
+        if name == "num_accepted_tokens_per_pos_total":
+            pos = re.search(r'position="(\d+)"', labels)
+            if pos:
+                per_pos[int(pos.group(1))] = per_pos.get(int(pos.group(1)), 0.0) + value
+        elif name in names:
+            out[names[name]] = out.get(names[name], 0.0) + value
+    if len(out) < len(names):
+        return None
+    out["accepted_per_pos"] = per_pos
+    return out
+
+
+def _spec_counters(base: str, api_key: str | None) -> dict[str, Any] | None:
+    req = urllib.request.Request(base + "/metrics", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return parse_spec_counters(resp.read().decode("utf-8", errors="replace"))
+    except OSError:  # no /metrics (another server, or a key it refuses): nothing to report
+        return None
+
+
+def spec_decode_delta(before: dict[str, Any] | None, after: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The run's speculative-decoding numbers from the counters before and after it (None without counters)."""
+    if before is None or after is None:
+        return None
+    drafts = int(after["num_drafts"] - before["num_drafts"])
+    draft_tokens = int(after["num_draft_tokens"] - before["num_draft_tokens"])
+    accepted = int(after["num_accepted_tokens"] - before["num_accepted_tokens"])
+    per_pos = [int(after["accepted_per_pos"].get(p, 0) - before["accepted_per_pos"].get(p, 0))
+               for p in sorted(after["accepted_per_pos"])]
+    return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
+            "num_accepted_tokens_per_pos": per_pos,
+            "acceptance_rate_per_pos": [n / drafts if drafts else 0.0 for n in per_pos]}
+
+
 # ---- the benchmark ---------------------------------------------------------------------------------------------
 
 def random_dataset(num: int, input_len: int, output_len: int, range_ratio: float, seed: int,
@@ -221,8 +282,8 @@ async def _run(url: str, model: str, dataset: list[tuple[str | list[int], int]],
     return list(results), time.perf_counter() - start
 
 
-def summarize(results: list[RequestResult], duration: float, args: argparse.Namespace, model: str
-              ) -> dict[str, Any]:
+def summarize(results: list[RequestResult], duration: float, args: argparse.Namespace, model: str,
+              spec_decode: dict[str, Any] | None = None) -> dict[str, Any]:
     """vLLM's result dict: counts, throughputs, mean/median/std/p90/p99 (ms) of each latency, per-request data."""
     import numpy as np  # here, not at the top: the CLI imports this module for its options
 
@@ -244,6 +305,10 @@ def summarize(results: list[RequestResult], duration: float, args: argparse.Name
         "request_throughput": len(ok) / duration, "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration,
     }
+    per_user = [(r.output_tokens - 1) / (r.latency - r.ttft) for r in ok if r.output_tokens > 1 and r.latency > r.ttft]
+    out.update({"mean_output_tokens_per_s_per_user": float(np.mean(per_user)) if per_user else 0.0,
+                "median_output_tokens_per_s_per_user": float(np.median(per_user)) if per_user else 0.0,
+                "spec_decode": spec_decode})
     for name in METRICS:
         ms = np.asarray(values[name] or [0.0]) * 1000
         out.update({f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
@@ -276,6 +341,18 @@ def print_result(res: dict[str, Any]) -> None:
         for stat in ("mean", "median", "p90", "p99"):
             row(f"{stat.capitalize() if stat in ('mean', 'median') else stat.upper()} {name.upper()} (ms):",
                 res[f"{stat}_{name}_ms"])
+    print("{s:{c}^{n}}".format(s="Per user", n=50, c="-"))
+    row("Mean output tokens/s per user:", res["mean_output_tokens_per_s_per_user"])
+    row("Median output tokens/s per user:", res["median_output_tokens_per_s_per_user"])
+    sd = res.get("spec_decode")
+    if sd is not None:
+        print("{s:{c}^{n}}".format(s="Speculative Decoding", n=50, c="-"))
+        row("Acceptance rate (%):", 100.0 * sd["acceptance_rate"])
+        row("Acceptance length:", sd["acceptance_length"])
+        row("Drafts:", sd["num_drafts"])
+        row("Draft tokens:", sd["num_draft_tokens"])
+        row("Accepted tokens:", sd["num_accepted_tokens"])
+        print("Per-position acceptance (%): " + ", ".join(f"{100 * r:.1f}" for r in sd["acceptance_rate_per_pos"]))
     print("=" * 50)
     if res["failed"]:
         first = next(e for e in res["errors"] if e)
@@ -311,8 +388,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         print(f"no tokenizer given: random words, {1 / scale:.2f} tokens per word on this server")
     print(f"benchmarking {model} at {url}: {args.num_prompts} prompts, {args.random_input_len} in / "
           f"{args.random_output_len} out, rate {args.request_rate}, concurrency {args.max_concurrency or 'inf'}")
+    before = _spec_counters(base, args.api_key)
     results, duration = asyncio.run(_run(url, model, dataset, args))
-    res = summarize(results, duration, args, model)
+    res = summarize(results, duration, args, model, spec_decode_delta(before, _spec_counters(base, args.api_key)))
     print_result(res)
     if args.save_result:
         with open(args.save_result, "w", encoding="utf-8") as f:
