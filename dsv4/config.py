@@ -57,6 +57,11 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
+    # Speculation: a request near its max_tokens verifies all its drafts anyway, the ones past max_tokens included
+    # (their tokens are dropped, as tokens past a stop are), instead of fewer. Set by the engine with the speculative
+    # config's verify_decode, whose multi-row decode needs every request of a step at k + 1 tokens: a request cut
+    # short would send its whole batch to the eager verify path on its last steps. max_model_len still cuts drafts.
+    drafts_past_max_tokens: bool = False
 
     # the fields above as engine arguments (LLM, LLMEngine.from_args), and their command-line flags
     MIXED_LOAD_ARGS: ClassVar[tuple[str, ...]] = ("long_prefill_token_threshold", "max_num_partial_prefills",

@@ -93,27 +93,29 @@ def _record_uniform(vd: VerifyDecode) -> list[tuple[bool, list[int], list[int]]]
 def test_greedy_equals_plain_decoding(tiny_v41: str, baseline: dict[str, list[int]], k: int, ids: list[int],
                                       wrong_every: int) -> None:
     """All drafts accepted, or a wrong draft every 3 positions (partial acceptance at every depth, rewinds to the
-    open pair's start followed by eager steps, and uniform steps again after them), k + 1 = 3 (the pair boundary
-    moves every step) and 4 rows per request."""
+    open pair's start), k + 1 = 3 (the pair boundary moves every step) and 4 rows per request. Every step with
+    drafts is uniform: a rewound request is drafted k - 1, and the last steps verify drafts past max_tokens
+    (SchedulerConfig.drafts_past_max_tokens), which the counters leave out (all accepted stays all accepted)."""
     prompts = [PROMPTS[i] for i in ids]
     outs, e = _run(tiny_v41, prompts, _spec(k), _oracle(baseline, ids, wrong_every))
     assert outs == {str(r): baseline[str(i)] for r, i in enumerate(ids)}
     vd = e.runner.speculator.verify_decode
     assert vd is not None and vd.num_decode_steps > 0
     st = e.spec_decode_stats
+    assert vd.num_eager_steps == 0
     if wrong_every:
-        assert 0 < st.num_accepted_tokens < st.num_draft_tokens and vd.num_eager_steps > 0
+        assert 0 < st.num_accepted_tokens < st.num_draft_tokens
     else:
         assert st.num_accepted_tokens == st.num_draft_tokens > 0
 
 
 def test_random_drafter_equals_plain_decoding(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
-    """The checkpoint's own (random) DSpark drafter: drafts almost always rejected at the first position, so steps
-    alternate between rewinds (eager) and uniform verify steps at even positions (taps written by both)."""
+    """The checkpoint's own (random) DSpark drafter: drafts almost always rejected at the first position, so most
+    steps rewind (the request drafted k - 1 after them); every step with drafts is still a uniform decode-row step."""
     outs, e = _run(tiny_v41, PROMPTS[:3], _spec(3))
     assert outs == {str(i): baseline[str(i)] for i in range(3)}
     vd = e.runner.speculator.verify_decode
-    assert vd.num_decode_steps > 0 and vd.num_eager_steps > 0
+    assert vd.num_decode_steps > 0 and vd.num_eager_steps == 0
 
 
 @pytest.mark.parametrize("k", [2, 3])
@@ -285,10 +287,11 @@ def test_verify_logits_equal_the_eager_forward(tiny_v41: str, baseline: dict[str
 def test_uniform_steps_take_the_decode_path_others_stay_eager(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
     """Decisions per step: uniform exactly when every request computes k + 1 tokens with at least one draft: its
     anchor and k drafts, or after a rewind the recomputed token, the anchor and k - 1 drafts (drafted one fewer so
-    the step stays uniform); fewer drafts near max_tokens and the prefill stay eager. The counters match the
-    decisions; with the switch off nothing changes (no VerifyDecode), and rewound requests then get k drafts."""
+    the step stays uniform); fewer drafts near max_model_len and the prefill stay eager (max_model_len 20: the
+    requests end by length, their last steps with room for fewer drafts). The counters match the decisions; with
+    the switch off nothing changes (no VerifyDecode), and rewound requests then get k drafts."""
     k, ids = 3, [0, 3]
-    e = LLMEngine.from_args(tiny_v41, speculative_config=_spec(k), max_num_seqs=4)
+    e = LLMEngine.from_args(tiny_v41, speculative_config=_spec(k), max_num_seqs=4, max_model_len=20)
     e.runner.speculator.set_proposer(OracleProposer(_oracle(baseline, ids, wrong_every=3), 4))
     vd = e.runner.speculator.verify_decode
     seen = _record_uniform(vd)
@@ -300,7 +303,7 @@ def test_uniform_steps_take_the_decode_path_others_stay_eager(tiny_v41: str, bas
     # no rewound request with k drafts (k + 2 tokens): one fewer (a 5-token prompt's prefill is k + 2 tokens too)
     assert not any((s, d) == (k + 2, k) for _, sched, drafts in seen for s, d in zip(sched, drafts))
     assert any(ok and k - 1 in d for ok, _, d in seen)  # a rewound request's step, uniform
-    assert any(0 < max(d) < k for ok, _, d in seen if not ok)  # fewer drafts: max_tokens leaves no room
+    assert any(0 < max(d) < k for ok, _, d in seen if not ok)  # fewer drafts: max_model_len leaves no room
     off = LLMEngine.from_args(tiny_v41, speculative_config=_spec(k, on=False), max_num_seqs=4)
     assert off.runner.speculator.verify_decode is None
     drafted: dict[str, list[tuple[int, int]]] = {"on": [], "off": []}  # (drafts next step, pending tokens) by mode

@@ -442,7 +442,7 @@ class Scheduler:
         # after them within max_tokens and the length limit (a draft past either could never be emitted)
         d = min(req.num_draft_tokens, room, self.max_len - req.num_tokens - 1)
         max_tokens = req.sampling_params.max_tokens
-        if max_tokens is not None:
+        if max_tokens is not None and not self.config.drafts_past_max_tokens:
             d = min(d, max_tokens - req.num_output_tokens - 1)
         return max(d, 0)
 

@@ -393,6 +393,12 @@ class Speculator:
                 uncomputed[b] = int(ends[b]) - new
             sampled[b] = toks
             logprobs[b] = res.logprobs[i]
+            # the counters count drafts that could be emitted: with SchedulerConfig.drafts_past_max_tokens a
+            # request's last step verifies drafts past its max_tokens, whose tokens are dropped
+            max_tokens = rs.sampling_params[row].max_tokens
+            if max_tokens is not None:
+                d = min(d, max(max_tokens - int(n0 - rs.prompt_len[row]) - 1, 0))
+                j = min(j, d)
             if d:
                 stats.num_drafts += 1
                 stats.num_draft_tokens += d
