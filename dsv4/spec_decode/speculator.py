@@ -32,7 +32,9 @@ drafts included; each kind is position-addressed or recomputed:
   how many of the step's tokens are not computed after all (`RunnerOutput.num_uncomputed_tokens`); blocks allocated
   for rejected drafts stay with the request for its next drafts; units are cached only over known tokens; tokens are
   appended one at a time, so nothing past a stop or past max_tokens is kept, and drafts are scheduled only where
-  max_tokens and max_model_len leave room for them and a bonus token.
+  max_tokens and max_model_len leave room for them and a bonus token (with `verify_decode`, max_model_len only:
+  SchedulerConfig.drafts_past_max_tokens keeps a request's last steps uniform; their tokens past max_tokens are
+  dropped like those past a stop, and the acceptance counters leave those drafts out).
 
 This step is eager (the token-row forward, no CUDA graph), sync (no async scheduling), and drafts are greedy.
 With `verify_decode` on (V4.1), a step in which every request verifies exactly k drafts after its anchor runs as
