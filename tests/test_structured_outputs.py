@@ -354,3 +354,32 @@ async def _last(outputs: Any) -> RequestOutput:
         last = out
     assert last is not None
     return last
+
+
+@pytest.mark.parametrize("spec", [{"method": "dspark"}, {"method": "dspark", "verify_decode": True}],
+                         ids=["eager", "verify_decode"])
+def test_speculation_beside_constrained_requests(spec: dict[str, Any]) -> None:
+    """The built-in model with its trained DSpark drafter: constrained requests draft nothing, free ones beside them
+    draft and get drafts accepted, and every greedy output is the one without speculation; the constrained outputs
+    follow their grammars. With verify_decode a constrained row verifies k placeholder drafts that are always
+    rejected (its one real row is its anchor's), so the batch stays a uniform multi-row decode."""
+    from dsv4.make_model import default_model_dir
+
+    model = default_model_dir()
+    json_so = _constrained(json=SCHEMA, disable_any_whitespace=True)
+    requests = [("def __init__(self", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)),
+                ("Person:", SamplingParams(temperature=0, max_tokens=80, structured_outputs=json_so)),
+                ("import os\nimport sys\n", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)),
+                ("Code:", SamplingParams(temperature=0.8, seed=9, max_tokens=40,
+                                         structured_outputs=_constrained(regex=r"[a-z]{3}-\d{2}")))]
+    args = dict(ENGINE_ARGS, max_num_batched_tokens=256)
+    plain, _ = _run_engine(model, False, requests, **args)
+    got, eng = _run_engine(model, False, requests, speculative_config=spec, **args)
+    assert {k: got[k] for k in "012"} == {k: plain[k] for k in "012"}
+    _validate(json.loads(eng.tokenizer.decode(got["1"])))
+    assert re.fullmatch(r"[a-z]{3}-\d{2}", eng.tokenizer.decode(got["3"]))
+    st = eng.spec_decode_stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens  # the free requests' drafts (the constrained: none)
+    vd = eng.runner.speculator.verify_decode
+    if vd is not None:  # every step with drafts a decode-row step, the constrained rows' placeholders included
+        assert vd.num_decode_steps > 0 and vd.num_eager_steps == 0

@@ -75,7 +75,8 @@ class SpeculativeConfig:
     after its recomputed token) runs as k + 1 decode rows per request through the model's fixed-shape decode
     forward (dsv4/spec_decode/verify_decode.py) instead of the eager token-row forward; any other step with drafts
     (fewer drafts near max_model_len, a prefill, images) stays eager; a request near its max_tokens verifies all k
-    drafts, those past max_tokens dropped. The greedy output is the same either way.
+    drafts, those past max_tokens dropped, and a constrained request k placeholders never accepted. The greedy
+    output is the same either way.
 
     `drafter_cuda_graphs` (dsv4's own key, default off until measured on a GPU; DSpark only): on CUDA without
     enforce_eager the drafter's proposals replay one CUDA graph per request count (dsv4/spec_decode/dspark_graphs.py)

@@ -240,6 +240,8 @@ class Speculator:
         self.verify_decode = (VerifyDecode(runner, self.k, proposer.tap_layer_ids) if spec.verify_decode
                               else None)
         self.num_plain_steps = 0  # steps run by ModelRunner.launch_plain (speculation disabled for the batch)
+        # per state row: its drafts are placeholders (a constrained request under verify_decode, `_propose`)
+        self.placeholder = np.zeros(n, dtype=bool)
         self.phases: PhaseTimes | None = None  # set to measure the speculative steps' phases (PhaseTimes)
 
     def set_proposer(self, proposer: Proposer) -> None:
@@ -355,14 +357,17 @@ class Speculator:
         qsl = batch.query_start_loc_np
         srows = rows[sample]
         ds = drafts[sample]
-        # each sampling row's last d + 1 tokens: the positions that verify its drafts, then the bonus position
-        idx = np.concatenate([np.arange(qsl[b + 1] - d - 1, qsl[b + 1]) for b, d in zip(sample.tolist(),
-                                                                                         ds.tolist())])
+        # the drafts verified: a placeholder row's none (its anchor position alone decides, `_propose`)
+        dv = np.where(self.placeholder[srows], 0, ds)
+        # each sampling row's last d + 1 tokens: the positions that verify its drafts, then the bonus position (the
+        # first dv + 1 of them)
+        idx = np.concatenate([np.arange(qsl[b + 1] - d - 1, qsl[b + 1] - d + v)
+                              for b, d, v in zip(sample.tolist(), ds.tolist(), dv.tolist())])
         logits = r.model.compute_logits(hidden[torch.from_numpy(idx).to(hidden.device)])
         cu = np.zeros(len(sample) + 1, dtype=np.int64)
-        np.cumsum(ds + 1, out=cu[1:])
+        np.cumsum(dv + 1, out=cu[1:])
         held = self.drafts[torch.from_numpy(srows).to(self.drafts.device)].cpu().numpy()  # one copy, one sync
-        draft_lists = [held[i, :d].tolist() for i, d in enumerate(ds.tolist())]
+        draft_lists = [held[i, :v].tolist() for i, v in enumerate(dv.tolist())]
         if r.grammars.constrains(srows):  # constrained rows never draft: their one row is the bonus position
             last = torch.from_numpy(cu[1:] - 1).to(logits.device)
             sub = logits[last]
@@ -395,8 +400,10 @@ class Speculator:
                 uncomputed[b] = int(ends[b]) - new
             sampled[b] = toks
             logprobs[b] = res.logprobs[i]
-            # the counters count drafts that could be emitted: with SchedulerConfig.drafts_past_max_tokens a
-            # request's last step verifies drafts past its max_tokens, whose tokens are dropped
+            # the counters count drafts that could be emitted: not placeholders, and with
+            # SchedulerConfig.drafts_past_max_tokens a request's last step verifies drafts past its max_tokens,
+            # whose tokens are dropped
+            d = int(dv[i])
             max_tokens = rs.sampling_params[row].max_tokens
             if max_tokens is not None:
                 d = min(d, max(max_tokens - int(n0 - rs.prompt_len[row]) - 1, 0))
@@ -418,24 +425,30 @@ class Speculator:
     def _propose(self, sample: np.ndarray, srows: np.ndarray, last_positions: np.ndarray, req_ids: list[str],
                  num_drafts: list[int]) -> None:
         """The next drafts of the rows that just sampled: each has committed positions .. last, its newest token at
-        last + 1 (the anchor). Constrained rows and batches of `disable_by_batch_size` or more requests get none."""
+        last + 1 (the anchor). Batches of `disable_by_batch_size` or more requests get none. Constrained rows get
+        none, or with verify_decode k placeholders (`placeholder`): copies of the anchor that `_verify` never
+        accepts (it verifies the row's anchor position alone), so its steps stay k + 1 tokens like its
+        neighbours' and the batch a uniform multi-row decode."""
         r = self.runner
         if self.disabled():
             return
-        keep = np.array([r.req_state.sampling_params[row].structured_outputs is None for row in srows.tolist()],
-                        dtype=bool)
-        if not keep.any():
-            return
-        srows, last, sample = srows[keep], last_positions[keep], sample[keep]
-        hist = r.req_state.token_history
-        dev = hist.device
-        anchors = hist[torch.from_numpy(srows).to(dev), torch.from_numpy(last + 1).to(dev)]
-        ids = [req_ids[b] for b in sample.tolist()]
-        proposed = self.proposer.propose(ids, srows, last, anchors, self.taps)
-        K = self.proposer.block_size
-        self.drafts[torch.from_numpy(srows).to(dev), :K] = proposed.to(torch.int64)
         rs = r.req_state
-        for b, row in zip(sample.tolist(), srows.tolist()):
+        free = np.array([rs.sampling_params[row].structured_outputs is None for row in srows.tolist()], dtype=bool)
+        self.placeholder[srows] = ~free if self.verify_decode is not None else False
+        drafting = np.ones_like(free) if self.verify_decode is not None else free
+        if not drafting.any():
+            return
+        dev = rs.token_history.device
+        anchors = rs.token_history[torch.from_numpy(srows).to(dev), torch.from_numpy(last_positions + 1).to(dev)]
+        K = self.proposer.block_size
+        if free.any():
+            ids = [req_ids[b] for b in sample[free].tolist()]
+            proposed = self.proposer.propose(ids, srows[free], last_positions[free], anchors[free], self.taps)
+            self.drafts[torch.from_numpy(srows[free]).to(dev), :K] = proposed.to(torch.int64)
+        if not free.all() and self.verify_decode is not None:  # placeholders: any valid id, never accepted
+            held = torch.from_numpy(srows[~free]).to(dev)
+            self.drafts[held, :K] = anchors[torch.from_numpy(~free).to(dev)][:, None].to(torch.int64)
+        for b, row in zip(sample[drafting].tolist(), srows[drafting].tolist()):
             num_drafts[b] = self.k
             if self.verify_decode is not None:
                 # a rewound request recomputes one accepted token before its anchor: one draft fewer keeps its

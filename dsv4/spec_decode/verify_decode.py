@@ -20,9 +20,10 @@ Why the decode forward can take several rows of one request (each checked in the
 A request the speculator rewound after a rejection (speculator.py) recomputes one accepted token before its anchor;
 with this switch on it is drafted one draft fewer, so its step is q tokens too (the dropped last draft is the least
 often accepted) and the batch stays uniform. A request near its max_tokens verifies all k drafts anyway
-(SchedulerConfig.drafts_past_max_tokens: the tokens past max_tokens are dropped). Any other step with drafts (fewer
-drafts near max_model_len, a prefill or a request without drafts in the batch, images, a prefix-cache replay) runs
-the eager forward.
+(SchedulerConfig.drafts_past_max_tokens: the tokens past max_tokens are dropped), and a constrained request
+(structured outputs), which drafts nothing, verifies k placeholder drafts that are never accepted (speculator.py
+`_propose`), so neither breaks the batch's uniformity. Any other step with drafts (fewer drafts near max_model_len,
+a prefill in the batch, images, a prefix-cache replay) runs the eager forward.
 
 CUDA graphs (as the plain decode, dsv4/runtime/cudagraphs.py): on CUDA without enforce_eager, one FULL graph per
 size R * q for every plain decode capture size R (below disable_by_batch_size: larger batches do not draft),
