@@ -39,7 +39,7 @@ def _run(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
             for o in outs]
 
 
-@pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
+@pytest.mark.parametrize("preset", [pytest.param("tiny-v4", marks=pytest.mark.slow), "tiny-v41"])
 def test_fp8_on_a_float_checkpoint_runs_its_released_copy(tmp_path: Path, cache: Path, preset: str) -> None:
     src = make_model(preset, str(tmp_path / "float"), seed=0)
     explicit = str(tmp_path / "explicit")

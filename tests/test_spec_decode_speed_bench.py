@@ -97,6 +97,7 @@ def test_spec_decode_speed_bench_on_cpu(tmp_path: Path, capsys: pytest.CaptureFi
     assert res["results"][0]["plain"]["output_tokens_per_s"] == data["results"][0]["plain"]["output_tokens_per_s"]
 
 
+@pytest.mark.slow  # 6-8 s; CI runs the slow tier too (the main tier stays under 10 minutes)
 def test_trained_drafter_on_held_out_code(tmp_path: Path) -> None:
     """The realistic case: the built-in model's trained drafter on held-out standard-library prompts (`--prompts
     held-out-code`), beside a random-weight drafter whose drafts are almost never accepted."""

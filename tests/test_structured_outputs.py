@@ -356,8 +356,8 @@ async def _last(outputs: Any) -> RequestOutput:
     return last
 
 
-@pytest.mark.parametrize("spec", [{"method": "dspark"}, {"method": "dspark", "verify_decode": True}],
-                         ids=["eager", "verify_decode"])
+@pytest.mark.parametrize("spec", [pytest.param({"method": "dspark"}, marks=pytest.mark.slow),
+                                  {"method": "dspark", "verify_decode": True}], ids=["eager", "verify_decode"])
 def test_speculation_beside_constrained_requests(spec: dict[str, Any]) -> None:
     """The built-in model with its trained DSpark drafter: constrained requests draft nothing, free ones beside them
     draft and get drafts accepted, and every greedy output is the one without speculation; the constrained outputs
