@@ -13,6 +13,7 @@
 #   VERIFY_DECODE=1 (bench, demo): the speculative engine runs uniform verify steps as decode rows with CUDA graphs
 #   DRAFTER_GRAPHS=1 (bench, demo): the speculative engine replays the DSpark drafter's proposals as CUDA graphs
 #   PHASE_PROFILE=1 (bench, demo): one more run per speculative row, every step's phases synced and timed (phases_ms)
+#   BENCH_LIMIT: seconds for spec_decode_speed.py in the bench part (default 280; up to ~480 when it runs alone)
 #   demo    the built-in trained model with its trained drafter on held-out code (--prompts held-out-code): the
 #           realistic acceptance beside the oracle (~1-2 minutes: a tiny model, eager verify steps)
 #
@@ -71,7 +72,7 @@ part_bench() {
   local dir=/tmp/$p-dspark${DRAFTER_EXPERTS:+-e$DRAFTER_EXPERTS}
   make_drafter_preset "$dir" || { tail -5 "$out/make_model.log" 2>/dev/null; return 1; }
   local t0=$SECONDS log=$out/spec_decode_speed.log
-  timeout 280 python3 benchmarks/spec_decode_speed.py --model "$dir" --batch-sizes "${BATCHES:-1,2,4,8,16,32}" \
+  timeout "${BENCH_LIMIT:-280}" python3 benchmarks/spec_decode_speed.py --model "$dir" --batch-sizes "${BATCHES:-1,2,4,8,16,32}" \
     --input-len 512 --output-len "${OUTPUT_LEN:-128}" ${VERIFY_DECODE:+--verify-decode} \
     ${DRAFTER_GRAPHS:+--drafter-cuda-graphs} ${PHASE_PROFILE:+--phase-profile} \
     --output-json "$out/spec_decode_speed.json" > "$log" 2>&1
