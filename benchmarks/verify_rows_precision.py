@@ -12,26 +12,14 @@ rows logic itself is sensitive to a 16-bit dtype, apart from the GPU kernels' ba
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import statistics
 
 import torch
 
+from dsv4.bench.latency import run_batch
 from dsv4.engine.engine import LLMEngine
 from dsv4.runtime.input_batch import InputBatch
-from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.proposer import OracleProposer
-
-
-def _run(engine: LLMEngine, prompts: dict[str, list[int]], params: SamplingParams) -> dict[str, list[int]]:
-    for rid, p in prompts.items():
-        engine.add_request(p, params, request_id=rid)
-    outs: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                outs[o.request_id] = list(o.outputs[0].token_ids)
-    return outs
 
 
 def main() -> None:
@@ -41,28 +29,20 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=3)
     args = ap.parse_args()
     g = torch.Generator().manual_seed(1)
-    prompts = {str(i): [0] + torch.randint(5, 500, (n,), generator=g).tolist() for i, n in enumerate((90, 150, 33))}
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    plain = _run(LLMEngine.from_args(args.model, dtype=args.dtype, max_num_seqs=4), prompts, params)
+    prompts = [[0] + torch.randint(5, 500, (n,), generator=g).tolist() for n in (90, 150, 33)]
+    cpu, out_len = torch.device("cpu"), 40
+    _, plain = run_batch(LLMEngine.from_args(args.model, dtype=args.dtype, max_num_seqs=4), prompts, out_len, cpu, "p")
     spec = {"method": "dspark", "num_speculative_tokens": args.k, "verify_decode": True}
     e = LLMEngine.from_args(args.model, dtype=args.dtype, max_num_seqs=4, speculative_config=spec)
-    e.runner.speculator.set_proposer(OracleProposer({k: prompts[k] + plain[k] for k in prompts}, args.k + 1))
+    oracle = {f"s-{i}": p + o for i, (p, o) in enumerate(zip(prompts, plain))}  # run_batch's request ids
+    e.runner.speculator.set_proposer(OracleProposer(oracle, args.k + 1))
     r = e.runner
     vd = r.speculator.verify_decode
     rows_forward = vd.forward
     diffs: list[tuple[float, float, int]] = []
 
     def both(batch: InputBatch, taps: dict[int, torch.Tensor | None] | None) -> torch.Tensor:
-        tensors = [getattr(c, f.name) for c in r.kv_caches for f in dataclasses.fields(c)
-                   if isinstance(getattr(c, f.name), torch.Tensor)]
-        before = [t.clone() for t in tensors]
-        md = r.model_state.prepare_attn(batch, r.block_tables)
-        extra = dict(r.model_state.prepare_inputs(batch, r.req_state))
-        if taps is not None:
-            extra["taps"] = dict.fromkeys(taps)
-        want = r.model.compute_logits(r.model(batch.input_ids, md, r.kv_caches, **extra)).float()
-        for t, b in zip(tensors, before):
-            t.copy_(b)
+        want = r.model.compute_logits(vd.reference_forward(batch)).float()
         got = rows_forward(batch, taps)
         logits = r.model.compute_logits(got).float()
         diffs.append(((logits - want).abs().max().item(), want.abs().max().item(),
@@ -70,7 +50,7 @@ def main() -> None:
         return got
 
     vd.forward = both  # type: ignore[method-assign]
-    out = _run(e, prompts, params)
+    _, out = run_batch(e, prompts, out_len, cpu, "s")
     print(f"{args.dtype}: outputs equal plain decoding's: {out == plain}; {len(diffs)} decode-row verify steps "
           f"({vd.num_eager_steps} eager)")
     worst, median = max(d for d, _, _ in diffs), statistics.median(d for d, _, _ in diffs)

@@ -261,6 +261,9 @@ def test_verify_logits_equal_the_eager_forward(tiny_v41: str, baseline: dict[str
         eager_state = [t.clone() for t in tensors]
         for t, b in zip(tensors, before):
             t.copy_(b)
+        # VerifyDecode.reference_forward (the GPU test's and the precision benchmark's) is this same eager forward,
+        # and leaves the caches as it found them (the decode-row step below must then match the eager state)
+        assert torch.equal(vd.reference_forward(batch), want)
         got = orig(batch, taps)
         # every cache the step writes (window KV, compressed entries, indexer keys, rings) as the eager step left it,
         # but for row 0 (the trash slot / null ring block, which both paths' masked writes hit)

@@ -130,6 +130,24 @@ class VerifyDecode:
                     taps[i] = out[:, D * (n + 1): D * (n + 2)]
         return out[:, :D]
 
+    def reference_forward(self, batch: InputBatch) -> torch.Tensor:
+        """Hidden states [T, D] of the same step by the eager token-row forward (the path a non-uniform step takes),
+        from the caches as they are now, which are restored afterwards: what `forward` must equal (tests, and
+        benchmarks/verify_rows_precision.py). Costs a copy of every cache tensor."""
+        import dataclasses
+
+        r = self.runner
+        tensors = [getattr(c, f.name) for c in r.kv_caches for f in dataclasses.fields(c)
+                   if isinstance(getattr(c, f.name), torch.Tensor)]
+        saved = [t.clone() for t in tensors]
+        md = r.model_state.prepare_attn(batch, r.block_tables)
+        extra = dict(r.model_state.prepare_inputs(batch, r.req_state))
+        taps = dict.fromkeys(self.tap_layer_ids) if self.tap_layer_ids else None
+        hidden = r.model(batch.input_ids, md, r.kv_caches, **extra, **({"taps": taps} if taps else {}))
+        for t, s in zip(tensors, saved):
+            t.copy_(s)
+        return hidden
+
     def _run(self, dmd: DecodeMetadata, extra: dict[str, torch.Tensor],
              tap_layer_ids: tuple[int, ...]) -> torch.Tensor:
         """The forward of dmd.num_padded rows: hidden states and the taps `tap_layer_ids` side by side (one
