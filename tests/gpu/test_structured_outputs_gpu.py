@@ -64,3 +64,36 @@ def test_constrained_with_graphs_async_equals_sync(tmp_path) -> None:
     assert alone["0"][0] == sync["1"][0]  # the free request samples what it samples alone
     eng.step()
     assert eng.runner.req_state.num_active == 0 and not eng.runner.grammars._matchers
+
+
+def test_constrained_rows_beside_speculation_with_graphs() -> None:
+    """The built-in model with its trained DSpark drafter, fp32 on CUDA, `verify_decode` and `drafter_cuda_graphs`:
+    a JSON-constrained request verifies placeholder drafts beside two free requests that draft, every verify step a
+    replayed decode-row graph (none eager), and every greedy output equals the plain engine's (its decode graphs)."""
+    from dsv4.make_model import default_model_dir
+
+    model = default_model_dir()
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    requests = [("def __init__(self", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)),
+                ("Person:", SamplingParams(temperature=0, max_tokens=60, structured_outputs=so)),
+                ("import os\nimport sys\n", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))]
+
+    def run(spec: dict[str, Any] | None) -> tuple[dict[str, list[int]], LLMEngine]:
+        e = LLMEngine.from_args(model, device="cuda", dtype="float32", max_num_seqs=4, speculative_config=spec)
+        for i, (prompt, sp) in enumerate(requests):
+            e.add_request(prompt, sp, request_id=str(i))
+        done: dict[str, list[int]] = {}
+        while e.has_unfinished_requests():
+            for out in e.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+        return done, e
+
+    plain, _ = run(None)
+    got, e = run({"method": "dspark", "verify_decode": True, "drafter_cuda_graphs": True})
+    assert got == plain
+    obj = json.loads(e.tokenizer.decode(got["1"]))
+    assert set(obj) == {"name", "age", "color"} and re.fullmatch(r"[a-z]{1,8}", obj["name"])
+    vd = e.runner.speculator.verify_decode
+    assert vd.num_decode_steps > 0 and vd.num_eager_steps == 0 and vd.num_graph_replays == vd.num_decode_steps
+    assert e.spec_decode_stats.num_accepted_tokens > 0  # the free requests' drafts
