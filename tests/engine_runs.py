@@ -13,7 +13,7 @@ from dsv4.runtime.cudagraphs import CudaGraphManager
 from dsv4.sampling_params import SamplingParams
 
 
-def run_to_completion(engine: LLMEngine, prompts: Mapping[str, list[int]],
+def run_to_completion(engine: LLMEngine, prompts: Mapping[str, str | list[int]],
                       params: SamplingParams | Mapping[str, SamplingParams]) -> dict[str, list[int]]:
     """Add every prompt under its request id (with its own params when `params` maps ids to them), step the engine
     until nothing is left, and return each request's output token ids by request id."""

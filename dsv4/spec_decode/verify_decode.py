@@ -36,6 +36,7 @@ Not yet measured on a GPU (tests/gpu/test_spec_verify_decode_gpu.py).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -134,8 +135,6 @@ class VerifyDecode:
         """Hidden states [T, D] of the same step by the eager token-row forward (the path a non-uniform step takes),
         from the caches as they are now, which are restored afterwards: what `forward` must equal (tests, and
         benchmarks/verify_rows_precision.py). Costs a copy of every cache tensor."""
-        import dataclasses
-
         r = self.runner
         tensors = [getattr(c, f.name) for c in r.kv_caches for f in dataclasses.fields(c)
                    if isinstance(getattr(c, f.name), torch.Tensor)]

@@ -14,6 +14,7 @@ import pytest
 from dsv4.engine.engine import LLMEngine
 from dsv4.make_model import make_model
 from dsv4.sampling_params import SamplingParams, StructuredOutputsParams
+from engine_runs import run_to_completion
 
 pytest.importorskip("xgrammar")
 
@@ -80,14 +81,8 @@ def test_constrained_rows_beside_speculation_with_graphs() -> None:
 
     def run(spec: dict[str, Any] | None) -> tuple[dict[str, list[int]], LLMEngine]:
         e = LLMEngine.from_args(model, device="cuda", dtype="float32", max_num_seqs=4, speculative_config=spec)
-        for i, (prompt, sp) in enumerate(requests):
-            e.add_request(prompt, sp, request_id=str(i))
-        done: dict[str, list[int]] = {}
-        while e.has_unfinished_requests():
-            for out in e.step():
-                if out.finished:
-                    done[out.request_id] = list(out.outputs[0].token_ids)
-        return done, e
+        prompts = {str(i): p for i, (p, _) in enumerate(requests)}
+        return run_to_completion(e, prompts, {str(i): sp for i, (_, sp) in enumerate(requests)}), e
 
     plain, _ = run(None)
     got, e = run({"method": "dspark", "verify_decode": True, "drafter_cuda_graphs": True})
