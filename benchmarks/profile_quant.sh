@@ -15,7 +15,16 @@ c["num_hidden_layers"] = n
 c["layer_types"], c["mlp_layer_types"] = c["layer_types"][:n], c["mlp_layer_types"][:n]
 json.dump(c, open(path, "w"), indent=1)
 PY
-for b in ${BATCHES:-1 32}; do
+for b in ${DUMMY_BATCHES-1 32}; do
   timeout 200 python3 benchmarks/profile_graph.py $d $b 20 --load-format=dummy > "$out/profile-v4-flash-${DEPTH:-8}l-dummy-b$b.log" 2>&1
   summary "dummy b$b" $? "$out/profile-v4-flash-${DEPTH:-8}l-dummy-b$b.log" 'replay alone|Error'
+done
+# PRESETS="v41-flash-8l v4-flash-4l": also profile those presets' released copies at $BATCHES
+for p in ${PRESETS:-}; do
+  [ -d /tmp/$p-released ] || timeout 240 python3 -m dsv4.cli make-model --preset $p --out /tmp/$p-released \
+    --device cuda --quant released > /dev/null
+  for b in ${BATCHES:-1 32}; do
+    timeout 150 python3 benchmarks/profile_graph.py /tmp/$p-released $b 20 > "$out/profile-$p-released-b$b.log" 2>&1
+    summary "$p released b$b" $? "$out/profile-$p-released-b$b.log" 'engine step|replay alone|logits|metadata|Error'
+  done
 done

@@ -6,6 +6,8 @@
 #   bench     $PRESETS (default "v4-flash-4l v41-flash-8l") written in bf16 and with --quant released; decode at
 #             batch $BATCHES (default "1 32", input 512, output 32, FULL graphs + async) and prefill 32 x 512;
 #             $FORMATS (default "bf16 released") picks which of the two run
+#   moe       the routed-expert kernels at decode with the cut-down presets' 16 experts (the grouped kernel's tile
+#             sweep at T=32, the row plan torch vs one launch) and with V4-Flash's 256 (moe_quant_bench.py)
 #   realsize  v4-flash with --load-format dummy at $DEPTH layers (default 30): memory map, decode at batch 1 and 32
 # Each bench writes OUTDIR/<checkpoint>-b<B>.json (+ .log); one summary line per run goes to stdout.
 . "$(dirname "$0")/device_lib.sh"
@@ -31,6 +33,15 @@ part_kernels() {
   tail -40 "$out/fp8_linear.log"
   timeout 150 python3 benchmarks/moe_quant_bench.py --json "$out/moe_quant.json" > "$out/moe_quant.log" 2>&1
   tail -20 "$out/moe_quant.log"
+}
+
+part_moe() {
+  timeout 200 python3 benchmarks/moe_quant_bench.py --models v4-flash --experts 16 --tokens 1,32 --sweep-decode \
+    --plan --json "$out/moe_decode_e16.json" > "$out/moe_decode_e16.log" 2>&1
+  tail -8 "$out/moe_decode_e16.log"
+  timeout 100 python3 benchmarks/moe_quant_bench.py --models v4-flash --tokens 1,32 --json "$out/moe_decode_e256.json" \
+    > "$out/moe_decode_e256.log" 2>&1
+  tail -5 "$out/moe_decode_e256.log"
 }
 
 part_bench() {

@@ -37,6 +37,39 @@ def test_hc_post_kernel_matches_torch() -> None:
     """)
 
 
+_GROUP_ROWS_CHECK = """
+    import torch
+    from dsv4.ops.moe import (PLAN_KERNEL_MAX_ROWS, expert_grouped_torch, expert_grouped_triton, group_rows_torch,
+                              group_rows_triton)
+    g = torch.Generator().manual_seed(11)
+    for R, E, bm in CASES:
+        idx = torch.randint(0, E, (R,), generator=g)
+        if R > 8:
+            idx[: R // 4] = 1  # a hot expert (several blocks), rows of no expert, an expert with none
+            idx[R // 3:: 7] = -1
+            idx[idx == 0] = 2
+        ref, got = group_rows_torch(idx, E, bm), group_rows_triton(idx, E, bm)
+        for name, a, b in zip(ref._fields, ref, got):
+            assert (a == b if name == "block_m" else (a.dtype == b.dtype and torch.equal(a, b))), (R, E, name)
+        if R <= 200:
+            x = torch.randn(R, 32, generator=g)
+            w = torch.randn(E, 24, 32, generator=g)
+            plan = group_rows_triton(idx, E, 64)
+            assert torch.allclose(expert_grouped_triton(x, w, idx, 1, plan), expert_grouped_torch(x, w, idx, 1),
+                                  rtol=1e-5, atol=1e-5), (R, E)
+    print("ok")
+"""
+
+
+def test_group_rows_kernel_matches_torch() -> None:
+    """The one-launch row plan of the grouped matmuls (decode steps) equals the torch ops' plan field for field:
+    the stable order (ties in row order), counts, offsets and block ends, with rows of no expert (-1), experts with
+    no rows, one hot expert over several blocks, R of 1, not a power of two and the kernel's limit; and a grouped
+    matmul given that plan equals the reference."""
+    _interpret("CASES = ((1, 4, 16), (5, 16, 16), (192, 16, 32), (200, 3, 64), (97, 384, 16), (1024, 256, 64))"
+               + textwrap.dedent(_GROUP_ROWS_CHECK) + "assert CASES[-1][0] == PLAN_KERNEL_MAX_ROWS")
+
+
 @pytest.mark.parametrize("shape,half", [((5, 64), 8), ((3, 4, 32), 4), ((2, 3, 128), 32), ((1, 16), 8)])
 def test_rope_kernel_matches_torch(shape: tuple, half: int) -> None:
     _interpret(f"""

@@ -12,6 +12,8 @@ another rank's expert): its output row is 0 and none of W is read for it. Two sh
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -85,15 +87,42 @@ def expert_grouped_torch(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x_
 GROUPED_BLOCK_M = 64  # rows of one expert per program: a tl.dot tile; at most one partly filled block per expert
 
 
-def group_rows(idx: torch.Tensor, E: int, block_m: int) -> tuple[torch.Tensor, ...]:
-    """The device-side plan of a grouped expert matmul: rows sorted by expert, with no expert (-1) last in a bucket
-    E of their own; the buckets' row counts, first rows and inclusive cumsum of blocks of `block_m` rows. Counted
-    with scatter_add, not bincount (which syncs with the host for its size): capturable in a decode graph."""
+class RowPlan(NamedTuple):
+    """The device-side plan of a grouped expert matmul (`group_rows`): rows sorted by expert (stable; rows with no
+    expert last, in a bucket E of their own), the E + 1 buckets' row counts, first rows and inclusive cumsum of
+    blocks of `block_m` rows. A MoE layer builds it once for both of its matmuls (same routes, same block size)."""
+
+    order: torch.Tensor
+    counts: torch.Tensor
+    offsets: torch.Tensor
+    block_ends: torch.Tensor
+    block_m: int
+
+
+# Up to this many rows `group_rows` sorts in one Triton program (a bitonic sort of the (expert, row) keys in
+# registers); beyond it (prefill) torch's sort, scan and scatter (~10 launches). H200, CUDA-graph replays
+# (benchmarks/results/2026-12-03-h200-grouped-experts-decode): 2.1 us against 47 us at 192 rows, 9.4 against 50 at
+# 768, but 77 against 56 at 3072 (one program's sort grows as R log^2 R).
+PLAN_KERNEL_MAX_ROWS = 1024
+
+
+def group_rows_torch(idx: torch.Tensor, E: int, block_m: int) -> RowPlan:
+    """`group_rows` by torch ops. Counted with scatter_add, not bincount (which syncs with the host for its size):
+    capturable in a decode graph."""
     idx = torch.where(idx < 0, E, idx).long()
     order = torch.argsort(idx, stable=True)
     counts = torch.zeros(E + 1, dtype=torch.int64, device=idx.device).scatter_add_(0, idx, torch.ones_like(idx))
     offsets = torch.cumsum(counts, 0) - counts
-    return order, counts, offsets, torch.cumsum((counts + block_m - 1) // block_m, 0)
+    return RowPlan(order, counts, offsets, torch.cumsum((counts + block_m - 1) // block_m, 0), block_m)
+
+
+def group_rows(idx: torch.Tensor, E: int, block_m: int) -> RowPlan:
+    """The plan for routes `idx` [R] (-1: no expert) over E experts: one launch on CUDA for up to
+    PLAN_KERNEL_MAX_ROWS rows (the decode steps), torch ops otherwise. No host sync either way."""
+    R = idx.numel()
+    if not (idx.is_cuda and triton is not None and 0 < R <= PLAN_KERNEL_MAX_ROWS):
+        return group_rows_torch(idx, E, block_m)
+    return group_rows_triton(idx, E, block_m)
 
 
 if triton is not None:
@@ -116,6 +145,22 @@ if triton is not None:
         mm = m < cnt
         rows = tl.load(order_ptr + tl.load(offsets_ptr + e_safe) + m, mask=mm, other=0).to(tl.int64)
         return e_safe, rows, mm, rows // x_div
+
+    @triton.jit
+    def _group_rows_kernel(idx_ptr, order_ptr, counts_ptr, offsets_ptr, block_ends_ptr, R, E, BLOCK_M: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr):
+        # one program: the keys bucket * BLOCK_R + row sort to the stable order (padding past R, bucket E + 1, last)
+        r = tl.arange(0, BLOCK_R)
+        e = tl.load(idx_ptr + r, mask=r < R, other=0).to(tl.int32)
+        e = tl.where(r < R, tl.where(e < 0, E, e), E + 1)
+        order = tl.sort(e * BLOCK_R + r) % BLOCK_R
+        tl.store(order_ptr + r, order.to(tl.int64), mask=r < R)
+        counts = tl.histogram(e, BLOCK_E)  # BLOCK_E >= E + 2 bins: every key lands in one
+        ev = tl.arange(0, BLOCK_E)
+        em = ev <= E
+        tl.store(counts_ptr + ev, counts.to(tl.int64), mask=em)
+        tl.store(offsets_ptr + ev, (tl.cumsum(counts, 0) - counts).to(tl.int64), mask=em)
+        tl.store(block_ends_ptr + ev, tl.cumsum((counts + BLOCK_M - 1) // BLOCK_M, 0).to(tl.int64), mask=em)
 
     @triton.jit
     def _expert_grouped_kernel(x_ptr, w_ptr, order_ptr, counts_ptr, offsets_ptr, block_ends_ptr, out_ptr, E, N, K,
@@ -142,7 +187,23 @@ if triton is not None:
         tl.store(out_ptr + rows[:, None] * N + n[None, :], cast_rne(acc, dt, INTERPRET), mask=mm[:, None] & nm[None, :])
 
 
-def expert_grouped_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x_div: int) -> torch.Tensor:
+def group_rows_triton(idx: torch.Tensor, E: int, block_m: int) -> RowPlan:
+    """`group_rows_torch`'s plan in one launch (one program; up to PLAN_KERNEL_MAX_ROWS rows)."""
+    assert triton is not None, "triton is not installed"
+    R = idx.numel()
+    assert 0 < R <= PLAN_KERNEL_MAX_ROWS, R
+    dev = idx.device
+    order = torch.empty(R, dtype=torch.int64, device=dev)
+    counts, offsets, block_ends = (torch.empty(E + 1, dtype=torch.int64, device=dev) for _ in range(3))
+    block_r = max(16, triton.next_power_of_2(R))
+    _group_rows_kernel[(1,)](idx.contiguous(), order, counts, offsets, block_ends, R, E, BLOCK_M=block_m,
+                             BLOCK_R=block_r, BLOCK_E=max(16, triton.next_power_of_2(E + 2)),
+                             num_warps=4 if block_r <= 1024 else 8)
+    return RowPlan(order, counts, offsets, block_ends, block_m)
+
+
+def expert_grouped_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x_div: int,
+                          plan: RowPlan | None = None) -> torch.Tensor:
     """The same in one launch, with no host sync: the sort, counts and block ranges are device tensors and the grid
     is sized for the worst case (every expert with one partly filled block)."""
     assert triton is not None, "triton is not installed"
@@ -151,7 +212,9 @@ def expert_grouped_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x
     out = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R:
         bm = GROUPED_BLOCK_M
-        order, counts, offsets, block_ends = group_rows(idx, E, bm)
+        plan = plan if plan is not None else group_rows(idx, E, bm)
+        assert plan.block_m == bm, "a plan for another block size"
+        order, counts, offsets, block_ends, _ = plan
         block_n, block_k = 64, 64 if x.dtype == torch.float32 else 128
         grid = (triton.cdiv(R, bm) + min(E + 1, R), triton.cdiv(N, block_n))
         _expert_grouped_kernel[grid](x.contiguous(), w, order, counts, offsets, block_ends, out, E, N, K, x_div,
@@ -161,10 +224,11 @@ def expert_grouped_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x
     return out
 
 
-def expert_grouped(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x_div: int) -> torch.Tensor:
-    """Triton on CUDA, torch elsewhere."""
+def expert_grouped(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x_div: int,
+                   plan: RowPlan | None = None) -> torch.Tensor:
+    """Triton on CUDA, torch elsewhere (which needs no plan)."""
     if x.is_cuda and triton is not None and w.is_contiguous() and x.dtype == w.dtype:
-        return expert_grouped_triton(x, w, idx, x_div)
+        return expert_grouped_triton(x, w, idx, x_div, plan)
     return expert_grouped_torch(x, w, idx, x_div)
 
 

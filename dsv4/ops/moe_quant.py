@@ -33,8 +33,10 @@ costs ~30% more instructions in the gemv's loop, and is what the CPU interpreter
   expert per program (the scheme of `expert_grouped_triton`: grid sized for the worst case, no host sync). The
   product is computed transposed, W_tile @ x_rows^T, so the tile decoded to x's dtype in registers is wgmma's A
   operand, taken from registers (no shared-memory round trip), and BLOCK_M (wgmma's N) can be as small as 16; it is
-  chosen from the mean rows per expert, because every block decodes its expert's weights again. fp32 accumulation
+  chosen from the mean rows per expert, because every block decodes its expert's weights again. The next K tile's
+  words and scales (and, in decode-sized blocks, x rows) are in flight while this one is decoded. fp32 accumulation
   (IEEE products for fp32 x).
+  A MoE layer builds the row plan (`dsv4.ops.moe.group_rows`: one launch at decode sizes) once for both matmuls.
 Limits of the Triton paths (the torch paths have none): an MXFP4 scale byte above 248 (a multiplier above 2^121)
 overflows with the folded 2^6; the data's last dim must be a multiple of 4 bytes.
 """
@@ -43,7 +45,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4.ops.moe import expert_gemv_torch, expert_grouped_torch, group_rows
+from dsv4.ops.moe import RowPlan, expert_gemv_torch, expert_grouped_torch, group_rows
 from dsv4.quant.weight import QuantWeight
 
 try:
@@ -76,7 +78,12 @@ def expert_grouped_q_torch(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x
 # Tile sizes (module-level so a benchmark on the GPU can sweep them). The gemv tiles move 4 KB of weight bytes per
 # program per iteration in either format (plus the next iteration's, prefetched).
 GEMV_Q_CONFIG = {"fp4": dict(block_n=16, block_k=512, num_warps=4), "fp8": dict(block_n=16, block_k=256, num_warps=4)}
-GROUPED_Q_CONFIG = dict(block_n=64, block_k=128, block_k_fp32=64, num_warps=4, block_m=None, max_block_m=64)
+# prefetch_x_max_block_m: blocks of at most this many rows (decode steps: few routes per expert) load the next K
+# tile's x rows with its weights. H200 (benchmarks/results/2026-12-03-h200-grouped-experts-decode): V4-Flash shapes
+# at T=1 (blocks of 16) 103.6 -> 84.0 us (gate_up) and 64.9 -> 40.9 us (down); at T=32 over 256 experts +6%
+# (a case the dispatch sends to the gemv); a 32 x 512 prefill (blocks of 64) with it on 240-263 -> 280 ms, so off there.
+GROUPED_Q_CONFIG = dict(block_n=64, block_k=128, block_k_fp32=64, num_warps=4, block_m=None, max_block_m=64,
+                        prefetch_x_max_block_m=32)
 # Decode the words with inline PTX on NVIDIA GPUs (MXFP4: 7 integer ops, 4 e4m3x2 -> f16x2 and 8 f16 -> f32
 # conversions per 8 values) rather than the same math in Triton ops, which the compiler spreads over byte extracts
 # and repacks (sm_90: 6.1-6.4 instead of 4.7-5.0 instructions a weight in the gemv's loop, which is near the ALU's
@@ -216,6 +223,12 @@ if triton is not None:
                        other=0.0).to(tl.float32)
 
     @triton.jit
+    def _load_x_tile(x_ptr, xrows, mm, k0, K, lim, BLOCK_K: tl.constexpr):
+        """The rows' x columns k0 + [0, BLOCK_K) [BLOCK_M, BLOCK_K] in x's dtype (columns from `lim` on masked)."""
+        k = k0 + tl.arange(0, BLOCK_K)
+        return tl.load(x_ptr + xrows[:, None] * K + k[None, :], mask=mm[:, None] & (k < lim)[None, :], other=0.0)
+
+    @triton.jit
     def _weight(w, sc, ROUND_W: tl.constexpr, dt: tl.constexpr, INTERPRET: tl.constexpr):
         """A decoded tile [BLOCK_N, G, *] for the gemv's products: as it is (its scale applied to the group's partial
         sum), or with float scales and a narrower x the dequantized weight rounded to x's dtype, as
@@ -286,7 +299,7 @@ if triton is not None:
                                  E, N, K, KW, SK, x_div, FP4: tl.constexpr, UE8M0: tl.constexpr, BN: tl.constexpr,
                                  BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
                                  SUB: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr, PTX: tl.constexpr,
-                                 INTERPRET: tl.constexpr):
+                                 PREFETCH_X: tl.constexpr, INTERPRET: tl.constexpr):
         # the row-block -> expert map of dsv4/ops/moe.py's grouped kernel (`group_rows`' plan)
         e_safe, rows, mm, xrows = block_rows(order_ptr, counts_ptr, offsets_ptr, block_ends_ptr, E, x_div, BLOCK_M,
                                              BLOCK_E)
@@ -302,13 +315,20 @@ if triton is not None:
         k_end = tl.where(e_safe < E, K, 0)  # rows with no expert: no weight loads, zeros
         kw_end = tl.where(e_safe < E, KW, 0)
         kg = tl.arange(0, G) * SUB
-        wq = _load_weights(wbase, n, nm, kg, KW, kw_end, W, VPW)  # double-buffered in registers, as in the gemv
+        # weights and scales double-buffered in registers, as in the gemv; the rows' x too with PREFETCH_X (decode
+        # blocks: without it each iteration waited a memory latency for its x tile; prefill blocks run without,
+        # see GROUPED_Q_CONFIG)
+        wq = _load_weights(wbase, n, nm, kg, KW, kw_end, W, VPW)
         sq = _load_scales(sbase, n, nm, kg, SK, k_end, BN, BK)
+        if PREFETCH_X:
+            a = _load_x_tile(x_ptr, xrows, mm, 0, K, k_end, BLOCK_K)
         # transposed, acc = W x^T: the decoded weights are the A operand, which wgmma takes from registers
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, k_end, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + xrows[:, None] * K + k[None, :], mask=mm[:, None] & (k < K)[None, :], other=0.0)
+            if PREFETCH_X:
+                a_next = _load_x_tile(x_ptr, xrows, mm, k0 + BLOCK_K, K, k_end, BLOCK_K)
+            else:
+                a = _load_x_tile(x_ptr, xrows, mm, k0, K, k_end, BLOCK_K)
             wq_next = _load_weights(wbase, n, nm, kg + BLOCK_K, KW, kw_end, W, VPW)
             sq_next = _load_scales(sbase, n, nm, kg + BLOCK_K, SK, k_end, BN, BK)
             sc = _multipliers(sq, FP4, UE8M0)[:, :, None]
@@ -330,6 +350,8 @@ if triton is not None:
             else:
                 acc += tl.dot(wt, tl.trans(a))
             wq, sq, kg = wq_next, sq_next, kg + BLOCK_K
+            if PREFETCH_X:
+                a = a_next
         tl.store(out_ptr + rows[None, :] * N + n[:, None], cast_rne(acc, dt, INTERPRET),
                  mask=mm[None, :] & nm[:, None])
 
@@ -388,20 +410,29 @@ def expert_gemv_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor | No
     return out
 
 
-def expert_grouped_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_div: int) -> torch.Tensor:
-    """`expert_grouped_q_torch` in one launch, with no host sync: rows sorted by expert on the device (the sort,
-    counts and block ranges are device tensors), the grid sized for the worst case (every expert with one partly
-    filled block), weight tiles decoded to x's dtype in registers and multiplied with tl.dot."""
+def grouped_q_block_m(R: int, E: int) -> int:
+    """Rows of one expert per program of `expert_grouped_q_triton` for R routes over E experts: every block decodes
+    its expert's weights again, so about twice the mean rows per expert (most experts in one block); the MMA's width
+    (x's rows, wgmma's N) can be that small."""
+    cfg = GROUPED_Q_CONFIG
+    return cfg["block_m"] or min(cfg["max_block_m"], max(16, triton.next_power_of_2(2 * triton.cdiv(R, E))))
+
+
+def expert_grouped_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_div: int,
+                            plan: RowPlan | None = None) -> torch.Tensor:
+    """`expert_grouped_q_torch` in one launch, with no host sync: rows sorted by expert on the device (`plan`, made
+    here unless given: `group_rows` with `grouped_q_block_m`), the grid sized for the worst case (every expert with
+    one partly filled block), weight tiles decoded to x's dtype in registers and multiplied with tl.dot."""
     assert triton is not None, "triton is not installed"
     R, (E, N, K) = idx.numel(), w.shape
     out = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R:
         data, scale, fmt = _kernel_args(w)
         cfg = GROUPED_Q_CONFIG
-        # rows of one expert per program: every block decodes its expert's weights again, so about twice the mean
-        # rows per expert (most experts in one block); the MMA's width (x's rows, wgmma's N) can be that small
-        bm = cfg["block_m"] or min(cfg["max_block_m"], max(16, triton.next_power_of_2(2 * triton.cdiv(R, E))))
-        order, counts, offsets, block_ends = group_rows(idx, E, bm)  # no host sync: capturable
+        bm = grouped_q_block_m(R, E)
+        plan = plan if plan is not None else group_rows(idx, E, bm)  # no host sync: capturable
+        assert plan.block_m == bm, "a plan for another block size"
+        order, counts, offsets, block_ends, _ = plan
         fp32 = x.dtype == torch.float32
         G, SUB = _groups(w.block[1], w.fp4, cfg["block_k_fp32" if fp32 else "block_k"], K)
         block_n = min(cfg["block_n"], max(triton.next_power_of_2(N), 16))
@@ -409,7 +440,8 @@ def expert_grouped_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, 
         _expert_grouped_q_kernel[grid](
             x.contiguous(), data, scale, order, counts, offsets, block_ends, out, E, N, K, data.shape[-1],
             scale.shape[-1], x_div, **fmt, BLOCK_M=bm, BLOCK_N=block_n, G=G, SUB=SUB,
-            BLOCK_E=triton.next_power_of_2(E + 1), IEEE=fp32, INTERPRET=INTERPRET, num_warps=cfg["num_warps"])
+            BLOCK_E=triton.next_power_of_2(E + 1), IEEE=fp32, PREFETCH_X=bm <= cfg["prefetch_x_max_block_m"],
+            INTERPRET=INTERPRET, num_warps=cfg["num_warps"])
     return out
 
 
@@ -421,8 +453,9 @@ def expert_gemv_q(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_div: int
     return expert_gemv_q_torch(x, w, idx, x_div)
 
 
-def expert_grouped_q(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_div: int) -> torch.Tensor:
-    """Triton on CUDA, torch elsewhere."""
+def expert_grouped_q(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_div: int,
+                     plan: RowPlan | None = None) -> torch.Tensor:
+    """Triton on CUDA, torch elsewhere (which needs no plan)."""
     if x.is_cuda and triton_supports(x, w):
-        return expert_grouped_q_triton(x, w, idx, x_div)
+        return expert_grouped_q_triton(x, w, idx, x_div, plan)
     return expert_grouped_q_torch(x, w, idx, x_div)

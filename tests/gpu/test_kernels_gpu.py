@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dsv4.ops.mhc import hc_post_torch, hc_post_triton
-from dsv4.ops.moe import expert_gemv_torch, expert_gemv_triton, expert_grouped_torch, expert_grouped_triton
+from dsv4.ops.moe import (PLAN_KERNEL_MAX_ROWS, expert_gemv_torch, expert_gemv_triton, expert_grouped_torch,
+                          expert_grouped_triton, group_rows_torch, group_rows_triton)
 from dsv4.ops.rope import apply_rope_torch, apply_rope_triton
 
 
@@ -77,6 +78,29 @@ def test_expert_grouped(dtype: torch.dtype, T: int, k: int, E: int, N: int, K: i
         S = expert_grouped_torch(x.float().abs(), w.float().abs(), idx, k)  # sum |x||w| per output
         bound = ref.abs() * 2.0 ** -8 + (K / 16 + 1) * 2.0 ** -23 * S
         assert (err <= bound).all(), (err / bound).max()
+
+
+@pytest.mark.parametrize("R,E,bm", [(1, 16, 16), (6, 256, 16), (192, 16, 32), (384, 16, 64), (777, 384, 16),
+                                    (PLAN_KERNEL_MAX_ROWS, 256, 64)])
+def test_group_rows_kernel(R: int, E: int, bm: int) -> None:
+    """The one-launch row plan equals the torch ops' plan field for field (stable order, counts, offsets, block
+    ends; rows of no expert last), also replayed from a CUDA graph with new routes in the captured input."""
+    g = torch.Generator(device="cuda").manual_seed(R + E)
+    idx = torch.randint(0, E, (R,), device="cuda", generator=g)
+    if R > 8:
+        idx[R // 3:: 5] = -1
+        idx[: R // 4] = 3  # a hot expert
+    ref, got = group_rows_torch(idx, E, bm), group_rows_triton(idx, E, bm)
+    for name, a, b in zip(ref._fields[:4], ref[:4], got[:4]):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = group_rows_triton(idx, E, bm)
+    idx.copy_(torch.randint(-1, E, (R,), device="cuda", generator=g))
+    graph.replay()
+    ref = group_rows_torch(idx, E, bm)
+    for name, a, b in zip(ref._fields[:4], ref[:4], captured[:4]):
+        assert torch.equal(a, b), ("replay", name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.ops.moe import combine_experts, expert_gemv, expert_grouped
-from dsv4.ops.moe_quant import expert_gemv_q, expert_grouped_q
+from dsv4.ops.moe import GROUPED_BLOCK_M, combine_experts, expert_gemv, expert_grouped, group_rows, triton
+from dsv4.ops.moe_quant import expert_gemv_q, expert_grouped_q, grouped_q_block_m
 from dsv4.quant.weight import QuantWeight
 from dsv4.ops.router import score
 from dsv4.ops.swiglu import swiglu
@@ -131,19 +132,15 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
     inter = down.shape[2]
     quant = isinstance(gate_up, QuantWeight)
     if not fixed or T * k <= E or quant:
-        per_row = fixed and T * k <= E
-        if quant:
-            matmul = expert_gemv_q if per_row else expert_grouped_q
-        else:
-            matmul = expert_gemv if per_row else expert_grouped
         flat = idx.flatten()
-        gu = matmul(x, gate_up, flat, k)  # [T*k, 2I]
+        matmul = _routed_matmul(x, flat, E, quant, per_row=fixed and T * k <= E)
+        gu = matmul(x, gate_up, k)  # [T*k, 2I]
         g, u = gu[:, :inter], gu[:, inter:]
         if weight_before_down:
             h = swiglu(g, u, limit, weights.flatten(), fp32=True)
-            return combine_experts(matmul(h, down, flat, 1), None, shared, k)
+            return combine_experts(matmul(h, down, 1), None, shared, k)
         h = swiglu(g, u, limit, fp32=False)
-        return combine_experts(matmul(h, down, flat, 1), weights.flatten(), shared, k)
+        return combine_experts(matmul(h, down, 1), weights.flatten(), shared, k)
     # (other ranks' routes, id -1, weigh 0: clamped onto expert 0 they add nothing, hence add, not set)
     wmat = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, idx.clamp(min=0), weights.float())
     gu = torch.einsum("td,efd->etf", x, gate_up).reshape(E * T, 2 * inter)  # expert-major rows
@@ -155,3 +152,18 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
         return (routed + shared.float()).to(x.dtype)
     y = torch.einsum("eti,edi->etd", swiglu(g, u, limit, fp32=False).view(E, T, inter), down)
     return (y.float() * wmat.t()[:, :, None]).sum(dim=0).to(x.dtype) + shared
+
+
+def _routed_matmul(x: torch.Tensor, flat: torch.Tensor, E: int, quant: bool,
+                   per_row: bool) -> Callable[[torch.Tensor, torch.Tensor | QuantWeight, int], torch.Tensor]:
+    """(a, w, x_div) -> the routed rows' product for routes `flat`: per row (`expert_gemv*`) or grouped by expert
+    (`expert_grouped*`). Grouped, both of the layer's matmuls share one row plan (same routes, same block size):
+    built once here on CUDA, where the Triton kernels read it (the torch references need none)."""
+    if per_row:
+        gemv = expert_gemv_q if quant else expert_gemv
+        return lambda a, w, x_div: gemv(a, w, flat, x_div)
+    grouped = expert_grouped_q if quant else expert_grouped
+    plan = None
+    if x.is_cuda and triton is not None:
+        plan = group_rows(flat, E, grouped_q_block_m(flat.numel(), E) if quant else GROUPED_BLOCK_M)
+    return lambda a, w, x_div: grouped(a, w, flat, x_div, plan)
