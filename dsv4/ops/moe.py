@@ -197,8 +197,7 @@ def group_rows_triton(idx: torch.Tensor, E: int, block_m: int) -> RowPlan:
     counts, offsets, block_ends = (torch.empty(E + 1, dtype=torch.int64, device=dev) for _ in range(3))
     block_r = max(16, triton.next_power_of_2(R))
     _group_rows_kernel[(1,)](idx.contiguous(), order, counts, offsets, block_ends, R, E, BLOCK_M=block_m,
-                             BLOCK_R=block_r, BLOCK_E=max(16, triton.next_power_of_2(E + 2)),
-                             num_warps=4 if block_r <= 1024 else 8)
+                             BLOCK_R=block_r, BLOCK_E=max(16, triton.next_power_of_2(E + 2)), num_warps=4)
     return RowPlan(order, counts, offsets, block_ends, block_m)
 
 
