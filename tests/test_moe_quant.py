@@ -213,6 +213,7 @@ def test_gemv_kernel_matches_reference() -> None:
     """)
 
 
+@pytest.mark.slow  # 15-20 s under the interpreter: the slow tier (CI runs it too)
 def test_grouped_kernel_whole_tiles_matches_reference() -> None:
     """The grouped kernel's whole-tile form (`even_tiles`: no per-element masks, pointers formed once, the last
     prefetch clamped) against the reference where N and K are whole tiles: MXFP4, FP8 with 128x128 and 32x32 UE8M0
