@@ -2,7 +2,7 @@
 
 usage: PYTHONPATH=. python3 benchmarks/moe_quant_bench.py [--json PATH] [--formats mxfp4[,fp8]] [--sweep]
                                                           [--tokens 32,64] [--experts E] [--models v4-flash]
-                                                          [--sweep-decode] [--plan]
+                                                          [--sweep-grouped] [--plan]
 
 For V4-Flash (256 experts: gate_up [4096, 4096], down [4096, 2048]) and V4.1-Flash (384 experts: gate_up
 [4608, 5120], down [5120, 2304]), bf16 x:
@@ -15,8 +15,8 @@ the calls rotate over 16 route sets, so no call finds its experts' bytes cached.
 (weights + scales) of the distinct experts a call reads, i.e. the least any kernel must move; `floor` is that over 4.2 TB/s (H200 HBM3e). Prefill also
 reports TFLOP/s (2 R N K). `--sweep`: the quantized kernels' tile configs on V4.1 gate_up (for tuning GEMV_Q_CONFIG
 and GROUPED_Q_CONFIG; a few minutes more). `--experts 16`: that many experts instead of the release's (the cut-down
-presets v4-flash-4l / v41-flash-8l have 16: at T=32 every expert takes ~12 routes). `--sweep-decode`: the grouped
-kernel's tiles (block_n, block_k, num_warps) at each decode T >= 8. `--plan`: the row plan of the grouped matmuls
+presets v4-flash-4l / v41-flash-8l have 16: at T=32 every expert takes ~12 routes). `--sweep-grouped`: the grouped
+kernel's forms (x prefetch, whole tiles) and tiles (block_n, block_k, num_warps) at each T from 8 to 512. `--plan`: the row plan of the grouped matmuls
 (`group_rows`), torch ops against the one-launch kernel, at the decode route counts.
 """
 
@@ -83,7 +83,7 @@ PHASES = (("decode", 1), ("decode", 8), ("decode", 32), ("decode", 64), ("prefil
 
 
 def run(formats: list[str], rows: list[dict], sweep: bool, phases: list[tuple[str, int]], models: list[str],
-        experts: int | None, sweep_decode: bool) -> None:
+        experts: int | None, sweep_grouped_forms: bool) -> None:
     for model in models:
         E, projs = MODELS[model]
         E = experts or E
@@ -108,8 +108,8 @@ def run(formats: list[str], rows: list[dict], sweep: bool, phases: list[tuple[st
                                gbps=round(nbytes / us / 1e3, 1), floor_us=round(nbytes / HBM * 1e6, 2),
                                tflops=round(2 * R * N * K / us / 1e6, 1))
                     rows.append(row)
-                    if sweep_decode and phase == "decode" and T >= 8 and fn is expert_grouped_q_triton:
-                        sweep_grouped_decode(x, w, sets, x_div, row, rows)
+                    if sweep_grouped_forms and T >= 8 and T <= 512 and fn is expert_grouped_q_triton:
+                        sweep_grouped(x, w, sets, x_div, row, rows, graph=phase == "decode")
                     extra = f"{row['tflops']:7.1f} TFLOP/s" if phase == "prefill" else ""
                     print(f"{model:9s} {proj:7s} {phase:7s} T={T:<5d} {fmt:5s} {fn.__name__:26s} {us:9.1f} us  "
                           f"{row['gbps']:7.1f} GB/s"
@@ -151,17 +151,24 @@ def sweep(weights: dict, E: int, K: int, rows: list[dict]) -> None:
             moe_quant.GROUPED_Q_CONFIG.update(saved_grouped)
 
 
-def sweep_grouped_decode(x: torch.Tensor, w: QuantWeight, sets: list[torch.Tensor], x_div: int, base: dict,
-                         rows: list[dict]) -> None:
-    """The grouped kernel's tiles at one decode shape (GROUPED_Q_CONFIG restored afterwards)."""
+def sweep_grouped(x: torch.Tensor, w: QuantWeight, sets: list[torch.Tensor], x_div: int, base: dict,
+                  rows: list[dict], graph: bool) -> None:
+    """The grouped kernel's forms and tiles at one shape (GROUPED_Q_CONFIG restored afterwards): the default tiles
+    with and without the x prefetch and the whole-tile form, then the whole-tile form over block_n, block_k and
+    warps."""
     saved = dict(moe_quant.GROUPED_Q_CONFIG)
-    for bn, bk, nw in itertools.product((64, 128), (128, 256), (4, 8)):
-        moe_quant.GROUPED_Q_CONFIG.update(block_n=bn, block_k=bk, num_warps=nw)
-        us = bench(expert_grouped_q_triton, x, w, sets, x_div)
-        rows.append({**base, "sweep": "grouped-decode", "block_n": bn, "block_k": bk, "num_warps": nw,
-                     "us": round(us, 2), "floor_pct": round(100 * base["floor_us"] / us, 1)})
-        print(f"  sweep grouped {base['proj']} T={base['T']:<3d} block_n={bn:<3d} block_k={bk:<3d} warps={nw}: "
-              f"{us:8.1f} us ({100 * base['floor_us'] / us:3.0f}% of floor)", flush=True)
+    forms = [dict(even_tiles=e, prefetch_x_max_block_m=p) for e in (False, True) for p in (0, 64)]
+    tiles = [dict(block_n=bn, block_k=bk, num_warps=nw, even_tiles=True)
+             for bn, bk, nw in itertools.product((64, 128), (128, 256), (4, 8))]
+    for cfg in forms + tiles:
+        moe_quant.GROUPED_Q_CONFIG.clear()
+        moe_quant.GROUPED_Q_CONFIG.update({**saved, **cfg})
+        us = bench(expert_grouped_q_triton, x, w, sets, x_div, graph=graph)
+        rows.append({**base, "sweep": "grouped", **cfg, "us": round(us, 2),
+                     "floor_pct": round(100 * base["floor_us"] / us, 1)})
+        desc = " ".join(f"{k}={v}" for k, v in cfg.items())
+        print(f"  sweep grouped {base['proj']} {base['phase']} T={base['T']:<4d} {desc}: {us:8.1f} us "
+              f"({100 * base['floor_us'] / us:3.0f}% of floor)", flush=True)
     moe_quant.GROUPED_Q_CONFIG.clear()
     moe_quant.GROUPED_Q_CONFIG.update(saved)
 
@@ -187,7 +194,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="", help="only these T (comma-separated), e.g. 32,64")
     ap.add_argument("--experts", type=int, default=None, help="experts per layer (default: the release's)")
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated: " + ", ".join(MODELS))
-    ap.add_argument("--sweep-decode", action="store_true", help="sweep the grouped kernel's tiles at decode")
+    ap.add_argument("--sweep-grouped", action="store_true",
+                    help="sweep the grouped kernel's forms and tiles at T = 8..512")
     ap.add_argument("--plan", action="store_true", help="time the grouped matmuls' row plan")
     args = ap.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
@@ -197,7 +205,7 @@ def main() -> None:
         for E in sorted({args.experts or MODELS[m][0] for m in args.models.split(",")} | {16}):
             bench_plan(E, rows)
     run(args.formats.split(","), rows, args.sweep, [(p, T) for p, T in PHASES if not tokens or T in tokens],
-        args.models.split(","), args.experts, args.sweep_decode)
+        args.models.split(","), args.experts, args.sweep_grouped)
     print("\nsummary: us (x faster than bf16), % of the bandwidth floor")
     for (model, proj, phase, T), group in itertools.groupby(
             [r for r in rows if "sweep" not in r], key=lambda r: (r["model"], r["proj"], r["phase"], r["T"])):

@@ -6,8 +6,9 @@
 #   bench     $PRESETS (default "v4-flash-4l v41-flash-8l") written in bf16 and with --quant released; decode at
 #             batch $BATCHES (default "1 32", input 512, output 32, FULL graphs + async) and prefill 32 x 512;
 #             $FORMATS (default "bf16 released") picks which of the two run
-#   moe       the routed-expert kernels at decode with the cut-down presets' 16 experts (the grouped kernel's tile
-#             sweep at T=32, the row plan torch vs one launch) and with V4-Flash's 256 (moe_quant_bench.py)
+#   moe       the routed-expert kernels with the cut-down presets' 16 experts (the grouped kernel's forms and tiles
+#             at T=32 and 512, the row plan torch vs one launch) and with V4-Flash's 256 at decode (moe_quant_bench.py)
+#   GROUPED_Q='dict(even_tiles=True)' (any part): that update of GROUPED_Q_CONFIG for the engine runs
 #   realsize  v4-flash with --load-format dummy at $DEPTH layers (default 30): memory map, decode at batch 1 and 32
 # Each bench writes OUTDIR/<checkpoint>-b<B>.json (+ .log); one summary line per run goes to stdout.
 . "$(dirname "$0")/device_lib.sh"
@@ -18,9 +19,14 @@ make_quant() {
     --device cuda --quant released > /dev/null
 }
 
+# dsv4's CLI; with GROUPED_Q='dict(even_tiles=True)' (a Python dict expression) the grouped quantized expert kernel's
+# config is updated with it first (dsv4.ops.moe_quant.GROUPED_Q_CONFIG), e.g. to time a form that is off by default
+CLI=(python3 -c "import sys; from dsv4.ops import moe_quant; moe_quant.GROUPED_Q_CONFIG.update(${GROUPED_Q:-{\}});
+from dsv4.cli import main; sys.exit(main(sys.argv[1:]))")
+
 bench() {  # bench LIMIT DIR BATCH TAG [extra args]
   local limit=$1 dir=$2 b=$3 tag=$4; shift 4
-  timeout "$limit" python3 -m dsv4.cli bench latency --model "$dir" --batch-size "$b" --input-len 512 \
+  timeout "$limit" "${CLI[@]}" bench latency --model "$dir" --batch-size "$b" --input-len 512 \
     --output-len 32 --num-iters 2 --cudagraph-capture-sizes "$b" --output-json "$out/$tag-b$b.json" "$@" \
     > "$out/$tag-b$b.log" 2>&1
   summary "$tag b$b" $? "$out/$tag-b$b.log" 'decode step|fraction|prefill|load|Error'
@@ -36,7 +42,7 @@ part_kernels() {
 }
 
 part_moe() {
-  timeout 200 python3 benchmarks/moe_quant_bench.py --models v4-flash --experts 16 --tokens 1,32 --sweep-decode \
+  timeout 300 python3 benchmarks/moe_quant_bench.py --models v4-flash --experts 16 --tokens 1,32,512 --sweep-grouped \
     --plan --json "$out/moe_decode_e16.json" > "$out/moe_decode_e16.log" 2>&1
   tail -8 "$out/moe_decode_e16.log"
   timeout 100 python3 benchmarks/moe_quant_bench.py --models v4-flash --tokens 1,32 --json "$out/moe_decode_e256.json" \
