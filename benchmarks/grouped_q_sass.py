@@ -1,5 +1,7 @@
 """What the grouped quantized expert kernel compiles to, without a GPU: registers, stack (spills) and the opcodes of
-its K loop per thread, for each variant (rows per block, x prefetch, whole tiles).
+its K loop per thread, for each variant (rows per block, x prefetch), specialized as the launch is at the
+released shapes (16-byte aligned pointers, sizes multiples of 16: without that, the loads are 4-byte and the sums
+cross threads, a different kernel).
 
 usage: python3 benchmarks/grouped_q_sass.py [--json PATH]
 
@@ -29,22 +31,24 @@ from dsv4.ops import moe_quant
 SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*u8", "order_ptr": "*i64", "counts_ptr": "*i64",
              "offsets_ptr": "*i64", "block_ends_ptr": "*i64", "out_ptr": "*bf16", "E": "i32", "N": "i32", "K": "i32",
              "KW": "i32", "SK": "i32", "x_div": "i32"}
-VARIANTS = [(16, True, False), (32, True, False), (64, False, False), (16, True, True), (32, True, True),
-            (64, False, True)]
+VARIANTS = [(16, True), (32, True), (64, False), (16, False), (32, False), (64, True)]  # (BLOCK_M, PREFETCH_X)
 
 
 def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def compile_variant(block_m: int, prefetch_x: bool, even: bool) -> tuple[bytes, int, int]:
+def compile_variant(block_m: int, prefetch_x: bool) -> tuple[bytes, int, int]:
     """(cubin, BLOCK_N * BLOCK_K weights a tile, threads) of one variant."""
     cfg = moe_quant.GROUPED_Q_CONFIG
     block_n, block_k, warps = cfg["block_n"], cfg["block_k"], cfg["num_warps"]
     consts = dict(FP4=True, UE8M0=True, BN=1, BK=32, BLOCK_M=block_m, BLOCK_N=block_n, G=block_k // 32, SUB=32,
-                  BLOCK_E=32, IEEE=False, PTX=True, PREFETCH_X=prefetch_x, EVEN=even, INTERPRET=False)
-    src = ASTSource(fn=moe_quant._expert_grouped_q_kernel, signature={**SIGNATURE, **{k: "constexpr" for k in consts}},
-                    constexprs=consts)
+                  BLOCK_E=32, IEEE=False, PTX=True, PREFETCH_X=prefetch_x, INTERPRET=False)
+    fn = moe_quant._expert_grouped_q_kernel
+    # what the launch specializes on at the released shapes: 16-byte aligned pointers, E, N, K, KW, SK multiples of 16
+    # (x_div, 6 for gate_up, is not)
+    attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in SIGNATURE if a != "x_div"}
+    src = ASTSource(fn=fn, signature={**SIGNATURE, **{k: "constexpr" for k in consts}}, constexprs=consts, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
     return kernel.asm["cubin"], block_n * block_k, 32 * warps
 
@@ -81,13 +85,13 @@ def main() -> None:
     args = ap.parse_args()
     print(f"triton {triton.__version__}, sm_90, GROUPED_Q_CONFIG {moe_quant.GROUPED_Q_CONFIG}")
     rows = []
-    for block_m, prefetch_x, even in VARIANTS:
-        cubin, tile, threads = compile_variant(block_m, prefetch_x, even)
-        row = dict(block_m=block_m, prefetch_x=prefetch_x, even=even, **analyse(cubin))
+    for block_m, prefetch_x in VARIANTS:
+        cubin, tile, threads = compile_variant(block_m, prefetch_x)
+        row = dict(block_m=block_m, prefetch_x=prefetch_x, **analyse(cubin))
         row["per_weight"] = round(row["loop_instructions"] / (tile / threads), 2)
         rows.append(row)
         top = " ".join(f"{k} {v}" for k, v in list(row["loop_ops"].items())[:10])
-        print(f"BLOCK_M {block_m:3d} prefetch_x {prefetch_x!s:5s} even {even!s:5s}: {row['registers']} registers, "
+        print(f"BLOCK_M {block_m:3d} prefetch_x {prefetch_x!s:5s}: {row['registers']} registers, "
               f"stack {row['stack']:4d} B, loop {row['loop_instructions']:4d} instructions "
               f"({row['per_weight']:.1f} a weight): {top}", flush=True)
     if args.json:

@@ -16,7 +16,7 @@ the calls rotate over 16 route sets, so no call finds its experts' bytes cached.
 reports TFLOP/s (2 R N K). `--sweep`: the quantized kernels' tile configs on V4.1 gate_up (for tuning GEMV_Q_CONFIG
 and GROUPED_Q_CONFIG; a few minutes more). `--experts 16`: that many experts instead of the release's (the cut-down
 presets v4-flash-4l / v41-flash-8l have 16: at T=32 every expert takes ~12 routes). `--sweep-grouped`: the grouped
-kernel's forms (x prefetch, whole tiles) and tiles (block_n, block_k, num_warps) at each T from 8 to 512. `--plan`: the row plan of the grouped matmuls
+kernel with and without the x prefetch and its tiles (block_n, block_k, num_warps) at each T from 8 to 512. `--plan`: the row plan of the grouped matmuls
 (`group_rows`), torch ops against the one-launch kernel, at the decode route counts.
 """
 
@@ -154,12 +154,10 @@ def sweep(weights: dict, E: int, K: int, rows: list[dict]) -> None:
 def sweep_grouped(x: torch.Tensor, w: QuantWeight, sets: list[torch.Tensor], x_div: int, base: dict,
                   rows: list[dict], graph: bool) -> None:
     """The grouped kernel's forms and tiles at one shape (GROUPED_Q_CONFIG restored afterwards): the default tiles
-    with and without the x prefetch and the whole-tile form, then the whole-tile form over block_n, block_k and
-    warps."""
+    with and without the x prefetch, then block_n, block_k and warps (the default prefetch rule)."""
     saved = dict(moe_quant.GROUPED_Q_CONFIG)
-    forms = [dict(even_tiles=e, prefetch_x_max_block_m=p) for e in (False, True) for p in (0, 64)]
-    tiles = [dict(block_n=bn, block_k=bk, num_warps=nw, even_tiles=True)
-             for bn, bk, nw in itertools.product((64, 128), (128, 256), (4, 8))]
+    forms = [dict(prefetch_x_max_block_m=p) for p in (0, 64)]
+    tiles = [dict(block_n=bn, block_k=bk, num_warps=nw) for bn, bk, nw in itertools.product((64, 128), (128, 256), (4, 8))]
     for cfg in forms + tiles:
         moe_quant.GROUPED_Q_CONFIG.clear()
         moe_quant.GROUPED_Q_CONFIG.update({**saved, **cfg})

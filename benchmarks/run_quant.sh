@@ -8,7 +8,7 @@
 #             $FORMATS (default "bf16 released") picks which of the two run
 #   moe       the routed-expert kernels with the cut-down presets' 16 experts (the grouped kernel's forms and tiles
 #             at T=32 and 512, the row plan torch vs one launch) and with V4-Flash's 256 at decode (moe_quant_bench.py)
-#   GROUPED_Q='dict(even_tiles=True)' (any part): that update of GROUPED_Q_CONFIG for the engine runs
+#   GROUPED_Q='dict(prefetch_x_max_block_m=64)' (any part): that update of GROUPED_Q_CONFIG for the engine runs
 #   realsize  v4-flash with --load-format dummy at $DEPTH layers (default 30): memory map, decode at batch 1 and 32
 # Each bench writes OUTDIR/<checkpoint>-b<B>.json (+ .log); one summary line per run goes to stdout.
 . "$(dirname "$0")/device_lib.sh"
@@ -19,8 +19,8 @@ make_quant() {
     --device cuda --quant released > /dev/null
 }
 
-# dsv4's CLI; with GROUPED_Q='dict(even_tiles=True)' (a Python dict expression) the grouped quantized expert kernel's
-# config is updated with it first (dsv4.ops.moe_quant.GROUPED_Q_CONFIG), e.g. to time a form that is off by default
+# dsv4's CLI; with GROUPED_Q='dict(prefetch_x_max_block_m=64)' (a Python dict expression) the grouped quantized
+# expert kernel's config is updated with it first (dsv4.ops.moe_quant.GROUPED_Q_CONFIG), e.g. to time another form
 CLI=(python3 -c "import sys; from dsv4.ops import moe_quant; moe_quant.GROUPED_Q_CONFIG.update(${GROUPED_Q:-{\}});
 from dsv4.cli import main; sys.exit(main(sys.argv[1:]))")
 

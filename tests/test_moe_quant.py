@@ -213,43 +213,6 @@ def test_gemv_kernel_matches_reference() -> None:
     """)
 
 
-@pytest.mark.slow  # 15-20 s under the interpreter: the slow tier (CI runs it too)
-def test_grouped_kernel_whole_tiles_matches_reference() -> None:
-    """The grouped kernel's whole-tile form (`even_tiles`: no per-element masks, pointers formed once, the last
-    prefetch clamped) against the reference where N and K are whole tiles: MXFP4, FP8 with 128x128 and 32x32 UE8M0
-    blocks and float scales; decode-sized blocks (x prefetched) and prefill-sized ones; rows of no expert, a hot
-    expert over several blocks, an expert with none, the last expert's last row (whose clamped prefetch stays in
-    bounds: an unclamped one reads past the tensor, which the interpreter does not catch; on the GPU it could fault)."""
-    _interpret("""
-        import torch
-        from test_moe_quant import mxfp4_weight, fp8_weight, routes, assert_close
-        from dsv4.ops import moe_quant
-        from dsv4.ops.moe_quant import GROUPED_Q_CONFIG, expert_grouped_q_torch, expert_grouped_q_triton, whole_tiles
-        g = torch.Generator().manual_seed(5)
-        GROUPED_Q_CONFIG["even_tiles"] = True
-        for kind, E, N, K in (("mxfp4", 4, 128, 256), ("fp8-ue8m0", 3, 64, 256), ("fp8-ue8m0-32", 3, 64, 128),
-                              ("fp8-f32", 3, 128, 128)):
-            if kind == "mxfp4":
-                w = mxfp4_weight(E, N, K, g)
-            else:
-                w = fp8_weight(E, N, K, (32, 32) if kind.endswith("32") else (128, 128), "ue8m0" in kind, g)
-            assert whole_tiles(N, K, GROUPED_Q_CONFIG["block_n"], GROUPED_Q_CONFIG["block_k"])
-            for dtype in (torch.float32, torch.bfloat16):
-                for T, x_div in ((3, 3), (40, 1), (2 * E * 32, 1)):
-                    R = T * x_div
-                    x = torch.randn(T, K, generator=g).to(dtype)
-                    idx = routes(R, E, g)
-                    idx[-1] = E - 1  # the last expert: its last tile's prefetch is clamped
-                    if R > 64:
-                        idx[: 70] = 1  # a hot expert over several blocks, one with none
-                        idx[idx == 0] = 2
-                    ref, got = expert_grouped_q_torch(x, w, idx, x_div), expert_grouped_q_triton(x, w, idx, x_div)
-                    assert got.dtype == dtype and got.shape == (R, N)
-                    assert_close(got, ref, x, w, idx, x_div)
-        print("ok")
-    """)
-
-
 @pytest.mark.slow  # 7 s under the interpreter: the slow tier (CI runs it too) keeps the main tier under 10 minutes
 def test_grouped_kernel_matches_reference() -> None:
     """The grouped kernel on random data (as the gemv test), plus the grouping: one expert with more than a block

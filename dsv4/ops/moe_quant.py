@@ -83,13 +83,8 @@ GEMV_Q_CONFIG = {"fp4": dict(block_n=16, block_k=512, num_warps=4), "fp8": dict(
 # at T=1 (blocks of 16) 103.6 -> 84.0 us (gate_up) and 64.9 -> 40.9 us (down); at T=32 over 256 experts +6%
 # (a case the dispatch sends to the gemv); a 32 x 512 prefill (blocks of 64) took 280 ms with it on every block
 # against 240-263 before: presumed the cause, so off there (not re-measured).
-# even_tiles: where N and K are multiples of the tile (every released shape), the kernel without per-element masks
-# and with its pointers formed once (`EVEN`). Compiled for sm_90 on the CPU machine (Triton 3.9,
-# benchmarks/grouped_q_sass.py), a thread's loop over its 64 weights of a tile: 655 -> 512 instructions in 32-row
-# blocks, 481 -> 411 in 16-row ones, 874 -> 560 in 64-row ones (spills 544 -> 408 bytes). Not yet run on a GPU, so
-# off until tests/gpu/test_moe_quant_gpu.py::test_grouped_whole_tiles and a timing say so.
 GROUPED_Q_CONFIG = dict(block_n=64, block_k=128, block_k_fp32=64, num_warps=4, block_m=None, max_block_m=64,
-                        prefetch_x_max_block_m=32, even_tiles=False)
+                        prefetch_x_max_block_m=32)
 # Decode the words with inline PTX on NVIDIA GPUs (MXFP4: 7 integer ops, 4 e4m3x2 -> f16x2 and 8 f16 -> f32
 # conversions per 8 values) rather than the same math in Triton ops, which the compiler spreads over byte extracts
 # and repacks (sm_90: 6.1-6.4 instead of 4.7-5.0 instructions a weight in the gemv's loop, which is near the ALU's
@@ -305,7 +300,7 @@ if triton is not None:
                                  E, N, K, KW, SK, x_div, FP4: tl.constexpr, UE8M0: tl.constexpr, BN: tl.constexpr,
                                  BK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr,
                                  SUB: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr, PTX: tl.constexpr,
-                                 PREFETCH_X: tl.constexpr, EVEN: tl.constexpr, INTERPRET: tl.constexpr):
+                                 PREFETCH_X: tl.constexpr, INTERPRET: tl.constexpr):
         # the row-block -> expert map of dsv4/ops/moe.py's grouped kernel (`group_rows`' plan)
         e_safe, rows, mm, xrows = block_rows(order_ptr, counts_ptr, offsets_ptr, block_ends_ptr, E, x_div, BLOCK_M,
                                              BLOCK_E)
@@ -324,38 +319,19 @@ if triton is not None:
         # weights and scales double-buffered in registers, as in the gemv; the rows' x too with PREFETCH_X (decode
         # blocks: without it each iteration waited a memory latency for its x tile; prefill blocks run without,
         # see GROUPED_Q_CONFIG)
-        if not EVEN:
-            wq = _load_weights(wbase, n, nm, kg, KW, kw_end, W, VPW)
-            sq = _load_scales(sbase, n, nm, kg, SK, k_end, BN, BK)
-        if EVEN:
-            # whole tiles only (N, K multiples of the tile): the pointers of tile 0 formed once, a scalar offset per
-            # tile, no per-element masks (masked rows read x row 0, rows of no expert expert E - 1's tile 0: in
-            # bounds, never stored); the prefetch past the last tile re-reads it (clamped)
-            w_tile = wbase + n[:, None, None] * KW + (kg // VPW)[None, :, None] + tl.arange(0, W)[None, None, :]
-            s_tile = sbase + (n // BN)[:, None] * SK + (kg // BK)[None, :]
-            x_tile = x_ptr + xrows[:, None] * K + tl.arange(0, BLOCK_K)[None, :]
-            wq = tl.load(w_tile)
-            sq = tl.load(s_tile)
+        wq = _load_weights(wbase, n, nm, kg, KW, kw_end, W, VPW)
+        sq = _load_scales(sbase, n, nm, kg, SK, k_end, BN, BK)
         if PREFETCH_X:
-            a = tl.load(x_tile) if EVEN else _load_x_tile(x_ptr, xrows, mm, 0, K, k_end, BLOCK_K)
+            a = _load_x_tile(x_ptr, xrows, mm, 0, K, k_end, BLOCK_K)
         # transposed, acc = W x^T: the decoded weights are the A operand, which wgmma takes from registers
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, k_end, BLOCK_K):
-            if EVEN:
-                kn = tl.minimum(k0 + BLOCK_K, K - BLOCK_K)  # the next tile's first column (clamped)
-                if PREFETCH_X:
-                    a_next = tl.load(x_tile + kn)
-                else:
-                    a = tl.load(x_tile + k0)
-                wq_next = tl.load(w_tile + kn // VPW)
-                sq_next = tl.load(s_tile + kn // BK)  # (BK and BLOCK_K powers of two: the group offsets add)
+            if PREFETCH_X:
+                a_next = _load_x_tile(x_ptr, xrows, mm, k0 + BLOCK_K, K, k_end, BLOCK_K)
             else:
-                if PREFETCH_X:
-                    a_next = _load_x_tile(x_ptr, xrows, mm, k0 + BLOCK_K, K, k_end, BLOCK_K)
-                else:
-                    a = _load_x_tile(x_ptr, xrows, mm, k0, K, k_end, BLOCK_K)
-                wq_next = _load_weights(wbase, n, nm, kg + BLOCK_K, KW, kw_end, W, VPW)
-                sq_next = _load_scales(sbase, n, nm, kg + BLOCK_K, SK, k_end, BN, BK)
+                a = _load_x_tile(x_ptr, xrows, mm, k0, K, k_end, BLOCK_K)
+            wq_next = _load_weights(wbase, n, nm, kg + BLOCK_K, KW, kw_end, W, VPW)
+            sq_next = _load_scales(sbase, n, nm, kg + BLOCK_K, SK, k_end, BN, BK)
             sc = _multipliers(sq, FP4, UE8M0)[:, :, None]
             # the planes joined back in column order (join appends a last dim: the innermost join takes the
             # planes VPW / 2 apart, the outermost neighbours)
@@ -435,11 +411,6 @@ def expert_gemv_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor | No
     return out
 
 
-def whole_tiles(N: int, K: int, block_n: int, block_k: int) -> bool:
-    """Whether an [N, K] weight is whole tiles of block_n x block_k (the grouped kernel's `EVEN` form)."""
-    return N % block_n == 0 and K % block_k == 0
-
-
 def grouped_q_block_m(R: int, E: int) -> int:
     """Rows of one expert per program of `expert_grouped_q_triton` for R routes over E experts: every block decodes
     its expert's weights again, so about twice the mean rows per expert (most experts in one block); the MMA's width
@@ -471,8 +442,7 @@ def expert_grouped_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, 
             x.contiguous(), data, scale, order, counts, offsets, block_ends, out, E, N, K, data.shape[-1],
             scale.shape[-1], x_div, **fmt, BLOCK_M=bm, BLOCK_N=block_n, G=G, SUB=SUB,
             BLOCK_E=triton.next_power_of_2(E + 1), IEEE=fp32, PREFETCH_X=bm <= cfg["prefetch_x_max_block_m"],
-            EVEN=cfg["even_tiles"] and whole_tiles(N, K, block_n, G * SUB), INTERPRET=INTERPRET,
-            num_warps=cfg["num_warps"])
+            INTERPRET=INTERPRET, num_warps=cfg["num_warps"])
     return out
 
 

@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from dsv4.ops import moe_quant
-from dsv4.ops.moe_quant import (GROUPED_Q_CONFIG, expert_gemv_q_triton, expert_grouped_q_torch,
-                                 expert_grouped_q_triton, whole_tiles)
+from dsv4.ops.moe_quant import expert_gemv_q_triton, expert_grouped_q_torch, expert_grouped_q_triton
 from dsv4.quant.weight import QuantWeight
 from test_moe_quant import assert_close, fp8_weight, mxfp4_weight
 
@@ -133,30 +132,6 @@ def test_grouped(fmt: str, shape: str, T: int) -> None:
     assert got.dtype == torch.bfloat16 and got.shape == (T * TOP_K, N)
     ref = expert_grouped_q_torch(x.float(), w, idx, x_div)
     assert_close(got, ref, x, w, idx, x_div, gamma=K * 2.0 ** -24 + (K / 16 + 1) * 2.0 ** -23)
-
-
-@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
-@pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("T", [1, 8, 32, 512])
-def test_grouped_whole_tiles(fmt: str, shape: str, T: int) -> None:
-    """The whole-tile form (`even_tiles`: no masks, pointers formed once, the last prefetch clamped) at the released
-    shapes, decode and prefill sizes: the same bound as `test_grouped`, and bit-identical to the masked form (same
-    tiles, same MMAs: only the addressing differs)."""
-    N, K = SHAPES[shape]
-    w = _weights(fmt, N, K)
-    g = torch.Generator(device="cuda").manual_seed(T + 1)
-    idx = _routes(T, g)
-    x, x_div = _inputs(shape, T * TOP_K, g)
-    masked = expert_grouped_q_triton(x, w, idx, x_div)
-    GROUPED_Q_CONFIG["even_tiles"] = True
-    try:
-        assert whole_tiles(N, K, GROUPED_Q_CONFIG["block_n"], GROUPED_Q_CONFIG["block_k"])
-        got = expert_grouped_q_triton(x, w, idx, x_div)
-    finally:
-        GROUPED_Q_CONFIG["even_tiles"] = False
-    ref = expert_grouped_q_torch(x.float(), w, idx, x_div)
-    assert_close(got, ref, x, w, idx, x_div, gamma=K * 2.0 ** -24 + (K / 16 + 1) * 2.0 ** -23)
-    assert torch.equal(got, masked)
 
 
 @pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
