@@ -82,7 +82,8 @@ GEMV_Q_CONFIG = {"fp4": dict(block_n=16, block_k=512, num_warps=4), "fp8": dict(
 # tile's x rows with its weights. H200 (benchmarks/results/2026-12-03-h200-grouped-experts-decode): V4-Flash shapes
 # at T=1 (blocks of 16) 103.6 -> 84.0 us (gate_up) and 64.9 -> 40.9 us (down); at T=32 over 256 experts +6%
 # (a case the dispatch sends to the gemv); a 32 x 512 prefill (blocks of 64) took 280 ms with it on every block
-# against 240-263 before: presumed the cause, so off there (not re-measured).
+# against 240-263 before, and compiled for sm_90 it takes 64-row blocks from 168 to 251 registers
+# (benchmarks/grouped_q_sass.py): off there (the prefill time with it off is not re-measured).
 GROUPED_Q_CONFIG = dict(block_n=64, block_k=128, block_k_fp32=64, num_warps=4, block_m=None, max_block_m=64,
                         prefetch_x_max_block_m=32)
 # Decode the words with inline PTX on NVIDIA GPUs (MXFP4: 7 integer ops, 4 e4m3x2 -> f16x2 and 8 f16 -> f32
