@@ -143,3 +143,26 @@ def test_grouped_fp32_exact_on_a_coarse_grid(fmt: str) -> None:
     x, x_div = _inputs("v41-gate_up", 512 * TOP_K, g, coarse=True)
     x = x.float()
     assert torch.equal(expert_grouped_q_triton(x, w, idx, x_div), expert_grouped_q_torch(x, w, idx, x_div))
+
+
+@pytest.mark.parametrize("weight_before_down", [False, True], ids=["v4", "v41"])
+@pytest.mark.parametrize("T", [8, 32])
+def test_moe_layer_builds_one_plan(weight_before_down: bool, T: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A captured decode step's MoE layer (more routes than experts: the grouped kernel) builds its row plan once
+    for both matmuls, and its output equals the same layer with each matmul building its own plan (the same plan:
+    the outputs are bit-identical)."""
+    from dsv4.models.layers import moe as moe_layer
+    gate_up, down = _weights("mxfp4", *SHAPES["v4-gate_up"]), _weights("mxfp4", *SHAPES["v4-down"])
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, SHAPES["v4-gate_up"][1], generator=g, device="cuda").to(torch.bfloat16)
+    idx = _routes(T, g, holes=False).view(T, TOP_K)
+    weights = torch.rand(T, TOP_K, generator=g, device="cuda")
+    shared = torch.randn(T, SHAPES["v4-down"][0], generator=g, device="cuda").to(torch.bfloat16)
+    calls = []
+    real = moe_layer.group_rows
+    monkeypatch.setattr(moe_layer, "group_rows", lambda *a: calls.append(a) or real(*a))
+    args = (x, weights, idx, gate_up, down, 10.0, weight_before_down, True, shared)
+    once = moe_layer.moe_output(*args)
+    assert len(calls) == 1
+    monkeypatch.setattr(moe_layer, "group_rows", lambda *a: None)  # each matmul then makes its own
+    assert torch.equal(once, moe_layer.moe_output(*args))
