@@ -32,7 +32,8 @@ costs ~30% more instructions in the gemv's loop, and is what the CPU interpreter
 - `expert_grouped_q_triton` (prefill / mixed steps): rows sorted by expert on the device, up to BLOCK_M rows of one
   expert per program (the scheme of `expert_grouped_triton`: grid sized for the worst case, no host sync). The
   product is computed transposed, W_tile @ x_rows^T, so the tile decoded to x's dtype in registers is wgmma's A
-  operand, taken from registers (no shared-memory round trip), and BLOCK_M (wgmma's N) can be as small as 16; it is
+  operand (Triton still moves it into the MMA's register layout through shared memory: an STS / LDSM pair and a
+  barrier each K step, benchmarks/grouped_q_sass.py), and BLOCK_M (wgmma's N) can be as small as 16; it is
   chosen from the mean rows per expert, because every block decodes its expert's weights again. The next K tile's
   words and scales (and, in decode-sized blocks, x rows) are in flight while this one is decoded. fp32 accumulation
   (IEEE products for fp32 x).
