@@ -40,18 +40,35 @@ def tiny_v41_released(tmp_path_factory: pytest.TempPathFactory) -> str:
                                          pytest.param("v41-released", 2, marks=pytest.mark.slow)])
 def test_expert_parallel_ranks_give_the_single_process_tokens(which: str, world: int, tiny_v4: str,
                                                               tiny_v41_released: str, tmp_path: Path) -> None:
-    from dist_worker import run
+    from dist_worker import assert_greedy_equal_up_to_near_ties, run
 
     model = {"v4": tiny_v4, "v41": GOLDEN, "v41-released": tiny_v41_released}[which]
-    want = run(equality_spec(model, tmp_path / "ref", 1))  # the single-process engine, in this process
+    # the single-process engine, in this process; the ranks sum their partial MoE outputs in another order, so a
+    # greedy token at a near tie (tiny-v41 released: 3.3e-6 nats on one CPU) may go the other way
+    want = run({**equality_spec(model, tmp_path / "ref", 1), "margins": True})
     assert want["preemptions"] > 0  # the pool is small enough to preempt
     runs = launch(equality_spec(model, tmp_path / "ep", world), world)
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
     for rank in range(world):
         got = json.loads((tmp_path / f"ep.{rank}").read_text())
-        assert got["tokens"] == want["tokens"], rank
-        assert got["preemptions"] == want["preemptions"]
+        assert_greedy_equal_up_to_near_ties(got["tokens"], want["tokens"], want["margins"])
+        if got["tokens"] == want["tokens"]:  # (a diverged request may finish at another step: other preemptions)
+            assert got["preemptions"] == want["preemptions"]
+
+
+def test_near_tie_allowance_still_fails_a_real_divergence() -> None:
+    """The comparison above lets a request leave the reference only at a near tie (then diverge): a first mismatch
+    where the reference's margin is clear fails, and so does a different length."""
+    from dist_worker import assert_greedy_equal_up_to_near_ties as check
+
+    want, margins = [[5, 6, 7, 8]], [[1.0, 3e-6, 0.5, 0.2]]
+    check([[5, 6, 7, 8]], want, margins)
+    check([[5, 9, 1, 2]], want, margins)  # left at the tie (position 1), diverged after it
+    with pytest.raises(AssertionError):
+        check([[5, 6, 9, 8]], want, margins)  # position 2: margin 0.5
+    with pytest.raises(AssertionError):
+        check([[5, 6, 7]], want, margins)
 
 
 @pytest.mark.slow  # 9 s: a rank start-up timeout: the slow tier (CI runs it too) keeps the main tier under 10 minutes
