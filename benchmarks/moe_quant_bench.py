@@ -16,8 +16,9 @@ the calls rotate over 16 route sets, so no call finds its experts' bytes cached.
 reports TFLOP/s (2 R N K). `--sweep`: the quantized kernels' tile configs on V4.1 gate_up (for tuning GEMV_Q_CONFIG
 and GROUPED_Q_CONFIG; a few minutes more). `--experts 16`: that many experts instead of the release's (the cut-down
 presets v4-flash-4l / v41-flash-8l have 16: at T=32 every expert takes ~12 routes). `--sweep-grouped`: the grouped
-kernel with and without the x prefetch and its tiles (block_n, block_k, num_warps) at each T from 8 to 512. `--plan`: the row plan of the grouped matmuls
-(`group_rows`), torch ops against the one-launch kernel, at the decode route counts.
+kernel with and without the x prefetch and its tiles (block_n, block_k, num_warps) at each T from 8 to 512.
+`--plan`: the row plan of the grouped matmuls (`group_rows`), torch ops against the one-launch kernel, at the decode
+route counts.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def run(formats: list[str], rows: list[dict], sweep: bool, phases: list[tuple[st
                                gbps=round(nbytes / us / 1e3, 1), floor_us=round(nbytes / HBM * 1e6, 2),
                                tflops=round(2 * R * N * K / us / 1e6, 1))
                     rows.append(row)
-                    if sweep_grouped_forms and T >= 8 and T <= 512 and fn is expert_grouped_q_triton:
+                    if sweep_grouped_forms and 8 <= T <= 512 and fn is expert_grouped_q_triton:
                         sweep_grouped(x, w, sets, x_div, row, rows, graph=phase == "decode")
                     extra = f"{row['tflops']:7.1f} TFLOP/s" if phase == "prefill" else ""
                     print(f"{model:9s} {proj:7s} {phase:7s} T={T:<5d} {fmt:5s} {fn.__name__:26s} {us:9.1f} us  "
@@ -157,7 +158,8 @@ def sweep_grouped(x: torch.Tensor, w: QuantWeight, sets: list[torch.Tensor], x_d
     with and without the x prefetch, then block_n, block_k and warps (the default prefetch rule)."""
     saved = dict(moe_quant.GROUPED_Q_CONFIG)
     forms = [dict(prefetch_x_max_block_m=p) for p in (0, 64)]
-    tiles = [dict(block_n=bn, block_k=bk, num_warps=nw) for bn, bk, nw in itertools.product((64, 128), (128, 256), (4, 8))]
+    tiles = [dict(block_n=bn, block_k=bk, num_warps=nw)
+             for bn, bk, nw in itertools.product((64, 128), (128, 256), (4, 8))]
     for cfg in forms + tiles:
         moe_quant.GROUPED_Q_CONFIG.clear()
         moe_quant.GROUPED_Q_CONFIG.update({**saved, **cfg})

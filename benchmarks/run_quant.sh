@@ -42,11 +42,11 @@ part_kernels() {
 }
 
 part_moe() {
-  timeout 300 python3 benchmarks/moe_quant_bench.py --models v4-flash --experts 16 --tokens 1,32,512 --sweep-grouped \
-    --plan --json "$out/moe_decode_e16.json" > "$out/moe_decode_e16.log" 2>&1
+  timeout 300 python3 benchmarks/moe_quant_bench.py --models v4-flash --experts 16 --tokens 1,32,512 \
+    --sweep-grouped --plan --json "$out/moe_decode_e16.json" > "$out/moe_decode_e16.log" 2>&1
   tail -8 "$out/moe_decode_e16.log"
-  timeout 100 python3 benchmarks/moe_quant_bench.py --models v4-flash --tokens 1,32 --json "$out/moe_decode_e256.json" \
-    > "$out/moe_decode_e256.log" 2>&1
+  timeout 100 python3 benchmarks/moe_quant_bench.py --models v4-flash --tokens 1,32 \
+    --json "$out/moe_decode_e256.json" > "$out/moe_decode_e256.log" 2>&1
   tail -5 "$out/moe_decode_e256.log"
 }
 

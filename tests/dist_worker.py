@@ -1,7 +1,7 @@
 """One rank of a multi-process engine run, started the way torchrun starts ranks (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT in the environment): `python tests/dist_worker.py SPEC_JSON`. SPEC: {"model", "engine": from_args
-kwargs, "prompts": [[ids]], "max_tokens", "out": path}; writes {"tokens": [...], "preemptions": n} to out.RANK (with SPEC "margins": true also each token's top-2 logprob
-margin).
+kwargs, "prompts": [[ids]], "max_tokens", "out": path}; writes {"tokens": [...], "preemptions": n} to out.RANK
+(with SPEC "margins": true also each token's top-2 logprob margin).
 Used by tests/test_distributed.py and tests/gpu/test_distributed_gpu.py; also the reference single-process run (no
 RANK set, tensor_parallel_size 1). The launch helpers below start ranks the same way."""
 

@@ -325,7 +325,7 @@ if triton is not None:
         sq = _load_scales(sbase, n, nm, kg, SK, k_end, BN, BK)
         if PREFETCH_X:
             a = _load_x_tile(x_ptr, xrows, mm, 0, K, k_end, BLOCK_K)
-        # transposed, acc = W x^T: the decoded weights are the A operand, which wgmma takes from registers
+        # transposed, acc = W x^T: the decoded weights are the A operand (the module doc says how it reaches the MMA)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, k_end, BLOCK_K):
             if PREFETCH_X:
@@ -418,7 +418,8 @@ def grouped_q_block_m(R: int, E: int) -> int:
     its expert's weights again, so about twice the mean rows per expert (most experts in one block); the MMA's width
     (x's rows, wgmma's N) can be that small."""
     cfg = GROUPED_Q_CONFIG
-    return cfg["block_m"] or min(cfg["max_block_m"], max(16, triton.next_power_of_2(2 * triton.cdiv(R, E))))
+    twice_mean = 2 * -(-R // E)
+    return cfg["block_m"] or min(cfg["max_block_m"], max(16, 1 << (twice_mean - 1).bit_length()))  # next power of 2
 
 
 def expert_grouped_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_div: int,

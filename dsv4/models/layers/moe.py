@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv4.ops.moe import GROUPED_BLOCK_M, combine_experts, expert_gemv, expert_grouped, group_rows, triton
+from dsv4.ops.moe import GROUPED_BLOCK_M, combine_experts, expert_gemv, expert_grouped, group_rows
 from dsv4.ops.moe_quant import expert_gemv_q, expert_grouped_q, grouped_q_block_m
 from dsv4.quant.weight import QuantWeight
 from dsv4.ops.router import score
@@ -163,7 +163,6 @@ def _routed_matmul(x: torch.Tensor, flat: torch.Tensor, E: int, quant: bool,
         gemv = expert_gemv_q if quant else expert_gemv
         return lambda a, w, x_div: gemv(a, w, flat, x_div)
     grouped = expert_grouped_q if quant else expert_grouped
-    plan = None
-    if x.is_cuda and triton is not None:
-        plan = group_rows(flat, E, grouped_q_block_m(flat.numel(), E) if quant else GROUPED_BLOCK_M)
+    block_m = grouped_q_block_m(flat.numel(), E) if quant else GROUPED_BLOCK_M
+    plan = group_rows(flat, E, block_m) if x.is_cuda else None
     return lambda a, w, x_div: grouped(a, w, flat, x_div, plan)
