@@ -64,10 +64,17 @@ _GROUP_ROWS_CHECK = """
 def test_group_rows_kernel_matches_torch() -> None:
     """The one-launch row plan of the grouped matmuls (decode steps) equals the torch ops' plan field for field:
     the stable order (ties in row order), counts, offsets and block ends, with rows of no expert (-1), experts with
-    no rows, one hot expert over several blocks, R of 1, not a power of two and the kernel's limit; and a grouped
-    matmul given that plan equals the reference."""
-    _interpret("CASES = ((1, 4, 16), (5, 16, 16), (192, 16, 32), (200, 3, 64), (97, 384, 16), (1024, 256, 64))"
-               + textwrap.dedent(_GROUP_ROWS_CHECK) + "assert CASES[-1][0] == PLAN_KERNEL_MAX_ROWS")
+    no rows, one hot expert over several blocks, R of 1 and not a power of two; and a grouped matmul given that plan
+    equals the reference."""
+    _interpret("CASES = ((1, 4, 16), (5, 16, 16), (192, 16, 32), (200, 3, 64), (97, 384, 16))"
+               + textwrap.dedent(_GROUP_ROWS_CHECK))
+
+
+@pytest.mark.slow  # ~8 s under the interpreter (a 1024-key sort): the slow tier (CI runs it too)
+def test_group_rows_kernel_at_its_row_limit() -> None:
+    """The same at PLAN_KERNEL_MAX_ROWS rows, the largest sort the kernel takes."""
+    _interpret("CASES = ((1024, 256, 64),)" + textwrap.dedent(_GROUP_ROWS_CHECK)
+               + "assert CASES[-1][0] == PLAN_KERNEL_MAX_ROWS")
 
 
 @pytest.mark.parametrize("shape,half", [((5, 64), 8), ((3, 4, 32), 4), ((2, 3, 128), 32), ((1, 16), 8)])
