@@ -175,6 +175,34 @@ def test_kernels_are_exact_on_a_coarse_grid() -> None:
     """)
 
 
+def test_gemv_pipelined_form_equals_register_form() -> None:
+    """The gemv's two loop forms (`stages` 1: the next tile held in registers; S > 1: loads in their own iteration,
+    pipelined by the compiler through shared memory) run the same products in the same order, so they give the same
+    bits: MXFP4 and FP8 (blocks 128 and 32 x 64 with partial ones), K over three tiles and a partial fourth, rows with
+    no expert, bf16 and fp32 x. A wrong tile offset in either form shows as a mismatch and against the reference."""
+    _interpret("""
+        import torch
+        from test_moe_quant import mxfp4_weight, fp8_weight, routes, assert_close
+        from dsv4.ops.moe_quant import expert_gemv_q_torch, expert_gemv_q_triton
+        g = torch.Generator().manual_seed(7)
+        for kind, E, N, K in (("mxfp4", 3, 24, 224), ("fp8", 3, 40, 224), ("fp8-32x64", 2, 24, 200)):
+            if kind == "mxfp4":
+                w = mxfp4_weight(E, N, K, g)
+            else:
+                w = fp8_weight(E, N, K, (32, 64) if kind == "fp8-32x64" else (128, 128), True, g)
+            for dtype, T, x_div in ((torch.bfloat16, 3, 2), (torch.float32, 2, 1)):
+                x = torch.randn(T, K, generator=g).to(dtype)
+                idx = routes(T * x_div, E, g)
+                idx[-1] = -1
+                outs = [expert_gemv_q_triton(x, w, idx, x_div, dict(block_n=16, block_k=64, num_warps=4, stages=s))
+                        for s in (1, 3)]
+                assert torch.equal(outs[0], outs[1]), (kind, dtype)
+                assert_close(outs[1], expert_gemv_q_torch(x, w, idx, x_div), x, w, idx, x_div)
+                assert outs[1][-1].eq(0).all()  # the row with no expert
+        print("ok")
+    """)
+
+
 @pytest.mark.slow  # 12 s under the interpreter: the slow tier (CI runs it too) keeps the main tier under 10 minutes
 def test_gemv_kernel_matches_reference() -> None:
     """The decode kernel on random data: every nibble, UE8M0 scales 2^-27 and 2^23

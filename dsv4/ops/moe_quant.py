@@ -241,10 +241,36 @@ if triton is not None:
         return w
 
     @triton.jit
+    def _gemv_tile(acc, wq, sq, xq, FP4: tl.constexpr, UE8M0: tl.constexpr, ROUND_W: tl.constexpr, G: tl.constexpr,
+                   W: tl.constexpr, VPW: tl.constexpr, PTX: tl.constexpr, dt: tl.constexpr, INTERPRET: tl.constexpr):
+        """The gemv's accumulator [BLOCK_N, G] after one K tile: words `wq`, raw scales `sq`, x columns `xq`."""
+        sc = _multipliers(sq, FP4, UE8M0)
+        if FP4:
+            w0, w1, w2, w3, w4, w5, w6, w7 = _planes(wq, FP4, PTX)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(xq, G, W, VPW)
+            part = _weight(w0, sc, ROUND_W, dt, INTERPRET) * x0[None, :, :]
+            part += _weight(w1, sc, ROUND_W, dt, INTERPRET) * x1[None, :, :]
+            part += _weight(w2, sc, ROUND_W, dt, INTERPRET) * x2[None, :, :]
+            part += _weight(w3, sc, ROUND_W, dt, INTERPRET) * x3[None, :, :]
+            part += _weight(w4, sc, ROUND_W, dt, INTERPRET) * x4[None, :, :]
+            part += _weight(w5, sc, ROUND_W, dt, INTERPRET) * x5[None, :, :]
+            part += _weight(w6, sc, ROUND_W, dt, INTERPRET) * x6[None, :, :]
+            part += _weight(w7, sc, ROUND_W, dt, INTERPRET) * x7[None, :, :]
+        else:
+            w0, w1, w2, w3 = _planes(wq, FP4, PTX)
+            x0, x1, x2, x3 = _x_planes(xq, G, W, VPW)
+            part = _weight(w0, sc, ROUND_W, dt, INTERPRET) * x0[None, :, :]
+            part += _weight(w1, sc, ROUND_W, dt, INTERPRET) * x1[None, :, :]
+            part += _weight(w2, sc, ROUND_W, dt, INTERPRET) * x2[None, :, :]
+            part += _weight(w3, sc, ROUND_W, dt, INTERPRET) * x3[None, :, :]
+        part = tl.sum(part, axis=2)
+        return acc + (part if ROUND_W else part * sc)  # (UE8M0: a power of two, the reference's products exactly)
+
+    @triton.jit
     def _expert_gemv_q_kernel(x_ptr, w_ptr, s_ptr, idx_ptr, out_ptr, E, N, K, KW, SK, x_div, FP4: tl.constexpr,
                               UE8M0: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROUND_W: tl.constexpr,
                               BLOCK_N: tl.constexpr, G: tl.constexpr, SUB: tl.constexpr, PTX: tl.constexpr,
-                              INTERPRET: tl.constexpr):
+                              STAGES: tl.constexpr, INTERPRET: tl.constexpr):
         r = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
@@ -262,38 +288,27 @@ if triton is not None:
         k_end = tl.where(e >= 0, K, 0)  # no expert (-1): no loads, a row of zeros
         kw_end = tl.where(e >= 0, KW, 0)
         kg = tl.arange(0, G) * SUB
-        # registers double-buffered: the next tile's loads are in flight while this one is decoded
-        wq = _load_weights(wbase, n, nm, kg, KW, kw_end, W, VPW)
-        sq = _load_scales(sbase, n, nm, kg, SK, k_end, BN, BK)
-        xq = _load_x(xrow, kg, k_end, W, VPW)
         # one fp32 partial per (row, group of SUB columns sharing a scale), scaled once per group
         acc = tl.zeros([BLOCK_N, G], dtype=tl.float32)
-        for k0 in range(0, k_end, BLOCK_K):
-            wq_next = _load_weights(wbase, n, nm, kg + BLOCK_K, KW, kw_end, W, VPW)  # (masked past the end)
-            sq_next = _load_scales(sbase, n, nm, kg + BLOCK_K, SK, k_end, BN, BK)
-            xq_next = _load_x(xrow, kg + BLOCK_K, k_end, W, VPW)
-            sc = _multipliers(sq, FP4, UE8M0)
-            if FP4:
-                w0, w1, w2, w3, w4, w5, w6, w7 = _planes(wq, FP4, PTX)
-                x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(xq, G, W, VPW)
-                part = _weight(w0, sc, ROUND_W, dt, INTERPRET) * x0[None, :, :]
-                part += _weight(w1, sc, ROUND_W, dt, INTERPRET) * x1[None, :, :]
-                part += _weight(w2, sc, ROUND_W, dt, INTERPRET) * x2[None, :, :]
-                part += _weight(w3, sc, ROUND_W, dt, INTERPRET) * x3[None, :, :]
-                part += _weight(w4, sc, ROUND_W, dt, INTERPRET) * x4[None, :, :]
-                part += _weight(w5, sc, ROUND_W, dt, INTERPRET) * x5[None, :, :]
-                part += _weight(w6, sc, ROUND_W, dt, INTERPRET) * x6[None, :, :]
-                part += _weight(w7, sc, ROUND_W, dt, INTERPRET) * x7[None, :, :]
-            else:
-                w0, w1, w2, w3 = _planes(wq, FP4, PTX)
-                x0, x1, x2, x3 = _x_planes(xq, G, W, VPW)
-                part = _weight(w0, sc, ROUND_W, dt, INTERPRET) * x0[None, :, :]
-                part += _weight(w1, sc, ROUND_W, dt, INTERPRET) * x1[None, :, :]
-                part += _weight(w2, sc, ROUND_W, dt, INTERPRET) * x2[None, :, :]
-                part += _weight(w3, sc, ROUND_W, dt, INTERPRET) * x3[None, :, :]
-            part = tl.sum(part, axis=2)
-            acc += part if ROUND_W else part * sc  # (UE8M0: a power of two, the reference's products exactly)
-            wq, sq, xq, kg = wq_next, sq_next, xq_next, kg + BLOCK_K
+        if STAGES > 1:
+            # loads in their own iteration, which the compiler pipelines through shared memory (cp.async, STAGES
+            # tiles in flight a program, no registers held for them)
+            for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
+                acc = _gemv_tile(acc, _load_weights(wbase, n, nm, kg + k0, KW, kw_end, W, VPW),
+                                 _load_scales(sbase, n, nm, kg + k0, SK, k_end, BN, BK),
+                                 _load_x(xrow, kg + k0, k_end, W, VPW), FP4, UE8M0, ROUND_W, G, W, VPW, PTX, dt,
+                                 INTERPRET)
+        else:
+            # registers double-buffered: the next tile's loads are in flight while this one is decoded
+            wq = _load_weights(wbase, n, nm, kg, KW, kw_end, W, VPW)
+            sq = _load_scales(sbase, n, nm, kg, SK, k_end, BN, BK)
+            xq = _load_x(xrow, kg, k_end, W, VPW)
+            for k0 in range(0, k_end, BLOCK_K):
+                wq_next = _load_weights(wbase, n, nm, kg + BLOCK_K, KW, kw_end, W, VPW)  # (masked past the end)
+                sq_next = _load_scales(sbase, n, nm, kg + BLOCK_K, SK, k_end, BN, BK)
+                xq_next = _load_x(xrow, kg + BLOCK_K, k_end, W, VPW)
+                acc = _gemv_tile(acc, wq, sq, xq, FP4, UE8M0, ROUND_W, G, W, VPW, PTX, dt, INTERPRET)
+                wq, sq, xq, kg = wq_next, sq_next, xq_next, kg + BLOCK_K
         y = tl.sum(acc, axis=1)
         tl.store(out_ptr + r.to(tl.int64) * N + n, cast_rne(y, dt, INTERPRET), mask=nm)
 
@@ -395,7 +410,8 @@ def expert_gemv_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor | No
     """`expert_gemv_q_torch` in one launch: a program per (row, block of outputs) decoding its expert's bytes in
     registers. Fixed shapes, no host sync (CUDA-graph capturable). `idx` None: one row per x row, row r using
     expert r % E (a dense weight cut into E groups; no index tensor to build inside a captured step). `config`
-    replaces GEMV_Q_CONFIG's entry for the format (block_n, block_k, num_warps)."""
+    replaces GEMV_Q_CONFIG's entry for the format (block_n, block_k, num_warps; stages: 1 keeps the next tile in
+    registers, S > 1 has the compiler pipeline S tiles through shared memory)."""
     assert triton is not None, "triton is not installed"
     E, N, K = w.shape
     R = idx.numel() if idx is not None else x.shape[0] * x_div
@@ -408,8 +424,8 @@ def expert_gemv_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor | No
         round_w = not fmt["UE8M0"] and x.dtype != torch.float32
         _expert_gemv_q_kernel[(R, triton.cdiv(N, block_n))](
             x.contiguous(), data, scale, None if idx is None else idx.contiguous(), out, E, N, K, data.shape[-1],
-            scale.shape[-1], x_div, **fmt, ROUND_W=round_w, BLOCK_N=block_n, G=G, SUB=SUB, INTERPRET=INTERPRET,
-            num_warps=cfg["num_warps"])
+            scale.shape[-1], x_div, **fmt, ROUND_W=round_w, BLOCK_N=block_n, G=G, SUB=SUB,
+            STAGES=cfg.get("stages", 1), INTERPRET=INTERPRET, num_warps=cfg["num_warps"])
     return out
 
 
