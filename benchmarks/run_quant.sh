@@ -9,10 +9,8 @@
 #   moe       the routed-expert kernels with the cut-down presets' 16 experts (the grouped kernel's forms and tiles
 #             at T=32 and 512, the row plan torch vs one launch) and with V4-Flash's 256 at decode (moe_quant_bench.py)
 #   GROUPED_Q='dict(prefetch_x_max_block_m=64)' (any part): that update of GROUPED_Q_CONFIG for the engine runs
-#   GEMV_STAGES=S (any part): the one-row gemv (dense FP8 at batch 1, experts at few routes) in its loop form S
-#             (1: next tile in registers; S > 1: S tiles pipelined through shared memory) for the engine runs
-#   TAG=-x (bench): appended to the result names, to keep two runs of one checkpoint apart
-#   gemv      benchmarks/gemv_pipeline_sweep.py (the one-row gemv's tiles and loop forms at the batch-1 shapes)
+#   TAG=-x (bench): appended to the result names, to keep two runs of one checkpoint apart; LIMIT=S: each engine
+#             run's time limit (default 150 s; a V4.1 start on a fresh machine compiles its kernels cold: give it 300)
 #   realsize  v4-flash with --load-format dummy at $DEPTH layers (default 30): memory map, decode at batch 1 and 32
 # Each bench writes OUTDIR/<checkpoint>-b<B>.json (+ .log); one summary line per run goes to stdout.
 . "$(dirname "$0")/device_lib.sh"
@@ -25,11 +23,7 @@ make_quant() {
 
 # dsv4's CLI; with GROUPED_Q='dict(prefetch_x_max_block_m=64)' (a Python dict expression) the grouped quantized
 # expert kernel's config is updated with it first (dsv4.ops.moe_quant.GROUPED_Q_CONFIG), e.g. to time another form
-CLI=(python3 -c "import sys; from dsv4.ops import moe_quant, fp8_linear; moe_quant.GROUPED_Q_CONFIG.update(${GROUPED_Q:-{\}});
-S = ${GEMV_STAGES:-0}
-if S:
-    [c.update(stages=S) for c in moe_quant.GEMV_Q_CONFIG.values()]
-    dense = fp8_linear.gemv_config; fp8_linear.gemv_config = lambda n: {**dense(n), 'stages': S}
+CLI=(python3 -c "import sys; from dsv4.ops import moe_quant; moe_quant.GROUPED_Q_CONFIG.update(${GROUPED_Q:-{\}});
 from dsv4.cli import main; sys.exit(main(sys.argv[1:]))")
 
 bench() {  # bench LIMIT DIR BATCH TAG [extra args]
@@ -58,19 +52,14 @@ part_moe() {
   tail -5 "$out/moe_decode_e256.log"
 }
 
-part_gemv() {
-  timeout 420 python3 benchmarks/gemv_pipeline_sweep.py --json "$out/gemv_pipeline.json" > "$out/gemv_pipeline.log" 2>&1
-  tail -22 "$out/gemv_pipeline.log"
-}
-
 part_bench() {
   local p b
   for p in ${PRESETS:-v4-flash-4l v41-flash-8l}; do
     case " ${FORMATS:-bf16 released} " in *" bf16 "*) make_preset "$p"; du -sb "/tmp/$p";; esac
     make_quant "$p"; du -sb "/tmp/$p-released"
     for b in ${BATCHES:-1 32}; do
-      case " ${FORMATS:-bf16 released} " in *" bf16 "*) bench 150 "/tmp/$p" "$b" "$p-bf16${TAG:-}";; esac
-      case " ${FORMATS:-bf16 released} " in *" released "*) bench 150 "/tmp/$p-released" "$b" "$p-released${TAG:-}";; esac
+      case " ${FORMATS:-bf16 released} " in *" bf16 "*) bench "${LIMIT:-150}" "/tmp/$p" "$b" "$p-bf16${TAG:-}";; esac
+      case " ${FORMATS:-bf16 released} " in *" released "*) bench "${LIMIT:-150}" "/tmp/$p-released" "$b" "$p-released${TAG:-}";; esac
     done
   done
 }

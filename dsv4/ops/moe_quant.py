@@ -84,9 +84,14 @@ GEMV_Q_CONFIG = {"fp4": dict(block_n=16, block_k=512, num_warps=4), "fp8": dict(
 # at T=1 (blocks of 16) 103.6 -> 84.0 us (gate_up) and 64.9 -> 40.9 us (down); at T=32 over 256 experts +6%
 # (a case the dispatch sends to the gemv); a 32 x 512 prefill (blocks of 64) took 280 ms with it on every block
 # against 240-263 before, and compiled for sm_90 it takes 64-row blocks from 168 to 251 registers
-# (benchmarks/grouped_q_sass.py): off there (the prefill time with it off is not re-measured).
-GROUPED_Q_CONFIG = dict(block_n=64, block_k=128, block_k_fp32=64, num_warps=4, block_m=None, max_block_m=64,
-                        prefetch_x_max_block_m=32)
+# (benchmarks/grouped_q_sass.py): off there.
+# max_block_m: prefill blocks. Every block decodes its expert's weights again, so a 64-row block spent about as many
+# instructions decoding as the tensor cores took for its products; 256-row blocks (8 warps from wide_block_m rows on:
+# at 4 warps a 128-row block needs 254 registers) decode a weight once per 256 rows. H200, V4-Flash-4l released,
+# 32 x 512 prefill (benchmarks/results/2026-12-04-h200-gemv-forms-prefill-blocks): 267 ms with blocks of 64, 242 with
+# 128, 225 with 256 (bf16: 237). fp32 x (IEEE products, x tiles twice the bytes) keeps blocks of at most 64.
+GROUPED_Q_CONFIG = dict(block_n=64, block_k=128, block_k_fp32=64, num_warps=4, block_m=None, max_block_m=256,
+                        max_block_m_fp32=64, wide_block_m=128, num_warps_wide=8, prefetch_x_max_block_m=32)
 # Decode the words with inline PTX on NVIDIA GPUs (MXFP4: 7 integer ops, 4 e4m3x2 -> f16x2 and 8 f16 -> f32
 # conversions per 8 values) rather than the same math in Triton ops, which the compiler spreads over byte extracts
 # and repacks (sm_90: 6.1-6.4 instead of 4.7-5.0 instructions a weight in the gemv's loop, which is near the ALU's
@@ -241,36 +246,10 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _gemv_tile(acc, wq, sq, xq, FP4: tl.constexpr, UE8M0: tl.constexpr, ROUND_W: tl.constexpr, G: tl.constexpr,
-                   W: tl.constexpr, VPW: tl.constexpr, PTX: tl.constexpr, dt: tl.constexpr, INTERPRET: tl.constexpr):
-        """The gemv's accumulator [BLOCK_N, G] after one K tile: words `wq`, raw scales `sq`, x columns `xq`."""
-        sc = _multipliers(sq, FP4, UE8M0)
-        if FP4:
-            w0, w1, w2, w3, w4, w5, w6, w7 = _planes(wq, FP4, PTX)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(xq, G, W, VPW)
-            part = _weight(w0, sc, ROUND_W, dt, INTERPRET) * x0[None, :, :]
-            part += _weight(w1, sc, ROUND_W, dt, INTERPRET) * x1[None, :, :]
-            part += _weight(w2, sc, ROUND_W, dt, INTERPRET) * x2[None, :, :]
-            part += _weight(w3, sc, ROUND_W, dt, INTERPRET) * x3[None, :, :]
-            part += _weight(w4, sc, ROUND_W, dt, INTERPRET) * x4[None, :, :]
-            part += _weight(w5, sc, ROUND_W, dt, INTERPRET) * x5[None, :, :]
-            part += _weight(w6, sc, ROUND_W, dt, INTERPRET) * x6[None, :, :]
-            part += _weight(w7, sc, ROUND_W, dt, INTERPRET) * x7[None, :, :]
-        else:
-            w0, w1, w2, w3 = _planes(wq, FP4, PTX)
-            x0, x1, x2, x3 = _x_planes(xq, G, W, VPW)
-            part = _weight(w0, sc, ROUND_W, dt, INTERPRET) * x0[None, :, :]
-            part += _weight(w1, sc, ROUND_W, dt, INTERPRET) * x1[None, :, :]
-            part += _weight(w2, sc, ROUND_W, dt, INTERPRET) * x2[None, :, :]
-            part += _weight(w3, sc, ROUND_W, dt, INTERPRET) * x3[None, :, :]
-        part = tl.sum(part, axis=2)
-        return acc + (part if ROUND_W else part * sc)  # (UE8M0: a power of two, the reference's products exactly)
-
-    @triton.jit
     def _expert_gemv_q_kernel(x_ptr, w_ptr, s_ptr, idx_ptr, out_ptr, E, N, K, KW, SK, x_div, FP4: tl.constexpr,
                               UE8M0: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ROUND_W: tl.constexpr,
                               BLOCK_N: tl.constexpr, G: tl.constexpr, SUB: tl.constexpr, PTX: tl.constexpr,
-                              STAGES: tl.constexpr, INTERPRET: tl.constexpr):
+                              INTERPRET: tl.constexpr):
         r = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nm = n < N
@@ -288,27 +267,38 @@ if triton is not None:
         k_end = tl.where(e >= 0, K, 0)  # no expert (-1): no loads, a row of zeros
         kw_end = tl.where(e >= 0, KW, 0)
         kg = tl.arange(0, G) * SUB
+        # registers double-buffered: the next tile's loads are in flight while this one is decoded
+        wq = _load_weights(wbase, n, nm, kg, KW, kw_end, W, VPW)
+        sq = _load_scales(sbase, n, nm, kg, SK, k_end, BN, BK)
+        xq = _load_x(xrow, kg, k_end, W, VPW)
         # one fp32 partial per (row, group of SUB columns sharing a scale), scaled once per group
         acc = tl.zeros([BLOCK_N, G], dtype=tl.float32)
-        if STAGES > 1:
-            # loads in their own iteration, which the compiler pipelines through shared memory (cp.async, STAGES
-            # tiles in flight a program, no registers held for them)
-            for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
-                acc = _gemv_tile(acc, _load_weights(wbase, n, nm, kg + k0, KW, kw_end, W, VPW),
-                                 _load_scales(sbase, n, nm, kg + k0, SK, k_end, BN, BK),
-                                 _load_x(xrow, kg + k0, k_end, W, VPW), FP4, UE8M0, ROUND_W, G, W, VPW, PTX, dt,
-                                 INTERPRET)
-        else:
-            # registers double-buffered: the next tile's loads are in flight while this one is decoded
-            wq = _load_weights(wbase, n, nm, kg, KW, kw_end, W, VPW)
-            sq = _load_scales(sbase, n, nm, kg, SK, k_end, BN, BK)
-            xq = _load_x(xrow, kg, k_end, W, VPW)
-            for k0 in range(0, k_end, BLOCK_K):
-                wq_next = _load_weights(wbase, n, nm, kg + BLOCK_K, KW, kw_end, W, VPW)  # (masked past the end)
-                sq_next = _load_scales(sbase, n, nm, kg + BLOCK_K, SK, k_end, BN, BK)
-                xq_next = _load_x(xrow, kg + BLOCK_K, k_end, W, VPW)
-                acc = _gemv_tile(acc, wq, sq, xq, FP4, UE8M0, ROUND_W, G, W, VPW, PTX, dt, INTERPRET)
-                wq, sq, xq, kg = wq_next, sq_next, xq_next, kg + BLOCK_K
+        for k0 in range(0, k_end, BLOCK_K):
+            wq_next = _load_weights(wbase, n, nm, kg + BLOCK_K, KW, kw_end, W, VPW)  # (masked past the end)
+            sq_next = _load_scales(sbase, n, nm, kg + BLOCK_K, SK, k_end, BN, BK)
+            xq_next = _load_x(xrow, kg + BLOCK_K, k_end, W, VPW)
+            sc = _multipliers(sq, FP4, UE8M0)
+            if FP4:
+                w0, w1, w2, w3, w4, w5, w6, w7 = _planes(wq, FP4, PTX)
+                x0, x1, x2, x3, x4, x5, x6, x7 = _x_planes(xq, G, W, VPW)
+                part = _weight(w0, sc, ROUND_W, dt, INTERPRET) * x0[None, :, :]
+                part += _weight(w1, sc, ROUND_W, dt, INTERPRET) * x1[None, :, :]
+                part += _weight(w2, sc, ROUND_W, dt, INTERPRET) * x2[None, :, :]
+                part += _weight(w3, sc, ROUND_W, dt, INTERPRET) * x3[None, :, :]
+                part += _weight(w4, sc, ROUND_W, dt, INTERPRET) * x4[None, :, :]
+                part += _weight(w5, sc, ROUND_W, dt, INTERPRET) * x5[None, :, :]
+                part += _weight(w6, sc, ROUND_W, dt, INTERPRET) * x6[None, :, :]
+                part += _weight(w7, sc, ROUND_W, dt, INTERPRET) * x7[None, :, :]
+            else:
+                w0, w1, w2, w3 = _planes(wq, FP4, PTX)
+                x0, x1, x2, x3 = _x_planes(xq, G, W, VPW)
+                part = _weight(w0, sc, ROUND_W, dt, INTERPRET) * x0[None, :, :]
+                part += _weight(w1, sc, ROUND_W, dt, INTERPRET) * x1[None, :, :]
+                part += _weight(w2, sc, ROUND_W, dt, INTERPRET) * x2[None, :, :]
+                part += _weight(w3, sc, ROUND_W, dt, INTERPRET) * x3[None, :, :]
+            part = tl.sum(part, axis=2)
+            acc += part if ROUND_W else part * sc  # (UE8M0: a power of two, the reference's products exactly)
+            wq, sq, xq, kg = wq_next, sq_next, xq_next, kg + BLOCK_K
         y = tl.sum(acc, axis=1)
         tl.store(out_ptr + r.to(tl.int64) * N + n, cast_rne(y, dt, INTERPRET), mask=nm)
 
@@ -410,8 +400,7 @@ def expert_gemv_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor | No
     """`expert_gemv_q_torch` in one launch: a program per (row, block of outputs) decoding its expert's bytes in
     registers. Fixed shapes, no host sync (CUDA-graph capturable). `idx` None: one row per x row, row r using
     expert r % E (a dense weight cut into E groups; no index tensor to build inside a captured step). `config`
-    replaces GEMV_Q_CONFIG's entry for the format (block_n, block_k, num_warps; stages: 1 keeps the next tile in
-    registers, S > 1 has the compiler pipeline S tiles through shared memory)."""
+    replaces GEMV_Q_CONFIG's entry for the format (block_n, block_k, num_warps)."""
     assert triton is not None, "triton is not installed"
     E, N, K = w.shape
     R = idx.numel() if idx is not None else x.shape[0] * x_div
@@ -424,18 +413,19 @@ def expert_gemv_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor | No
         round_w = not fmt["UE8M0"] and x.dtype != torch.float32
         _expert_gemv_q_kernel[(R, triton.cdiv(N, block_n))](
             x.contiguous(), data, scale, None if idx is None else idx.contiguous(), out, E, N, K, data.shape[-1],
-            scale.shape[-1], x_div, **fmt, ROUND_W=round_w, BLOCK_N=block_n, G=G, SUB=SUB,
-            STAGES=cfg.get("stages", 1), INTERPRET=INTERPRET, num_warps=cfg["num_warps"])
+            scale.shape[-1], x_div, **fmt, ROUND_W=round_w, BLOCK_N=block_n, G=G, SUB=SUB, INTERPRET=INTERPRET,
+            num_warps=cfg["num_warps"])
     return out
 
 
-def grouped_q_block_m(R: int, E: int) -> int:
-    """Rows of one expert per program of `expert_grouped_q_triton` for R routes over E experts: every block decodes
-    its expert's weights again, so about twice the mean rows per expert (most experts in one block); the MMA's width
-    (x's rows, wgmma's N) can be that small."""
+def grouped_q_block_m(R: int, E: int, dtype: torch.dtype) -> int:
+    """Rows of one expert per program of `expert_grouped_q_triton` for R routes over E experts and x of `dtype`:
+    every block decodes its expert's weights again, so about twice the mean rows per expert (most experts in one
+    block), up to GROUPED_Q_CONFIG's limit for the dtype; the MMA's width (x's rows, wgmma's N) can be as small as 16."""
     cfg = GROUPED_Q_CONFIG
     twice_mean = 2 * -(-R // E)
-    return cfg["block_m"] or min(cfg["max_block_m"], max(16, 1 << (twice_mean - 1).bit_length()))  # next power of 2
+    limit = cfg["max_block_m_fp32" if dtype == torch.float32 else "max_block_m"]
+    return cfg["block_m"] or min(limit, max(16, 1 << (twice_mean - 1).bit_length()))  # next power of 2
 
 
 def expert_grouped_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_div: int,
@@ -449,7 +439,7 @@ def expert_grouped_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, 
     if R:
         data, scale, fmt = _kernel_args(w)
         cfg = GROUPED_Q_CONFIG
-        bm = grouped_q_block_m(R, E)
+        bm = grouped_q_block_m(R, E, x.dtype)
         plan = plan if plan is not None else group_rows(idx, E, bm)  # no host sync: capturable
         assert plan.block_m == bm, "a plan for another block size"
         order, counts, offsets, block_ends, _ = plan
@@ -461,7 +451,7 @@ def expert_grouped_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, 
             x.contiguous(), data, scale, order, counts, offsets, block_ends, out, E, N, K, data.shape[-1],
             scale.shape[-1], x_div, **fmt, BLOCK_M=bm, BLOCK_N=block_n, G=G, SUB=SUB,
             BLOCK_E=triton.next_power_of_2(E + 1), IEEE=fp32, PREFETCH_X=bm <= cfg["prefetch_x_max_block_m"],
-            INTERPRET=INTERPRET, num_warps=cfg["num_warps"])
+            INTERPRET=INTERPRET, num_warps=cfg["num_warps_wide" if bm >= cfg["wide_block_m"] else "num_warps"])
     return out
 
 

@@ -19,15 +19,8 @@ from test_moe_quant import assert_close, fp8_weight, mxfp4_weight
 
 SHAPES = {"v4-gate_up": (4096, 4096), "v4-down": (4096, 2048), "v41-gate_up": (4608, 5120), "v41-down": (5120, 2304)}
 E, TOP_K = 16, 6
-
-
-def _pipelined(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor, x_div: int) -> torch.Tensor:
-    """The decode kernel in its shared-memory pipelined loop form (stages 3) at the format's default tiles."""
-    return expert_gemv_q_triton(x, w, idx, x_div, dict(moe_quant.GEMV_Q_CONFIG["fp4" if w.fp4 else "fp8"], stages=3))
-
-
-# the decode kernel (a program per row), in both loop forms
-GEMVS = {"per-row": expert_gemv_q_triton, "per-row-pipelined": _pipelined}
+# the decode kernel (a program per row)
+GEMVS = {"per-row": expert_gemv_q_triton}
 
 
 @functools.lru_cache(maxsize=4)

@@ -163,6 +163,6 @@ def _routed_matmul(x: torch.Tensor, flat: torch.Tensor, E: int, quant: bool,
         gemv = expert_gemv_q if quant else expert_gemv
         return lambda a, w, x_div: gemv(a, w, flat, x_div)
     grouped = expert_grouped_q if quant else expert_grouped
-    block_m = grouped_q_block_m(flat.numel(), E) if quant else GROUPED_BLOCK_M
+    block_m = grouped_q_block_m(flat.numel(), E, x.dtype) if quant else GROUPED_BLOCK_M
     plan = group_rows(flat, E, block_m) if x.is_cuda else None
     return lambda a, w, x_div: grouped(a, w, flat, x_div, plan)
