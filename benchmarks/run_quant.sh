@@ -59,7 +59,8 @@ part_bench() {
     make_quant "$p"; du -sb "/tmp/$p-released"
     for b in ${BATCHES:-1 32}; do
       case " ${FORMATS:-bf16 released} " in *" bf16 "*) bench "${LIMIT:-150}" "/tmp/$p" "$b" "$p-bf16${TAG:-}";; esac
-      case " ${FORMATS:-bf16 released} " in *" released "*) bench "${LIMIT:-150}" "/tmp/$p-released" "$b" "$p-released${TAG:-}";; esac
+      case " ${FORMATS:-bf16 released} " in *" released "*)
+        bench "${LIMIT:-150}" "/tmp/$p-released" "$b" "$p-released${TAG:-}";; esac
     done
   done
 }

@@ -421,7 +421,8 @@ def expert_gemv_q_triton(x: torch.Tensor, w: QuantWeight, idx: torch.Tensor | No
 def grouped_q_block_m(R: int, E: int, dtype: torch.dtype) -> int:
     """Rows of one expert per program of `expert_grouped_q_triton` for R routes over E experts and x of `dtype`:
     every block decodes its expert's weights again, so about twice the mean rows per expert (most experts in one
-    block), up to GROUPED_Q_CONFIG's limit for the dtype; the MMA's width (x's rows, wgmma's N) can be as small as 16."""
+    block), up to GROUPED_Q_CONFIG's limit for the dtype; the MMA's width (x's rows, wgmma's N) can be as small as
+    16."""
     cfg = GROUPED_Q_CONFIG
     twice_mean = 2 * -(-R // E)
     limit = cfg["max_block_m_fp32" if dtype == torch.float32 else "max_block_m"]
