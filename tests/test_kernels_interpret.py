@@ -37,6 +37,78 @@ def test_hc_post_kernel_matches_torch() -> None:
     """)
 
 
+def test_fused_mhc_site_matches_the_composed_path() -> None:
+    """`hc_mixes_fused` (two launches: chunked fn . h dots with sums of squares, then the chunks' sums, the norm
+    factor and hc_post) against the composed path (the streams' fp32 norm, the fp32 projection, hc_post) on the CPU,
+    both measured against an fp64 run of the composed path: the fused mixes differ only in where the norm factor is
+    applied and in the sums' order (a few fp32 ulps of m, relative ~K 2^-24), which Sinkhorn's 20 iterations do not
+    amplify past 1e-5 on outputs of order one. Streams in bf16 and fp32; K = N * D of 384 (a full chunk of 256 and
+    a partial one), 1024 (four exact chunks) and 2400 (ten, the last partial); one and several tokens. A chunk
+    dropped or summed twice, or a mixes scale off by 1e-4, moves the outputs by more than the bound."""
+    _interpret("""
+        import torch
+        import torch.nn.functional as F
+        from dsv4.ops.mhc import hc_mixes_fused, hc_post_torch
+        from dsv4.models.layers.norm import unweighted_rms_norm_torch
+        g = torch.Generator().manual_seed(3)
+        n, iters, hc_eps, norm_eps = 4, 20, 1e-6, 1e-6
+
+        def composed(h, fn, base, scale, dt):
+            flat = unweighted_rms_norm_torch(h.flatten(1).to(dt), norm_eps)
+            return hc_post_torch(F.linear(flat, fn.to(dt)), base.to(dt), scale.to(dt), n, iters, hc_eps)
+
+        for D in (96, 256, 600):
+            K = n * D
+            fn = torch.randn((2 + n) * n, K, generator=g) * K ** -0.5
+            base = torch.randn((2 + n) * n, generator=g)
+            scale = torch.rand(3, generator=g) + 0.5
+            for T in (1, 3):
+                for dtype in (torch.bfloat16, torch.float32):
+                    h = (torch.randn(T, n, D, generator=g) * 3).to(dtype)
+                    ref = composed(h.double(), fn, base, scale, torch.float64)
+                    got = hc_mixes_fused(h, fn, base, scale, iters, hc_eps, norm_eps)
+                    old = composed(h.float(), fn, base, scale, torch.float32)
+                    for name, r, a, b in zip(("pre", "post", "comb"), ref, got, old):
+                        assert a.dtype == torch.float32 and a.shape == r.shape, name
+                        err, err_old = (a.double() - r).abs().max().item(), (b.double() - r).abs().max().item()
+                        assert err <= 1e-5, (D, T, dtype, name, err, err_old)
+        print("ok")
+    """)
+
+
+def test_collapse_rms_norm_kernel_equals_the_two_kernels() -> None:
+    """`collapse_rms_norm_triton` (the fused site's sublayer input) gives the bits of the collapse kernel followed
+    by the RMSNorm kernel (the same collapse order and roundings, the same statistic over one block of the row),
+    HF-V4 weighted and V4.1 flavours, bf16 / fp32 streams, bf16 / fp32 V4.1 weights, D a power of two and not, one
+    and several tokens; and the torch reference within the RMSNorm kernel's ulp bounds (tests/rmsnorm_checks.py)."""
+    _interpret("""
+        import sys
+        import torch
+        sys.path.insert(0, "tests")
+        from rmsnorm_checks import BOUND, ulps
+        from dsv4.ops.mhc_streams import collapse_rms_norm_torch, collapse_rms_norm_triton, collapse_triton
+        from dsv4.ops.rmsnorm import MODE_V41, MODE_WEIGHTED, rms_norm_triton, rms_norm_v41_triton
+        g = torch.Generator().manual_seed(5)
+        for T, D in ((1, 64), (3, 100), (2, 2048)):
+            for dtype in (torch.bfloat16, torch.float32):
+                h = (torch.randn(T, 4, D, generator=g) * 2).to(dtype)
+                pre = torch.rand(T, 4, generator=g) + 0.1
+                w32 = torch.rand(D, generator=g) + 0.5
+                for mode, w in ((MODE_WEIGHTED, w32), (MODE_V41, w32.to(dtype)), (MODE_V41, w32)):
+                    two = (rms_norm_triton if mode == MODE_WEIGHTED else rms_norm_v41_triton)(
+                        collapse_triton(h, pre), w, 1e-6)
+                    got = collapse_rms_norm_triton(h, pre, w, 1e-6, mode)
+                    assert got.dtype == two.dtype and torch.equal(got, two), (T, D, dtype, mode)
+                    ref = collapse_rms_norm_torch(h, pre, w, 1e-6, mode)
+                    name = "weighted" if mode == MODE_WEIGHTED else "v41"
+                    if ref.dtype == dtype:
+                        assert ulps(ref, got).max() <= BOUND[dtype, name] + 1, (T, D, dtype, mode)
+                    else:  # bf16 streams, fp32 weight: the normalised value went through bf16
+                        assert torch.allclose(got, ref, rtol=2 ** -6, atol=0), (T, D, dtype, mode)
+        print("ok")
+    """)
+
+
 _GROUP_ROWS_CHECK = """
     import torch
     from dsv4.ops.moe import (PLAN_KERNEL_MAX_ROWS, expert_grouped_torch, expert_grouped_triton, group_rows_torch,

@@ -17,7 +17,7 @@ from torch import nn
 
 from dsv4.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
 from dsv4.models.layers.attention import project_groups, write_slots
-from dsv4.models.layers.mhc import HyperConnection, HyperHead, collapse, expand
+from dsv4.models.layers.mhc import HyperConnection, HyperHead, collapse_norm, expand
 from dsv4.models.layers.moe import MoE
 from dsv4.models.layers.norm import RMSNorm, unweighted_rms_norm
 from dsv4.models.layers.rope import RotaryTable
@@ -323,20 +323,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, input_ids: torch.Tensor, md: AttnMetadata, cache: LayerKVCache) -> torch.Tensor:
         pre, post, comb = self.attn_hc.mixes(h)
-        y = self.self_attn(self.input_layernorm(collapse(h, pre)), md, cache)
+        y = self.self_attn(collapse_norm(h, pre, self.input_layernorm), md, cache)
         h = expand(y, h, post, comb)
         pre, post, comb = self.ffn_hc.mixes(h)
-        z = self.mlp(self.post_attention_layernorm(collapse(h, pre)), input_ids)
+        z = self.mlp(collapse_norm(h, pre, self.post_attention_layernorm), input_ids)
         return expand(z, h, post, comb)
 
 
     def forward_decode(self, h: torch.Tensor, input_ids: torch.Tensor, dmd: DecodeMetadata,
                        cache: LayerKVCache) -> torch.Tensor:
         pre, post, comb = self.attn_hc.mixes(h)
-        y = self.self_attn.forward_decode(self.input_layernorm(collapse(h, pre)), dmd, cache)
+        y = self.self_attn.forward_decode(collapse_norm(h, pre, self.input_layernorm), dmd, cache)
         h = expand(y, h, post, comb)
         pre, post, comb = self.ffn_hc.mixes(h)
-        z = self.mlp(self.post_attention_layernorm(collapse(h, pre)), input_ids, fixed=True)
+        z = self.mlp(collapse_norm(h, pre, self.post_attention_layernorm), input_ids, fixed=True)
         return expand(z, h, post, comb)
 
 

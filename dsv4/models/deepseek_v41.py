@@ -21,7 +21,7 @@ from dsv4.kv.spec import PAD_SLOT
 from dsv4.models.config import ModelConfig
 from dsv4.models.engram import Engram, EngramLayout, HostTable, engram_hash
 from dsv4.models.layers.attention import project_groups, write_slots
-from dsv4.models.layers.mhc import hc_mixes
+from dsv4.models.layers.mhc import collapse_norm, hc_mixes
 from dsv4.models.layers.norm import rms_norm_v41_torch
 from dsv4.models.layers.moe import Experts, moe_output
 from dsv4.models.layers.rope import RotaryTable
@@ -32,9 +32,8 @@ from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_f
 from dsv4.ops.indexer import (candidate_blocks_of, candidate_pool, decode_select, indexer_scores, pick_sources,
                               pick_table_sources)
 from dsv4.ops.indexer_prefill import prefill_select, use_prefill_select
-from dsv4.ops.mhc_streams import collapse
 from dsv4.ops.mhc_streams import expand as expand_streams
-from dsv4.ops.rmsnorm import rms_norm_v41_triton, triton
+from dsv4.ops.rmsnorm import MODE_V41, rms_norm_v41_triton, triton
 from dsv4.ops.rope import apply_rope
 from dsv4.ops.router import fp32_reciprocal, route
 from dsv4.ops.swiglu import swiglu
@@ -52,6 +51,8 @@ if TYPE_CHECKING:  # type only: the runner builds the manager and sets `encoder_
 class RMSNormV41(nn.Module):
     """V4.1 RMSNorm: the normalised value is cast to the input dtype first, then scaled by the weight (model
     dtype)."""
+
+    fused_mode = MODE_V41  # its flavour in fused kernels (dsv4.ops.rmsnorm's modes)
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -511,20 +512,20 @@ class DecoderLayerV41(nn.Module):
     def forward(self, h: torch.Tensor, pre_prev: torch.Tensor, is_image: torch.Tensor, md: AttnMetadata,
                 caches: list[LayerKVCache], step: StepState) -> tuple[torch.Tensor, torch.Tensor]:
         pre_a, post_a, comb_a = hc_mixes(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc)
-        y = self.attn(self.attn_norm(collapse(h, pre_prev)), md, caches, step)
+        y = self.attn(collapse_norm(h, pre_prev, self.attn_norm), md, caches, step)
         h = expand(y, h, post_a, comb_a)
         pre_f, post_f, comb_f = hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc)
-        z = self.ffn(self.ffn_norm(collapse(h, pre_a)), is_image)
+        z = self.ffn(collapse_norm(h, pre_a, self.ffn_norm), is_image)
         return expand(z, h, post_f, comb_f), pre_f
 
 
     def forward_decode(self, h: torch.Tensor, pre_prev: torch.Tensor, is_image: torch.Tensor, dmd: DecodeMetadata,
                        caches: list[LayerKVCache], step: StepState) -> tuple[torch.Tensor, torch.Tensor]:
         pre_a, post_a, comb_a = hc_mixes(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc)
-        y = self.attn.forward_decode(self.attn_norm(collapse(h, pre_prev)), dmd, caches, step)
+        y = self.attn.forward_decode(collapse_norm(h, pre_prev, self.attn_norm), dmd, caches, step)
         h = expand(y, h, post_a, comb_a)
         pre_f, post_f, comb_f = hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc)
-        z = self.ffn(self.ffn_norm(collapse(h, pre_a)), is_image, fixed=True)
+        z = self.ffn(collapse_norm(h, pre_a, self.ffn_norm), is_image, fixed=True)
         return expand(z, h, post_f, comb_f), pre_f
 
 
@@ -597,7 +598,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             if taps is not None and i in taps:
                 taps[i] = h.mean(dim=1)
             h, pre = layer(h, pre, is_image, md, caches, step)
-        return self.model.norm(collapse(h, pre))
+        return collapse_norm(h, pre, self.model.norm)
 
     def forward_decode(self, input_ids: torch.Tensor, dmd: DecodeMetadata, caches: list[LayerKVCache],
                        lookback_token_ids: torch.Tensor | None = None,
@@ -618,7 +619,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             if taps is not None and i in taps:
                 taps[i] = h.mean(dim=1)
             h, pre = layer.forward_decode(h, pre, is_image, dmd, caches, step)
-        return self.model.norm(collapse(h, pre))
+        return collapse_norm(h, pre, self.model.norm)
 
     def _engram(self, layer: int, module: Engram, h: torch.Tensor, input_ids: torch.Tensor, is_image: torch.Tensor,
                 qsl: torch.Tensor, num_reqs: int, lookback: torch.Tensor | None) -> torch.Tensor:

@@ -1,20 +1,40 @@
-"""mHC mixes after the projection: (pre, post, comb) with Sinkhorn, for every token at once.
+"""mHC mixes: (pre, post, comb) of one site from its streams, with Sinkhorn, for every token at once.
 
-The torch reference takes ~90 tiny kernels per site (Sinkhorn alone is 2 * iters reductions and divisions on
-[T, N, N]); the Triton kernel does one token per program with the N x N matrix in registers, one launch per site.
-Inputs: m [T, (2+N)N] = normed streams @ fn^T (fp32), base [(2+N)N], scale [3]. Outputs fp32 pre [T, N],
-post [T, N], comb [T, N, N] (model.md section 3).
+`hc_post`: from the projection m [T, (2+N)N] = normed streams @ fn^T (fp32), base [(2+N)N], scale [3], the fp32
+pre [T, N], post [T, N], comb [T, N, N] (model.md section 3). The torch reference takes ~90 tiny kernels per site
+(Sinkhorn alone is 2 * iters reductions and divisions on [T, N, N]); the Triton kernel does one token per program
+with the N x N matrix in registers, one launch per site.
+
+`hc_mixes_fused`: the whole site from the streams h [T, N, D] in two launches instead of four (the streams' fp32
+norm, cuBLAS's two-kernel fp32 gemv, `hc_post`): the first reads h and fn in column chunks and writes each chunk's
+fn . h dot products and sum of squares; the second adds the chunks in a fixed order, scales the dots by the rows'
+rsqrt(mean(h^2) + eps) (the norm is a per-row factor, so fn . (h r) = r (fn . h)) and finishes as `hc_post`. fp32
+throughout; against the composed path only the products' rounding and the sums' order differ (a few fp32 ulps of
+the mixes). Used for decode-sized steps (FUSED_MIXES, FUSED_MAX_ROWS below).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # CPU-only installs use the torch reference
     triton = None
+
+# The fused site on CUDA (`hc_mixes_fused`, and the sublayer input in one launch: dsv4.models.layers.mhc) for steps
+# of at most FUSED_MAX_ROWS tokens: its first launch reads fn once per token (a GEMM's worth of tokens would read it
+# thousands of times: prefill keeps cuBLAS). H200, V4-Flash-4l released, batch 1: 1.283 -> 1.256 ms a decode step
+# (benchmarks/results/2026-12-04-h200-gemv-forms-prefill-blocks). DSV4_FUSED_MHC=0 switches it off.
+FUSED_MIXES = os.environ.get("DSV4_FUSED_MHC", "1") == "1"
+FUSED_MAX_ROWS = 8
+# columns of the flattened streams a program of the first launch reads, in one load round trip (a decode step's
+# few tokens need many programs: V4 64 chunks of 16384 columns, V4.1 80 of 20480)
+_MIX_CHUNK = 256
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -39,6 +59,33 @@ def hc_post_torch(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: i
 
 
 if triton is not None:
+    from dsv4.ops.rmsnorm import INTERPRET
+
+    @triton.jit
+    def _hc_outputs(pre_w, post_w, comb_w, base_ptr, scale_ptr, iters, hc_eps, N: tl.constexpr):
+        """(pre [N], post [N], comb [N, N] row-major [j, k]) of one token from its projected mixes."""
+        i = tl.arange(0, N)
+        s_pre = tl.load(scale_ptr)
+        s_post = tl.load(scale_ptr + 1)
+        s_comb = tl.load(scale_ptr + 2)
+        pre = tl.sigmoid(pre_w * s_pre + tl.load(base_ptr + i)) + hc_eps
+        post = 2.0 * tl.sigmoid(post_w * s_post + tl.load(base_ptr + N + i))
+        jk = i[:, None] * N + i[None, :]
+        c = comb_w * s_comb + tl.load(base_ptr + 2 * N + jk)
+        c = tl.exp(c - tl.max(c, axis=1)[:, None])
+        c = c / tl.sum(c, axis=1)[:, None] + hc_eps
+        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+        for _ in range(iters - 1):
+            c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
+            c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
+        return pre, post, c
+
+    @triton.jit
+    def _store_outputs(pre_ptr, post_ptr, comb_ptr, t, pre, post, comb, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(pre_ptr + t * N + i, pre)
+        tl.store(post_ptr + t * N + i, post)
+        tl.store(comb_ptr + t * N * N + i[:, None] * N + i[None, :], comb)
 
     @triton.jit
     def _hc_post_kernel(m_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, iters, hc_eps,
@@ -48,22 +95,57 @@ if triton is not None:
         hc_eps = tl.cast(hc_eps, tl.float32)
         row = m_ptr + t * W
         i = tl.arange(0, N)
-        s_pre = tl.load(scale_ptr)
-        s_post = tl.load(scale_ptr + 1)
-        s_comb = tl.load(scale_ptr + 2)
-        pre = tl.sigmoid(tl.load(row + i) * s_pre + tl.load(base_ptr + i)) + hc_eps
-        post = 2.0 * tl.sigmoid(tl.load(row + N + i) * s_post + tl.load(base_ptr + N + i))
-        tl.store(pre_ptr + t * N + i, pre)
-        tl.store(post_ptr + t * N + i, post)
-        jk = i[:, None] * N + i[None, :]  # row-major [j, k]
-        c = tl.load(row + 2 * N + jk) * s_comb + tl.load(base_ptr + 2 * N + jk)
-        c = tl.exp(c - tl.max(c, axis=1)[:, None])
-        c = c / tl.sum(c, axis=1)[:, None] + hc_eps
-        c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-        for _ in range(iters - 1):
-            c = c / (tl.sum(c, axis=1)[:, None] + hc_eps)
-            c = c / (tl.sum(c, axis=0)[None, :] + hc_eps)
-        tl.store(comb_ptr + t * N * N + jk, c)
+        pre, post, comb = _hc_outputs(tl.load(row + i), tl.load(row + N + i),
+                                      tl.load(row + 2 * N + i[:, None] * N + i[None, :]), base_ptr, scale_ptr, iters,
+                                      hc_eps, N)
+        _store_outputs(pre_ptr, post_ptr, comb_ptr, t, pre, post, comb, N)
+
+    @triton.jit
+    def _hc_dots_kernel(h_ptr, fn_ptr, dots_ptr, ss_ptr, K, CHUNK, M: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+        """Program (t, c): over the columns [c CHUNK, (c+1) CHUNK) of token t's flattened streams, the dot products
+        with the M rows of fn (-> dots[t, c, :M]) and the sum of squares (-> ss[t, c])."""
+        t = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
+        chunks = tl.num_programs(1)
+        mm = tl.arange(0, BLOCK_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(c * CHUNK, (c + 1) * CHUNK, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < K
+            x = tl.load(h_ptr + t * K + k, mask=km, other=0.0).to(tl.float32)
+            sq += x * x
+            w = tl.load(fn_ptr + mm[:, None] * K + k[None, :], mask=(mm < M)[:, None] & km[None, :], other=0.0)
+            acc += w * x[None, :]
+        tl.store(dots_ptr + (t * chunks + c) * BLOCK_M + mm, tl.sum(acc, axis=1))
+        tl.store(ss_ptr + t * chunks + c, tl.sum(sq, axis=0))
+
+    @triton.jit
+    def _hc_mix_kernel(dots_ptr, ss_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, CHUNKS, K, inv_k,
+                       norm_eps, iters, hc_eps, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+                       INTERPRET: tl.constexpr):
+        """Token t: the chunks' sums in chunk order, the rows' norm factor, then `hc_post`."""
+        t = tl.program_id(0).to(tl.int64)
+        hc_eps = tl.cast(hc_eps, tl.float32)
+        norm_eps = tl.cast(norm_eps, tl.float32)
+        inv_k = tl.cast(inv_k, tl.float32)
+        cc = tl.arange(0, BLOCK_C)
+        cm = cc < CHUNKS
+        ss = tl.sum(tl.load(ss_ptr + t * CHUNKS + cc, mask=cm, other=0.0), axis=0)
+        if INTERPRET:  # as unweighted_rms_norm's CPU reference: mean = sum / K, rsqrt = 1 / sqrt
+            r = 1.0 / tl.sqrt(ss / K + norm_eps)
+        else:  # as its CUDA kernel: sum * fp32(1/K), libdevice's rsqrtf
+            r = libdevice.rsqrt(ss * inv_k + norm_eps)
+        rows = dots_ptr + (t * CHUNKS + cc) * BLOCK_M  # [BLOCK_C] chunk rows of this token
+        i = tl.arange(0, N)
+        jk = i[:, None] * N + i[None, :]
+        pre_w = tl.sum(tl.load(rows[:, None] + i[None, :], mask=cm[:, None], other=0.0), axis=0) * r
+        post_w = tl.sum(tl.load(rows[:, None] + N + i[None, :], mask=cm[:, None], other=0.0), axis=0) * r
+        comb_w = tl.sum(tl.load(rows[:, None, None] + 2 * N + jk[None, :, :], mask=cm[:, None, None], other=0.0),
+                        axis=0) * r
+        pre, post, comb = _hc_outputs(pre_w, post_w, comb_w, base_ptr, scale_ptr, iters, hc_eps, N)
+        _store_outputs(pre_ptr, post_ptr, comb_ptr, t, pre, post, comb, N)
 
 
 def hc_post_triton(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
@@ -87,3 +169,38 @@ def hc_post(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, it
     if m.is_cuda and triton is not None and n & (n - 1) == 0:
         return hc_post_triton(m, base, scale, n, iters, hc_eps)
     return hc_post_torch(m, base, scale, n, iters, hc_eps)
+
+
+def hc_mixes_fused(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                   hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre, post, comb) of one site from its streams h [T, N, D] (any float dtype) and fn [(2+N)N, N*D] in two
+    launches, no host sync (capturable); the composed path is dsv4.models.layers.mhc.hc_mixes."""
+    assert triton is not None, "triton is not installed"
+    T, N = h.shape[0], h.shape[1]
+    M, K = fn.shape
+    h2 = h.reshape(T, K)
+    if h2.stride(-1) != 1 or (T > 1 and h2.stride(0) != K):
+        h2 = h2.contiguous()
+    fn = fn.float().contiguous()
+    pre = torch.empty(T, N, dtype=torch.float32, device=h.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty(T, N, N, dtype=torch.float32, device=h.device)
+    if T == 0:
+        return pre, post, comb
+    chunks = triton.cdiv(K, _MIX_CHUNK)
+    block_m = triton.next_power_of_2(M)
+    dots = torch.empty(T, chunks, block_m, dtype=torch.float32, device=h.device)
+    ss = torch.empty(T, chunks, dtype=torch.float32, device=h.device)
+    _hc_dots_kernel[(T, chunks)](h2, fn, dots, ss, K, _MIX_CHUNK, M=M, BLOCK_M=block_m,
+                                 BLOCK_K=min(_MIX_CHUNK, triton.next_power_of_2(K)), num_warps=4)
+    _hc_mix_kernel[(T,)](dots, ss, base.float().contiguous(), scale.float().contiguous(), pre, post, comb, chunks,
+                         K, 1.0 / K, norm_eps, iters, hc_eps, N=N, BLOCK_M=block_m,
+                         BLOCK_C=triton.next_power_of_2(chunks), INTERPRET=INTERPRET, num_warps=1)
+    return pre, post, comb
+
+
+def use_fused_mixes(h: torch.Tensor) -> bool:
+    """The fused site for streams h [T, N, D]: on CUDA, switched on, T <= FUSED_MAX_ROWS, N a power of two."""
+    n = h.shape[1]
+    return (FUSED_MIXES and h.is_cuda and triton is not None and h.shape[0] <= FUSED_MAX_ROWS
+            and n & (n - 1) == 0)

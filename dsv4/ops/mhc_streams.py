@@ -13,11 +13,17 @@ whatever its size. The kernels round every product and add the N terms in order 
 contraction, like torch's separate multiply and sum kernels); torch's reduction (and the matmul) may add the same
 terms in another order, so the fp32 sums can differ in their last bits, which the final cast to bf16 can turn into
 one ulp where they straddle a rounding boundary.
+
+collapse_rms_norm: norm(collapse(h, pre)) in one launch (the sublayer's input; `rms_norm` HF-V4 weighted, or V4.1's
+flavour), a program per token: the collapse as above, rounded to the stream dtype, then the norm with the rounding
+steps of dsv4/ops/rmsnorm.py. Part of the fused mHC site (dsv4.ops.mhc.FUSED_MIXES: decode-sized steps).
 """
 
 from __future__ import annotations
 
 import torch
+
+from dsv4.ops.rmsnorm import MODE_WEIGHTED
 
 try:
     import triton
@@ -42,6 +48,8 @@ def expand_torch(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: tor
 
 
 if triton is not None:
+    from triton.language.extra import libdevice
+
     from dsv4.ops.rmsnorm import INTERPRET, cast_rne  # the interpreter's fp32 -> bf16 cast truncates
 
     @triton.jit
@@ -82,6 +90,33 @@ if triton is not None:
             mix = cast_rne(mix, dt, INTERPRET).to(tl.float32)
         offs = (t * N + k[:, None]) * D + d[None, :]
         tl.store(out_ptr + offs, cast_rne(a + mix, dt, INTERPRET), mask=dm[None, :])
+
+
+    @triton.jit
+    def _collapse_norm_kernel(h_ptr, pre_ptr, w_ptr, out_ptr, D, eps, inv_d, N: tl.constexpr, MODE: tl.constexpr,
+                              BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        eps = tl.cast(eps, tl.float32)
+        inv_d = tl.cast(inv_d, tl.float32)
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for j in tl.static_range(N):  # the collapse, as _collapse_kernel
+            p = tl.load(pre_ptr + t * N + j)
+            acc += p * tl.load(h_ptr + (t * N + j) * D + d, mask=dm, other=0.0).to(tl.float32)
+        dt = h_ptr.dtype.element_ty
+        xf = cast_rne(acc, dt, INTERPRET).to(tl.float32)
+        ss = tl.sum(xf * xf, axis=0)  # then the norm, as _rms_norm_kernel (x^2 rounded before the sum)
+        if INTERPRET:
+            r = tl.rsqrt(ss / D + eps)
+        else:
+            r = libdevice.rsqrt(ss * inv_d + eps)
+        w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+        if MODE == 0:  # MODE_WEIGHTED: (w.float() * (xf * r)).to(x.dtype)
+            y = w * (xf * r)
+        else:  # V4.1: (xf * r).to(x.dtype) * w
+            y = cast_rne(xf * r, dt, INTERPRET).to(tl.float32) * w
+        tl.store(out_ptr + t * D + d, cast_rne(y, out_ptr.dtype.element_ty, INTERPRET), mask=dm)
 
 
 def _block_d(D: int) -> int:
@@ -129,3 +164,28 @@ def collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 def expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fp32: bool) -> torch.Tensor:
     """Triton on CUDA, torch elsewhere."""
     return expand_triton(y, h, post, comb, fp32) if _use_triton(h) else expand_torch(y, h, post, comb, fp32)
+
+
+def collapse_rms_norm_torch(h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float,
+                            mode: int) -> torch.Tensor:
+    """Reference: the sublayer's normed input from the streams h [T, N, D] and pre [T, N]; `mode` MODE_WEIGHTED
+    (HF-V4 `rms_norm`) or MODE_V41 (V4.1's RMSNorm)."""
+    from dsv4.models.layers.norm import rms_norm_torch, rms_norm_v41_torch
+    x = collapse_torch(h, pre)
+    return rms_norm_torch(x, weight, eps) if mode == MODE_WEIGHTED else rms_norm_v41_torch(x, weight, eps)
+
+
+def collapse_rms_norm_triton(h: torch.Tensor, pre: torch.Tensor, weight: torch.Tensor, eps: float,
+                             mode: int) -> torch.Tensor:
+    """The same in one launch (N a power of two, D at most 16384)."""
+    assert triton is not None, "triton is not installed"
+    T, N, D = h.shape
+    h, pre, weight = h.contiguous(), pre.float().contiguous(), weight.contiguous()
+    out_dtype = h.dtype if mode == MODE_WEIGHTED else torch.promote_types(h.dtype, weight.dtype)
+    out = torch.empty(T, D, dtype=out_dtype, device=h.device)
+    if T:
+        block = triton.next_power_of_2(D)
+        _collapse_norm_kernel[(T,)](h, pre, weight, out, D, eps, 1.0 / D, N=N, MODE=mode, BLOCK_D=block,
+                                    INTERPRET=INTERPRET, num_warps=min(16, max(1, block // 512)),
+                                    enable_fp_fusion=False)
+    return out

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.models.layers.norm import unweighted_rms_norm_fp32
-from dsv4.ops.mhc import hc_post
-from dsv4.ops.mhc_streams import collapse
+from dsv4.ops.mhc import hc_mixes_fused, hc_post, use_fused_mixes
+from dsv4.ops.mhc_streams import collapse, collapse_rms_norm_triton
 from dsv4.ops.mhc_streams import expand as expand_streams
 
 
@@ -30,10 +30,21 @@ class HyperConnection(nn.Module):
 
 def hc_mixes(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
              norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(pre, post, comb) of one site from its input streams h [T, N, D], all in fp32 (model.md section 3)."""
+    """(pre, post, comb) of one site from its input streams h [T, N, D], all in fp32 (model.md section 3): the
+    streams' norm, the projection, `hc_post`; with the fused site switched on (dsv4.ops.mhc), two launches on CUDA."""
+    if use_fused_mixes(h):
+        return hc_mixes_fused(h, fn, base, scale, iters, hc_eps, norm_eps)
     n = h.shape[1]
     flat = unweighted_rms_norm_fp32(h.flatten(1), norm_eps)
     return hc_post(F.linear(flat, fn.float()), base, scale, n, iters, hc_eps)
+
+
+def collapse_norm(h: torch.Tensor, pre: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """norm(collapse(h, pre)): a sublayer's input from the streams, `norm` an RMSNorm of either family (its
+    `fused_mode`); with the fused site switched on (dsv4.ops.mhc), one launch on CUDA."""
+    if use_fused_mixes(h):
+        return collapse_rms_norm_triton(h, pre, norm.weight, norm.eps, norm.fused_mode)
+    return norm(collapse(h, pre))
 
 
 def expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:

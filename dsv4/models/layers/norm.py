@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4.ops.rmsnorm import rms_norm_triton, triton, unweighted_rms_norm_triton
+from dsv4.ops.rmsnorm import MODE_WEIGHTED, rms_norm_triton, triton, unweighted_rms_norm_triton
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,6 +50,8 @@ def unweighted_rms_norm_fp32(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 class RMSNorm(nn.Module):
     """Weighted RMSNorm; the weight is kept in fp32 whatever the model dtype."""
+
+    fused_mode = MODE_WEIGHTED  # its flavour in fused kernels (dsv4.ops.rmsnorm's modes)
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
