@@ -18,6 +18,7 @@ def test_fused_site_keeps_the_greedy_tokens() -> None:
     _interpret("""
         import json, os, sys
         sys.path.insert(0, "tests")
+        from engine_runs import run_to_completion
         from hf_reference import build_hf_model, make_prompt, save_hf_model, tiny_config
         from dsv4.engine.engine import LLMEngine
         from dsv4.models.layers import mhc as mhc_layer
@@ -26,13 +27,9 @@ def test_fused_site_keeps_the_greedy_tokens() -> None:
         def greedy(path, prompts, max_tokens):
             eng = LLMEngine.from_args(path, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=12,
                                       load_tokenizer=False)
-            for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-                eng.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), request_id=str(i))
-            done = {}
-            while eng.has_unfinished_requests():
-                for out in eng.step():
-                    if out.finished:
-                        done[out.request_id] = out.outputs[0].token_ids
+            params = {str(i): SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                      for i, n in enumerate(max_tokens)}
+            done = run_to_completion(eng, {str(i): p for i, p in enumerate(prompts)}, params)
             return [done[str(i)] for i in range(len(prompts))]
 
         raw = tiny_config(sliding_window=6, compress_rates={"compressed_sparse_attention": 2,
