@@ -1,12 +1,14 @@
 """Kernels one decode forward launches, counted on the CPU: a device-independent proxy for the small-kernel tail
 of a FULL decode graph (each GPU kernel there costs 1-3 us even when it moves a few bytes).
 
-usage: PYTHONPATH=. python3 benchmarks/decode_ops.py MODEL_DIR [BATCH] [--lines N] [--dtype bfloat16]
+usage: PYTHONPATH=. python3 benchmarks/decode_ops.py MODEL_DIR [BATCH] [--lines N] [--dtype bfloat16] [--fused-mhc]
 
 Runs `forward_decode` on all-padding metadata (what graph capture runs) under a dispatch mode that counts non-view
 aten ops. The functions that dispatch to a Triton kernel on CUDA count as ONE op each (their CPU reference inside
 is not counted), so the total approximates the kernels of a CUDA replay without torch.compile. Prints the total,
-the count per op name, and the source lines that launch the most ops.
+the count per op name, and the source lines that launch the most ops. `--fused-mhc`: the mHC sites as a CUDA decode
+step of <= 8 tokens runs them (dsv4.ops.mhc.FUSED_MIXES): the mixes two launches, each sublayer input one (computed
+here by the torch references).
 """
 
 from __future__ import annotations
@@ -55,13 +57,14 @@ class _Counter(TorchDispatchMode):
         self.ops: collections.Counter[str] = collections.Counter()
         self.lines: collections.Counter[tuple[str, str]] = collections.Counter()
 
-    def kernel(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """fn counted as one launch (what it runs inside is not counted)."""
+    def kernel(self, name: str, fn: Callable[..., Any], launches: int = 1) -> Callable[..., Any]:
+        """fn counted as `launches` launches (what it runs inside is not counted)."""
         inner = self.uncounted(fn)
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             if self.paused == 0:
-                self._count(f"triton:{name}")
+                for _ in range(launches):
+                    self._count(f"triton:{name}")
             return inner(*args, **kwargs)
         return wrapped
 
@@ -110,6 +113,21 @@ def _patch(counter: _Counter) -> None:
     RotaryTable._check_range = counter.uncounted(RotaryTable._check_range)
 
 
+def _fuse_mhc_sites(counter: _Counter) -> None:
+    """The mHC sites as the fused CUDA path launches them, computed by the torch references."""
+    from dsv4.models.layers import mhc as mhc_layer
+    from dsv4.models.layers.norm import unweighted_rms_norm_torch
+
+    def mixes(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
+              norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        flat = unweighted_rms_norm_torch(h.flatten(1).float(), norm_eps)
+        return mhc.hc_post_torch(torch.nn.functional.linear(flat, fn.float()), base, scale, h.shape[1], iters, hc_eps)
+
+    mhc_layer.use_fused_mixes = lambda h: True
+    mhc_layer.hc_mixes_fused = counter.kernel("hc_mixes_fused", mixes, launches=2)
+    mhc_layer.collapse_rms_norm_triton = counter.kernel("collapse_rms_norm", mhc_streams.collapse_rms_norm_torch)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -117,6 +135,7 @@ def main() -> None:
     ap.add_argument("--lines", type=int, default=40)
     ap.add_argument("--dtype", default="float32",
                     help="bfloat16 counts the casts a bf16 GPU model makes (in fp32 many are no-ops)")
+    ap.add_argument("--fused-mhc", action="store_true", help="the mHC sites as the fused CUDA decode path runs them")
     args = ap.parse_args()
     P = args.batch
     eng = LLMEngine.from_args(args.model, dtype=args.dtype, max_model_len=96, max_num_seqs=P, load_tokenizer=False)
@@ -126,6 +145,8 @@ def main() -> None:
     md = r.model_state.decode.views(P, P)
     counter = _Counter()
     _patch(counter)
+    if args.fused_mhc:
+        _fuse_mhc_sites(counter)
     with torch.inference_mode():
         r.model.forward_decode(r.buffers.input_ids[:P], md, r.kv_caches, **extra)  # lazy caches outside the count
         with counter:
