@@ -144,11 +144,13 @@ def main() -> None:
     r.model_state.prepare_dummy_decode_attn(P)
     md = r.model_state.decode.views(P, P)
     counter = _Counter()
-    _patch(counter)
-    if args.fused_mhc:
-        _fuse_mhc_sites(counter)
     with torch.inference_mode():
         r.model.forward_decode(r.buffers.input_ids[:P], md, r.kv_caches, **extra)  # lazy caches outside the count
+        # the dispatchers count every call: patched after the warm-up (before 2026-12-04 they were patched first,
+        # so the warm-up's calls were counted too and every triton: count was doubled)
+        _patch(counter)
+        if args.fused_mhc:
+            _fuse_mhc_sites(counter)
         with counter:
             r.model.forward_decode(r.buffers.input_ids[:P], md, r.kv_caches, **extra)
     layers = len(r.model.model.layers)
