@@ -173,18 +173,19 @@ def test_w8a16_kernel_matches_reference() -> None:
 def test_one_row_gemv_matches_reference() -> None:
     """The one-row path (`fp8_gemv_triton`: the FP8 expert gemv over the weight's groups), which `fp8_linear` takes
     for a single row on CUDA: fp32 and bf16 x, blocks 128 and 32 with partial ones, UE8M0 and float scales, every
-    finite e4m3 code under wild scales, 1, 2 and 4 groups, the three tile configs (each over some of the cases); shapes
-    it cannot take (a group starting inside a scale block, two rows) are refused."""
+    finite e4m3 code under wild scales, 1, 2 and 4 groups, the four tile configs (each over some of the cases; the
+    grouped projection's on a two-group case); shapes it cannot take (a group starting inside a scale block, two
+    rows) are refused."""
     _interpret("""
         from dsv4.ops.fp8_linear import fp8_gemv_triton
         from dsv4.ops import fp8_linear as fl
         g = torch.Generator().manual_seed(4)
-        configs = [fl.gemv_config(n) for n in (512, 4096, 32768)]
+        configs = [fl.gemv_config(n) for n in (512, 4096, 32768)] + [fl.gemv_config(8192, 8)]
         cases = [(96, 160, (128, 128), 1), (40, 72, (32, 32), 1), (64, 96, (32, 32), 2), (256, 128, (128, 128), 2),
                  (128, 40, (32, 32), 4)]
         for c, (N, K, block, groups) in enumerate(cases):
             i = c % len(configs)  # each config over several cases
-            fl.gemv_config = lambda n, cfg=configs[i]: cfg
+            fl.gemv_config = lambda n, groups=1, cfg=configs[i]: cfg
             # both scale kinds in every case, the gaussian and the every-code weights on alternate cases
             for ue8m0, special in ((True, c % 2 == 0), (False, c % 2 == 1)):
                 w = make_weight(N, K, block, ue8m0, g, special=special)
