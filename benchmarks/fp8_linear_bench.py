@@ -74,7 +74,7 @@ def main() -> None:
     override = {k: int(v) for k, v in (kv.split("=") for kv in args.override.split(",") if kv)}
     if args.gemv_config:
         gemv = {k: int(v) for k, v in (kv.split("=") for kv in args.gemv_config.split(","))}
-        fp8_linear.gemv_config = lambda n, groups=1: gemv
+        fp8_linear.gemv_config = lambda n, groups=1, bk=128: gemv
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     print(f"{'shape':16s} {'M':>6s} {'method':6s} {'us':>9s} {'GB/s':>7s} {'TFLOP/s':>8s} {'floor us':>9s} "

@@ -185,7 +185,7 @@ def test_one_row_gemv_matches_reference() -> None:
                  (128, 40, (32, 32), 4)]
         for c, (N, K, block, groups) in enumerate(cases):
             i = c % len(configs)  # each config over several cases
-            fl.gemv_config = lambda n, groups=1, cfg=configs[i]: cfg
+            fl.gemv_config = lambda n, groups=1, bk=128, cfg=configs[i]: cfg
             # both scale kinds in every case, the gaussian and the every-code weights on alternate cases
             for ue8m0, special in ((True, c % 2 == 0), (False, c % 2 == 1)):
                 w = make_weight(N, K, block, ue8m0, g, special=special)

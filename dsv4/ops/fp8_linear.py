@@ -363,13 +363,14 @@ def _as_groups(w: QuantWeight, groups: int) -> QuantWeight | None:
     return QuantWeight(w.data.view(groups, N // groups, K), w.scale.view(groups, -1, w.scale.shape[-1]), w.block)
 
 
-def gemv_config(N: int, groups: int = 1) -> dict[str, int]:
+def gemv_config(N: int, groups: int = 1, bk: int = 128) -> dict[str, int]:
     """Tiles of the one-row gemv (block_n rows x block_k columns a program per step) by output width, from the H200
     sweep of benchmarks/fp8_linear_bench.py --methods gemv --gemv-config (benchmarks/results/*-h200-quant-gemv):
-    narrow outputs give few programs, so each takes fewer rows and more columns with more warps. The grouped output
-    projection (wo_a: 8 groups of [1024, 4096]) runs 16 x 512 tiles: 15.0 us against 17.3 with 8 x 512 on the H200
-    (benchmarks/results/2026-12-04-h200-gemv-forms-prefill-blocks/gemv_pipeline.log)."""
-    if groups > 1:
+    narrow outputs give few programs, so each takes fewer rows and more columns with more warps. V4's grouped output
+    projection (wo_a: 8 groups of [1024, 4096], scale blocks of 128) runs 16 x 512 tiles: 15.0 us against 17.3 with
+    8 x 512 on the H200 (benchmarks/results/2026-12-04-h200-gemv-forms-prefill-blocks/gemv_pipeline.log; V4.1's, with
+    blocks of 32, was not measured)."""
+    if groups > 1 and bk >= 128:
         return dict(block_n=16, block_k=512, num_warps=4)
     if N <= 2048:
         return dict(block_n=8, block_k=1024, num_warps=8)
@@ -388,7 +389,7 @@ def fp8_gemv_triton(x: torch.Tensor, w: QuantWeight, groups: int = 1) -> torch.T
     if w3 is None or x.numel() != x.shape[-1]:
         raise ValueError("fp8_gemv_triton takes one row and groups that start on a scale block")
     N, K = w.data.shape
-    out = expert_gemv_q_triton(x.reshape(groups, K), w3, None, 1, gemv_config(N, groups))
+    out = expert_gemv_q_triton(x.reshape(groups, K), w3, None, 1, gemv_config(N, groups, w.block[1]))
     return out.view(*x.shape[:-1], N)
 
 
