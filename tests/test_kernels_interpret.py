@@ -644,6 +644,48 @@ def test_router_kernel_matches_torch() -> None:
     """)
 
 
+def test_v4_router_kernel_matches_torch() -> None:
+    """DeepSeek-V4's router (`route_v4`): top-k layers (the fp32 selection bias) and hash layers (`tid2eid`), both
+    scorings, k = 6 and 1, expert counts not a power of two, exact ties between experts (the lowest id wins), logits
+    above softplus' threshold, fp32 and bf16 logits. The same experts as the torch reference; weights in the logits'
+    dtype, within a few fp32 ulps in fp32 (the CPU's softplus and the kernel's may differ in the last bit) and within
+    one bf16 ulp in bf16 (the same per-op roundings; a last-bit difference before a rounding can move it), nearly all
+    bf16 weights equal."""
+    _interpret("""
+        import torch
+        from dsv4.ops.router import route_v4_torch, route_v4_triton
+        g = torch.Generator().manual_seed(8)
+        equal = total = 0
+        for dtype in (torch.float32, torch.bfloat16):
+            for scoring in ("sqrtsoftplus", "sigmoid"):
+                for T, E, k in ((5, 16, 6), (3, 60, 6), (4, 9, 1)):
+                    logits = torch.randn(T, E, generator=g) * 4
+                    logits[1, 3] = logits[1, 7] = 30.0  # a tie above softplus' threshold
+                    logits[0, 2] = logits[0, 5] = logits[0].max() + 1
+                    logits = logits.to(dtype)
+                    bias = torch.randn(E, generator=g) * 0.1
+                    bias[[2, 3, 5, 7]] = 0.0
+                    tid2eid = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(50)]).int()
+                    ids = torch.randint(0, 50, (T,), generator=g)
+                    for b, table in ((bias, None), (None, tid2eid)):
+                        w0, i0 = route_v4_torch(logits, b, table, ids, scoring, k, 1.5)
+                        w1, i1 = route_v4_triton(logits, b, table, ids, scoring, k, 1.5)
+                        case = (dtype, scoring, T, E, k, table is None)
+                        assert torch.equal(i0, i1), (case, i0, i1)
+                        assert w1.dtype == dtype and w1.shape == w0.shape, case
+                        rtol = 4e-7 if dtype == torch.float32 else 2.0 ** -7
+                        assert torch.allclose(w0.float(), w1.float(), rtol=rtol, atol=0), (case, (w0 - w1).abs().max())
+                        if dtype == torch.bfloat16:
+                            equal += int((w0 == w1).sum())
+                            total += w0.numel()
+        assert equal >= 0.9 * total, (equal, total)
+        w, i = route_v4_triton(torch.zeros(0, 16), torch.zeros(16), None, torch.zeros(0, dtype=torch.long),
+                               "sqrtsoftplus", 6, 1.5)
+        assert w.shape == i.shape == (0, 6)
+        print("ok")
+    """)
+
+
 def test_compressor_decode_pool_kernel_matches_torch() -> None:
     """Overlapping (CSA) and plain (HCA) compressors, short and long rings, rows early in their sequence (masked ring
     rows), bf16 and fp32 streams: within one ulp of the stream dtype of the torch reference, nearly all equal."""

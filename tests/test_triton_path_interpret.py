@@ -43,6 +43,7 @@ def test_golden_v41_and_v4_on_the_triton_path() -> None:
             fq.fp4_fake_quant_e4m3: lambda x, block=16: fq.fake_quant_triton(x, fq.FP4_E4M3, block),
             mhc_streams.collapse: mhc_streams.collapse_triton, mhc_streams.expand: mhc_streams.expand_triton,
             swiglu.swiglu: swiglu.swiglu_triton, router.route: router.route_triton,
+            router.route_v4: router.route_v4_triton,
             compress_pool.pool_decode: compress_pool.pool_decode_triton,
             compress_pool.write_entries: compress_pool.write_entries_triton,
             window_kv.write_window_kv: window_kv.write_window_kv_triton,

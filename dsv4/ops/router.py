@@ -11,10 +11,19 @@ by k rounds of max. It follows torch's CUDA arithmetic so that the CHOICE is ide
 scalar gate_temp is a multiply by fp32(1 / gate_temp) there (torch's CUDA division by a CPU scalar), softplus is
 log1p(expf(x)) below its threshold 20, sqrt and sigmoid's division are IEEE-rounded, expf and log1pf are libdevice's.
 The weights' normalising sum adds the k scores in order, which torch may not: they can differ by an fp32 ulp.
+
+`route_v4`: DeepSeek-V4's router after its projection, the same in one launch for both of its kinds of layer. The
+scores stay in the logits' dtype (the projection's, bf16 on a GPU), each op rounding to it as torch's ops on a bf16
+tensor do (softplus, then sqrt, each computed in fp32 and rounded; the sum of the k weights in fp32, rounded; the
+division and the scale likewise); selection adds the fp32 `e_score_correction_bias` (top-k layers) or reads the
+token's experts from `tid2eid` (hash layers); the weights are normalised for every k. The torch expression is ~8
+kernels a layer (activation, sqrt, bias add, a stable sort or an index, gather, sum, add, division, scale). Opt-in
+on CUDA (DSV4_FUSED_ROUTER=1) until it has run on a GPU.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 
 import torch
@@ -30,6 +39,8 @@ except ImportError:  # CPU-only installs use the torch reference
     triton = None
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1}  # the activations the kernel implements (softmax: torch only)
+# V4's router kernel (`route_v4`) on CUDA: opt-in until it has run on a GPU
+FUSED_ROUTER_V4 = os.environ.get("DSV4_FUSED_ROUTER", "0") == "1"
 
 
 def _fp32(x: float) -> float:
@@ -64,8 +75,21 @@ def route_torch(logits: torch.Tensor, bias: torch.Tensor, bias_vl: torch.Tensor,
     return w * scale, idx
 
 
+def route_v4_torch(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+                   input_ids: torch.Tensor, scoring_func: str, top_k: int,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: logits [T, E] (the projection's dtype), `bias` [E] fp32 (top-k layers) or `tid2eid` [vocab, k]
+    with the tokens' `input_ids` [T] (hash layers) -> (weights [T, k] in logits' dtype, expert ids [T, k] int64).
+    Ties in selection go to the lowest expert id."""
+    scores = score(logits, scoring_func)
+    idx = tid2eid[input_ids].long() if tid2eid is not None else stable_topk(scores + bias, top_k)
+    w = scores.gather(1, idx)
+    w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scale, idx
+
+
 if triton is not None:
-    from dsv4.ops.rmsnorm import INTERPRET
+    from dsv4.ops.rmsnorm import INTERPRET, cast_rne
 
     @triton.jit
     def _route_kernel(logit_ptr, bias_ptr, bias_vl_ptr, img_ptr, w_ptr, idx_ptr, E, inv_temp, scale,
@@ -113,6 +137,57 @@ if triton is not None:
         tl.store(idx_ptr + t * K + kk, picks, mask=km)
 
 
+    @triton.jit
+    def _route_v4_kernel(logit_ptr, bias_ptr, tid_ptr, ids_ptr, w_ptr, idx_ptr, E, scale, K: tl.constexpr,
+                         KB: tl.constexpr, BLOCK_E: tl.constexpr, SCORING: tl.constexpr, HASH: tl.constexpr,
+                         INTERPRET: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BLOCK_E)
+        em = e < E
+        scale = tl.cast(scale, tl.float32)  # torch.compile hands float arguments over as fp64
+        dt = logit_ptr.dtype.element_ty
+        x = tl.load(logit_ptr + t * E + e, mask=em, other=0.0).to(tl.float32)
+        if SCORING == 0:  # sqrt(softplus(x)), each op rounded to dt
+            if INTERPRET:  # no libdevice in the interpreter: log1p by Kahan's identity (log(1 + y) loses small y)
+                ex = tl.exp(x)
+                u = 1.0 + ex
+                sp = tl.where(u == 1.0, ex, tl.log(u) * (ex / (u - 1.0)))
+            else:
+                sp = libdevice.log1p(libdevice.exp(x))
+            sp = cast_rne(tl.where(x > 20.0, x, sp), dt, INTERPRET).to(tl.float32)
+            s = cast_rne(tl.sqrt_rn(sp), dt, INTERPRET).to(tl.float32)
+        else:
+            exn = tl.exp(-x) if INTERPRET else libdevice.exp(-x)
+            s = cast_rne(tl.math.div_rn(tl.full([BLOCK_E], 1.0, tl.float32), 1.0 + exn), dt, INTERPRET).to(tl.float32)
+        kk = tl.arange(0, KB)
+        km = kk < K
+        picks = tl.zeros([KB], dtype=tl.int64)
+        ws = tl.zeros([KB], dtype=tl.float32)
+        total = 0.0
+        if HASH:  # the token's experts from the table
+            tok = tl.load(ids_ptr + t).to(tl.int64)
+            picks = tl.load(tid_ptr + tok * K + kk, mask=km, other=0).to(tl.int64)
+            for k in tl.static_range(K):
+                i = tl.sum(tl.where(kk == k, picks, 0), axis=0)
+                si = tl.sum(tl.where(e == i, s, 0.0), axis=0)
+                ws = tl.where(kk == k, si, ws)
+                total += si
+        else:  # the top-k of s + bias, ties to the lowest id, by k rounds of max
+            v = tl.where(em, s + tl.load(bias_ptr + e, mask=em, other=0.0), float("-inf"))
+            for k in tl.static_range(K):
+                m = tl.max(v, axis=0)
+                i = tl.min(tl.where(v == m, e, BLOCK_E), axis=0)
+                si = tl.sum(tl.where(e == i, s, 0.0), axis=0)
+                picks = tl.where(kk == k, i.to(tl.int64), picks)
+                ws = tl.where(kk == k, si, ws)
+                total += si
+                v = tl.where(e == i, float("-inf"), v)
+        denom = cast_rne(cast_rne(total, dt, INTERPRET).to(tl.float32) + 1e-20, dt, INTERPRET).to(tl.float32)
+        w = cast_rne(tl.math.div_rn(ws, tl.zeros([KB], dtype=tl.float32) + denom), dt, INTERPRET).to(tl.float32)
+        tl.store(w_ptr + t * K + kk, cast_rne(w * scale, dt, INTERPRET), mask=km)
+        tl.store(idx_ptr + t * K + kk, picks, mask=km)
+
+
 def route_triton(logits: torch.Tensor, bias: torch.Tensor, bias_vl: torch.Tensor, is_image: torch.Tensor,
                  gate_temp: float, scoring_func: str, top_k: int, scale: float,
                  inv_temp: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,3 +213,31 @@ def route(logits: torch.Tensor, bias: torch.Tensor, bias_vl: torch.Tensor, is_im
     if logits.is_cuda and triton is not None and scoring_func in SCORING:
         return route_triton(logits, bias, bias_vl, is_image, gate_temp, scoring_func, top_k, scale, inv_temp)
     return route_torch(logits, bias, bias_vl, is_image, gate_temp, scoring_func, top_k, scale)
+
+
+def route_v4_triton(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None,
+                    input_ids: torch.Tensor, scoring_func: str, top_k: int,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route_v4_torch` in one launch (scoring sqrtsoftplus or sigmoid), no host sync."""
+    assert triton is not None, "triton is not installed"
+    T, E = logits.shape
+    w = torch.empty(T, top_k, dtype=logits.dtype, device=logits.device)
+    idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    if T:
+        is_hash = tid2eid is not None
+        table = tid2eid.contiguous() if is_hash else idx  # (not read unless hash)
+        b = idx if is_hash else bias.float().contiguous()  # (not read when hash)
+        ids = input_ids.contiguous() if is_hash else idx  # (not read unless hash)
+        _route_v4_kernel[(T,)](logits.contiguous(), b, table, ids, w, idx, E, float(scale),
+                               K=top_k, KB=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
+                               SCORING=SCORING[scoring_func], HASH=is_hash, INTERPRET=INTERPRET,
+                               enable_fp_fusion=False)
+    return w, idx
+
+
+def route_v4(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None, input_ids: torch.Tensor,
+             scoring_func: str, top_k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton on CUDA when switched on (FUSED_ROUTER_V4; sqrtsoftplus / sigmoid scoring), torch elsewhere."""
+    if FUSED_ROUTER_V4 and logits.is_cuda and triton is not None and scoring_func in SCORING:
+        return route_v4_triton(logits, bias, tid2eid, input_ids, scoring_func, top_k, scale)
+    return route_v4_torch(logits, bias, tid2eid, input_ids, scoring_func, top_k, scale)

@@ -403,3 +403,26 @@ def test_compressor_decode_pool(dtype: torch.dtype, m: int, overlap: bool, dim: 
     s = pool_decode_torch(rings[0][0].abs(), rings[0][1], blk, pos, pb, m, overlap, dtype).float()
     bound = r.abs() * ulp + s * (2 * ulp + 2 * cap * 2.0 ** -24)
     assert ((r - o).abs() <= bound).all(), ((r - o).abs() / bound).max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("E", [256, 384])
+@pytest.mark.parametrize("hash_layer", [False, True])
+def test_route_v4(dtype: torch.dtype, E: int, hash_layer: bool) -> None:
+    """V4's router kernel against torch's ops on the same CUDA logits: the same experts, and weights rounded at the
+    same points (the normalising sum's order may move one ulp)."""
+    from dsv4.ops.router import route_v4_torch, route_v4_triton
+    g = torch.Generator(device="cuda").manual_seed(E)
+    T, k = 64, 6
+    logits = (torch.randn(T, E, device="cuda", generator=g) * 3).to(dtype)
+    bias = torch.randn(E, device="cuda", generator=g) * 0.1
+    tid2eid = torch.stack([torch.randperm(E, device="cuda", generator=g)[:k] for _ in range(100)]).int()
+    ids = torch.randint(0, 100, (T,), device="cuda", generator=g)
+    b, table = (None, tid2eid) if hash_layer else (bias, None)
+    w0, i0 = route_v4_torch(logits, b, table, ids, "sqrtsoftplus", k, 2.5)
+    w1, i1 = route_v4_triton(logits, b, table, ids, "sqrtsoftplus", k, 2.5)
+    assert torch.equal(i0, i1)
+    rtol = 4e-7 if dtype == torch.float32 else 2.0 ** -7
+    assert w1.dtype == dtype and torch.allclose(w0.float(), w1.float(), rtol=rtol, atol=0)
+    if dtype == torch.bfloat16:
+        assert (w0 == w1).float().mean() > 0.9

@@ -12,9 +12,8 @@ from torch import nn
 from dsv4.ops.moe import GROUPED_BLOCK_M, combine_experts, expert_gemv, expert_grouped, group_rows
 from dsv4.ops.moe_quant import expert_gemv_q, expert_grouped_q, grouped_q_block_m
 from dsv4.quant.weight import QuantWeight
-from dsv4.ops.router import score
+from dsv4.ops.router import route_v4
 from dsv4.ops.swiglu import swiglu
-from dsv4.ops.topk import stable_topk
 
 if TYPE_CHECKING:
     from dsv4.distributed import ExpertShard
@@ -50,14 +49,11 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (weights [T, k], expert ids [T, k]). Ties in selection go to the lowest expert id."""
-        scores = score(F.linear(x, self.weight), self.scoring_func)
         if self.is_hash:
-            idx = self.tid2eid[input_ids].long()
-        else:
-            idx = stable_topk(scores + self.e_score_correction_bias, self.top_k)
-        w = scores.gather(1, idx)
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-        return w * self.routed_scaling_factor, idx
+            return route_v4(F.linear(x, self.weight), None, self.tid2eid, input_ids, self.scoring_func, self.top_k,
+                            self.routed_scaling_factor)
+        return route_v4(F.linear(x, self.weight), self.e_score_correction_bias, None, input_ids, self.scoring_func,
+                        self.top_k, self.routed_scaling_factor)
 
 
 class Experts(nn.Module):

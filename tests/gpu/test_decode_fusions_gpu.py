@@ -1,8 +1,9 @@
-"""The fused mHC site on the GPU (dsv4.ops.mhc.FUSED_MIXES, decode-sized steps): the mixes in two launches against
-the composed CUDA path (fp32 stream norm, cuBLAS fp32 projection, hc_post) and an fp64 reference at the released
-widths; the sublayer input (collapse + RMSNorm in one launch) against the collapse and RMSNorm kernels; both under
-CUDA-graph replay; and the engine's greedy tokens with the switch on equal to those with it off (fp32, CUDA
-graphs)."""
+"""Decode fusions on the GPU. The fused mHC site (dsv4.ops.mhc.FUSED_MIXES, decode-sized steps): the mixes in two
+launches against the composed CUDA path (fp32 stream norm, cuBLAS fp32 projection, hc_post) and an fp64 reference at
+the released widths; the sublayer input (collapse + RMSNorm in one launch) against the collapse and RMSNorm kernels;
+both under CUDA-graph replay; the engine's greedy tokens with the switch on equal to those with it off (fp32, CUDA
+graphs). V4's router kernel (dsv4.ops.router.FUSED_ROUTER_V4, opt-in): the engine's greedy tokens likewise (the
+kernel alone: tests/gpu/test_kernels_gpu.py::test_route_v4)."""
 
 from __future__ import annotations
 
@@ -106,6 +107,22 @@ def test_engine_greedy_tokens_with_the_fused_site(preset: str, tmp_path: object,
     runs = []
     for fused in (False, True):
         monkeypatch.setattr(mhc, "FUSED_MIXES", fused)
+        llm = LLM(path, dtype="float32", device="cuda", max_model_len=128, max_num_seqs=2)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        del llm
+    assert runs[0] == runs[1]
+
+
+def test_engine_greedy_tokens_with_the_v4_router_kernel(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fp32, CUDA graphs, tiny V4 (hash and top-k layers): the router kernel (dsv4.ops.router.FUSED_ROUTER_V4) gives
+    the tokens of torch's ops."""
+    from dsv4.ops import router
+    path = make_model("tiny-v4", str(tmp_path), seed=3)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3, 250, 41, 7], list(range(40, 75)))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for fused in (False, True):
+        monkeypatch.setattr(router, "FUSED_ROUTER_V4", fused)
         llm = LLM(path, dtype="float32", device="cuda", max_model_len=128, max_num_seqs=2)
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         del llm
