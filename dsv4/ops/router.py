@@ -92,6 +92,23 @@ if triton is not None:
     from dsv4.ops.rmsnorm import INTERPRET, cast_rne
 
     @triton.jit
+    def _top_k(v, s, e, kk, K: tl.constexpr, BLOCK_E: tl.constexpr):
+        """The K experts of largest v [BLOCK_E] (ties to the lowest id), by K rounds of max: their ids [KB] in pick
+        order, their s, and the sum of those s added in that order."""
+        picks = tl.zeros(kk.shape, dtype=tl.int64)
+        ws = tl.zeros(kk.shape, dtype=tl.float32)
+        total = 0.0
+        for k in tl.static_range(K):
+            m = tl.max(v, axis=0)
+            i = tl.min(tl.where(v == m, e, BLOCK_E), axis=0)  # the lowest expert id among the maxima
+            si = tl.sum(tl.where(e == i, s, 0.0), axis=0)
+            picks = tl.where(kk == k, i.to(tl.int64), picks)
+            ws = tl.where(kk == k, si, ws)
+            total += si
+            v = tl.where(e == i, float("-inf"), v)
+        return picks, ws, total
+
+    @triton.jit
     def _route_kernel(logit_ptr, bias_ptr, bias_vl_ptr, img_ptr, w_ptr, idx_ptr, E, inv_temp, scale,
                       K: tl.constexpr, KB: tl.constexpr, BLOCK_E: tl.constexpr, SCORING: tl.constexpr,
                       INTERPRET: tl.constexpr):
@@ -117,25 +134,13 @@ if triton is not None:
             s = tl.math.div_rn(tl.full([BLOCK_E], 1.0, tl.float32), 1.0 + exn)
         img = tl.load(img_ptr + t) != 0
         b = tl.where(img, tl.load(bias_vl_ptr + e, mask=em, other=0.0), tl.load(bias_ptr + e, mask=em, other=0.0))
-        v = tl.where(em, s + b, float("-inf"))
         kk = tl.arange(0, KB)
-        picks = tl.zeros([KB], dtype=tl.int64)
-        ws = tl.zeros([KB], dtype=tl.float32)
-        total = 0.0
-        for k in tl.static_range(K):
-            m = tl.max(v, axis=0)
-            i = tl.min(tl.where(v == m, e, BLOCK_E), axis=0)  # the lowest expert id among the maxima
-            si = tl.sum(tl.where(e == i, s, 0.0), axis=0)
-            picks = tl.where(kk == k, i.to(tl.int64), picks)
-            ws = tl.where(kk == k, si, ws)
-            total += si
-            v = tl.where(e == i, float("-inf"), v)
+        picks, ws, total = _top_k(tl.where(em, s + b, float("-inf")), s, e, kk, K, BLOCK_E)
         if K > 1:
             ws = tl.math.div_rn(ws, tl.zeros([KB], dtype=tl.float32) + (total + 1e-20))
         km = kk < K
         tl.store(w_ptr + t * K + kk, ws * scale, mask=km)
         tl.store(idx_ptr + t * K + kk, picks, mask=km)
-
 
     @triton.jit
     def _route_v4_kernel(logit_ptr, bias_ptr, tid_ptr, ids_ptr, w_ptr, idx_ptr, E, scale, K: tl.constexpr,
@@ -161,27 +166,19 @@ if triton is not None:
             s = cast_rne(tl.math.div_rn(tl.full([BLOCK_E], 1.0, tl.float32), 1.0 + exn), dt, INTERPRET).to(tl.float32)
         kk = tl.arange(0, KB)
         km = kk < K
-        picks = tl.zeros([KB], dtype=tl.int64)
-        ws = tl.zeros([KB], dtype=tl.float32)
-        total = 0.0
         if HASH:  # the token's experts from the table
             tok = tl.load(ids_ptr + t).to(tl.int64)
             picks = tl.load(tid_ptr + tok * K + kk, mask=km, other=0).to(tl.int64)
+            ws = tl.zeros([KB], dtype=tl.float32)
+            total = 0.0
             for k in tl.static_range(K):
                 i = tl.sum(tl.where(kk == k, picks, 0), axis=0)
                 si = tl.sum(tl.where(e == i, s, 0.0), axis=0)
                 ws = tl.where(kk == k, si, ws)
                 total += si
-        else:  # the top-k of s + bias, ties to the lowest id, by k rounds of max
-            v = tl.where(em, s + tl.load(bias_ptr + e, mask=em, other=0.0), float("-inf"))
-            for k in tl.static_range(K):
-                m = tl.max(v, axis=0)
-                i = tl.min(tl.where(v == m, e, BLOCK_E), axis=0)
-                si = tl.sum(tl.where(e == i, s, 0.0), axis=0)
-                picks = tl.where(kk == k, i.to(tl.int64), picks)
-                ws = tl.where(kk == k, si, ws)
-                total += si
-                v = tl.where(e == i, float("-inf"), v)
+        else:
+            picks, ws, total = _top_k(tl.where(em, s + tl.load(bias_ptr + e, mask=em, other=0.0), float("-inf")), s,
+                                      e, kk, K, BLOCK_E)
         denom = cast_rne(cast_rne(total, dt, INTERPRET).to(tl.float32) + 1e-20, dt, INTERPRET).to(tl.float32)
         w = cast_rne(tl.math.div_rn(ws, tl.zeros([KB], dtype=tl.float32) + denom), dt, INTERPRET).to(tl.float32)
         tl.store(w_ptr + t * K + kk, cast_rne(w * scale, dt, INTERPRET), mask=km)

@@ -97,33 +97,31 @@ def test_fused_site_under_graph_replay() -> None:
         assert torch.equal(a, b)
 
 
+def _greedy_off_and_on(path: str, module: object, switch: str,
+                       monkeypatch: pytest.MonkeyPatch) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens of two prompts (fp32, CUDA graphs) with `module.switch` off, then on."""
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3, 250, 41, 7], list(range(40, 75)))]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(module, switch, on)
+        llm = LLM(path, dtype="float32", device="cuda", max_model_len=128, max_num_seqs=2)
+        runs.append([list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)])
+        del llm
+    return runs[0], runs[1]
+
+
 @pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
 def test_engine_greedy_tokens_with_the_fused_site(preset: str, tmp_path: object,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """fp32, CUDA graphs: the fused site gives the tokens of the composed one (its mixes differ by fp32 ulps)."""
-    path = make_model(preset, str(tmp_path), seed=2)
-    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3, 250, 41, 7], list(range(40, 75)))]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    runs = []
-    for fused in (False, True):
-        monkeypatch.setattr(mhc, "FUSED_MIXES", fused)
-        llm = LLM(path, dtype="float32", device="cuda", max_model_len=128, max_num_seqs=2)
-        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-        del llm
-    assert runs[0] == runs[1]
+    off, on = _greedy_off_and_on(make_model(preset, str(tmp_path), seed=2), mhc, "FUSED_MIXES", monkeypatch)
+    assert off == on
 
 
 def test_engine_greedy_tokens_with_the_v4_router_kernel(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
     """fp32, CUDA graphs, tiny V4 (hash and top-k layers): the router kernel (dsv4.ops.router.FUSED_ROUTER_V4) gives
     the tokens of torch's ops."""
     from dsv4.ops import router
-    path = make_model("tiny-v4", str(tmp_path), seed=3)
-    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3, 250, 41, 7], list(range(40, 75)))]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    runs = []
-    for fused in (False, True):
-        monkeypatch.setattr(router, "FUSED_ROUTER_V4", fused)
-        llm = LLM(path, dtype="float32", device="cuda", max_model_len=128, max_num_seqs=2)
-        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
-        del llm
-    assert runs[0] == runs[1]
+    off, on = _greedy_off_and_on(make_model("tiny-v4", str(tmp_path), seed=3), router, "FUSED_ROUTER_V4", monkeypatch)
+    assert off == on
