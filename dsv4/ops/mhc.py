@@ -22,7 +22,6 @@ import torch
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra import libdevice
 except ImportError:  # CPU-only installs use the torch reference
     triton = None
 
@@ -59,7 +58,7 @@ def hc_post_torch(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: i
 
 
 if triton is not None:
-    from dsv4.ops.rmsnorm import INTERPRET
+    from dsv4.ops.rmsnorm import INTERPRET, rms_factor
 
     @triton.jit
     def _hc_outputs(pre_w, post_w, comb_w, base_ptr, scale_ptr, iters, hc_eps, N: tl.constexpr):
@@ -132,11 +131,8 @@ if triton is not None:
         inv_k = tl.cast(inv_k, tl.float32)
         cc = tl.arange(0, BLOCK_C)
         cm = cc < CHUNKS
-        ss = tl.sum(tl.load(ss_ptr + t * CHUNKS + cc, mask=cm, other=0.0), axis=0)
-        if INTERPRET:  # as unweighted_rms_norm's CPU reference: mean = sum / K, rsqrt = 1 / sqrt
-            r = 1.0 / tl.sqrt(ss / K + norm_eps)
-        else:  # as its CUDA kernel: sum * fp32(1/K), libdevice's rsqrtf
-            r = libdevice.rsqrt(ss * inv_k + norm_eps)
+        r = rms_factor(tl.sum(tl.load(ss_ptr + t * CHUNKS + cc, mask=cm, other=0.0), axis=0), K, inv_k, norm_eps,
+                       INTERPRET)  # the streams' unweighted RMSNorm factor
         rows = dots_ptr + (t * CHUNKS + cc) * BLOCK_M  # [BLOCK_C] chunk rows of this token
         i = tl.arange(0, N)
         jk = i[:, None] * N + i[None, :]
@@ -178,9 +174,7 @@ def hc_mixes_fused(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
     assert triton is not None, "triton is not installed"
     T, N = h.shape[0], h.shape[1]
     M, K = fn.shape
-    h2 = h.reshape(T, K)
-    if h2.stride(-1) != 1 or (T > 1 and h2.stride(0) != K):
-        h2 = h2.contiguous()
+    h2 = h.reshape(T, K).contiguous()
     fn = fn.float().contiguous()
     pre = torch.empty(T, N, dtype=torch.float32, device=h.device)
     post = torch.empty_like(pre)

@@ -48,9 +48,17 @@ def expand_torch(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: tor
 
 
 if triton is not None:
-    from triton.language.extra import libdevice
+    from dsv4.ops.rmsnorm import INTERPRET, cast_rne, rms_apply, rms_factor  # (the interpreter's cast truncates)
 
-    from dsv4.ops.rmsnorm import INTERPRET, cast_rne  # the interpreter's fp32 -> bf16 cast truncates
+    @triton.jit
+    def _collapse_row(h_ptr, pre_ptr, t, d, dm, D, N: tl.constexpr, BLOCK_D: tl.constexpr):
+        """sum_j pre[t, j] h[t, j, d] in fp32, the terms rounded and added in order j = 0..N-1 (the launches disable
+        FMA contraction)."""
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for j in tl.static_range(N):
+            p = tl.load(pre_ptr + t * N + j)
+            acc += p * tl.load(h_ptr + (t * N + j) * D + d, mask=dm, other=0.0).to(tl.float32)
+        return acc
 
     @triton.jit
     def _collapse_kernel(h_ptr, pre_ptr, out_ptr, D, N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -58,10 +66,7 @@ if triton is not None:
         t = tl.program_id(0).to(tl.int64)
         d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         dm = d < D
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for j in tl.static_range(N):
-            p = tl.load(pre_ptr + t * N + j)
-            acc += p * tl.load(h_ptr + (t * N + j) * D + d, mask=dm, other=0.0).to(tl.float32)
+        acc = _collapse_row(h_ptr, pre_ptr, t, d, dm, D, N, BLOCK_D)
         tl.store(out_ptr + t * D + d, cast_rne(acc, out_ptr.dtype.element_ty, INTERPRET), mask=dm)
 
     @triton.jit
@@ -91,7 +96,6 @@ if triton is not None:
         offs = (t * N + k[:, None]) * D + d[None, :]
         tl.store(out_ptr + offs, cast_rne(a + mix, dt, INTERPRET), mask=dm[None, :])
 
-
     @triton.jit
     def _collapse_norm_kernel(h_ptr, pre_ptr, w_ptr, out_ptr, D, eps, inv_d, N: tl.constexpr, MODE: tl.constexpr,
                               BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
@@ -100,23 +104,12 @@ if triton is not None:
         inv_d = tl.cast(inv_d, tl.float32)
         d = tl.arange(0, BLOCK_D)
         dm = d < D
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for j in tl.static_range(N):  # the collapse, as _collapse_kernel
-            p = tl.load(pre_ptr + t * N + j)
-            acc += p * tl.load(h_ptr + (t * N + j) * D + d, mask=dm, other=0.0).to(tl.float32)
         dt = h_ptr.dtype.element_ty
-        xf = cast_rne(acc, dt, INTERPRET).to(tl.float32)
-        ss = tl.sum(xf * xf, axis=0)  # then the norm, as _rms_norm_kernel (x^2 rounded before the sum)
-        if INTERPRET:
-            r = tl.rsqrt(ss / D + eps)
-        else:
-            r = libdevice.rsqrt(ss * inv_d + eps)
-        w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
-        if MODE == 0:  # MODE_WEIGHTED: (w.float() * (xf * r)).to(x.dtype)
-            y = w * (xf * r)
-        else:  # V4.1: (xf * r).to(x.dtype) * w
-            y = cast_rne(xf * r, dt, INTERPRET).to(tl.float32) * w
-        tl.store(out_ptr + t * D + d, cast_rne(y, out_ptr.dtype.element_ty, INTERPRET), mask=dm)
+        odt = out_ptr.dtype.element_ty
+        xf = cast_rne(_collapse_row(h_ptr, pre_ptr, t, d, dm, D, N, BLOCK_D), dt, INTERPRET).to(tl.float32)
+        r = rms_factor(tl.sum(xf * xf, axis=0), D, inv_d, eps, INTERPRET)  # (x^2 rounded before the sum)
+        tl.store(out_ptr + t * D + d, cast_rne(rms_apply(xf, r, w_ptr, d, dm, MODE, dt, odt, INTERPRET), odt,
+                                               INTERPRET), mask=dm)
 
 
 def _block_d(D: int) -> int:

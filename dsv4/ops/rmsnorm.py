@@ -56,6 +56,30 @@ if triton is not None:
         return y.to(dt)
 
     @triton.jit
+    def rms_factor(ss, D, inv_d, eps, INTERPRET: tl.constexpr):
+        """rsqrt(mean + eps) from the sum of squares `ss` of D values, as the references compute it: on the CPU
+        (the interpreter's tests) mean = sum / D and rsqrt = 1 / sqrt; torch's CUDA mean is sum * fp32(1/D)
+        (`inv_d`) and its rsqrt calls rsqrtf, i.e. libdevice's __nv_rsqrtf."""
+        if INTERPRET:
+            return tl.rsqrt(ss / D + eps)
+        return libdevice.rsqrt(ss * inv_d + eps)
+
+    @triton.jit
+    def rms_apply(xf, r, w_ptr, cols, cmask, MODE: tl.constexpr, dt: tl.constexpr, odt: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+        """The normalised values (fp32, before the output's rounding to odt) of x (as fp32 `xf`, stored as dt)
+        with factor r, in the flavour MODE (the module doc's table); w_ptr + cols: the weight (not read by
+        MODE_UNWEIGHTED)."""
+        if MODE == 0:  # (w.float() * (xf * r)).to(x.dtype)
+            w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            return w * (xf * r)
+        elif MODE == 1:  # x * r.to(x.dtype), x upcast to the output dtype first (the same when they agree)
+            return xf * cast_rne(r, odt, INTERPRET).to(tl.float32)
+        else:  # (xf * r).to(x.dtype) * w, rounded to promote(x.dtype, w.dtype)
+            w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+            return cast_rne(xf * r, dt, INTERPRET).to(tl.float32) * w
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, x_stride, eps, inv_d, D: tl.constexpr, MODE: tl.constexpr,
                          ROWS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
         # torch.compile hands float arguments to user kernels as fp64: keep the math (and loop-carried values) fp32
@@ -74,24 +98,13 @@ if triton is not None:
             m = rmask[:, None] & (cols < D)[None, :]
             xf = tl.load(xrow + cols[None, :], mask=m, other=0.0).to(tl.float32)
             acc += xf * xf  # the launch disables FMA fusion: x^2 is rounded before the add, as in torch
-        if INTERPRET:  # the reference then runs on the CPU: mean = sum / D, rsqrt = 1 / sqrt
-            r = tl.rsqrt(tl.sum(acc, axis=1) / D + eps)
-        else:  # torch's CUDA mean is sum * fp32(1/D); its rsqrt calls rsqrtf, i.e. libdevice's __nv_rsqrtf
-            r = libdevice.rsqrt(tl.sum(acc, axis=1) * inv_d + eps)
-        r = r[:, None]
+        r = rms_factor(tl.sum(acc, axis=1), D, inv_d, eps, INTERPRET)[:, None]
         for c0 in range(0, D, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             cmask = cols < D
             m = rmask[:, None] & cmask[None, :]
             xf = tl.load(xrow + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            if MODE == 0:  # (w.float() * (xf * r)).to(x.dtype)
-                w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-                y = w * (xf * r)
-            elif MODE == 1:  # x * r.to(x.dtype), x upcast to the output dtype first (the same when they agree)
-                y = xf * cast_rne(r, odt, INTERPRET).to(tl.float32)
-            else:  # (xf * r).to(x.dtype) * w, rounded to promote(x.dtype, w.dtype)
-                w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-                y = cast_rne(xf * r, dt, INTERPRET).to(tl.float32) * w
+            y = rms_apply(xf, r, w_ptr, cols[None, :], cmask[None, :], MODE, dt, odt, INTERPRET)
             tl.store(orow + cols[None, :], cast_rne(y, odt, INTERPRET), mask=m)
 
 
