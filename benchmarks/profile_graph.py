@@ -14,7 +14,9 @@ Prints (median over STEPS):
   host work plus the kernels it launches): schedule, runner inputs + metadata, replay, logits + sampling,
   scheduler/engine bookkeeping;
 - the kernels of one replay by GPU time (torch profiler; kernels inside a graph are listed when the CUPTI in use
-  reports them).
+  reports them);
+- with --timeline: every kernel of one replay in launch order, its duration and the idle gap before it, and the
+  replay's kernel time against its span (how much of a replay is launch gaps rather than kernels).
 """
 
 from __future__ import annotations
@@ -119,6 +121,31 @@ def main() -> None:
         torch.cuda.synchronize()
     out("kernels of 5 replays:")
     out(prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90))
+    if "--timeline" in sys.argv:
+        _timeline(runner, P, out)
+
+
+def _timeline(runner: Any, P: int, out: Callable[..., None]) -> None:
+    """One replay's kernels in order: start offset, duration, gap before it (us)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.graphs.replay(P)
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    if not kernels:
+        out("timeline: the profiler reported no kernels inside the graph")
+        return
+    t0, prev_end, busy = kernels[0].time_range.start, kernels[0].time_range.start, 0.0
+    out(f"timeline of one replay ({len(kernels)} kernels): start_us dur_us gap_us name")
+    for e in kernels:
+        r = e.time_range
+        gap = max(0.0, r.start - prev_end)
+        busy += r.end - r.start
+        out(f"  {r.start - t0:9.1f} {r.end - r.start:7.2f} {gap:6.2f}  {e.name[:100]}")
+        prev_end = max(prev_end, r.end)
+    span = prev_end - t0
+    out(f"timeline: span {span:.1f} us, kernel time {busy:.1f} us ({100 * busy / span:.1f}%), "
+        f"{len(kernels)} kernels")
 
 
 class _SamplerProxy:

@@ -17,8 +17,10 @@ scores stay in the logits' dtype (the projection's, bf16 on a GPU), each op roun
 tensor do (softplus, then sqrt, each computed in fp32 and rounded; the sum of the k weights in fp32, rounded; the
 division and the scale likewise); selection adds the fp32 `e_score_correction_bias` (top-k layers) or reads the
 token's experts from `tid2eid` (hash layers); the weights are normalised for every k. The torch expression is ~8
-kernels a layer (activation, sqrt, bias add, a stable sort or an index, gather, sum, add, division, scale). Opt-in
-on CUDA (DSV4_FUSED_ROUTER=1) until it has run on a GPU.
+kernels a layer (activation, sqrt, bias add, a stable sort or an index, gather, sum, add, division, scale). On by
+default on CUDA (DSV4_FUSED_ROUTER=0: torch's ops). H200, V4-Flash-4l released, FULL graphs
+(benchmarks/results/2026-12-04-h200-decode-launches): batch-1 step 1.246 -> 1.203 ms, batch 32 2.518 -> 2.457 ms;
+choice and weights equal torch's at 1-16,384 tokens over 16 and 256 experts (benchmarks/router_bench.py).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ except ImportError:  # CPU-only installs use the torch reference
     triton = None
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1}  # the activations the kernel implements (softmax: torch only)
-# V4's router kernel (`route_v4`) on CUDA: opt-in until it has run on a GPU
-FUSED_ROUTER_V4 = os.environ.get("DSV4_FUSED_ROUTER", "0") == "1"
+# V4's router kernel (`route_v4`) on CUDA; DSV4_FUSED_ROUTER=0 runs the torch expression instead
+FUSED_ROUTER_V4 = os.environ.get("DSV4_FUSED_ROUTER", "1") == "1"
 
 
 def _fp32(x: float) -> float:
@@ -234,7 +236,7 @@ def route_v4_triton(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: to
 
 def route_v4(logits: torch.Tensor, bias: torch.Tensor | None, tid2eid: torch.Tensor | None, input_ids: torch.Tensor,
              scoring_func: str, top_k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton on CUDA when switched on (FUSED_ROUTER_V4; sqrtsoftplus / sigmoid scoring), torch elsewhere."""
+    """Triton on CUDA (unless FUSED_ROUTER_V4 is off; sqrtsoftplus / sigmoid scoring), torch elsewhere."""
     if FUSED_ROUTER_V4 and logits.is_cuda and triton is not None and scoring_func in SCORING:
         return route_v4_triton(logits, bias, tid2eid, input_ids, scoring_func, top_k, scale)
     return route_v4_torch(logits, bias, tid2eid, input_ids, scoring_func, top_k, scale)

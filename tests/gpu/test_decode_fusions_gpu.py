@@ -2,7 +2,7 @@
 launches against the composed CUDA path (fp32 stream norm, cuBLAS fp32 projection, hc_post) and an fp64 reference at
 the released widths; the sublayer input (collapse + RMSNorm in one launch) against the collapse and RMSNorm kernels;
 both under CUDA-graph replay; the engine's greedy tokens with the switch on equal to those with it off (fp32, CUDA
-graphs). V4's router kernel (dsv4.ops.router.FUSED_ROUTER_V4, opt-in): the engine's greedy tokens likewise (the
+graphs). V4's router kernel (dsv4.ops.router.FUSED_ROUTER_V4, on by default): the engine's greedy tokens likewise (the
 kernel alone: tests/gpu/test_kernels_gpu.py::test_route_v4)."""
 
 from __future__ import annotations
