@@ -185,12 +185,13 @@ def test_flops_against_flop_counter(which: str, tiny_v4: str, tiny_v41: str) -> 
     v41 = cfg.v41
     if v41 is None:
         attn, ffn = r"model\.layers\.\d+\.self_attn", r"model\.layers\.\d+\.mlp"
-        dense = attn + r"\.(q_a_proj|q_b_proj|kv_proj|o_b_proj|compressor\.indexer\.q_b_proj" \
+        # q_a_proj_kv_proj: the two merged into one module (dsv4.models.layers.merged)
+        dense = attn + r"\.(q_a_proj|q_b_proj|kv_proj|q_a_proj_kv_proj|o_b_proj|compressor\.indexer\.q_b_proj" \
                        r"|compressor\.indexer\.scorer\.weights_proj)"
         comp = attn + r"\.compressor\.(kv_proj|gate_proj|indexer\.kv_proj|indexer\.gate_proj)"
     else:
         attn, ffn = r"model\.layers\.\d+\.attn", r"model\.layers\.\d+\.ffn"
-        dense = attn + r"\.(wq_a|wq_b|wkv|wo_b|indexer\.wq_b|indexer\.weights_proj)"
+        dense = attn + r"\.(wq_a|wq_b|wkv|wq_a_wkv|wo_b|indexer\.wq_b|indexer\.weights_proj)"
         comp = attn + r"\.(compressor|indexer\.wk)"  # ratio 2: F.linear in the compressor; ratio 1: its wkv
     dense_m, comp_m = _measured(counts, dense), _measured(counts, comp)
     attn_m, ffn_m = _measured(counts, attn), _measured(counts, ffn)

@@ -173,6 +173,55 @@ def test_rope_kernel_matches_torch(shape: tuple, half: int) -> None:
     """)
 
 
+def test_rms_norm_rope_kernel_equals_the_two_kernels() -> None:
+    """`rms_norm_rope_triton` (an attention layer's norm then rope in one launch) gives the bits of the RMSNorm kernel
+    followed by the rope kernel: the unweighted per-head query norm, HF-V4's weighted and V4.1's norm (bf16 and fp32
+    weights), bf16 and fp32; V4's head_dim 512 with rope dim 64 (8 heads), head_dim 64 with rope 16, V4.1's index
+    keys (128, rope 64), D not a power of two, rope over the whole row; rows strided (a merged projection's column
+    slice), cos / sin the strided halves of a table row. On grid inputs (sums exact in any order) also the torch
+    composition's bits. The window-write form: only the rows' slots change, to the composition's rows."""
+    _interpret("""
+        import torch
+        from dsv4.ops.norm_rope import (rms_norm_rope_torch, rms_norm_rope_triton, write_rms_norm_rope_torch,
+                                        write_rms_norm_rope_triton)
+        from dsv4.ops.rmsnorm import (MODE_UNWEIGHTED, MODE_V41, MODE_WEIGHTED, rms_norm_triton, rms_norm_v41_triton,
+                                      unweighted_rms_norm_triton)
+        from dsv4.ops.rope import apply_rope_triton
+        g = torch.Generator().manual_seed(21)
+        two_kernels = {MODE_WEIGHTED: rms_norm_triton, MODE_V41: rms_norm_v41_triton,
+                       MODE_UNWEIGHTED: lambda x, w, eps: unweighted_rms_norm_triton(x, eps)}
+        for shape, half, pad in (((2, 8, 512), 32, 0), ((2, 3, 64), 8, 0), ((5, 100), 16, 12), ((3, 128), 32, 40),
+                                 ((4, 48), 24, 0)):
+            T, D = shape[0], shape[-1]
+            ang = torch.rand(T, 1, generator=g) * 100 * torch.rand(half, generator=g)
+            table = torch.cat([ang.cos(), ang.sin()], dim=-1)
+            cos, sin = table[:, :half], table[:, half:]
+            w32 = torch.rand(D, generator=g) + 0.5
+            for dtype in (torch.float32, torch.bfloat16):
+                for grid in (False, True):
+                    raw = torch.randn(*shape[:-1], pad + D, generator=g) * 3
+                    x = ((raw * 8).round() / 8 if grid else raw).to(dtype)[..., pad:]  # grid: multiples of 1/8
+                    cases = [(MODE_UNWEIGHTED, None), (MODE_WEIGHTED, w32), (MODE_V41, w32.to(dtype))]
+                    cases += [(MODE_V41, w32)] if dtype == torch.bfloat16 else []  # fp32 output, rope in fp32
+                    for mode, w in cases:
+                        got = rms_norm_rope_triton(x, w, 1e-6, mode, cos, sin)
+                        two = apply_rope_triton(two_kernels[mode](x, w, 1e-6), cos, sin)
+                        assert got.dtype == two.dtype and torch.equal(got, two), (shape, dtype, mode, grid)
+                        if grid:
+                            ref = rms_norm_rope_torch(x, w, 1e-6, mode, cos, sin)
+                            assert torch.equal(got, ref), (shape, dtype, mode, (got.float() - ref.float()).abs().max())
+                    if len(shape) == 2 and grid:  # the window write (and into a cache of another dtype: cast after)
+                        slots = torch.randperm(9, generator=g)[:T]
+                        for cache_dtype in (dtype, torch.bfloat16):
+                            for mode, w in cases[:3]:
+                                caches = [torch.full((9, D), 3.0, dtype=cache_dtype) for _ in range(2)]
+                                write_rms_norm_rope_torch(x, w, 1e-6, mode, cos, sin, caches[0], slots)
+                                write_rms_norm_rope_triton(x, w, 1e-6, mode, cos, sin, caches[1], slots)
+                                assert torch.equal(caches[0], caches[1]), (shape, dtype, cache_dtype, mode)
+        print("ok")
+    """)
+
+
 def test_expert_gemv_kernel_matches_torch() -> None:
     _interpret("""
         import torch
@@ -499,7 +548,7 @@ def test_write_entries_kernel_matches_torch() -> None:
 def test_window_kv_kernel_matches_torch() -> None:
     """V4.1's window-KV write of a decode step (V4.1 RMSNorm, rope, FP8 fake quant, scatter) against the torch ops:
     head dims of 1, 4 and 16 FP8 blocks, rope over part or all of the row, cos/sin as the strided halves of a
-    table row, bf16 and fp32; only the rows' slots change; nearly every element equal, and the rest one FP8 step
+    table row, latent rows strided (D = 128), bf16 and fp32; only the rows' slots change; nearly every element equal, and the rest one FP8 step
     away at most (a normed value an ulp off can flip a code)."""
     _interpret("""
         import torch
@@ -508,7 +557,9 @@ def test_window_kv_kernel_matches_torch() -> None:
         for dtype in (torch.bfloat16, torch.float32):
             for D, half in ((32, 8), (128, 32), (512, 32), (64, 32)):
                 R = 5
-                latent = (torch.randn(R, D, generator=g) * 4).to(dtype)
+                # D = 128: the latent's rows strided, as the wkv part of a merged projection's output
+                pad = 24 if D == 128 else 0
+                latent = (torch.randn(R, pad + D, generator=g) * 4).to(dtype)[:, pad:]
                 weight = (torch.rand(D, generator=g) + 0.5).to(dtype)
                 ang = torch.rand(R, 1, generator=g) * 100 * torch.rand(half, generator=g)
                 table = torch.cat([ang.cos(), ang.sin()], dim=-1)

@@ -21,6 +21,7 @@ import torch
 from dsv4.engine.engine import LLMEngine
 from dsv4.models.deepseek_v41 import AttentionV41, StepState, candidate_blocks, candidate_pool
 from dsv4.models.layers.attention import grouped_projection, write_slots
+from dsv4.models.layers.merged import project
 from dsv4.ops.fake_quant import fp8_fake_quant
 from dsv4.ops.rope import apply_rope
 from dsv4.ops.topk import stable_topk
@@ -80,9 +81,10 @@ def old_forward(attn: AttentionV41, x: torch.Tensor, md: AttnMetadata, caches: l
     T = x.shape[0]
     cache = caches[attn.layer]
     cos, sin = attn.rope(md.positions)
-    qr = attn.q_norm(attn.wq_a(x))
+    q_lat, kv_lat = project(attn, x, "wq_a", "wkv")  # the engine's model holds them merged
+    qr = attn.q_norm(q_lat)
     q = apply_rope(attn.wq_b(qr).view(T, attn.n_heads, attn.head_dim), cos, sin)
-    kv = fp8_fake_quant(apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin))
+    kv = fp8_fake_quant(apply_rope(attn.kv_norm(kv_lat), cos, sin))
     write_slots(cache.window, md.window_slot_mapping, kv)
 
     src = caches[attn.kv_source] if attn.kv_source is not None else None

@@ -21,7 +21,7 @@ def test_golden_v41_and_v4_on_the_triton_path() -> None:
         from dsv4.engine.engine import LLMEngine
         from dsv4.models import deepseek_v41
         from dsv4.ops import (compress_pool, decode_attention, engram, fake_quant, indexer, lookback, mhc, mhc_streams,
-                              moe, rmsnorm, rope, router, swiglu, window_kv)
+                              moe, norm_rope, rmsnorm, rope, router, swiglu, window_kv)
         from dsv4.models.layers import norm
         from dsv4.runtime import attn_metadata
         from dsv4.sampling_params import SamplingParams
@@ -47,6 +47,8 @@ def test_golden_v41_and_v4_on_the_triton_path() -> None:
             compress_pool.pool_decode: compress_pool.pool_decode_triton,
             compress_pool.write_entries: compress_pool.write_entries_triton,
             window_kv.write_window_kv: window_kv.write_window_kv_triton,
+            norm_rope.rms_norm_rope: norm_rope.rms_norm_rope_triton,
+            norm_rope.write_rms_norm_rope: norm_rope.write_rms_norm_rope_triton,
         }
         def greedy(path, prompts, max_tokens, **kw):
             eng = LLMEngine.from_args(path, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=12,

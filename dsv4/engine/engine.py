@@ -29,6 +29,7 @@ from dsv4.kv.spec import make_kv_groups, replay_tokens
 from dsv4.engine.memory_plan import check_weights_fit, memory_report
 from dsv4.models.build import build_model
 from dsv4.models.config import ConfigError, ModelConfig, load_model_config
+from dsv4.models.layers import merged
 from dsv4.quant.config import load_quant_config
 from dsv4.quant.online import load_dir as online_quantized_dir
 from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
@@ -135,7 +136,7 @@ class LLMEngine:
         self.weight_plan = check_weights_fit(config, dtype)  # a config that cannot fit fails here, before loading
         t0 = time.perf_counter()
         model = build_model(config.model, config.model_dir, dtype, config.device, self.parallel, config.quant,
-                            config.load_format, config.engram_placement)
+                            config.load_format, config.engram_placement, merge=merged.MERGE_SIBLINGS)
         self.model_load_s = time.perf_counter() - t0  # checkpoint -> device weights (bench latency reports it)
         num_blocks = config.cache.num_blocks or default_num_blocks(config)
         self._step_peak: int | None = None  # the KV sizing's profile of a worst-case step

@@ -16,6 +16,7 @@ from dsv4.config import LOAD_FORMATS
 from dsv4.distributed import Parallel, shard_attention, shard_experts, shard_vocab
 from dsv4.models.config import ConfigError, ModelConfig
 from dsv4.models.deepseek_v4 import DeepseekV4ForCausalLM
+from dsv4.models.layers.merged import merge_siblings
 from dsv4.models.layers.rope import RotaryTable
 from dsv4.models.loader import (DUMMY_FILE, VISION_MODULE, CheckpointError, dummy_infos, load_into_module,
                                 param_dtype, route_v4, route_v41, stored_formats)
@@ -66,14 +67,16 @@ def checkpoint_layout(cfg: ModelConfig, dtype: torch.dtype, quant: QuantConfig |
 
 def build_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, device: torch.device | str,
                 par: Parallel | None = None, quant: QuantConfig | None = None, load_format: str = "auto",
-                engram_placement: str = "auto") -> nn.Module:
+                engram_placement: str = "auto", merge: bool = False) -> nn.Module:
     """Create the module on the meta device, materialize every tensor in its load dtype on `device`, then load
     the checkpoint (all tensors must be present). V4.1 also binds the engram token map and host tables. With
     expert parallelism (`par` of several ranks) the module holds, and the load reads, this rank's experts only.
     `quant` (the checkpoint's QuantConfig, or None): the weights the checkpoint stores in FP8 / MXFP4 stay so, in
     quantized layers (`dsv4.quant.layers`); None dequantizes them at load. `load_format` "dummy": no weight files,
     random weights of the checkpoint's layout drawn on `device` (config.json and tokenizer only).
-    `engram_placement`: auto | device | host, where V4.1's engram tables live (dsv4.models.engram_host)."""
+    `engram_placement`: auto | device | host, where V4.1's engram tables live (dsv4.models.engram_host).
+    `merge`: sibling projections of one input become one module once loaded (dsv4.models.layers.merged; the engine
+    merges, callers that need the checkpoint's module names do not)."""
     if load_format not in LOAD_FORMATS:
         raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     par = par or Parallel()
@@ -101,6 +104,8 @@ def build_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, dev
                          dummy_layout=layout, dummy_int_high=cfg.n_routed_experts)
         if v41 and cfg.v41.engram is not None:
             bind_engram(model, model_dir, torch.device(device), par, layout, engram_placement)
+        if merge:
+            merge_siblings(model)
     return model.eval()
 
 

@@ -18,12 +18,15 @@ from torch import nn
 from dsv4.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
 from dsv4.models.layers.attention import project_groups, write_slots
 from dsv4.models.layers.mhc import HyperConnection, HyperHead, collapse_norm, expand
+from dsv4.models.layers.merged import project
 from dsv4.models.layers.moe import MoE
-from dsv4.models.layers.norm import RMSNorm, unweighted_rms_norm
+from dsv4.models.layers.norm import RMSNorm
 from dsv4.models.layers.rope import RotaryTable
 from dsv4.ops.compress_pool import entry_start, pool_decode, pool_rows, write_entries
 from dsv4.ops.decode_attention import TableSource, decode_sink_attention
 from dsv4.ops.indexer import decode_select, indexer_scores, pick_sources
+from dsv4.ops.norm_rope import rms_norm_rope, write_rms_norm_rope
+from dsv4.ops.rmsnorm import MODE_UNWEIGHTED
 from dsv4.ops.rope import apply_rope
 from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, row_chunks, token_key_slots
@@ -128,7 +131,8 @@ class Compressor(nn.Module):
     def _norm_rope(self, pooled: torch.Tensor, rope: RotaryTable, start: torch.Tensor) -> torch.Tensor:
         """The compressed entries from pooled rows [N, dim]: kv_norm, then rope at the windows' first positions."""
         cos, sin = rope(start)
-        return apply_rope(self.kv_norm(pooled), cos, sin)
+        kvn = self.kv_norm
+        return rms_norm_rope(pooled, kvn.weight, kvn.eps, kvn.fused_mode, cos, sin)  # one launch on CUDA
 
 
 class Scorer(nn.Module):
@@ -201,10 +205,11 @@ class Attention(nn.Module):
         the compressor (and CSA's indexer keys) run; returns (q, indexer queries, indexer weights, cos, sin)."""
         T = x.shape[0]
         cos, sin = self.rope(md.positions)
-        qr = self.q_a_norm(self.q_a_proj(x))
-        q = unweighted_rms_norm(self.q_b_proj(qr).view(T, self.n_heads, self.head_dim), self.eps)
-        q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        q_lat, kv_lat = project(self, x, "q_a_proj", "kv_proj")  # one product once merged
+        qr = self.q_a_norm(q_lat)
+        q = self._q_norm_rope(self.q_b_proj(qr).view(T, self.n_heads, self.head_dim), cos, sin)
+        kvn = self.kv_norm
+        kv = rms_norm_rope(kv_lat, kvn.weight, kvn.eps, kvn.fused_mode, cos, sin)
         write_slots(cache.window, md.window_slot_mapping, kv)
 
         qi = iw = None
@@ -245,11 +250,11 @@ class Attention(nn.Module):
         """One token per row with fixed shapes (a captured decode step)."""
         R = x.shape[0]
         cos, sin = self.rope(dmd.positions)
-        qr = self.q_a_norm(self.q_a_proj(x))
-        q = unweighted_rms_norm(self.q_b_proj(qr).view(R, self.n_heads, self.head_dim), self.eps)
-        q = apply_rope(q, cos, sin)
-        kv = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)
-        cache.window[dmd.write_slots] = kv.to(cache.window.dtype)
+        q_lat, kv_lat = project(self, x, "q_a_proj", "kv_proj")  # one product once merged
+        qr = self.q_a_norm(q_lat)
+        q = self._q_norm_rope(self.q_b_proj(qr).view(R, self.n_heads, self.head_dim), cos, sin)
+        kvn = self.kv_norm  # norm, rope and the window write: one launch on CUDA
+        write_rms_norm_rope(kv_lat, kvn.weight, kvn.eps, kvn.fused_mode, cos, sin, cache.window, dmd.write_slots)
         qi = iw = None
         if self.compressor is not None:
             write = dmd.entry_write[f"compressed_{self.ratio}"]
@@ -275,6 +280,10 @@ class Attention(nn.Module):
         out = apply_rope(out, cos, sin, inverse=True)
         return self._output(out)
 
+
+    def _q_norm_rope(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Queries [T, H, D]: the unweighted per-head RMSNorm, then rope (one launch on CUDA)."""
+        return rms_norm_rope(q, None, self.eps, MODE_UNWEIGHTED, cos, sin)
 
     def _output(self, out: torch.Tensor) -> torch.Tensor:
         """The grouped output projection; under tensor parallelism (`tp`) this rank's groups, summed over ranks."""

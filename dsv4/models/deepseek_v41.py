@@ -21,6 +21,7 @@ from dsv4.kv.spec import PAD_SLOT
 from dsv4.models.config import ModelConfig
 from dsv4.models.engram import Engram, EngramLayout, HostTable, engram_hash
 from dsv4.models.layers.attention import project_groups, write_slots
+from dsv4.models.layers.merged import project
 from dsv4.models.layers.mhc import collapse_norm, hc_mixes
 from dsv4.models.layers.norm import rms_norm_v41_torch
 from dsv4.models.layers.moe import Experts, moe_output
@@ -33,6 +34,7 @@ from dsv4.ops.indexer import (candidate_blocks_of, candidate_pool, decode_select
                               pick_table_sources)
 from dsv4.ops.indexer_prefill import prefill_select, use_prefill_select
 from dsv4.ops.mhc_streams import expand as expand_streams
+from dsv4.ops.norm_rope import rms_norm_rope
 from dsv4.ops.rmsnorm import MODE_V41, rms_norm_v41_triton, triton
 from dsv4.ops.rope import apply_rope
 from dsv4.ops.router import fp32_reciprocal, route
@@ -188,8 +190,10 @@ class Indexer(nn.Module):
             self.k_norm = RMSNormV41(cfg.index_head_dim, cfg.rms_norm_eps)
 
     def keys(self, latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Indexer keys of entries from their pre-rope latents: k_norm(wk(latent)), roped, FP4 (ue8m0/32)."""
-        return fp4_fake_quant_ue8m0(apply_rope(self.k_norm(self.wk(latent)), cos, sin))
+        """Indexer keys of entries from their pre-rope latents: k_norm(wk(latent)), roped, FP4 (ue8m0/32); the norm
+        and the rope in one launch on CUDA."""
+        kn = self.k_norm
+        return fp4_fake_quant_ue8m0(rms_norm_rope(self.wk(latent), kn.weight, kn.eps, kn.fused_mode, cos, sin))
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -321,9 +325,9 @@ class AttentionV41(nn.Module):
         """A uniform decode step: one row per (padded) request, fixed shapes and no host sync."""
         cache = caches[self.layer]
         cos, sin = self.rope(dmd.positions)
-        q, qr = self._queries(x, cos, sin)
+        q, qr, kv_lat = self._q_and_kv(x, cos, sin)
         kvn = self.kv_norm
-        write_window_kv(self.wkv(x), kvn.weight, kvn.eps, cos, sin, cache.window, dmd.write_slots)
+        write_window_kv(kv_lat, kvn.weight, kvn.eps, cos, sin, cache.window, dmd.write_slots)
         if self.is_kv_source:
             self._publish_decode(x, dmd, cache)
         qi, iw = self.indexer.queries(x, qr, cos, sin) if self.is_index_source else (None, None)
@@ -343,14 +347,18 @@ class AttentionV41(nn.Module):
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Roped queries [T, H, D], the query latent qr (the indexer's input) and the FP8 key/value latent [T, D]
         (decode steps write the latent with `write_window_kv`, these ops in one launch)."""
-        q, qr = self._queries(x, cos, sin)
-        kv = fp8_fake_quant(apply_rope(self.kv_norm(self.wkv(x)), cos, sin))
+        q, qr, kv_lat = self._q_and_kv(x, cos, sin)
+        kvn = self.kv_norm
+        kv = fp8_fake_quant(rms_norm_rope(kv_lat, kvn.weight, kvn.eps, kvn.fused_mode, cos, sin))
         return q, qr, kv
 
-    def _queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Roped queries [T, H, D] and the query latent qr (the indexer's input)."""
-        qr = self.q_norm(self.wq_a(x))
-        return apply_rope(self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim), cos, sin), qr
+    def _q_and_kv(self, x: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Roped queries [T, H, D], the query latent qr (the indexer's input) and the raw key/value latent wkv(x)
+        [T, D] (wq_a and wkv one product once merged: dsv4.models.layers.merged)."""
+        q_lat, kv_lat = project(self, x, "wq_a", "wkv")
+        qr = self.q_norm(q_lat)
+        return apply_rope(self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim), cos, sin), qr, kv_lat
 
     def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The attention output back to the hidden size: inverse rope (keys are roped values), grouped wo_a, wo_b."""
@@ -483,7 +491,8 @@ class MoEV41(nn.Module):
         """fixed: shapes fixed by the batch and no host sync (captured decode steps), see `moe_output`."""
         weights, idx = self.route(x, is_image)
         se = self.shared_experts
-        shared = se.w2(swiglu(se.w1(x), se.w3(x), self.limit, fp32=True))
+        gate, up = project(se, x, "w1", "w3")  # one product once merged (dsv4.models.layers.merged)
+        shared = se.w2(swiglu(gate, up, self.limit, fp32=True))
         return moe_output(x, weights, idx, self.experts.gate_up, self.experts.down, self.limit,
                           weight_before_down=True, fixed=fixed, shared=shared, ep=self.ep)
 

@@ -3,6 +3,10 @@
 Channels 2i, 2i+1 of the trailing `2 * cos.shape[-1]` form one complex number rotated by angle i; the leading
 (nope) channels pass through. cos/sin are rounded to x's dtype first and the rotation runs in fp32 (the
 reference's numerics); `inverse` rotates by -angle (undoing the rope carried by V on the attention output).
+
+The kernel is bit-identical to the reference: every product rounded on its own (the launch disables FMA
+contraction, which would otherwise fuse a * cos - b * sin into one rounding), results rounded to nearest-even.
+`rope_rotate` is that arithmetic, shared with the kernels that fuse a norm before the rope (dsv4/ops/norm_rope.py).
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs use the torch reference
     triton = None
+else:
+    from dsv4.ops.rmsnorm import INTERPRET, cast_rne
 
 
 def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -34,8 +40,22 @@ def apply_rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inve
 if triton is not None:
 
     @triton.jit
+    def rope_rotate(a, b, cos, sin, sign, dt: tl.constexpr, INTERPRET: tl.constexpr):
+        """Pairs (a, b) (fp32 values of dt) rotated by the angles of cos / sin (fp32; sign -1: the inverse), as
+        `apply_rope_torch`: cos / sin rounded to dt, the fp32 products rounded one by one (the launch must disable
+        FMA contraction), the two results rounded to dt (returned in dt)."""
+        c = cast_rne(cos, dt, INTERPRET).to(tl.float32)
+        s = cast_rne(sin, dt, INTERPRET).to(tl.float32) * sign
+        ac = a * c
+        bs = b * s
+        bc = b * c
+        as_ = a * s
+        return cast_rne(ac - bs, dt, INTERPRET), cast_rne(bc + as_, dt, INTERPRET)
+
+    @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, sign, cos_stride, sin_stride, D: tl.constexpr,
-                     HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr):
+                     HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, INTERPRET: tl.constexpr):
+        sign = tl.cast(sign, tl.float32)  # torch.compile hands float arguments over as fp64
         row = tl.program_id(0)  # one (token, head) row of D channels
         t = row // heads
         base = x_ptr + row * D
@@ -46,17 +66,13 @@ if triton is not None:
         tl.store(obase + d, tl.load(base + d, mask=keep), mask=keep)
         i = tl.arange(0, BLOCK_H)
         im = i < HALF
-        dt = x_ptr.dtype.element_ty
-        c = tl.load(cos_ptr + t * cos_stride + i, mask=im).to(dt).to(tl.float32)
-        s = tl.load(sin_ptr + t * sin_stride + i, mask=im).to(dt).to(tl.float32) * sign
+        c = tl.load(cos_ptr + t * cos_stride + i, mask=im)
+        s = tl.load(sin_ptr + t * sin_stride + i, mask=im)
         a = tl.load(base + nope + 2 * i, mask=im).to(tl.float32)
         b = tl.load(base + nope + 2 * i + 1, mask=im).to(tl.float32)
-        ac = a * c
-        bs = b * s
-        bc = b * c
-        as_ = a * s
-        tl.store(obase + nope + 2 * i, (ac - bs).to(dt), mask=im)
-        tl.store(obase + nope + 2 * i + 1, (bc + as_).to(dt), mask=im)
+        ra, rb = rope_rotate(a, b, c, s, sign, x_ptr.dtype.element_ty, INTERPRET)
+        tl.store(obase + nope + 2 * i, ra, mask=im)
+        tl.store(obase + nope + 2 * i + 1, rb, mask=im)
 
 
 def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -72,7 +88,7 @@ def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inv
                     for c in (cos.reshape(-1, half), sin.reshape(-1, half)))
         _rope_kernel[(rows,)](x, cos, sin, out, rows // x.shape[0], -1.0 if inverse else 1.0, cos.stride(0),
                               sin.stride(0), D=D, HALF=half, BLOCK_D=triton.next_power_of_2(D),
-                              BLOCK_H=triton.next_power_of_2(half))
+                              BLOCK_H=triton.next_power_of_2(half), INTERPRET=INTERPRET, enable_fp_fusion=False)
     return out
 
 

@@ -38,15 +38,15 @@ if triton is not None:
     from dsv4.ops.rmsnorm import INTERPRET, cast_rne
 
     @triton.jit
-    def _window_kv_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, cos_stride, sin_stride, eps, inv_d,
-                          D: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, INTERPRET: tl.constexpr):
+    def _window_kv_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, slot_ptr, out_ptr, x_stride, cos_stride, sin_stride, eps,
+                          inv_d, D: tl.constexpr, HALF: tl.constexpr, NB: tl.constexpr, INTERPRET: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         eps = tl.cast(eps, tl.float32)  # torch.compile hands float arguments over as fp64
         inv_d = tl.cast(inv_d, tl.float32)
         dt = x_ptr.dtype.element_ty
         # pair j = 16 b + p holds channels 2j (even) and 2j + 1 (odd); block b = FP8 block of channels 32b..32b+31
         j = tl.arange(0, NB)[:, None] * 16 + tl.arange(0, 16)[None, :]
-        xrow = x_ptr + r * D
+        xrow = x_ptr + r * x_stride
         xe = tl.load(xrow + 2 * j).to(tl.float32)
         xo = tl.load(xrow + 2 * j + 1).to(tl.float32)
         ss = tl.sum(tl.sum(xe * xe + xo * xo, axis=1), axis=0)
@@ -81,7 +81,8 @@ if triton is not None:
 def write_window_kv_triton(latent: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
                            sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
     """The same in one launch (a program per row; D a multiple of 32 with a power-of-two number of FP8 blocks, and
-    cos / sin rows with unit channel stride, e.g. the halves of a gathered rope-table row)."""
+    latent and cos / sin rows with unit channel stride: the rows may be strided, e.g. the wkv part of a merged
+    projection's output, or the halves of a gathered rope-table row)."""
     assert triton is not None, "triton is not installed"
     R, D = latent.shape
     half = cos.shape[-1]
@@ -89,7 +90,8 @@ def write_window_kv_triton(latent: torch.Tensor, weight: torch.Tensor, eps: floa
     assert D % _FP8_BLOCK == 0 and nb & (nb - 1) == 0 and 2 * half <= D and cache.is_contiguous()
     if R:
         cos, sin = (t if t.dtype == torch.float32 and t.stride(-1) == 1 else t.float().contiguous() for t in (cos, sin))
-        _window_kv_kernel[(R,)](latent.contiguous(), weight.contiguous(), cos, sin, slots.contiguous(), cache,
+        latent = latent if latent.stride(-1) == 1 else latent.contiguous()
+        _window_kv_kernel[(R,)](latent, weight.contiguous(), cos, sin, slots.contiguous(), cache, latent.stride(0),
                                 cos.stride(0), sin.stride(0), float(eps), 1.0 / D, D=D, HALF=half, NB=nb,
                                 INTERPRET=INTERPRET, enable_fp_fusion=False)
 

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv4.models.layers.merged import project
 from dsv4.ops.moe import GROUPED_BLOCK_M, combine_experts, expert_gemv, expert_grouped, group_rows
 from dsv4.ops.moe_quant import expert_gemv_q, expert_grouped_q, grouped_q_block_m
 from dsv4.quant.weight import QuantWeight
@@ -30,7 +31,8 @@ class SharedExpert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x), self.limit, fp32=False))
+        gate, up = project(self, x, "gate_proj", "up_proj")  # one product once merged (dsv4.models.layers.merged)
+        return self.down_proj(swiglu(gate, up, self.limit, fp32=False))
 
 
 class Router(nn.Module):
