@@ -80,9 +80,10 @@ def test_decode_attention_splits_and_one_source() -> None:
     empty = (torch.randn(5, 16, generator=g), torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, 0, dtype=torch.bool))
     assert torch.equal(decode_sink_attention_triton(q, [empty, empty], torch.randn(4, generator=g), 0.25),
                        torch.zeros_like(q))
-    assert decode_splits(1, 64, [128, 512], 132) == (64, [2, 8])  # batch 1: many splits to fill the GPU
+    assert decode_splits(1, 64, [128, 512], 132) == (32, [4, 16])  # batch 1: many splits to fill the GPU
     assert decode_splits(32, 64, [128, 512], 132) == (224, [1, 3])  # a full batch: few
-    assert decode_splits(1, 64, [128, 8], 132) == (64, [2, 1])  # never under MIN_SPLIT_TILES tiles a split
+    assert decode_splits(4, 64, [128, 8], 132) == (32, [4, 1])  # batch 4: still one tile a split
+    assert decode_splits(1, 64, [128, 8], 132, chunk=64) == (64, [2, 1])  # a chunk given by the caller
     print("ok")
     """)
 

@@ -61,7 +61,11 @@ AnySource = Union[Source, TableSource]
 
 BLOCK_H = 16  # heads per program: they share every key tile it loads (MQA); 16 is the smallest tl.dot M
 BLOCK_N = 32  # keys per tile
-MIN_SPLIT_TILES = 2  # a split covers at least this many tiles, so the workspace stays smaller than the keys
+# a split covers at least this many tiles. H200, graph replays at V4-Flash's shapes (H 64, D 512;
+# benchmarks/decode_attention_splits.py, results/2026-12-04-h200-decode-launches): 1 tile a split against 2 takes a
+# 128-key window from 12.3 to 8.8 us at batch 1 and 12.7 to 9.1 at batch 4 (window + 136 entries: 13.1 -> 9.8,
+# 13.3 -> 12.0); from batch 32 on the rule below gives 2-3 tiles a split anyway, where 1 would be slower
+MIN_SPLIT_TILES = 1
 PROGRAMS_PER_SM = 2  # splits are added until (rows x head blocks x splits) reaches this many programs per SM
 # Measured on an H200 (graph replay, H 64, D 512, W 128, top-k 512): BLOCK_H 16 x BLOCK_N 32 with 8 warps was
 # within ~10% of the best of a 16/32/64 x 16/32/64 x 4/8-warp sweep at every batch (1, 32, 128); stages made no
@@ -208,8 +212,8 @@ def _sm_count(device: torch.device) -> int:
 def decode_splits(R: int, H: int, lengths: Sequence[int], sm_count: int,
                   chunk: int | None = None) -> tuple[int, list[int]]:
     """(keys per split, splits per source) from shapes only. Enough splits that rows x head blocks x splits
-    reaches PROGRAMS_PER_SM per SM, but each split at least MIN_SPLIT_TILES tiles (more splits: more workspace
-    traffic and a longer merge for little gain). `chunk` (a multiple of BLOCK_N) overrides, for tests."""
+    reaches PROGRAMS_PER_SM per SM, but each split at least MIN_SPLIT_TILES tiles. `chunk` (a multiple of BLOCK_N)
+    overrides, for tests."""
     if chunk is None:
         tiles = sum(triton.cdiv(L, BLOCK_N) for L in lengths)
         want = triton.cdiv(PROGRAMS_PER_SM * sm_count, max(1, R * triton.cdiv(H, BLOCK_H)))
