@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.models.layers.norm import rms_norm_torch, rms_norm_v41_torch, unweighted_rms_norm_torch
-from dsv4.ops.rmsnorm import _MAX_BLOCK, _ROW_ELEMS, MODE_UNWEIGHTED, MODE_V41, MODE_WEIGHTED
+from dsv4.ops.rmsnorm import MODE_UNWEIGHTED, MODE_V41, MODE_WEIGHTED, norm_tile
 from dsv4.ops.rope import apply_rope_torch
 
 try:
@@ -116,10 +116,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, mode: int,
     cos, sin = (c if c.dtype == torch.float32 and c.stride(-1) == 1 else c.float().contiguous()
                 for c in (cos.reshape(-1, half), sin.reshape(-1, half)))
     w = x2 if weight is None else weight.contiguous()  # MODE_UNWEIGHTED never reads w
-    # _rms_norm_launch's tile and warps (dsv4/ops/rmsnorm.py): the statistic's sum in the same order
-    block = min(triton.next_power_of_2(D), _MAX_BLOCK)
-    rows_per_prog = max(1, _ROW_ELEMS // block)
-    num_warps = min(16, max(1, rows_per_prog * block // 512))
+    block, rows_per_prog, num_warps = norm_tile(D)  # the RMSNorm launch's: the statistic's sum in the same order
     _rms_norm_rope_kernel[(triton.cdiv(n_rows, rows_per_prog),)](
         x2, w, cos, sin, x2 if slots is None else slots, out, n_rows, n_rows // x.shape[0], x2.stride(0),
         cos.stride(0), sin.stride(0), eps, 1.0 / D, D=D, HALF=half, MODE=mode, ROWS=rows_per_prog, BLOCK=block,

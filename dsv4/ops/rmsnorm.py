@@ -108,6 +108,14 @@ if triton is not None:
             tl.store(orow + cols[None, :], cast_rne(y, odt, INTERPRET), mask=m)
 
 
+def norm_tile(D: int) -> tuple[int, int, int]:
+    """(BLOCK columns, ROWS a program, warps) of the RMSNorm launch for rows of D: the tile fixes the order of the
+    statistic's fp32 sum, so a kernel that fuses the norm with more (dsv4/ops/norm_rope.py) takes the same one."""
+    block = min(triton.next_power_of_2(D), _MAX_BLOCK)
+    rows_per_prog = max(1, _ROW_ELEMS // block)
+    return block, rows_per_prog, min(16, max(1, rows_per_prog * block // 512))
+
+
 def _rms_norm_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, mode: int,
                      out_dtype: torch.dtype) -> torch.Tensor:
     """One launch over every row of x [..., D]; no host sync (safe under CUDA graph capture)."""
@@ -121,9 +129,7 @@ def _rms_norm_launch(x: torch.Tensor, weight: torch.Tensor | None, eps: float, m
     if n_rows == 0 or D == 0:
         return out
     w = x2 if weight is None else weight.contiguous()  # MODE_UNWEIGHTED never reads w
-    block = min(triton.next_power_of_2(D), _MAX_BLOCK)
-    rows_per_prog = max(1, _ROW_ELEMS // block)
-    num_warps = min(16, max(1, rows_per_prog * block // 512))
+    block, rows_per_prog, num_warps = norm_tile(D)
     _rms_norm_kernel[(triton.cdiv(n_rows, rows_per_prog),)](
         x2, w, out, n_rows, x2.stride(0), eps, 1.0 / D, D=D, MODE=mode, ROWS=rows_per_prog, BLOCK=block,
         INTERPRET=INTERPRET, num_warps=num_warps, enable_fp_fusion=False)
