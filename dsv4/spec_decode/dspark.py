@@ -108,8 +108,8 @@ def block_attention(attn: AttentionV41, x: torch.Tensor, positions: torch.Tensor
     B, C, hd = context_kv.shape
     K = x.shape[0] // B
     cos, sin = attn.rope(positions)
-    q, _, kv_lat = attn._q_and_kv(x, cos, sin)
-    block_kv = fp8_fake_quant(apply_rope(attn.kv_norm(kv_lat), cos, sin)).view(B, K, hd)  # window_kv's, of kv_lat
+    q, _, block_kv = attn._project(x, cos, sin)  # the block's keys as window_kv gives them, from one projection
+    block_kv = block_kv.view(B, K, hd)
     keys = torch.cat([context_kv, block_kv], dim=1)  # [B, C + K, hd]
     mask = torch.cat([context_mask, context_mask.new_ones(B, K)], dim=1)
     keys = keys.repeat_interleave(K, dim=0)  # one key set per row: the rows of a sequence share it
