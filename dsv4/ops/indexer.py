@@ -19,6 +19,7 @@ slots and mask: work follows each row's n (or its candidate blocks), never max_m
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,18 @@ try:
     import triton.language as tl
 except ImportError:  # CPU-only installs use the torch reference
     triton = None
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when kernels are defined, as triton does
+
+
+def dots_in_bf16(keys: torch.Tensor) -> bool:
+    """Whether the scoring kernels multiply on the tensor cores in bf16 (fp32 accumulation) instead of fp32 IEEE
+    FMAs, which cost ~0.7 us an entry a program at 64 heads of 128 (benchmarks/decode_select_splits.py). Only for
+    a bf16 key cache: the cache takes the model's dtype, and a bf16 model's queries are bf16 values (widened to
+    fp32 by the caller; V4.1's are FP4-quantized besides), so the cast back is exact, every product is exact in
+    fp32 and only the order of the fp32 sums differs from the reference, as it already did. Never under the CPU
+    interpreter, which multiplies bf16 tiles as raw bits (its fp32 path computes the same numbers)."""
+    return keys.dtype == torch.bfloat16 and not _INTERPRET
 
 
 def indexer_scores_torch(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, n: torch.Tensor,
@@ -44,8 +57,16 @@ def indexer_scores_torch(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, s
 if triton is not None:
 
     @triton.jit
+    def _score_dot(a, b, BF16: tl.constexpr):
+        """a @ b with fp32 accumulation: bf16 tensor-core inputs (`dots_in_bf16`), else fp32 IEEE."""
+        if BF16:
+            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
+        else:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+
+    @triton.jit
     def _indexer_scores_kernel(q_ptr, w_ptr, k_ptr, slot_ptr, n_ptr, out_ptr, M, H, D, scale, BLOCK_M: tl.constexpr,
-                               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+                               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         mm = m < M
@@ -57,7 +78,7 @@ if triton is not None:
         hm = h < H
         k = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=vis[:, None] & dm[None, :], other=0.0)
         q = tl.load(q_ptr + r * H * D + h[:, None] * D + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
-        dots = tl.dot(k.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")  # [BLOCK_M, BLOCK_H]
+        dots = _score_dot(k, tl.trans(q), BF16)  # [BLOCK_M, BLOCK_H]
         wv = tl.load(w_ptr + r * H + h, mask=hm, other=0.0).to(tl.float32)
         s = tl.maximum(dots, 0.0) * tl.cast(scale, tl.float32)  # torch.compile passes floats as fp64
         s = tl.sum(s * wv[None, :], axis=1)
@@ -73,10 +94,11 @@ def indexer_scores_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
     out = torch.empty(R, M, dtype=torch.float32, device=q.device)
     if R and M:
         block_m = 32
+        bf16 = dots_in_bf16(keys)
         _indexer_scores_kernel[(R, triton.cdiv(M, block_m))](
-            q.float().contiguous(), w.float().contiguous(), keys.contiguous(), slots.contiguous(), n.contiguous(),
-            out, M, H, D, float(scale), BLOCK_M=block_m, BLOCK_H=max(16, triton.next_power_of_2(H)),
-            BLOCK_D=max(16, triton.next_power_of_2(D)))
+            q.to(torch.bfloat16 if bf16 else torch.float32).contiguous(), w.float().contiguous(), keys.contiguous(),
+            slots.contiguous(), n.contiguous(), out, M, H, D, float(scale), BLOCK_M=block_m,
+            BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_D=max(16, triton.next_power_of_2(D)), BF16=bf16)
     return out
 
 
@@ -245,7 +267,7 @@ if triton is not None:
                              row_ptr, tile_ptr, brow_ptr, btile_ptr, S, H, D, BS, scale,
                              L: tl.constexpr, LB: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr,
                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, POOL: tl.constexpr,
-                             BLOCKS: tl.constexpr):
+                             BLOCKS: tl.constexpr, BF16: tl.constexpr):
         """Program (row r, split s): scores of units [s*chunk, (s+1)*chunk) of the row (a unit is an entry, or in
         POOL mode a place c*CB + j of candidate block c), chunk = ceil(U / S) in SUB multiples, U = n (POOL: C*CB).
         chunk <= L ("raw"): every key goes to row[u] (no sort here; the merge takes them in L-wide windows).
@@ -304,7 +326,7 @@ if triton is not None:
                     slot = blk * BS + e % BS
                     kt = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=valid[:, None] & dm[None, :],
                                  other=0.0)
-                    dots = tl.dot(kt.to(tl.float32), tl.trans(q), input_precision="ieee")  # [SUB, BLOCK_H]
+                    dots = _score_dot(kt, tl.trans(q), BF16)  # [SUB, BLOCK_H]
                     s = tl.sum(tl.maximum(dots, 0.0) * scale * wv[None, :], axis=1)
                     sc = tl.where(valid, s, float("-inf"))
                     key = tl.where(valid, _order_keys(s, e), -1)
@@ -428,11 +450,12 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
     table = table if table.stride(1) == 1 else table.contiguous()
     cand = pool.contiguous() if pool is not None else picks
     C = pool.shape[1] if pool is not None else 0
+    bf16 = dots_in_bf16(keys)
     _select_split_kernel[(R, S)](
-        q.float().contiguous(), w.float().contiguous(), keys.contiguous(), table, table.stride(0), n.contiguous(),
-        cand, cand.stride(0), C, row, tile, brow, btile, S, H, D, block_size, float(scale),
-        L=L, LB=LB, CB=cand_block, SUB=SUB, BLOCK_H=max(16, triton.next_power_of_2(H)),
-        BLOCK_D=max(16, triton.next_power_of_2(D)), POOL=pool is not None, BLOCKS=blocks, num_warps=4)
+        q.to(torch.bfloat16 if bf16 else torch.float32).contiguous(), w.float().contiguous(), keys.contiguous(),
+        table, table.stride(0), n.contiguous(), cand, cand.stride(0), C, row, tile, brow, btile, S, H, D, block_size,
+        float(scale), L=L, LB=LB, CB=cand_block, SUB=SUB, BLOCK_H=max(16, triton.next_power_of_2(H)),
+        BLOCK_D=max(16, triton.next_power_of_2(D)), POOL=pool is not None, BLOCKS=blocks, BF16=bf16, num_warps=4)
     _select_merge_kernel[(R,)](
         n.contiguous(), C, row, tile, brow, btile, acc, bacc, S, table, table.stride(0), block_size, picks, slots,
         mask, k, cands if cands is not None else picks, keep_blocks, L=L, LB=LB, CB=cand_block, SUB=SUB,

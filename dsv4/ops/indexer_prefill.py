@@ -55,20 +55,17 @@ general inputs two scores an fp32 ulp apart may swap, as with `indexer_scores_tr
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from dsv4.ops.indexer import (candidate_blocks_of, candidate_pool, indexer_scores_torch, pick_sources_torch,
-                              triton)
+from dsv4.ops.indexer import (_INTERPRET, candidate_blocks_of, candidate_pool, indexer_scores_torch,
+                              pick_sources_torch, triton)
 from dsv4.ops.topk import stable_topk
 
 if triton is not None:
     import triton.language as tl
 
-    from dsv4.ops.indexer import _order_keys, _sm_count
+    from dsv4.ops.indexer import _order_keys, _score_dot, _sm_count
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when kernels are defined, as triton does
 MAX_SPLITS = 16  # programs per row block when there are few row blocks (see `prefill_splits`)
 
 Selection = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
@@ -90,15 +87,6 @@ def prefill_select_torch(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, e
 
 
 if triton is not None:
-
-    @triton.jit
-    def _dot(a, b, UPCAST: tl.constexpr):
-        """a @ b with fp32 accumulation: bf16 tensor-core inputs (exact for FP4-quantized values); fp32 under the
-        interpreter, which multiplies bf16 tiles as raw bits."""
-        if UPCAST:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
 
     @triton.jit
     def _key_score(key):
@@ -145,7 +133,7 @@ if triton is not None:
                               H: tl.constexpr, D: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,
                               CB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_N: tl.constexpr,
                               BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, POOL: tl.constexpr,
-                              BLOCKS: tl.constexpr, UPCAST: tl.constexpr):
+                              BLOCKS: tl.constexpr, BF16: tl.constexpr):
         """Program (row block, split): the rows' keys of the entry tiles [split * chunk, (split + 1) * chunk) of
         the block's visible range into their buffers (row * S + split), newest tile first; the key counts to cnt.
         A tile's scores go through this program's [BLOCK_M, BLOCK_N] scratch tile, so the rows re-scored with their
@@ -199,7 +187,7 @@ if triton is not None:
                     else:
                         qh = tl.load(q_ptr + rows[:, None] * (H * D) + h * D + d[None, :], mask=dm[None, :], other=0.0)
                     wh = tl.load(w_ptr + rows * H + h) * scale
-                    acc = tl.fma(tl.maximum(_dot(qh, tl.trans(kt), UPCAST), 0.0), wh[:, None], acc)
+                    acc = tl.fma(tl.maximum(_score_dot(qh, tl.trans(kt), BF16), 0.0), wh[:, None], acc)
                 tl.store(tile + ar[:, None] * BLOCK_N + jn[None, :], acc)
                 # rows whose own visible slots differ from the leader's (another request): their own keys
                 own = tl.load(es_ptr + rows[:, None] * es_stride + e[None, :], mask=vis, other=0).to(tl.int64)
@@ -214,7 +202,7 @@ if triton is not None:
                     qr = tl.load(q_ptr + r * (H * D) + hh[:, None] * D + d[None, :], mask=hm[:, None] & dm[None, :],
                                  other=0.0)
                     wr = tl.load(w_ptr + r * H + hh, mask=hm, other=0.0) * scale
-                    s_r = tl.sum(tl.maximum(_dot(kr, tl.trans(qr), UPCAST), 0.0) * wr[None, :], axis=1)  # [BLOCK_N]
+                    s_r = tl.sum(tl.maximum(_score_dot(kr, tl.trans(qr), BF16), 0.0) * wr[None, :], axis=1)  # [BLOCK_N]
                     tl.store(tile + i * BLOCK_N + jn, s_r)
                     bad = bad & (ar != i)
                     i = tl.min(tl.where(bad, ar, BLOCK_M), axis=0)
@@ -377,7 +365,7 @@ def prefill_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
         qb, wb, keys.contiguous(), es, es.stride(0), n.contiguous(), mark, mark.stride(0) if pool is not None else 0,
         buf, cnt, estr, bbuf, bcnt, bstr, tiles, R, M, S, float(scale), H=H, D=D, L=L, LB=LB, CB=cand_block,
         BLOCK_M=block_m, BLOCK_N=BN, SUB_N=SUB, BLOCK_H=max(16, triton.next_power_of_2(H)),
-        BLOCK_D=max(16, triton.next_power_of_2(D)), POOL=pool is not None, BLOCKS=blocks, UPCAST=_INTERPRET,
+        BLOCK_D=max(16, triton.next_power_of_2(D)), POOL=pool is not None, BLOCKS=blocks, BF16=not _INTERPRET,
         num_warps=num_warps)
     _prefill_merge_kernel[(R,)](
         buf, cnt, estr, acc, bbuf, bcnt, bstr, bacc, S, es, es.stride(0), picks, slots, mask, K,

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsv4.ops.indexer import (decode_select_torch, decode_select_triton, pick_table_sources_torch,
-                              pick_table_sources_triton)
+from dsv4.ops.indexer import (decode_select_torch, decode_select_triton, indexer_scores_torch,
+                              pick_table_sources_torch, pick_table_sources_triton, table_entry_slots)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -91,3 +91,30 @@ def test_decode_select_cost_independent_of_max_entries(R: int) -> None:
     print({f"{m}/{mode}": round(t, 1) for (m, mode), t in times.items()})
     for mode in ("plain", "candidate_source"):
         assert times[1 << 20, mode] <= 1.15 * times[4096, mode] + 5, times
+
+
+@pytest.mark.parametrize("R,n_max,H_", [(1, 136, 64), (4, 2048, 64), (32, 700, 32)])
+def test_decode_select_bf16_real_values(R: int, n_max: int, H_: int) -> None:
+    """Gaussian bf16 queries and keys (a bf16 model's, off any exact grid): the tensor-core scoring adds in another
+    order than the reference, so a pick may differ only where two scores are within rounding. Every pick's reference
+    score is at least the reference's k-th best minus that rounding, the picks are distinct and visible, and each
+    row has min(k, n) of them."""
+    g = torch.Generator(device="cuda").manual_seed(R * n_max)
+    M, k = n_max + 100, 512
+    MB = -(-M // BS) + 1
+    N = (MB * R + 1) * BS
+    q = torch.randn(R, H_, D, device="cuda", generator=g).to(torch.bfloat16).float()
+    w = torch.randn(R, H_, device="cuda", generator=g) * H_ ** -0.5
+    keys = torch.randn(N, D, device="cuda", generator=g).to(torch.bfloat16)
+    table = torch.randint(1, N // BS, (R, MB), device="cuda", generator=g, dtype=torch.int32)
+    n = torch.randint(1, n_max + 1, (R,), device="cuda", generator=g)
+    n[0] = n_max
+    picks, _, mask, _ = decode_select_triton(q, w, keys, table, BS, n, M, D ** -0.5, min(k, M))
+    ref = indexer_scores_torch(q, w, keys, table_entry_slots(table, BS, M), n, D ** -0.5)  # fp32, op by op
+    for r in range(R):
+        nr = int(n[r])
+        got = picks[r][mask[r]]
+        assert got.numel() == min(k, nr) and got.unique().numel() == got.numel() and int(got.max()) < nr
+        kth = ref[r].topk(min(k, nr)).values[-1]
+        tol = 1e-5 * ref[r][:nr].abs().max() + 1e-6  # fp32 sums of 128-channel bf16 products, another order
+        assert bool((ref[r][got] >= kth - tol).all()), (r, float(kth), float(ref[r][got].min()))
