@@ -774,5 +774,16 @@ def test_compressor_decode_pool_kernel_matches_torch() -> None:
                 assert not torch.equal(rings[0][0], ring_kv)  # the push happened
                 r, o = ref.float(), got.float()
                 assert ((r - o).abs() <= r.abs() * ulp + 3 * scale * 2.0 ** -22).all(), (m, overlap, (r - o).abs().max())
+                # new rows as column views of one product (a merged projection's: rows strided by its width, read
+                # in place) push and pool exactly as their contiguous copies
+                W = coff * dim
+                prod = torch.cat([new_kv.float(), new_gate, torch.randn(5, 7, generator=g)], dim=1).to(dtype)
+                views = (prod[:, :W], prod[:, W:2 * W])
+                assert views[0].stride(0) == 2 * W + 7 and not views[0].is_contiguous()
+                rings = [(ring_kv.clone(), ring_gate.clone()) for _ in range(2)]
+                ref = pool_decode_triton(*rings[0], blk, pos, pb, m, overlap, dtype, *(v.contiguous() for v in views))
+                got = pool_decode_triton(*rings[1], blk, pos, pb, m, overlap, dtype, *views)
+                assert torch.equal(rings[0][0], rings[1][0]) and torch.equal(rings[0][1], rings[1][1])
+                assert torch.equal(ref, got)
         print("ok")
     """)

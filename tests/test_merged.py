@@ -23,7 +23,8 @@ from torch import nn
 from dsv4 import LLM, SamplingParams
 from dsv4.make_model import make_model
 from dsv4.models.layers import merged
-from dsv4.models.layers.merged import MergedLinear, merge_blocker, merge_linears, merge_siblings, project
+from dsv4.models.layers.merged import (V4_COMPRESSOR_CSA, V4_COMPRESSOR_HCA, MergedLinear, merge_blocker,
+                                       merge_linears, merge_siblings, merged_name, project)
 from dsv4.quant.formats import quantize_fp8
 from dsv4.quant.layers import Fp8Linear
 from dsv4.quant.weight import StoredFormat
@@ -177,11 +178,15 @@ PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 2, 2, 8], list(range(40, 75)), [11]
 # V4's released blocks are 128 rows: at the tiny widths (32) nothing merges; these widths let both groups merge
 V4_FP8_MERGEABLE = {"q_lora_rank": 128, "moe_intermediate_size": 128}
 # checkpoint -> {merged module name: count} expected with merging on (4 V4 layers, 6 V4.1 layers)
+# tiny V4's compressors (bf16 in the released layout, so merged there too): 2 CSA layers (five projections with the
+# indexer's) and 1 HCA layer (the kv / gate pair)
+V4_COMPRESSORS = {merged_name(V4_COMPRESSOR_CSA): 2, merged_name(V4_COMPRESSOR_HCA): 1}
 CASES = {
-    "v4-float": ("tiny-v4", None, None, {"gate_proj_up_proj": 4, "q_a_proj_kv_proj": 4}),
+    "v4-float": ("tiny-v4", None, None, {"gate_proj_up_proj": 4, "q_a_proj_kv_proj": 4, **V4_COMPRESSORS}),
     "v41-float": ("tiny-v41", None, None, {"w1_w3": 6, "wq_a_wkv": 6}),
-    "v4-released": ("tiny-v4", "released", None, {}),  # 32-row siblings under 128-row blocks: kept separate
-    "v4-released-128": ("tiny-v4", "released", V4_FP8_MERGEABLE, {"gate_proj_up_proj": 4, "q_a_proj_kv_proj": 4}),
+    "v4-released": ("tiny-v4", "released", None, V4_COMPRESSORS),  # FP8 32-row siblings, 128-row blocks: separate
+    "v4-released-128": ("tiny-v4", "released", V4_FP8_MERGEABLE,
+                        {"gate_proj_up_proj": 4, "q_a_proj_kv_proj": 4, **V4_COMPRESSORS}),
     "v41-released": ("tiny-v41", "released", None, {"w1_w3": 6, "wq_a_wkv": 6}),
 }
 
@@ -223,8 +228,10 @@ def test_engine_tokens_unchanged_by_merging(checkpoints: dict[str, str], case: s
     off_model, on_model = off_llm.engine.runner.model, on_llm.engine.runner.model
     assert _merged_counts(off_model) == {}
     assert _merged_counts(on_model) == CASES[case][3]
-    if CASES[case][1] is not None and CASES[case][3]:  # the released checkpoints' merges are FP8 ones
-        assert all(isinstance(m.proj, Fp8Linear) for m in on_model.modules() if isinstance(m, MergedLinear))
+    if CASES[case][1] is not None:  # the released checkpoints' merges are FP8 ones, but for the bf16 compressors'
+        for name, m in on_model.named_modules():
+            if isinstance(m, MergedLinear):
+                assert isinstance(m.proj, nn.Linear if name.endswith(tuple(V4_COMPRESSORS)) else Fp8Linear), name
     assert _weight_bytes(on_model) == _weight_bytes(off_model)
     for (ref_tokens, ref_lps), (tokens, lps) in zip(off, on):
         assert tokens == ref_tokens

@@ -22,11 +22,11 @@ from loop_reference import closing_windows, roll_ring, run_prompts, window_rows
 # ---- the old loop, verbatim (its ring helpers: tests/loop_reference.py) -----------------------------------------
 
 
-def old_forward(self: v4.Compressor, x: torch.Tensor, md: AttnMetadata, rope: RotaryTable, out_cache: torch.Tensor,
-                ring_kv: torch.Tensor, ring_gate: torch.Tensor, table: torch.Tensor, block_size: int,
-                state_blocks: torch.Tensor) -> None:
+def old_forward(self: v4.Compressor, kv_all: torch.Tensor, gate_all: torch.Tensor, md: AttnMetadata,
+                rope: RotaryTable, out_cache: torch.Tensor, ring_kv: torch.Tensor, ring_gate: torch.Tensor,
+                table: torch.Tensor, block_size: int, state_blocks: torch.Tensor) -> None:
+    # (the loop took x and projected it itself; the projections now come from the attention, merged)
     m, dim = self.ratio, self.dim
-    kv_all, gate_all = self.kv_proj(x), self.gate_proj(x)
     qsl, ctx = md.query_start_loc_cpu, md.context_lens_cpu
     for r in range(md.num_reqs):
         t0, t1 = qsl[r], qsl[r + 1]
@@ -35,9 +35,9 @@ def old_forward(self: v4.Compressor, x: torch.Tensor, md: AttnMetadata, rope: Ro
         p0, blk = ctx[r], int(state_blocks[r])
         kv, gate = kv_all[t0:t1], gate_all[t0:t1]
         ext_kv, ext_gate, base = window_rows(kv, gate, ring_kv, ring_gate, blk, p0)
-        w = closing_windows(p0, p0 + (t1 - t0), m, x.device)
+        w = closing_windows(p0, p0 + (t1 - t0), m, kv_all.device)
         if w.numel() > 0:
-            cur = w[:, None] * m + torch.arange(m, device=x.device) - base  # [nw, m] rows of window w
+            cur = w[:, None] * m + torch.arange(m, device=kv_all.device) - base  # [nw, m] rows of window w
             if self.overlap:
                 prev = cur - m  # Ca rows of window w-1
                 kv_w = torch.cat([ext_kv[prev][..., :dim], ext_kv[cur][..., dim:]], dim=1)
@@ -78,13 +78,13 @@ def test_prefill_compressor_equals_old_loop(models: dict[tuple[int, int], str], 
     diffs: list[float] = []
     seen = {"compressor": 0, "indexer": 0, "mixed": False, "ring_read": False, "short": False, "windows": 0}
 
-    def checked(self: v4.Compressor, x: torch.Tensor, md: AttnMetadata, rope: RotaryTable, out_cache: torch.Tensor,
-                ring_kv: torch.Tensor, ring_gate: torch.Tensor, table: torch.Tensor, block_size: int,
-                state_blocks: torch.Tensor) -> None:
+    def checked(self: v4.Compressor, kv_all: torch.Tensor, gate_all: torch.Tensor, md: AttnMetadata,
+                rope: RotaryTable, out_cache: torch.Tensor, ring_kv: torch.Tensor, ring_gate: torch.Tensor,
+                table: torch.Tensor, block_size: int, state_blocks: torch.Tensor) -> None:
         ref = [out_cache.clone(), ring_kv.clone(), ring_gate.clone()]
-        old_forward(self, x, md, rope, *ref, table, block_size, state_blocks)
+        old_forward(self, kv_all, gate_all, md, rope, *ref, table, block_size, state_blocks)
         before = [out_cache.clone(), ring_kv.clone(), ring_gate.clone()]
-        new_forward(self, x, md, rope, out_cache, ring_kv, ring_gate, table, block_size, state_blocks)
+        new_forward(self, kv_all, gate_all, md, rope, out_cache, ring_kv, ring_gate, table, block_size, state_blocks)
         for got, want, old in zip((out_cache, ring_kv, ring_gate), ref, before):
             assert got.dtype == want.dtype
             diffs.append((got.float() - want.float()).abs().max().item())  # a NaN anywhere fails too

@@ -18,7 +18,7 @@ from torch import nn
 from dsv4.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
 from dsv4.models.layers.attention import project_groups, write_slots
 from dsv4.models.layers.mhc import HyperConnection, HyperHead, collapse_norm, expand
-from dsv4.models.layers.merged import project
+from dsv4.models.layers.merged import V4_COMPRESSOR_CSA, V4_COMPRESSOR_HCA, project
 from dsv4.models.layers.moe import MoE
 from dsv4.models.layers.norm import RMSNorm
 from dsv4.models.layers.rope import RotaryTable
@@ -57,10 +57,17 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(ratio, coff * dim, dtype=torch.float32))
         self.kv_norm = RMSNorm(dim, eps)
 
-    def forward(self, x: torch.Tensor, md: AttnMetadata, rope: RotaryTable, out_cache: torch.Tensor,
-                ring_kv: torch.Tensor, ring_gate: torch.Tensor, table: torch.Tensor, block_size: int,
-                state_blocks: torch.Tensor) -> None:
-        """Pool every window that closes in this step, write the entries, then roll the ring forward.
+    def project_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x through this compressor's projections: (kv, gate), and in a CSA layer also its indexer's (kv, gate,
+        head weights); one product once merged (`merge_siblings`)."""
+        return project(self, x, *(V4_COMPRESSOR_CSA if self.indexer is not None else V4_COMPRESSOR_HCA))
+
+    def forward(self, kv_all: torch.Tensor, gate_all: torch.Tensor, md: AttnMetadata, rope: RotaryTable,
+                out_cache: torch.Tensor, ring_kv: torch.Tensor, ring_gate: torch.Tensor, table: torch.Tensor,
+                block_size: int, state_blocks: torch.Tensor) -> None:
+        """Pool every window that closes in this step, write the entries, then roll the ring forward. kv_all /
+        gate_all [T, coff*dim]: the step's rows through kv_proj / gate_proj, which the attention computes with its
+        siblings (`compressor_inputs`).
 
         All requests and tokens at once, in a fixed number of ops (a loop over requests costs tens of ops per
         request and layer, ~15 us of host time apiece on a GPU): the closing windows are the tokens at positions p with
@@ -71,14 +78,13 @@ class Compressor(nn.Module):
         m, cap = self.ratio, ring_kv.shape[1]
         L = 2 * m if self.overlap else m  # rows a window pools; the ring holds exactly those before the chunk
         assert L <= cap, (L, cap)
-        dev = x.device
-        kv_all, gate_all = self.kv_proj(x), self.gate_proj(x)
+        dev = kv_all.device
         qsl, ctx, R = md.query_start_loc_cpu, md.context_lens_cpu, md.num_reqs
         ends = [ctx[r] + qsl[r + 1] - qsl[r] for r in range(R)]  # each request's chunk covers [ctx, end)
         n_close = sum(e // m - c // m for c, e in zip(ctx, ends))
         n_keep = sum(min(e - c, cap) for c, e in zip(ctx, ends))
         span = torch.tensor([ctx[:R], ends], dtype=torch.int64, device=dev)  # [2, R]: one host -> device copy
-        req = torch.repeat_interleave(torch.arange(R, device=dev), span[1] - span[0], output_size=x.shape[0])
+        req = torch.repeat_interleave(torch.arange(R, device=dev), span[1] - span[0], output_size=kv_all.shape[0])
         pos, p0, blk = md.positions, span[0][req], state_blocks[req].long()  # per token
 
         if n_close > 0:
@@ -108,14 +114,15 @@ class Compressor(nn.Module):
         ring_kv[at] = kv_all[k].to(ring_kv.dtype)
         ring_gate[at] = gate_all[k].to(ring_gate.dtype)
 
-    def forward_decode(self, x: torch.Tensor, dmd: DecodeMetadata, rope: RotaryTable, out_cache: torch.Tensor,
-                       ring_kv: torch.Tensor, ring_gate: torch.Tensor, entry_write: torch.Tensor) -> None:
-        """One token per row: push its rows into the ring, then pool the window it closes (written to
-        `entry_write`, TRASH_SLOT for rows that close none)."""
+    def forward_decode(self, kv: torch.Tensor, gate: torch.Tensor, dmd: DecodeMetadata, rope: RotaryTable,
+                       out_cache: torch.Tensor, ring_kv: torch.Tensor, ring_gate: torch.Tensor,
+                       entry_write: torch.Tensor) -> None:
+        """One token per row (its kv_proj / gate_proj rows kv, gate): push its rows into the ring, then pool the
+        window it closes (written to `entry_write`, TRASH_SLOT for rows that close none)."""
         m = self.ratio
         pos, blk = dmd.positions, dmd.state_blocks
-        pooled = pool_decode(ring_kv, ring_gate, blk, pos, self.position_bias, m, self.overlap, x.dtype,
-                             new_kv=self.kv_proj(x), new_gate=self.gate_proj(x))  # pushes them into the rings
+        pooled = pool_decode(ring_kv, ring_gate, blk, pos, self.position_bias, m, self.overlap, kv.dtype,
+                             new_kv=kv, new_gate=gate)  # pushes them into the rings
         if rope.table is not None:  # norm, rope at the window's start and the write in one step
             write_entries(pooled, self.kv_norm.weight, self.kv_norm.eps, rope.table, pos, m, out_cache, entry_write)
         else:
@@ -153,12 +160,12 @@ class Indexer(Compressor):
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, bias=False)
         self.scorer = Scorer(cfg.hidden_size, cfg.index_n_heads)
 
-    def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor,
+    def queries(self, head_logits: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indexer queries [T, IH, d] (roped, fp32) and head weights [T, IH] (fp32)."""
-        qi = apply_rope(self.q_b_proj(qr).view(x.shape[0], self.n_heads, self.head_dim), cos, sin)
-        w = self.scorer.weights_proj(x).float() * self.n_heads ** -0.5
-        return qi.float(), w
+        """Indexer queries [T, IH, d] (roped, fp32) and head weights [T, IH] (fp32), from the query latents qr and
+        the rows through scorer.weights_proj (`head_logits`, projected with the compressor's siblings)."""
+        qi = apply_rope(self.q_b_proj(qr).view(qr.shape[0], self.n_heads, self.head_dim), cos, sin)
+        return qi.float(), head_logits.float() * self.n_heads ** -0.5
 
     def select_decode(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
                       n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,13 +224,15 @@ class Attention(nn.Module):
             group = md.groups[f"compressed_{self.ratio}"]
             comp_table, comp_bs = md.block_tables[group.name], group.block_size
             state = md.block_tables["compressor_state"][:, 0]
-            self.compressor(x, md, self.rope, cache.compressed, cache.ring_kv, cache.ring_gate, comp_table, comp_bs,
-                            state)
+            kv, gate, *index_inputs = self.compressor.project_inputs(x)
+            self.compressor(kv, gate, md, self.rope, cache.compressed, cache.ring_kv, cache.ring_gate, comp_table,
+                            comp_bs, state)
             if self.kind == CSA:
                 indexer = self.compressor.indexer
-                indexer(x, md, self.rope, cache.index_keys, cache.index_ring_kv, cache.index_ring_gate,
+                ikv, igate, head_logits = index_inputs
+                indexer(ikv, igate, md, self.rope, cache.index_keys, cache.index_ring_kv, cache.index_ring_gate,
                         comp_table, comp_bs, state)
-                qi, iw = indexer.queries(x, qr, cos, sin)
+                qi, iw = indexer.queries(head_logits, qr, cos, sin)
         return q, qi, iw, cos, sin
 
     def forward(self, x: torch.Tensor, md: AttnMetadata, cache: LayerKVCache) -> torch.Tensor:
@@ -258,12 +267,15 @@ class Attention(nn.Module):
         qi = iw = None
         if self.compressor is not None:
             write = dmd.entry_write[f"compressed_{self.ratio}"]
-            self.compressor.forward_decode(x, dmd, self.rope, cache.compressed, cache.ring_kv, cache.ring_gate, write)
+            kv, gate, *index_inputs = self.compressor.project_inputs(x)
+            self.compressor.forward_decode(kv, gate, dmd, self.rope, cache.compressed, cache.ring_kv, cache.ring_gate,
+                                           write)
             if self.kind == CSA:
                 indexer = self.compressor.indexer
-                indexer.forward_decode(x, dmd, self.rope, cache.index_keys, cache.index_ring_kv,
+                ikv, igate, head_logits = index_inputs
+                indexer.forward_decode(ikv, igate, dmd, self.rope, cache.index_keys, cache.index_ring_kv,
                                        cache.index_ring_gate, write)
-                qi, iw = indexer.queries(x, qr, cos, sin)
+                qi, iw = indexer.queries(head_logits, qr, cos, sin)
         sources = [(cache.window, dmd.window_slots, dmd.window_mask)]
         if self.compressor is not None:
             ent = dmd.entries(f"compressed_{self.ratio}")

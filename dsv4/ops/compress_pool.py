@@ -142,16 +142,19 @@ def pool_decode_triton(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torc
     dim = ring_kv.shape[2] // (2 if overlap else 1)
     out = torch.empty(R, dim, dtype=dtype, device=pos.device)
     push = new_kv is not None and new_gate is not None
-    if push:
-        new_kv, new_gate = new_kv.contiguous(), new_gate.contiguous()
+    new_stride = ring_kv.shape[2]
+    if push:  # rows read through one row stride: the views of a merged projection's product need no copy
+        if not (new_kv.stride(1) == new_gate.stride(1) == 1 and new_kv.stride(0) == new_gate.stride(0)):
+            new_kv, new_gate = new_kv.contiguous(), new_gate.contiguous()
         assert new_kv.shape == new_gate.shape == (R, ring_kv.shape[2])
+        new_stride = new_kv.stride(0)
     if R:
         block_l = triton.next_power_of_2(cap)
         block_d = max(16, min(triton.next_power_of_2(dim), 4096 // block_l))
         _pool_decode_kernel[(R, triton.cdiv(dim, block_d))](
             ring_kv, ring_gate, blk.contiguous(), pos.contiguous(), position_bias.float().contiguous(), out,
             new_kv if push else out, new_gate if push else out, cap, dim, ring_kv.stride(0), ring_kv.stride(1),
-            ring_kv.shape[2], M=ratio, OVERLAP=overlap, PUSH=push, BLOCK_L=block_l, BLOCK_D=block_d,
+            new_stride, M=ratio, OVERLAP=overlap, PUSH=push, BLOCK_L=block_l, BLOCK_D=block_d,
             INTERPRET=INTERPRET, enable_fp_fusion=False)
     return out
 

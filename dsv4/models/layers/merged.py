@@ -8,7 +8,8 @@ originals (the weights are not held twice); the parent's forward asks `project` 
 are then views of one [.., N1 + N2] product. Prefill runs the same merged product (same math).
 
 What merges (`SIBLINGS`, by checkpoint names; both models, float and released): the shared expert's gate and up
-projections and the attention's q_a and kv projections. Each group merges only when it is legal
+projections, the attention's q_a and kv projections, and (V4) the compressor's bf16 projections with its indexer's
+(the indexer keys' kv / gate and the head weights: five GEMVs of one input). Each group merges only when it is legal
 (`merge_blocker`), else stays as loaded and `project` calls the modules one by one.
 
 Numerics: each output column of a linear is one dot product over K, whatever the other columns; the torch paths
@@ -38,8 +39,9 @@ MERGE_SIBLINGS = os.environ.get("DSV4_MERGE_SIBLINGS", "1") == "1"
 
 @dataclass(frozen=True)
 class Siblings:
-    """Linear projections `names` (in output order) that a module named `owner` (the last part of its path) applies
-    to one input; its forward reads them through `project(module, x, *names)`."""
+    """Linear projections `names` (in output order; submodule paths under the owner) that a module named `owner`
+    (the last part of its path) applies to one input; its forward reads them through `project(module, x, *names)`.
+    Several groups of one owner are alternatives: the first whose modules all exist is the one merged (or kept)."""
 
     owner: str
     names: tuple[str, ...]
@@ -50,16 +52,39 @@ class Siblings:
         return merged_name(self.names)
 
 
+# V4 Compressor (bf16 in the released checkpoints): its kv / gate projections and, in a CSA layer, its indexer's
+# kv / gate projections and head weights, five products of the attention's input (five cuBLAS GEMVs, ~30 us of a
+# batch-1 CSA layer on the H200); the plain pair in an HCA layer.
+V4_COMPRESSOR_CSA = ("kv_proj", "gate_proj", "indexer.kv_proj", "indexer.gate_proj", "indexer.scorer.weights_proj")
+V4_COMPRESSOR_HCA = ("kv_proj", "gate_proj")
+
 SIBLINGS = (
     Siblings("shared_experts", ("gate_proj", "up_proj")),  # V4 SharedExpert
     Siblings("shared_experts", ("w1", "w3")),  # V4.1 MoEV41.shared_experts
     Siblings("self_attn", ("q_a_proj", "kv_proj")),  # V4 Attention
     Siblings("attn", ("wq_a", "wkv")),  # V4.1 AttentionV41
+    Siblings("compressor", V4_COMPRESSOR_CSA),  # before the pair: an owner's groups are alternatives, first wins
+    Siblings("compressor", V4_COMPRESSOR_HCA),
 )
 
 
 def merged_name(names: tuple[str, ...]) -> str:
-    return "_".join(names)
+    return "_".join(names).replace(".", "_")
+
+
+def _submodule(parent: nn.Module, path: str) -> nn.Module | None:
+    """parent's submodule at the dotted `path`, or None when any step is missing or not a module."""
+    m: object = parent
+    for part in path.split("."):
+        m = getattr(m, part, None)
+        if not isinstance(m, nn.Module):
+            return None
+    return m
+
+
+def _drop(parent: nn.Module, path: str) -> None:
+    owner, _, leaf = path.rpartition(".")
+    delattr(parent.get_submodule(owner) if owner else parent, leaf)
 
 
 class MergedLinear(nn.Module):
@@ -84,7 +109,7 @@ def project(parent: nn.Module, x: torch.Tensor, *names: str) -> tuple[torch.Tens
     merged = getattr(parent, merged_name(names), None)
     if isinstance(merged, MergedLinear):
         return merged(x)
-    return tuple(getattr(parent, n)(x) for n in names)
+    return tuple(parent.get_submodule(n)(x) for n in names)
 
 
 def merge_blocker(mods: list[nn.Module]) -> str | None:
@@ -153,18 +178,19 @@ def merge_siblings(model: nn.Module, siblings: tuple[Siblings, ...] = SIBLINGS) 
     for path, module in list(model.named_modules()):
         owner = path.rpartition(".")[2]
         for s in siblings:
-            if owner != s.owner or not all(isinstance(getattr(module, n, None), nn.Module) for n in s.names):
+            mods = [_submodule(module, n) for n in s.names] if owner == s.owner else [None]
+            if any(m is None for m in mods):
                 continue
-            mods = [getattr(module, n) for n in s.names]
             why = merge_blocker(mods)
             if why is not None:
                 kept[(s.merged, why)] += 1
-                continue
-            setattr(module, s.merged, merge_linears(mods))
-            for n in s.names:
-                delattr(module, n)
+            else:
+                setattr(module, s.merged, merge_linears(mods))
+                for n in s.names:
+                    _drop(module, n)
+                merged[s.merged] += 1
             del mods
-            merged[s.merged] += 1
+            break  # the owner's other groups are alternatives to this one (its forward projects this group)
     summary = MergeSummary(dict(merged), dict(kept))
     if merged or kept:
         logger.info("sibling projections merged: %s%s", ", ".join(f"{n} x{c}" for n, c in merged.items()) or "none",
