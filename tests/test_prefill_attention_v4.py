@@ -25,7 +25,7 @@ from loop_reference import QUERY_BLOCK, run_prompts, sink_attention, window_keys
 
 def select(indexer: v4.Indexer, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor,
            qpos: torch.Tensor) -> torch.Tensor:
-    scores = torch.relu(torch.einsum("qhd,nd->qhn", qi, keys.float())) * indexer.head_dim ** -0.5
+    scores = torch.relu(torch.einsum("qhd,nd->qhn", qi.float(), keys.float())) * indexer.head_dim ** -0.5
     scores = (scores * w.unsqueeze(-1)).sum(dim=1)
     n = keys.shape[0]
     visible = torch.arange(n, device=qi.device)[None, :] < ((qpos + 1) // indexer.ratio)[:, None]

@@ -162,10 +162,11 @@ class Indexer(Compressor):
 
     def queries(self, head_logits: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Indexer queries [T, IH, d] (roped, fp32) and head weights [T, IH] (fp32), from the query latents qr and
-        the rows through scorer.weights_proj (`head_logits`, projected with the compressor's siblings)."""
+        """Indexer queries [T, IH, d] (roped, in the model dtype: the scoring kernels take them as they are) and head
+        weights [T, IH] (fp32), from the query latents qr and the rows through scorer.weights_proj (`head_logits`,
+        projected with the compressor's siblings)."""
         qi = apply_rope(self.q_b_proj(qr).view(qr.shape[0], self.n_heads, self.head_dim), cos, sin)
-        return qi.float(), head_logits.float() * self.n_heads ** -0.5
+        return qi, head_logits.float() * self.n_heads ** -0.5
 
     def select_decode(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
                       n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

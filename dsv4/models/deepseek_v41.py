@@ -197,10 +197,11 @@ class Indexer(nn.Module):
 
     def queries(self, x: torch.Tensor, qr: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries [T, IH, d] (roped, FP4, fp32) and head weights [T, IH] (fp32)."""
+        """Queries [T, IH, d] (roped, FP4, in the model dtype: the scoring kernels take them as they are) and head
+        weights [T, IH] (fp32)."""
         q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
         q = fp4_fake_quant_ue8m0(apply_rope(q, cos, sin))
-        return q.float(), self.weights_proj(x).float() * self.n_heads ** -0.5
+        return q, self.weights_proj(x).float() * self.n_heads ** -0.5
 
 
 def candidate_blocks(scores: torch.Tensor, qpos: torch.Tensor, ratio: int, block: int, keep: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The lightning indexer's scores (model.md sections 2 and 5): for each query row r and each of its compressed
 entries m, sum over heads h of relu(q[r, h] . k[m]) * scale * w[r, h], -inf past the row's visible entries.
 
-q [R, H, d] fp32 (roped, fake-quantized), w [R, H] fp32, the index-key cache [N, d] read through the rows' entry
+q [R, H, d] (roped, fake-quantized; in the model dtype: the references widen it to fp32), w [R, H] fp32, the index-key cache [N, d] read through the rows' entry
 slots [R, M] (int64), n [R] visible entries per row -> scores [R, M] fp32. The picks are the top-k of these scores,
 so both paths compute in fp32; the sums over d and over h may add in another order (an fp32 ulp or so: a pick can
 change only where two scores are that close).
@@ -48,7 +48,7 @@ def dots_in_bf16(keys: torch.Tensor) -> bool:
 def indexer_scores_torch(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor, n: torch.Tensor,
                          scale: float) -> torch.Tensor:
     """Reference (the model.md formula, op by op)."""
-    s = torch.relu(torch.einsum("rhd,rmd->rhm", q, keys[slots].float())) * scale
+    s = torch.relu(torch.einsum("rhd,rmd->rhm", q.float(), keys[slots].float())) * scale
     s = (s * w.unsqueeze(-1)).sum(dim=1)
     visible = torch.arange(slots.shape[1], device=q.device)[None, :] < n[:, None]
     return s.masked_fill(~visible, float("-inf"))
@@ -429,12 +429,15 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
     assert triton is not None, "triton is not installed"
     R, H, D = q.shape
     dev = q.device
-    picks = torch.full((R, k), -1, dtype=torch.int64, device=dev)
-    slots = torch.zeros(R, k, dtype=torch.int64, device=dev)
-    mask = torch.zeros(R, k, dtype=torch.bool, device=dev)
-    cands = torch.full((R, keep_blocks), -1, dtype=torch.int64, device=dev) if keep_blocks > 0 else None
     if R == 0 or k == 0:
-        return picks, slots, mask, cands
+        return (torch.full((R, k), -1, dtype=torch.int64, device=dev), torch.zeros(R, k, dtype=torch.int64, device=dev),
+                torch.zeros(R, k, dtype=torch.bool, device=dev),
+                torch.full((R, keep_blocks), -1, dtype=torch.int64, device=dev) if keep_blocks > 0 else None)
+    # the merge kernel writes every place of these (no fill launches)
+    picks = torch.empty(R, k, dtype=torch.int64, device=dev)
+    slots = torch.empty(R, k, dtype=torch.int64, device=dev)
+    mask = torch.empty(R, k, dtype=torch.bool, device=dev)
+    cands = torch.empty(R, keep_blocks, dtype=torch.int64, device=dev) if keep_blocks > 0 else None
     blocks = keep_blocks > 0
     assert cand_block & (cand_block - 1) == 0, cand_block  # the block max reshapes a tile into [*, cand_block]
     SUB = max(32, cand_block)
