@@ -265,34 +265,33 @@ class Attention(nn.Module):
         q = self._q_norm_rope(self.q_b_proj(qr).view(R, self.n_heads, self.head_dim), cos, sin)
         kvn = self.kv_norm  # norm, rope and the window write: one launch on CUDA
         write_rms_norm_rope(kv_lat, kvn.weight, kvn.eps, kvn.fused_mode, cos, sin, cache.window, dmd.write_slots)
-        qi = iw = None
-        if self.compressor is not None:
-            write = dmd.entry_write[f"compressed_{self.ratio}"]
-            kv, gate, *index_inputs = self.compressor.project_inputs(x)
-            self.compressor.forward_decode(kv, gate, dmd, self.rope, cache.compressed, cache.ring_kv, cache.ring_gate,
-                                           write)
-            if self.kind == CSA:
-                indexer = self.compressor.indexer
-                ikv, igate, head_logits = index_inputs
-                indexer.forward_decode(ikv, igate, dmd, self.rope, cache.index_keys, cache.index_ring_kv,
-                                       cache.index_ring_gate, write)
-                qi, iw = indexer.queries(head_logits, qr, cos, sin)
-        sources = [(cache.window, dmd.window_slots, dmd.window_mask)]
-        if self.compressor is not None:
-            ent = dmd.entries(f"compressed_{self.ratio}")
-            if self.kind == CSA:  # the top-k of the row's visible entries, read through the table
-                assert qi is not None and iw is not None
-                indexer = self.compressor.indexer
-                _, cslots, cmask, _ = decode_select(qi, iw, cache.index_keys, ent.table, ent.block_size, ent.n,
-                                                    ent.max_entries, indexer.head_dim ** -0.5,
-                                                    min(indexer.topk, ent.max_entries))
-                sources.append((cache.compressed, cslots, cmask))
-            else:  # HCA: every visible entry, read through the block table up to each row's n
-                sources.append(TableSource(cache.compressed, ent.table, ent.n, ent.block_size, ent.max_entries))
+        compressed = self._compressed_decode(x, qr, dmd, cache, cos, sin) if self.compressor is not None else None
+        sources = [(cache.window, dmd.window_slots, dmd.window_mask)] + ([compressed] if compressed is not None else [])
         out = decode_sink_attention(q, sources, self.sinks, self.head_dim ** -0.5)
         out = apply_rope(out, cos, sin, inverse=True)
         return self._output(out)
 
+    def _compressed_decode(self, x: torch.Tensor, qr: torch.Tensor, dmd: DecodeMetadata, cache: LayerKVCache,
+                           cos: torch.Tensor, sin: torch.Tensor) -> tuple | TableSource:
+        """A decode step's compressed source: the compressor (and CSA's indexer) run on the rows, then CSA's top-k
+        of each row's visible entries (slots, mask) or HCA's every visible entry through the block table."""
+        assert self.compressor is not None
+        write = dmd.entry_write[f"compressed_{self.ratio}"]
+        kv, gate, *index_inputs = self.compressor.project_inputs(x)
+        self.compressor.forward_decode(kv, gate, dmd, self.rope, cache.compressed, cache.ring_kv, cache.ring_gate,
+                                       write)
+        ent = dmd.entries(f"compressed_{self.ratio}")
+        if self.kind != CSA:  # HCA: every visible entry, read up to each row's n
+            return TableSource(cache.compressed, ent.table, ent.n, ent.block_size, ent.max_entries)
+        indexer = self.compressor.indexer
+        ikv, igate, head_logits = index_inputs
+        indexer.forward_decode(ikv, igate, dmd, self.rope, cache.index_keys, cache.index_ring_kv,
+                               cache.index_ring_gate, write)
+        qi, iw = indexer.queries(head_logits, qr, cos, sin)
+        _, cslots, cmask, _ = decode_select(qi, iw, cache.index_keys, ent.table, ent.block_size, ent.n,
+                                            ent.max_entries, indexer.head_dim ** -0.5,
+                                            min(indexer.topk, ent.max_entries))
+        return cache.compressed, cslots, cmask
 
     def _q_norm_rope(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Queries [T, H, D]: the unweighted per-head RMSNorm, then rope (one launch on CUDA)."""

@@ -1,10 +1,11 @@
 """The lightning indexer's scores (model.md sections 2 and 5): for each query row r and each of its compressed
 entries m, sum over heads h of relu(q[r, h] . k[m]) * scale * w[r, h], -inf past the row's visible entries.
 
-q [R, H, d] (roped, fake-quantized; in the model dtype: the references widen it to fp32), w [R, H] fp32, the index-key cache [N, d] read through the rows' entry
-slots [R, M] (int64), n [R] visible entries per row -> scores [R, M] fp32. The picks are the top-k of these scores,
-so both paths compute in fp32; the sums over d and over h may add in another order (an fp32 ulp or so: a pick can
-change only where two scores are that close).
+q [R, H, d] (roped, fake-quantized; in the model dtype, which the references widen to fp32), w [R, H] fp32, the
+index-key cache [N, d] read through the rows' entry slots [R, M] (int64), n [R] visible entries per row -> scores
+[R, M] fp32. The picks are the top-k of these scores, so both paths compute in fp32 (the kernels multiply a bf16
+cache's keys on the tensor cores: exact products, fp32 sums, `dots_in_bf16`); the sums over d and over h may add in
+another order (an fp32 ulp or so: a pick can change only where two scores are that close).
 The torch reference gathers every row's keys into a temporary and runs ~10 kernels (gather, cast, batched matmul,
 relu, two multiplies, sum, and the visibility mask); the Triton kernel reads the keys in place through the slots,
 one program per (row, block of entries). That is the prefill path's (token rows, entry slots up to the step's
