@@ -360,11 +360,15 @@ if triton is not None:
     @triton.jit
     def _merge_lists(row, n_keys, acc, win, L: tl.constexpr):
         """acc[0:L) := the top L keys of row[0:n_keys), L-wide windows (each copied to `win` first, as _merge_top
-        reads its tile there) skipped when their best does not beat the kept worst."""
+        reads its tile there) skipped when their best does not beat the kept worst. The first window is sorted
+        alone (a merge with the empty list would sort twice the keys: the whole merge when n_keys <= L, as for
+        every row of a context up to L * ratio tokens)."""
         j = tl.arange(0, L)
-        tl.store(acc + j, tl.full([L], -1, tl.int64))
-        thr = tl.zeros([], tl.int64) - 1
-        for w0 in range(0, n_keys, L):
+        x = tl.load(row + j, mask=j < n_keys, other=-1)
+        tl.store(acc + j, tl.sort(x, descending=True))
+        tl.debug_barrier()  # the stores (by other threads) are visible
+        thr = tl.load(acc + (L - 1))
+        for w0 in range(L, n_keys, L):
             x = tl.load(row + w0 + j, mask=w0 + j < n_keys, other=-1)
             if tl.max(x, axis=0) > thr:
                 tl.store(win + j, x)
