@@ -11,6 +11,15 @@ One program per (route, block of BLOCK_N outputs); the route's x row is row 0 of
 bytes [E, N, K/2] (low nibble = even column) are read as dot_scaled's right operand [BLOCK_K/2, BLOCK_N] (packed
 along K) and the scales [E, N, K/32] as its [BLOCK_N, BLOCK_K/32] scale tile.
 
+Compiled here for sm_90 with Triton 3.9 (ASTSource with the divisibility a JIT launch specializes; the device has
+3.6): the weight loads become cp.async (LDGSTS) pipelined over the stages, the e2m1 -> bf16 upcast is a byte-permute
+lookup (PRMT) with the scale applied as HMUL2, and the product one HGMMA per 64 x 16 x 16; the loop issues ~6.3
+instructions a weight per thread at BLOCK_N 64, BLOCK_K 256 (807 for 128 weights), more than the landed gemv's ~4.7
+(benchmarks/results/2026-12-04-h200-decode-launches, ncu). Loading the bytes [BLOCK_N, BLOCK_K/2] and transposing, or
+swapping the operands (W as dot_scaled's left operand, x^T on the right), compiles to the same count. So for one row
+this is not expected to win on instructions; what it may still win at batch 32 is the grouped kernel's shared-memory
+round trip of each decoded tile. The timing decides.
+
 A grouped form (`grouped_dot_scaled`: up to BLOCK_M routes of one expert per program, the landed grouped kernel's
 row plan) is timed at batch-32 decode against `expert_grouped_q_triton`.
 
