@@ -25,6 +25,7 @@ from dsv4.bench.flops import (H200_BF16_DENSE_FLOPS, H200_FP8_DENSE_FLOPS, H200_
 from dsv4.bench.throughput import prefill_work
 from dsv4.cli import main
 from dsv4.models.config import CSA, HCA, ModelConfig, load_model_config, parse_config_dict
+from dsv4.models.layers.merged import V4_COMPRESSOR_CSA, V4_COMPRESSOR_HCA, merged_name
 from dsv4.models.presets import preset_config
 from dsv4.step import CachedRequestData, NewRequestData, SchedulerOutput
 
@@ -185,15 +186,22 @@ def test_flops_against_flop_counter(which: str, tiny_v4: str, tiny_v41: str) -> 
     v41 = cfg.v41
     if v41 is None:
         attn, ffn = r"model\.layers\.\d+\.self_attn", r"model\.layers\.\d+\.mlp"
-        # q_a_proj_kv_proj: the two merged into one module (dsv4.models.layers.merged)
+        # q_a_proj_kv_proj: the two merged into one module (dsv4.models.layers.merged); so are a compressor's kv /
+        # gate (HCA) or those with its indexer's kv / gate and head weights (CSA), whose head weights are dense
         dense = attn + r"\.(q_a_proj|q_b_proj|kv_proj|q_a_proj_kv_proj|o_b_proj|compressor\.indexer\.q_b_proj" \
                        r"|compressor\.indexer\.scorer\.weights_proj)"
-        comp = attn + r"\.compressor\.(kv_proj|gate_proj|indexer\.kv_proj|indexer\.gate_proj)"
+        merged_csa = merged_name(V4_COMPRESSOR_CSA)
+        comp = attn + rf"\.compressor\.(kv_proj|gate_proj|indexer\.kv_proj|indexer\.gate_proj" \
+                      rf"|{merged_name(V4_COMPRESSOR_HCA)}|{merged_csa})"
     else:
         attn, ffn = r"model\.layers\.\d+\.attn", r"model\.layers\.\d+\.ffn"
         dense = attn + r"\.(wq_a|wq_b|wkv|wq_a_wkv|wo_b|indexer\.wq_b|indexer\.weights_proj)"
         comp = attn + r"\.(compressor|indexer\.wk)"  # ratio 2: F.linear in the compressor; ratio 1: its wkv
     dense_m, comp_m = _measured(counts, dense), _measured(counts, comp)
+    if v41 is None and _measured(counts, attn + rf"\.compressor\.{merged_csa}"):
+        # the head weights' share of each merged CSA compressor product is dense work
+        heads = sum(cfg.layer_types[i] == CSA for i in range(L)) * 2 * R * D * cfg.index_n_heads
+        dense_m, comp_m = dense_m + heads, comp_m - heads
     attn_m, ffn_m = _measured(counts, attn), _measured(counts, ffn)
     layer_m = _measured(counts, r"model\.layers\.\d+")
     head_m = _measured(counts, r"model\.hc_head")
