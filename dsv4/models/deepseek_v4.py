@@ -67,7 +67,7 @@ class Compressor(nn.Module):
                 block_size: int, state_blocks: torch.Tensor) -> None:
         """Pool every window that closes in this step, write the entries, then roll the ring forward. kv_all /
         gate_all [T, coff*dim]: the step's rows through kv_proj / gate_proj, which the attention computes with its
-        siblings (`compressor_inputs`).
+        siblings (`project_inputs`).
 
         All requests and tokens at once, in a fixed number of ops (a loop over requests costs tens of ops per
         request and layer, ~15 us of host time apiece on a GPU): the closing windows are the tokens at positions p with

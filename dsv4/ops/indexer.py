@@ -39,9 +39,9 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when kernels are 
 def dots_in_bf16(keys: torch.Tensor) -> bool:
     """Whether the scoring kernels multiply on the tensor cores in bf16 (fp32 accumulation) instead of fp32 IEEE
     FMAs, which cost ~0.7 us an entry a program at 64 heads of 128 (benchmarks/decode_select_splits.py). Only for
-    a bf16 key cache: the cache takes the model's dtype, and a bf16 model's queries are bf16 values (widened to
-    fp32 by the caller; V4.1's are FP4-quantized besides), so the cast back is exact, every product is exact in
-    fp32 and only the order of the fp32 sums differs from the reference, as it already did. Never under the CPU
+    a bf16 key cache: the cache takes the model's dtype, and a bf16 model's queries are bf16 values (V4.1's
+    FP4-quantized besides; a caller may pass them widened to fp32), so their bf16 cast is exact, every product is
+    exact in fp32 and only the order of the fp32 sums differs from the reference, as it already did. Never under the CPU
     interpreter, which multiplies bf16 tiles as raw bits (its fp32 path computes the same numbers)."""
     return keys.dtype == torch.bfloat16 and not _INTERPRET
 

@@ -83,6 +83,7 @@ def _submodule(parent: nn.Module, path: str) -> nn.Module | None:
 
 
 def _drop(parent: nn.Module, path: str) -> None:
+    """Delete parent's submodule at the dotted `path` (from the module that holds it)."""
     owner, _, leaf = path.rpartition(".")
     delattr(parent.get_submodule(owner) if owner else parent, leaf)
 
