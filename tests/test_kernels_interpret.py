@@ -787,3 +787,29 @@ def test_compressor_decode_pool_kernel_matches_torch() -> None:
                 assert torch.equal(ref, got)
         print("ok")
     """)
+
+
+def test_fp32_linear_kernel_matches_torch() -> None:
+    """fp32 math on a stored bf16 / fp32 weight (V4.1's router and ratio-2 compressor): within the reordering of
+    fp32 sums of exact products of F.linear(x.float(), w.float()); one row, several, a strided x, N and K off the
+    tiles; bf16 values whose products and sums are exact on a coarse grid give bit-equal outputs."""
+    _interpret("""
+        import torch
+        from dsv4.ops.fp32_linear import fp32_linear_torch, fp32_linear_triton
+        g = torch.Generator().manual_seed(5)
+        for R, N, K, dtype in ((1, 16, 320, torch.bfloat16), (5, 37, 300, torch.bfloat16), (3, 24, 64, torch.float32)):
+            x = torch.randn(R, K, generator=g).to(dtype)
+            w = torch.randn(N, K, generator=g).to(dtype)
+            ref, got = fp32_linear_torch(x, w), fp32_linear_triton(x, w)
+            assert got.dtype == torch.float32 and got.shape == (R, N)
+            s = x.float().abs() @ w.float().abs().t()
+            assert ((got - ref).abs() <= K * 2.0 ** -23 * s).all(), (got - ref).abs().max()
+        w = torch.randn(10, 96, generator=g).to(torch.bfloat16)
+        for xs in (torch.randn(4, 2 * 96, generator=g).to(torch.bfloat16)[:, ::2],  # strided columns: copied
+                   torch.randn(4, 96 + 7, generator=g).to(torch.bfloat16)[:, :96]):  # rows read through their stride
+            assert ((fp32_linear_triton(xs, w) - fp32_linear_torch(xs, w)).abs() <= 1e-4).all()
+        grid = lambda t: ((t * 4).round() / 4).to(torch.bfloat16)  # quarters: every sum exact in fp32
+        x, w = grid(torch.randn(2, 512, generator=g)), grid(torch.randn(12, 512, generator=g))
+        assert torch.equal(fp32_linear_triton(x, w), fp32_linear_torch(x, w))
+        print("ok")
+    """)

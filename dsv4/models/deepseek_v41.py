@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv4.kv.spec import PAD_SLOT
@@ -30,6 +29,7 @@ from dsv4.models.verify_rows import pool_verify_rows
 from dsv4.models.vision import VisionEncoder
 from dsv4.ops.decode_attention import decode_sink_attention
 from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant
+from dsv4.ops.fp32_linear import fp32_linear
 from dsv4.ops.indexer import (candidate_blocks_of, candidate_pool, decode_select, indexer_scores, pick_sources,
                               pick_table_sources)
 from dsv4.ops.indexer_prefill import prefill_select, use_prefill_select
@@ -119,8 +119,7 @@ class Compressor(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Ratio > 1: raw (kv, gate) rows in fp32 (the pooling runs in fp32 from the projections on)."""
-        xf = x.float()
-        return F.linear(xf, self.wkv.weight.float()), F.linear(xf, self.wgate.weight.float())
+        return fp32_linear(x, self.wkv.weight), fp32_linear(x, self.wgate.weight)
 
     def pool(self, kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Windows [N, ratio, D] of fp32 rows -> latents [N, D]: softmax of the gates over each window (fp32),
@@ -484,7 +483,7 @@ class MoEV41(nn.Module):
         self.shared_experts.w3 = nn.Linear(D, I, bias=False)
 
     def route(self, x: torch.Tensor, is_image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.gate.weight.float())
+        logits = fp32_linear(x, self.gate.weight)  # fp32 math on the stored weight (no fp32 copy at decode sizes)
         return route(logits, self.gate.bias, self.gate.bias_vl, is_image, self.gate_temp, self.scoring_func,
                      self.top_k, self.routed_scaling_factor, self.gate_inv_temp)
 

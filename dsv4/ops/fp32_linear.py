@@ -1,0 +1,73 @@
+"""x @ W^T in fp32 from a weight stored in a narrower dtype: the math of `F.linear(x.float(), W.float())` without
+the fp32 copy of W that expression makes on every call.
+
+DeepSeek-V4.1 computes its router logits and its ratio-2 compressor's kv / gate rows in fp32 from bf16 weights
+(model.md 12). Written as above, a decode step converts each weight to fp32 (a kernel writing twice the weight's
+bytes), then runs cuBLAS's fp32 GEMV over the copy (two more kernels at one row: a dot and a reduce), and converts x:
+four launches and ~5x the weight's bytes, per layer. At decode sizes (up to DECODE_ROWS rows) the Triton path reads
+the stored weight once, widening each element in registers: every product is the reference's exact fp32 product,
+only the order of the fp32 sums differs (as between any two GEMM implementations). Larger inputs (prefill) keep the
+torch expression, where cuBLAS's GEMM amortizes the copy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs use the torch reference
+    triton = None
+
+DECODE_ROWS = 64  # up to this many rows the Triton path; it re-reads the weight per row (from L2 after the first)
+
+
+def fp32_linear_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Reference: x [..., K] (any float dtype), w [N, K] -> [..., N] fp32."""
+    return F.linear(x.float(), w.float())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fp32_linear_kernel(x_ptr, w_ptr, out_ptr, N, K, x_stride, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nm = n < N
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # lane-wise partial sums, reduced once at the end
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < K
+            xv = tl.load(x_ptr + r * x_stride + k, mask=km, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + n[:, None].to(tl.int64) * K + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)
+            acc += wv.to(tl.float32) * xv[None, :]
+        tl.store(out_ptr + r * N + n, tl.sum(acc, axis=1), mask=nm)
+
+
+def fp32_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The same in one launch: a program per (row, block of outputs), the weight read in its stored dtype."""
+    assert triton is not None, "triton is not installed"
+    N, K = w.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = w if w.is_contiguous() else w.contiguous()
+    R = x2.shape[0]
+    out = torch.empty(R, N, dtype=torch.float32, device=x.device)
+    if R and N:
+        # narrow outputs (a router's 16-384 experts) get narrow blocks, so the rows' programs spread over the SMs
+        block_n = 8 if N <= 1024 else 16
+        block_k = min(256, max(16, triton.next_power_of_2(K)))
+        _fp32_linear_kernel[(R, triton.cdiv(N, block_n))](x2, w, out, N, K, x2.stride(0), BLOCK_N=block_n,
+                                                          BLOCK_K=block_k, num_warps=4)
+    return out.view(*lead, N)
+
+
+def fp32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Triton on CUDA at decode sizes (up to DECODE_ROWS rows), torch elsewhere."""
+    if x.is_cuda and triton is not None and x.numel() <= DECODE_ROWS * x.shape[-1]:
+        return fp32_linear_triton(x, w)
+    return fp32_linear_torch(x, w)
