@@ -3,8 +3,8 @@ followed by the rope of its trailing channels, two kernels (three with the windo
 
 The result is bit-identical to the kernels it replaces, the RMSNorm kernel of dsv4/ops/rmsnorm.py then the rope
 kernel of dsv4/ops/rope.py: the statistic over the same [ROWS, BLOCK] tile with the same warps (so the same order of
-the fp32 sum) through the same jit helpers (`rms_factor`, `rms_apply`), the normed value rounded to the norm's output
-dtype, then `rope_rotate` on the rounded values; FMA contraction off, as in both launches. Its torch reference is
+the fp32 sum) through the same jit helpers (`rms_row_factors`, `rms_store_cols`, `rms_apply`), the normed value
+rounded to the norm's output dtype, then `rope_rotate` on the rounded values; FMA contraction off, as in both launches. Its torch reference is
 the composition of the two torch references, so on the CPU nothing changes.
 """
 
@@ -44,7 +44,7 @@ def rms_norm_rope_torch(x: torch.Tensor, weight: torch.Tensor | None, eps: float
 
 
 if triton is not None:
-    from dsv4.ops.rmsnorm import INTERPRET, cast_rne, rms_apply, rms_factor
+    from dsv4.ops.rmsnorm import INTERPRET, cast_rne, rms_apply, rms_row_factors, rms_store_cols
     from dsv4.ops.rope import rope_rotate
 
     @triton.jit
@@ -66,22 +66,9 @@ if triton is not None:
         dt = x_ptr.dtype.element_ty
         odt = out_ptr.dtype.element_ty  # the norm's output dtype (a cache written in place has that dtype)
         # the statistic as _rms_norm_kernel computes it (the same tile and loop: the same order of the sum)
-        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-        for c0 in range(0, D, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            m = rmask[:, None] & (cols < D)[None, :]
-            xf = tl.load(xrow + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            acc += xf * xf
-        r = rms_factor(tl.sum(acc, axis=1), D, inv_d, eps, INTERPRET)[:, None]
-        # channels without rope: the normed value
+        r = rms_row_factors(xrow, rmask, D, inv_d, eps, ROWS, BLOCK, INTERPRET)
         nope = D - 2 * HALF
-        for c0 in range(0, nope, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            cmask = cols < nope
-            m = rmask[:, None] & cmask[None, :]
-            xf = tl.load(xrow + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            y = rms_apply(xf, r, w_ptr, cols[None, :], cmask[None, :], MODE, dt, odt, INTERPRET)
-            tl.store(orow + cols[None, :], cast_rne(y, odt, INTERPRET), mask=m)
+        rms_store_cols(xrow, orow, rmask, r, w_ptr, nope, MODE, dt, odt, BLOCK, INTERPRET)  # channels without rope
         # rope channels as pairs (nope + 2i, nope + 2i + 1): normed and rounded to odt, then rotated
         i = tl.arange(0, BLOCK_H)
         im = i < HALF

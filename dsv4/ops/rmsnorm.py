@@ -80,6 +80,31 @@ if triton is not None:
             return cast_rne(xf * r, dt, INTERPRET).to(tl.float32) * w
 
     @triton.jit
+    def rms_row_factors(xrow, rmask, D, inv_d, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                        INTERPRET: tl.constexpr):
+        """rsqrt(mean(x^2) + eps) [ROWS, 1] of the rows at xrow ([ROWS, 1] pointers, D channels): the squares summed
+        over [ROWS, BLOCK] tiles in column order, the order every launch that norms rows shares (`norm_tile`)."""
+        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
+        for c0 in range(0, D, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            m = rmask[:, None] & (cols < D)[None, :]
+            xf = tl.load(xrow + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            acc += xf * xf  # the launch disables FMA fusion: x^2 is rounded before the add, as in torch
+        return rms_factor(tl.sum(acc, axis=1), D, inv_d, eps, INTERPRET)[:, None]
+
+    @triton.jit
+    def rms_store_cols(xrow, orow, rmask, r, w_ptr, N, MODE: tl.constexpr, dt: tl.constexpr, odt: tl.constexpr,
+                       BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+        """Channels [0, N) of the rows at xrow normed with their factors r, rounded to odt, stored at orow."""
+        for c0 in range(0, N, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            cmask = cols < N
+            m = rmask[:, None] & cmask[None, :]
+            xf = tl.load(xrow + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            y = rms_apply(xf, r, w_ptr, cols[None, :], cmask[None, :], MODE, dt, odt, INTERPRET)
+            tl.store(orow + cols[None, :], cast_rne(y, odt, INTERPRET), mask=m)
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_rows, x_stride, eps, inv_d, D: tl.constexpr, MODE: tl.constexpr,
                          ROWS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
         # torch.compile hands float arguments to user kernels as fp64: keep the math (and loop-carried values) fp32
@@ -92,20 +117,8 @@ if triton is not None:
         orow = out_ptr + rows.to(tl.int64)[:, None] * D
         dt = x_ptr.dtype.element_ty
         odt = out_ptr.dtype.element_ty
-        acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
-        for c0 in range(0, D, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            m = rmask[:, None] & (cols < D)[None, :]
-            xf = tl.load(xrow + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            acc += xf * xf  # the launch disables FMA fusion: x^2 is rounded before the add, as in torch
-        r = rms_factor(tl.sum(acc, axis=1), D, inv_d, eps, INTERPRET)[:, None]
-        for c0 in range(0, D, BLOCK):
-            cols = c0 + tl.arange(0, BLOCK)
-            cmask = cols < D
-            m = rmask[:, None] & cmask[None, :]
-            xf = tl.load(xrow + cols[None, :], mask=m, other=0.0).to(tl.float32)
-            y = rms_apply(xf, r, w_ptr, cols[None, :], cmask[None, :], MODE, dt, odt, INTERPRET)
-            tl.store(orow + cols[None, :], cast_rne(y, odt, INTERPRET), mask=m)
+        r = rms_row_factors(xrow, rmask, D, inv_d, eps, ROWS, BLOCK, INTERPRET)
+        rms_store_cols(xrow, orow, rmask, r, w_ptr, D, MODE, dt, odt, BLOCK, INTERPRET)
 
 
 def norm_tile(D: int) -> tuple[int, int, int]:
