@@ -2,7 +2,7 @@
 # Speculative decoding's speed on one H200 (issue 21's acceptance). From the repo root, PYTHONPATH=.:
 #   benchmarks/run_spec_decode.sh OUTDIR PART [PART ...]
 #   tests   tests/gpu/test_spec_decode_gpu.py (tiny V4.1 / V4, fp32: greedy outputs with a random, an oracle and an
-#           MTP drafter equal plain decoding's)
+#           MTP drafter equal plain decoding's), and the verify-rows, drafter-graph and pipelined-step GPU tests
 #   bench   V4.1-Flash-8l (random bf16 weights) WITH its DSpark drafter (make_model(..., drafter=True): the released
 #           drafter's fields, 3 stages of 128 experts, k = block 5), written to /tmp/v41-flash-8l-dspark (not
 #           device_lib's /tmp/v41-flash-8l, which has no drafter); then benchmarks/spec_decode_speed.py at batch
@@ -12,6 +12,7 @@
 #           writes a smaller drafter instead, to /tmp/v41-flash-8l-dspark-e$DRAFTER_EXPERTS.
 #   VERIFY_DECODE=1 (bench, demo): the speculative engine runs uniform verify steps as decode rows with CUDA graphs
 #   DRAFTER_GRAPHS=1 (bench, demo): the speculative engine replays the DSpark drafter's proposals as CUDA graphs
+#   PIPELINED=1 (bench, demo; with VERIFY_DECODE=1): the speculative engine with async scheduling (pipelined steps)
 #   PHASE_PROFILE=1 (bench, demo): one more run per speculative row, every step's phases synced and timed (phases_ms)
 #   BENCH_LIMIT: seconds for spec_decode_speed.py in the bench part (default 280; up to ~480 when it runs alone)
 #   demo    the built-in trained model with its trained drafter on held-out code (--prompts held-out-code): the
@@ -37,7 +38,7 @@ p=v41-flash-8l
 
 part_tests() {
   gpu_pytest 200 gpu_tests_spec.log tests/gpu/test_spec_decode_gpu.py tests/gpu/test_spec_verify_decode_gpu.py \
-    tests/gpu/test_dspark_graphs_gpu.py
+    tests/gpu/test_dspark_graphs_gpu.py tests/gpu/test_spec_pipelined_gpu.py
 }
 
 # make_drafter_preset DIR: v41-flash-8l with its DSpark drafter (drawn on the GPU) at DIR, unless it is there;
@@ -74,7 +75,7 @@ part_bench() {
   local t0=$SECONDS log=$out/spec_decode_speed.log
   timeout "${BENCH_LIMIT:-280}" python3 benchmarks/spec_decode_speed.py --model "$dir" --batch-sizes "${BATCHES:-1,2,4,8,16,32}" \
     --input-len 512 --output-len "${OUTPUT_LEN:-128}" ${VERIFY_DECODE:+--verify-decode} \
-    ${DRAFTER_GRAPHS:+--drafter-cuda-graphs} ${PHASE_PROFILE:+--phase-profile} \
+    ${DRAFTER_GRAPHS:+--drafter-cuda-graphs} ${PIPELINED:+--pipelined} ${PHASE_PROFILE:+--phase-profile} \
     --output-json "$out/spec_decode_speed.json" > "$log" 2>&1
   local rc=$?
   echo "spec_decode_speed (rc $rc): $((SECONDS - t0)) s"
@@ -90,7 +91,7 @@ part_demo() {
   timeout 200 python3 benchmarks/spec_decode_speed.py --model dsv4/assets/dsv4-demo --prompts held-out-code \
     --modes plain,oracle,drafter --batch-sizes "${BATCHES:-1,2,4,8,16,32}" --input-len 256 \
     --output-len "${OUTPUT_LEN:-128}" ${VERIFY_DECODE:+--verify-decode} ${DRAFTER_GRAPHS:+--drafter-cuda-graphs} \
-    ${PHASE_PROFILE:+--phase-profile} --output-json "$out/spec_decode_demo.json" \
+    ${PIPELINED:+--pipelined} ${PHASE_PROFILE:+--phase-profile} --output-json "$out/spec_decode_demo.json" \
     > "$log" 2>&1
   echo "spec_decode_speed demo (rc $?): $((SECONDS - t0)) s"
   sed -n '/^spec_decode_speed: /,$p' "$log"

@@ -186,7 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the plain engine's decode graph sizes (default: the batch sizes)")
     p.add_argument("--enforce-eager", action="store_true", help="the plain engine without CUDA graphs")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="the plain engine's scheduling (default: the engine's, async on CUDA); speculation is sync")
+                   help="the plain engine's scheduling (default: the engine's, async on CUDA); speculation is sync "
+                        "unless --pipelined")
+    p.add_argument("--pipelined", action="store_true",
+                   help="the speculative engine with async scheduling: steady verify steps pipelined "
+                        "(dsv4/spec_decode/pipelined.py; needs --verify-decode)")
     p.add_argument("--enable-prefix-caching", action="store_true", help="default off (see the module doc)")
     p.add_argument("--seed", type=int, default=0, help="prompt and engine seed (default 0)")
     p.add_argument("--output-json", metavar="FILE", help="write every number as JSON")
@@ -214,6 +218,8 @@ def _engine(args: argparse.Namespace, device: str, dtype: str, spec: dict[str, A
             kw["async_scheduling"] = args.async_scheduling
     else:
         kw["speculative_config"] = spec
+        if args.pipelined:
+            kw["async_scheduling"] = True
     t0 = time.perf_counter()
     engine = LLMEngine.from_args(args.model, **kw)
     info = {**kw, "async_scheduling": engine.config.scheduler.async_scheduling,
@@ -436,6 +442,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
     spec_cfg = {"method": drafter.method, "num_speculative_tokens": k, "disable_by_batch_size": top + 1}
     if args.verify_decode:
         spec_cfg["verify_decode"] = True
+    if args.pipelined and not args.verify_decode:
+        raise ValueError("--pipelined needs --verify-decode (async scheduling pipelines the multi-row verify steps)")
     if args.drafter_cuda_graphs:
         spec_cfg["drafter_cuda_graphs"] = True
 

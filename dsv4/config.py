@@ -62,6 +62,12 @@ class SchedulerConfig:
     # config's verify_decode, whose multi-row decode needs every request of a step at k + 1 tokens: a request cut
     # short would send its whole batch to the eager verify path on its last steps. max_model_len still cuts drafts.
     drafts_past_max_tokens: bool = False
+    # Speculation under async scheduling (dsv4/spec_decode/pipelined.py): q = k + 1 > 0 when steady verify steps are
+    # pipelined, q tokens a request each, scheduled before the previous step's acceptance reaches the host. Set by
+    # the engine from the speculative config; 0 otherwise. The one-placeholder-a-step rule of plain async
+    # scheduling does not apply to speculative steps (a step emits 1 to q tokens): pipelined steps hold q
+    # placeholders a request, all other speculative steps run after every pipelined one has landed, exact.
+    spec_pipeline_tokens: int = 0
 
     # the fields above as engine arguments (LLM, LLMEngine.from_args), and their command-line flags
     MIXED_LOAD_ARGS: ClassVar[tuple[str, ...]] = ("long_prefill_token_threshold", "max_num_partial_prefills",
@@ -188,8 +194,15 @@ class EngineConfig:
                 raise ConfigError(f"device {self.device!r}: this torch ({torch.__version__}) "
                                   f"{'sees no GPU' if torch.version.cuda else 'is a CPU-only build'}; use "
                                   f"--device cpu, or install a CUDA build of torch")
-        if self.speculative is not None and self.scheduler.async_scheduling:
-            raise ConfigError("speculative decoding runs with sync scheduling: async_scheduling must be off")
+        if self.speculative is not None and self.scheduler.async_scheduling and not self.speculative.verify_decode:
+            raise ConfigError("async scheduling with speculative decoding pipelines the multi-row verify steps: it "
+                              "needs the speculative config's \"verify_decode\": true (DSpark); otherwise "
+                              "async_scheduling must be off")
+        if (self.scheduler.spec_pipeline_tokens
+                and (self.speculative is None or not self.scheduler.async_scheduling
+                     or self.scheduler.spec_pipeline_tokens != self.speculative.num_speculative_tokens + 1)):
+            raise ConfigError("scheduler.spec_pipeline_tokens is k + 1 of a speculative config under async "
+                              "scheduling, else 0")
         if self.load_format not in LOAD_FORMATS:
             raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.engram_placement not in ENGRAM_PLACEMENTS:

@@ -52,6 +52,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     # Requests the runner must forget before this step (finished, aborted or preempted since the last step).
     finished_req_ids: set[str] = field(default_factory=set)
+    # A pipelined speculative step (Scheduler.schedule_pipelined, dsv4/spec_decode/pipelined.py): every request
+    # verifies q tokens from where the device has it, which the host learns only when the step lands.
+    pipelined: bool = False
 
 
 @dataclass

@@ -222,13 +222,15 @@ class LLMEngine:
         """Build an engine from a checkpoint directory and the usual knobs (async_scheduling None: on for CUDA;
         quantization None / "auto": the checkpoint's format, "none": dequantize FP8 / FP4 weights at load;
         speculative_config: vLLM's `{"method": "dspark", "num_speculative_tokens": k}`, a dict or its JSON, which
-        turns async scheduling off unless it was asked for, an error). quantization "fp8" of a float checkpoint
+        turns async scheduling off unless it was asked for: with `"verify_decode": true` async scheduling pipelines
+        the steady verify steps, dsv4/spec_decode/pipelined.py; without it, an error). quantization "fp8" of a float checkpoint
         loads its released-format copy (made once, cached: dsv4/quant/online.py)."""
         model, quantization = online_quantized_dir(model, quantization)
         mc = load_model_config(model)
         spec = parse_speculative_config(speculative_config, drafter_spec(_raw_config(model)))
         if spec is not None and async_scheduling is None:
-            async_scheduling = False
+            async_scheduling = False  # pipelined speculation (async) is opt-in until measured on a GPU
+        pipelined = spec is not None and bool(async_scheduling)
         quant = load_quant_config(model, quantization)
         max_model_len = max_model_len or min(mc.max_position_embeddings, 4096)
         batched = max_num_batched_tokens or max(2048, max_model_len)
@@ -241,7 +243,8 @@ class LLMEngine:
                                       long_prefill_token_threshold=long_prefill_token_threshold,
                                       max_num_partial_prefills=max_num_partial_prefills,
                                       max_long_partial_prefills=max_long_partial_prefills,
-                                      drafts_past_max_tokens=spec is not None and spec.verify_decode),
+                                      drafts_past_max_tokens=spec is not None and spec.verify_decode,
+                                      spec_pipeline_tokens=spec.num_speculative_tokens + 1 if pipelined else 0),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
                               enable_prefix_caching=enable_prefix_caching, swa_bounded_replay=swa_bounded_replay),
             dtype=dtype, device=device, seed=seed, enforce_eager=enforce_eager,
@@ -397,13 +400,24 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return the outputs of requests that progressed or finished. With async
         scheduling the step is launched first and the outputs are those of the step before it."""
-        so = self.scheduler.schedule()
+        touched: set[str] = set()
+        pipelined = False
+        if self.config.scheduler.spec_pipeline_tokens:
+            # speculation under async scheduling: only steady verify steps are pipelined; any other step first
+            # lands the one in flight (dsv4/spec_decode/pipelined.py)
+            speculator = self.runner.speculator
+            assert speculator is not None
+            pipelined = self.scheduler.can_pipeline() and speculator.can_pipeline()
+            if not pipelined and self._in_flight is not None:
+                landed, self._in_flight = self._in_flight, None
+                touched = self._apply_output(landed[0], landed[1].result())
+        so = self.scheduler.schedule_pipelined() if pipelined else self.scheduler.schedule()
         work = bool(so.num_scheduled_tokens or so.finished_req_ids)
         if work and self._channel is not None:
             assert self.parallel.rank == 0, "under follow_rank0 only rank 0 steps; the others call follow()"
             self._channel.send(so)  # the other ranks execute the same step (their collectives meet ours)
-        if not self.config.scheduler.async_scheduling:
-            return self._outputs(self._apply_output(so, self.runner.execute(so)) if work else set())
+        if not self.config.scheduler.async_scheduling or (self.config.scheduler.spec_pipeline_tokens and not pipelined):
+            return self._outputs(touched | (self._apply_output(so, self.runner.execute(so)) if work else set()))
         pending = self.runner.execute_async(so) if work else None
         landed, self._in_flight = self._in_flight, (so, pending) if pending is not None else None
         return self._outputs(self._apply_output(landed[0], landed[1].result()) if landed else set())

@@ -47,6 +47,17 @@ request whose placeholders already reach max_tokens or the length limit is not s
 they land); one that stops on a token computes one more token, which is discarded with the request. A preempted
 request is re-admitted only once its placeholders have landed, so its new row starts from the known tokens.
 
+Pipelined speculation (`SchedulerConfig.spec_pipeline_tokens` q = k + 1 > 0: async scheduling with speculative
+decoding, dsv4/spec_decode/pipelined.py). While the batch is steady (`can_pipeline`: nobody waits, nobody is
+mid-prefill, every running request verifies q tokens next and has room for two more such steps), the engine
+schedules with `schedule_pipelined` before the previous step's acceptance is known: q tokens a request, counted as
+computed, and q placeholders a request (at most q tokens a step can emit) that its landing takes back. The runner
+computes each request's real positions on the device. When the step lands, its rejected tokens are subtracted as
+usual; so num_computed_tokens runs q tokens a step in flight ahead of the device, which is never behind it: blocks
+allocated for the counted positions cover the real ones. Units are cached at a landing, up to what the device has
+computed by then (a rewind never goes below its step's start). Every other step runs after all pipelined steps have
+landed (the engine drains), with exact counts and no placeholders: the plain async rule is off under speculation.
+
 Prefix caching with replay (runtime.md 2.2; `KVCacheManager.prefix`). A request admitted (first time or after a
 preemption) looks up its longest cached prefix, H tokens; it then starts computing at `replay_start = H -
 min(replay, H)`, with `replay` the KV manager's replay length (the sliding window W under bounded replay): the
@@ -290,6 +301,8 @@ class Scheduler:
             budget -= n
 
         finished, self._finished_ids = self._finished_ids, set()
+        assert not (self.config.spec_pipeline_tokens and any(r.num_output_placeholders for r in self.running)), \
+            "a speculative step scheduled while a pipelined one is in flight"
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached,
@@ -297,6 +310,47 @@ class Scheduler:
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
             finished_req_ids=finished,
         )
+
+    # ---- pipelined speculation -------------------------------------------------------------------------------
+
+    def can_pipeline(self) -> bool:
+        """Whether the next step may be a pipelined speculative one (module docstring): something runs, nobody waits
+        or is mid-prefill, and every running request verifies q tokens next (its drafts land with it, or a pipelined
+        step is in flight for it), has room for two more steps of q within max_len (the device's positions may be
+        up to one step ahead of the counted ones: it never writes a token past max_len) and its blocks for q more
+        tokens are free without preempting anyone."""
+        q = self.config.spec_pipeline_tokens
+        if not q or not self.running or self._num_waiting or self._prefilling:
+            return False
+        for req in self.running:
+            if not req.num_output_placeholders and req.num_tokens - req.num_computed_tokens + req.num_draft_tokens != q:
+                return False
+            if req.num_tokens + req.num_output_placeholders + 2 * q + 1 > self.max_len:
+                return False
+        return self.kv_manager.can_grow({r.req_id: r.num_computed_tokens + q for r in self.running})
+
+    def schedule_pipelined(self) -> SchedulerOutput:
+        """A pipelined speculative step (after `can_pipeline`): q tokens for every running request, its blocks
+        allocated, q placeholders added; no admission, no preemption, no prefix caching (that waits for the landing)."""
+        q = self.config.spec_pipeline_tokens
+        cached = CachedRequestData()
+        num_scheduled: dict[str, int] = {}
+        for req in self.running:
+            # the device may be up to the in-flight steps' q behind the counted positions: window blocks are freed
+            # only behind what it has surely computed (num_computed_tokens - placeholders)
+            new_blocks = self.kv_manager.allocate_slots(req.req_id, req.num_computed_tokens + q,
+                                                        req.num_computed_tokens - req.num_output_placeholders)
+            assert new_blocks is not None, "can_pipeline promised the blocks"
+            cached.req_ids.append(req.req_id)
+            cached.new_block_ids.append(new_blocks if any(new_blocks) else None)
+            cached.num_computed_tokens.append(req.num_computed_tokens)
+            num_scheduled[req.req_id] = q
+            req.num_computed_tokens += q
+            req.num_output_placeholders += q
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens=num_scheduled,
+                               total_num_scheduled_tokens=q * len(num_scheduled), finished_req_ids=finished,
+                               pipelined=True)
 
     @property
     def num_partial_prefills(self) -> int:
@@ -312,6 +366,7 @@ class Scheduler:
         """Append sampled tokens, apply token-level stops and length limits; returns the requests that changed."""
         changed = []
         spec = runner_output.num_uncomputed_tokens is not None
+        pipelined = scheduler_output.pipelined
         for i, (req_id, tokens) in enumerate(zip(runner_output.req_ids, runner_output.sampled_token_ids)):
             req = self.requests.get(req_id)
             if req is not None and spec:
@@ -320,10 +375,16 @@ class Scheduler:
                 assert runner_output.num_draft_tokens is not None
                 req.num_computed_tokens -= runner_output.num_uncomputed_tokens[i]
                 req.num_draft_tokens = runner_output.num_draft_tokens[i]
+                if pipelined:  # the step's placeholders go; what the device has computed is final: cache it
+                    req.num_output_placeholders -= scheduler_output.num_scheduled_tokens[req_id]
+                    assert req.num_output_placeholders >= 0, f"{req_id}: a pipelined step landed twice"
+                    self._cache_blocks(req, req.num_computed_tokens - req.num_output_placeholders)
             if not tokens or req is None:  # a partial prefill, or aborted after it was scheduled
                 continue
             assert req_id in scheduler_output.num_scheduled_tokens, f"{req_id} sampled but was not scheduled"
-            if self.config.async_scheduling:
+            if pipelined:
+                pass
+            elif self.config.async_scheduling and not self.config.spec_pipeline_tokens:
                 # later steps may already be scheduled past these tokens (or the request preempted since)
                 req.num_output_placeholders -= len(tokens)
                 assert req.num_output_placeholders >= 0, f"{req_id}: more tokens than placeholders"
@@ -421,20 +482,24 @@ class Scheduler:
         if req.req_id in self._prefilling and req.num_computed_tokens >= req.num_tokens:
             del self._prefilling[req.req_id]
 
-    def _cache_blocks(self, req: Request) -> None:
+    def _cache_blocks(self, req: Request, computed: int | None = None) -> None:
         # the units this step fills become hits for later requests: their KV is written by this step, which runs
         # before any step that reads it (a request admitted in this same step reads them after this step's
-        # writes too: every layer writes its step's KV before it attends)
+        # writes too: every layer writes its step's KV before it attends). `computed`: the tokens computed for
+        # certain, when num_computed_tokens counts pipelined steps still in flight
         kv = self.kv_manager
         if kv.prefix is None:
             return
-        n = min(req.num_computed_tokens, req.num_tokens)  # placeholders' values are unknown: not hashable
+        computed = req.num_computed_tokens if computed is None else computed
+        n = min(computed, req.num_tokens)  # placeholders' values are unknown: not hashable
         if n // kv.prefix.unit_tokens > kv.num_cached_units(req.req_id):
             kv.cache_blocks(req.req_id, req.prefix_keys, req.all_token_ids, req.images, n)
 
     def _add_placeholder(self, req: Request) -> None:
-        # async: a chunk that reaches the request's last planned token makes the runner sample one more
-        if self.config.async_scheduling and req.num_computed_tokens == self._num_planned(req):
+        # async: a chunk that reaches the request's last planned token makes the runner sample one more (not under
+        # speculation: its non-pipelined steps run with nothing in flight)
+        if (self.config.async_scheduling and not self.config.spec_pipeline_tokens
+                and req.num_computed_tokens == self._num_planned(req)):
             req.num_output_placeholders += 1
 
     def _num_drafts_to_verify(self, req: Request, room: int) -> int:

@@ -85,6 +85,16 @@ class KVCacheManager:
         self._quiet[req_id] = self._quiet_until(req_id, held)
         return new  # type: ignore[return-value]
 
+    def can_grow(self, targets: dict[str, int]) -> bool:
+        """Whether every request of `targets` could grow to hold its number of computed tokens at once, from the
+        free blocks alone (window blocks allocate_slots would free first are not counted: a conservative answer)."""
+        need = [0] * len(self.groups)
+        for req_id, num_tokens in targets.items():
+            held = self._blocks.get(req_id)
+            for gi, g in enumerate(self.groups):
+                need[gi] += max(g.num_blocks_for(num_tokens) - (len(held[gi]) if held is not None else 0), 0)
+        return all(n <= pool.num_free for n, pool in zip(need, self.pools))
+
     def _quiet_until(self, req_id: str, held: tuple[list[int], ...]) -> tuple[int, int]:
         """(grow_at, free_at) of a request holding `held`: the fewest tokens at which some group needs one more
         block (num_blocks_for(t) > len(blocks)), and the fewest computed tokens at which some window group has a

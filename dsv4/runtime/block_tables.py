@@ -35,8 +35,11 @@ class BlockTables:
             if not ids:
                 continue
             n = int(self.num_blocks[g.name][row])
-            self.tables[g.name][row, n : n + len(ids)] = torch.tensor(ids, dtype=torch.int32).to(
-                self.tables[g.name].device)
+            t = self.tables[g.name]
+            new = torch.tensor(ids, dtype=torch.int32)
+            if t.is_cuda:  # from pinned memory the copy does not wait for the stream (async scheduling)
+                new = new.pin_memory()
+            t[row, n : n + len(ids)] = new.to(t.device, non_blocking=True)
             self.num_blocks[g.name][row] = n + len(ids)
 
     def gather(self, idx_mapping: torch.Tensor) -> dict[str, torch.Tensor]:

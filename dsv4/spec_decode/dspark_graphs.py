@@ -31,7 +31,7 @@ from torch import nn
 
 from dsv4.runtime.cudagraphs import CudaGraphManager
 from dsv4.spec_decode.dspark import DSparkDrafter
-from dsv4.spec_decode.proposer import DSparkProposer, TapBuffer
+from dsv4.spec_decode.proposer import DSparkProposer, TapBuffer, as_device
 
 
 class GraphedDSparkProposer(DSparkProposer):
@@ -50,7 +50,8 @@ class GraphedDSparkProposer(DSparkProposer):
         self.num_graph_replays = 0
         self.num_eager_proposals = 0
 
-    def propose(self, req_ids: Sequence[str], rows: np.ndarray, last_positions: np.ndarray, anchors: torch.Tensor,
+    def propose(self, req_ids: Sequence[str], rows: np.ndarray | torch.Tensor,
+                last_positions: np.ndarray | torch.Tensor, anchors: torch.Tensor,
                 taps: TapBuffer | None) -> torch.Tensor:
         S = len(rows)
         P = self.graphs.padded_size(S)
@@ -61,11 +62,12 @@ class GraphedDSparkProposer(DSparkProposer):
         self.num_graph_replays += 1
         return self.graphs.replay(P)[:S]  # the speculator copies the drafts out before the next replay
 
-    def _fill(self, rows: np.ndarray, last_positions: np.ndarray, anchors: torch.Tensor, S: int, P: int) -> None:
+    def _fill(self, rows: np.ndarray | torch.Tensor, last_positions: np.ndarray | torch.Tensor, anchors: torch.Tensor,
+              S: int, P: int) -> None:
         """The persistent inputs of a proposal of S requests padded to P (padding: state row 0, position 0)."""
         dev = self.rows.device
-        self.rows[:S].copy_(torch.from_numpy(rows).to(dev))
-        self.last[:S].copy_(torch.from_numpy(last_positions).to(dev))
+        self.rows[:S].copy_(as_device(rows, dev))
+        self.last[:S].copy_(as_device(last_positions, dev))
         self.anchors[:S].copy_(anchors)
         self.rows[S:P].zero_()
         self.last[S:P].zero_()
@@ -74,10 +76,8 @@ class GraphedDSparkProposer(DSparkProposer):
     def _run(self, size: int) -> torch.Tensor:
         """The proposal of the first `size` buffer rows, drafts [size, K]: the window of each row gathered from the
         tap ring (`TapBuffer.gather` on the device: positions last - W + 1 .. last, slot = position % capacity)."""
-        t = self.taps
         last = self.last[:size]
-        pos = last[:, None] - t.window + 1 + torch.arange(t.window, device=last.device)
-        ctx = t.values[self.rows[:size, None], torch.remainder(pos, t.capacity)]
+        ctx = self.taps.gather(self.rows[:size], last)
         return self.drafter.propose(ctx, last, self.anchors[:size], self.embed, self.lm_head, fixed=True).tokens
 
     def capture(self) -> None:

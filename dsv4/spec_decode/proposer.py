@@ -47,12 +47,26 @@ class TapBuffer:
         slots = torch.from_numpy(positions[keep] % self.capacity).to(dev)
         self.values[rows, slots] = taps[torch.from_numpy(keep).to(dev)].to(self.values.dtype)
 
-    def gather(self, rows: np.ndarray, last_positions: np.ndarray) -> torch.Tensor:
+    def write_chunks(self, taps: torch.Tensor, rows: torch.Tensor, first: torch.Tensor, q: int) -> None:
+        """taps [R * q, width] of a step in which state row rows[i] computed positions first[i] .. + q - 1 (request
+        by request; device tensors, no host sync: pipelined speculation). q <= capacity, so no slot is written twice."""
+        pos = first[:, None] + torch.arange(q, device=first.device)
+        self.values[rows[:, None].expand(-1, q), torch.remainder(pos, self.capacity)] = (
+            taps.view(len(rows), q, -1).to(self.values.dtype))
+
+    def gather(self, rows: np.ndarray | torch.Tensor, last_positions: np.ndarray | torch.Tensor) -> torch.Tensor:
         """[S, window, width]: the taps of positions last - window + 1 .. last of each row (slots of negative
-        positions hold stale values; the drafter masks them)."""
-        pos = last_positions[:, None] - self.window + 1 + np.arange(self.window)
-        slots = torch.from_numpy(pos % self.capacity).to(self.values.device)
-        return self.values[torch.from_numpy(rows).to(self.values.device)[:, None], slots]
+        positions hold stale values; the drafter masks them). Host arrays or device tensors (no host sync)."""
+        dev = self.values.device
+        last = as_device(last_positions, dev)
+        pos = last[:, None] - self.window + 1 + torch.arange(self.window, device=dev)
+        return self.values[as_device(rows, dev)[:, None], torch.remainder(pos, self.capacity)]
+
+
+def as_device(x: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An int array of positions or rows as a device tensor: host arrays are copied, device tensors (pipelined
+    speculation computes positions on the device) are used as they are."""
+    return x if isinstance(x, torch.Tensor) else torch.from_numpy(x).to(device)
 
 
 class Proposer(Protocol):
@@ -63,10 +77,13 @@ class Proposer(Protocol):
     tap_layer_ids: tuple[int, ...]
     tap_width: int
 
-    def propose(self, req_ids: Sequence[str], rows: np.ndarray, last_positions: np.ndarray, anchors: torch.Tensor,
+    def propose(self, req_ids: Sequence[str], rows: np.ndarray | torch.Tensor,
+                last_positions: np.ndarray | torch.Tensor, anchors: torch.Tensor,
                 taps: TapBuffer | None) -> torch.Tensor:
-        """Drafts [S, block_size] (int64, on the device) for the tokens after each anchor: request i has committed
-        positions 0 .. last_positions[i] and its newest token `anchors[i]` at last_positions[i] + 1."""
+        """Drafts [S, block_size] (int64, on the device) for the tokens after each anchor: request i (state row
+        rows[i]) has committed positions 0 .. last_positions[i] and its newest token `anchors[i]` at
+        last_positions[i] + 1. Rows and positions come as host arrays, or as device tensors under pipelined
+        speculation (dsv4/spec_decode/pipelined.py), where a proposer must not read them on the host."""
         ...
 
 
@@ -80,11 +97,12 @@ class DSparkProposer:
         self.tap_layer_ids = drafter.dspark.target_layer_ids
         self.tap_width = drafter.cfg.hidden_size * len(self.tap_layer_ids)  # hc-means, concatenated
 
-    def propose(self, req_ids: Sequence[str], rows: np.ndarray, last_positions: np.ndarray, anchors: torch.Tensor,
+    def propose(self, req_ids: Sequence[str], rows: np.ndarray | torch.Tensor,
+                last_positions: np.ndarray | torch.Tensor, anchors: torch.Tensor,
                 taps: TapBuffer | None) -> torch.Tensor:
         assert taps is not None
-        last = torch.from_numpy(last_positions).to(anchors.device)
-        ctx = taps.gather(rows, last_positions)
+        last = as_device(last_positions, anchors.device)
+        ctx = taps.gather(rows, last)
         return self.drafter.propose(ctx, last, anchors, self.embed, self.lm_head).tokens
 
 
@@ -119,17 +137,36 @@ class MTPProposer:
 
 class OracleProposer:
     """Test hook: request `req_id` drafts the tokens that follow its anchor in `sequences[req_id]` (prompt and the
-    expected output), i.e. the positions last + 2 ..; `fill` past the end of a sequence or for unknown ids."""
+    expected output), i.e. the positions last + 2 ..; `fill` past the end of a sequence or for unknown ids. With
+    device positions (pipelined speculation) it reads the sequences from a device table, with no host sync."""
 
     tap_layer_ids: tuple[int, ...] = ()
     tap_width = 0
 
     def __init__(self, sequences: Mapping[str, Sequence[int]], block_size: int, fill: int = 0) -> None:
         self.sequences, self.block_size, self.fill = sequences, block_size, fill
+        self._table: torch.Tensor | None = None  # [ids + 1, longest + block_size]: each sequence, then fill
+        self._index: dict[str, int] = {}
 
-    def propose(self, req_ids: Sequence[str], rows: np.ndarray, last_positions: np.ndarray, anchors: torch.Tensor,
+    def _device_table(self, device: torch.device) -> torch.Tensor:
+        if self._table is None or self._table.device != device:
+            width = max((len(s) for s in self.sequences.values()), default=0) + self.block_size + 2
+            table = np.full((len(self.sequences) + 1, width), self.fill, dtype=np.int64)  # last row: unknown ids
+            for i, (req_id, seq) in enumerate(self.sequences.items()):
+                table[i, : len(seq)] = list(seq)
+                self._index[req_id] = i
+            self._table = torch.from_numpy(table).to(device)
+        return self._table
+
+    def propose(self, req_ids: Sequence[str], rows: np.ndarray | torch.Tensor,
+                last_positions: np.ndarray | torch.Tensor, anchors: torch.Tensor,
                 taps: TapBuffer | None) -> torch.Tensor:
         K = self.block_size
+        if isinstance(last_positions, torch.Tensor):
+            table = self._device_table(anchors.device)
+            idx = [self._index.get(r, table.shape[0] - 1) for r in req_ids]
+            cols = (last_positions[:, None] + 2 + torch.arange(K, device=anchors.device)).clamp(max=table.shape[1] - 1)
+            return table[torch.tensor(idx, device=anchors.device)[:, None], cols]
         out = np.full((len(req_ids), K), self.fill, dtype=np.int64)
         for i, (req_id, last) in enumerate(zip(req_ids, last_positions.tolist())):
             seq = self.sequences.get(req_id, ())

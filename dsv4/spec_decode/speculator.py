@@ -37,6 +37,8 @@ drafts included; each kind is position-addressed or recomputed:
   dropped like those past a stop, and the acceptance counters leave those drafts out).
 
 This step is eager (the token-row forward, no CUDA graph), sync (no async scheduling), and drafts are greedy.
+Under async scheduling with `verify_decode`, steady steps are pipelined instead (pipelined.py: the same step with
+its counts and acceptance on the device); this path then runs only after all of them have landed.
 With `verify_decode` on (V4.1), a step in which every request verifies exactly k drafts after its anchor runs as
 k + 1 decode rows per request through the model's fixed-shape decode forward instead (verify_decode.py); the
 rollback above holds unchanged (dsv4/models/verify_rows.py: the ring after such a step). With `drafter_cuda_graphs`
@@ -66,6 +68,7 @@ from dsv4.runtime.input_batch import InputBatch
 from dsv4.runtime.sampler import SamplingTensors
 from dsv4.spec_decode.config import SpeculativeConfig
 from dsv4.spec_decode.dspark_graphs import GraphedDSparkProposer
+from dsv4.spec_decode.pipelined import PipelinedOutput, PipelinedVerify
 from dsv4.spec_decode.proposer import DSparkProposer, MTPProposer, Proposer, TapBuffer
 from dsv4.spec_decode.rejection import verify
 from dsv4.spec_decode.verify_decode import VerifyDecode, verify_capture_sizes
@@ -243,6 +246,9 @@ class Speculator:
         # per state row: its drafts are placeholders (a constrained request under verify_decode, `_propose`)
         self.placeholder = np.zeros(n, dtype=bool)
         self.phases: PhaseTimes | None = None  # set to measure the speculative steps' phases (PhaseTimes)
+        # steady verify steps pipelined under async scheduling (pipelined.py; the scheduler's spec_pipeline_tokens)
+        self.pipeline = (PipelinedVerify(self) if runner.config.scheduler.spec_pipeline_tokens
+                         and self.verify_decode is not None else None)
 
     def set_proposer(self, proposer: Proposer) -> None:
         """Swap the proposer (the oracle test hook); it must read no taps the current one does not provide."""
@@ -269,6 +275,19 @@ class Speculator:
         if isinstance(self.proposer, GraphedDSparkProposer):
             self.proposer.dummy_forward()
 
+    def can_pipeline(self) -> bool:
+        """Whether this runner can take the next step pipelined (the scheduler decides the rest): pipelining is on,
+        speculation is not off for the batch, and every active request samples plain greedy without logprobs or a
+        grammar, so its acceptance is decided on the device (pipelined.py)."""
+        if self.pipeline is None or self.disabled():
+            return False
+        rs = self.runner.req_state
+        rows = np.array(sorted(rs.req_id_to_row.values()), dtype=np.int64)
+        if not len(rows) or not rs.all_plain_greedy(rows):
+            return False
+        return all(rs.sampling_params[row].logprobs is None and rs.sampling_params[row].structured_outputs is None
+                   for row in rows.tolist())
+
     def disabled(self) -> bool:
         """Speculation is off for the current batch: disable_by_batch_size or more requests hold a row."""
         limit = self.spec.disable_by_batch_size
@@ -279,7 +298,13 @@ class Speculator:
         if self.phases is not None:
             self.phases.mark(phase)
 
-    def launch(self, so: SchedulerOutput) -> SpecOutput | PlainSpecOutput:
+    def launch(self, so: SchedulerOutput) -> SpecOutput | PlainSpecOutput | PipelinedOutput:
+        if self.pipeline is not None:
+            if so.pipelined:
+                return self.pipeline.launch(so)
+            # a synchronous step starts from exact host counts: every pipelined step has landed
+            assert not self.pipeline.in_flight, "a synchronous speculative step while a pipelined one is in flight"
+            self.pipeline.device_ahead = False
         r = self.runner
         if self.phases is not None:
             self.phases.start()
@@ -379,7 +404,6 @@ class Speculator:
         res = verify(logits, draft_lists, st, r.sampler.generator)
 
         L = rs.max_model_len
-        stats = self.stats
         dst: list[int] = []  # the emitted tokens' places in the token history, written at once after the loop
         emitted: list[int] = []
         for i, b in enumerate(sample.tolist()):
@@ -400,20 +424,7 @@ class Speculator:
                 uncomputed[b] = int(ends[b]) - new
             sampled[b] = toks
             logprobs[b] = res.logprobs[i]
-            # the counters count drafts that could be emitted: not placeholders, and with
-            # SchedulerConfig.drafts_past_max_tokens a request's last step verifies drafts past its max_tokens,
-            # whose tokens are dropped
-            d = int(dv[i])
-            max_tokens = rs.sampling_params[row].max_tokens
-            if max_tokens is not None:
-                d = min(d, max(max_tokens - int(n0 - rs.prompt_len[row]) - 1, 0))
-                j = min(j, d)
-            if d:
-                stats.num_drafts += 1
-                stats.num_draft_tokens += d
-                stats.num_accepted_tokens += j
-                for p in range(j):
-                    stats.num_accepted_tokens_per_pos[p] += 1
+            self.count_acceptance(row, int(dv[i]), j, n0)
         hist = rs.token_history
         hist.view(-1)[torch.tensor(dst, dtype=torch.int64).to(hist.device)] = torch.tensor(
             emitted, dtype=torch.int64).to(hist.device)
@@ -421,6 +432,24 @@ class Speculator:
         self._propose(sample, srows, rs.num_tokens[srows] - 2, req_ids, num_drafts)
         if ds.any():  # a step that verified drafts: its phases count (a prefill's first token does not)
             self._mark("propose")
+
+    def count_acceptance(self, row: int, d: int, j: int, n0: int) -> None:
+        """The counters of one request's verify step: d drafts verified, j accepted, n0 tokens known before it.
+        They count drafts that could be emitted: not placeholders (the caller's d), and with
+        SchedulerConfig.drafts_past_max_tokens a request's last step verifies drafts past its max_tokens, whose
+        tokens are dropped."""
+        rs = self.runner.req_state
+        max_tokens = rs.sampling_params[row].max_tokens
+        if max_tokens is not None:
+            d = min(d, max(max_tokens - int(n0 - rs.prompt_len[row]) - 1, 0))
+            j = min(j, d)
+        if d:
+            stats = self.stats
+            stats.num_drafts += 1
+            stats.num_draft_tokens += d
+            stats.num_accepted_tokens += j
+            for p in range(j):
+                stats.num_accepted_tokens_per_pos[p] += 1
 
     def _propose(self, sample: np.ndarray, srows: np.ndarray, last_positions: np.ndarray, req_ids: list[str],
                  num_drafts: list[int]) -> None:

@@ -1,0 +1,85 @@
+"""Pipelined speculative steps (async scheduling with `"verify_decode": true`, dsv4/spec_decode/pipelined.py) on the
+GPU with the verify rows' and the drafter's CUDA graphs: tiny V4.1 with its DSpark drafter, fp32. Greedy outputs
+with the random drafter, the oracle drafter and a partly wrong oracle equal plain decoding (the plain engine with its
+CUDA graphs); steady steps are pipelined and replay graphs; a pipelined launch reads no device value on the host
+(checked with CUDA's sync debug mode: a synchronizing call inside a launch raises)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from dsv4.engine.engine import LLMEngine
+from dsv4.make_model import make_model
+from dsv4.sampling_params import SamplingParams
+from dsv4.spec_decode.pipelined import PipelinedVerify
+from dsv4.spec_decode.proposer import OracleProposer
+from engine_runs import run_to_completion
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def _engine(path: str, k: int | None, oracle: dict[str, list[int]] | None = None, **spec: Any) -> LLMEngine:
+    e = LLMEngine.from_args(path, device="cuda", dtype="float32", max_num_seqs=4,
+                            speculative_config={"method": "dspark", "num_speculative_tokens": k,
+                                                "verify_decode": True, **spec} if k else None,
+                            async_scheduling=True)
+    if oracle is not None:
+        e.runner.speculator.set_proposer(OracleProposer(oracle, 4))
+    return e
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list[int]], dict[str, list[int]]]:
+    path = make_model("tiny-v41", str(tmp_path_factory.mktemp("m")), seed=0)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (5, 13, 40, 2)]
+    e0 = _engine(path, None)
+    assert e0.runner.graphs.enabled
+    return path, prompts, run_to_completion(e0, {str(i): p for i, p in enumerate(prompts)}, GREEDY)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("drafter", ["dspark", "oracle", "wrong"])
+def test_pipelined_graphs_greedy_equal_plain(setup: tuple, k: int, drafter: str) -> None:
+    path, prompts, plain = setup
+    oracle = None
+    if drafter != "dspark":
+        oracle = {str(i): p + plain[str(i)] for i, p in enumerate(prompts)}
+        if drafter == "wrong":
+            for i, seq in enumerate(oracle.values()):
+                for j in range(len(prompts[i]) + 2 + i, len(seq), 3):
+                    seq[j] = (seq[j] + 1) % 500
+    e = _engine(path, k, oracle, drafter_cuda_graphs=True)
+    sp = e.runner.speculator
+    assert run_to_completion(e, {str(i): p for i, p in enumerate(prompts)}, GREEDY) == plain
+    assert sp.pipeline.num_steps > 0 and sp.verify_decode.num_graph_replays == sp.verify_decode.num_decode_steps
+    st = e.spec_decode_stats
+    if drafter == "oracle":
+        assert st.num_accepted_tokens == st.num_draft_tokens > 0
+
+
+def test_pipelined_launch_does_not_sync(setup: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every pipelined launch after the first (which copies the host counts once) runs under
+    torch.cuda.set_sync_debug_mode("error"): any host read of a device value raises."""
+    path, prompts, plain = setup
+    e = _engine(path, 3, drafter_cuda_graphs=True)
+    orig = PipelinedVerify.launch
+    checked = []
+
+    def strict(self: PipelinedVerify, so: Any) -> Any:
+        if not self.device_ahead:
+            return orig(self, so)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = orig(self, so)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        checked.append(True)
+        return out
+
+    monkeypatch.setattr(PipelinedVerify, "launch", strict)
+    assert run_to_completion(e, {"0": prompts[1]}, GREEDY) == {"0": plain["1"]}
+    assert len(checked) > 2

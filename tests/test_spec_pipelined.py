@@ -1,0 +1,283 @@
+"""Pipelined speculative steps (async scheduling with `"verify_decode": true`, dsv4/spec_decode/pipelined.py): the
+steady verify steps are scheduled before the previous step's acceptance reaches the host, their counts, acceptance
+and drafts kept on the device. Greedy output equals plain decoding with the random, a partly wrong and an all-right
+(oracle) drafter, through arrivals (drains), aborts, stop tokens, max_tokens, prefix caching, preemption, sampled
+requests beside greedy ones, and the graph path; the device acceptance rule equals the host rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from dsv4.config import SchedulerConfig
+from dsv4.engine.engine import LLMEngine
+from dsv4.make_model import default_model_dir
+from dsv4.models.config import ConfigError
+from dsv4.sampling_params import SamplingParams
+from dsv4.spec_decode.dspark_graphs import GraphedDSparkProposer
+from dsv4.spec_decode.pipelined import accept_greedy
+from dsv4.spec_decode.proposer import OracleProposer
+from dsv4.spec_decode.verify_decode import verify_capture_sizes
+from dsv4.tokenizer import Tokenizer
+from engine_runs import RerunGraphs, run_to_completion
+
+# lengths 5, 13, 2, 8: the first verify step's anchor at odd and even positions (ratio-2 pairs)
+PROMPTS = [[0, 5, 9, 33, 77], [0, 8, 100, 200, 300, 400, 17, 18, 19, 20, 21, 22, 23], [0, 44],
+           [0, 7, 70, 170, 270, 370, 3, 4]]
+GREEDY = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+
+
+def _spec(k: int, **extra: Any) -> dict[str, Any]:
+    return {"method": "dspark", "num_speculative_tokens": k, "verify_decode": True, **extra}
+
+
+def _engine(model_dir: str, k: int | None, oracle: dict[str, list[int]] | None = None, pipelined: bool = True,
+            **kw: Any) -> LLMEngine:
+    kw.setdefault("max_num_seqs", 4)
+    e = LLMEngine.from_args(model_dir, speculative_config=_spec(k) if k else None,
+                            async_scheduling=pipelined if k else False, **kw)
+    if oracle is not None:
+        e.runner.speculator.set_proposer(OracleProposer(oracle, 4))
+    return e
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_v41: str) -> dict[str, list[int]]:
+    """Plain decoding of every prompt (greedy: batching does not change the tokens)."""
+    return run_to_completion(_engine(tiny_v41, None), {str(i): p for i, p in enumerate(PROMPTS)}, GREEDY)
+
+
+def _oracle(baseline: dict[str, list[int]], ids: list[int], wrong_every: int = 0) -> dict[str, list[int]]:
+    """Request r (prompt ids[r]) drafts its plain continuation, with a wrong token every `wrong_every` positions
+    (0: none) at offsets that differ per request."""
+    out = {}
+    for r, i in enumerate(ids):
+        seq = PROMPTS[i] + baseline[str(i)]
+        if wrong_every:
+            for j in range(len(PROMPTS[i]) + 2 + r, len(seq), wrong_every):
+                seq[j] = (seq[j] + 1) % 500
+        out[str(r)] = seq
+    return out
+
+
+def _host_accept(target: list[int], ids: list[int], known: int) -> int:
+    """The synchronous rule (dsv4.spec_decode.rejection.verify, greedy rows): the drafts are ids[known:]; draft x_i
+    is accepted while every draft before it was and it equals the target's token at the row before it."""
+    j = 0
+    for i in range(known, len(ids)):
+        if target[i - 1] != ids[i]:
+            break
+        j += 1
+    return j
+
+
+def test_device_acceptance_equals_the_host_rule() -> None:
+    g = torch.Generator().manual_seed(0)
+    for q in (2, 3, 4, 6):
+        R = 64
+        ids = torch.randint(0, 3, (R, q), generator=g)
+        target = torch.randint(0, 3, (R, q), generator=g)
+        # some rows all accepted, some with the run broken at every depth (3 symbols: many matches)
+        target[:8, :-1] = ids[:8, 1:]
+        known = torch.randint(1, min(q, 3), (R,), generator=g)
+        j = accept_greedy(target, ids, known)
+        want = [_host_accept(t, i, int(a)) for t, i, a in zip(target.tolist(), ids.tolist(), known.tolist())]
+        assert j.tolist() == want
+        assert (j <= q - known).all() and (j >= 0).all()
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("ids", [[0], [2, 1], [3, 0, 2, 1]], ids=["b1", "b2", "b4"])
+@pytest.mark.parametrize("wrong_every", [0, 3, -1], ids=["accept", "reject", "random"])
+def test_greedy_equals_plain_decoding(tiny_v41: str, baseline: dict[str, list[int]], k: int, ids: list[int],
+                                      wrong_every: int) -> None:
+    """All drafts accepted, a wrong draft every 3 positions (rewinds to the open pair's start, partial acceptance
+    at every depth) or the checkpoint's random drafter (almost nothing accepted); k + 1 = 2, 3, 4 rows a request.
+    After the prefill step everything is pipelined, and an all-accepting drafter stays all accepted."""
+    oracle = None if wrong_every < 0 else _oracle(baseline, ids, wrong_every)
+    e = _engine(tiny_v41, k, oracle)
+    outs = run_to_completion(e, {str(r): PROMPTS[i] for r, i in enumerate(ids)}, GREEDY)
+    assert outs == {str(r): baseline[str(i)] for r, i in enumerate(ids)}
+    sp = e.runner.speculator
+    assert sp.pipeline is not None and sp.pipeline.num_steps > 0 and not sp.pipeline.in_flight
+    st = e.spec_decode_stats
+    if wrong_every == 0:
+        assert st.num_accepted_tokens == st.num_draft_tokens > 0
+    elif wrong_every == 3 and k > 1:
+        assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+
+
+def test_steady_steps_are_pipelined(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
+    """One request (its drafts right for its first 14 tokens, then mostly wrong): its first step prefills
+    (synchronous), every later verify step is pipelined, and the last step only lands the one in flight (the request
+    ended there; its tokens of the step in flight are dropped)."""
+    e = _engine(tiny_v41, 3, _oracle(baseline, [1]))
+    vd = e.runner.speculator.verify_decode
+    e.add_request(PROMPTS[1], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), request_id="0")
+    steps = 0
+    while e.has_unfinished_requests():
+        e.step()
+        steps += 1
+    pipe = e.runner.speculator.pipeline
+    assert pipe.num_steps == vd.num_decode_steps == steps - 2  # the prefill and the last landing are the others
+
+
+def test_scheduler_counts_and_device_counts_agree(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
+    """Mid-run, after the in-flight step lands: the scheduler's computed counts and the host mirrors equal the
+    device's counts, and no placeholder is left (a planted off-by-one in either would show here first)."""
+    e = _engine(tiny_v41, 2, _oracle(baseline, [0, 1], 3))
+    for r, i in enumerate([0, 1]):
+        e.add_request(PROMPTS[i], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), request_id=str(r))
+    for _ in range(8):
+        e.step()
+    landed, e._in_flight = e._in_flight, None
+    assert landed is not None and landed[0].pipelined
+    e._apply_output(landed[0], landed[1].result())
+    pipe, rs = e.runner.speculator.pipeline, e.runner.req_state
+    for req in e.scheduler.running:
+        row = rs.req_id_to_row[req.req_id]
+        assert req.num_output_placeholders == 0
+        assert req.num_computed_tokens == rs.num_computed[row] == int(pipe.computed[row])
+        assert req.num_tokens == rs.num_tokens[row] == int(pipe.tokens[row])
+        assert rs.token_history[row, : req.num_tokens].tolist() == req.all_token_ids
+
+
+def test_pipelined_steps_free_window_blocks_only_behind_the_device(tiny_v41: str,
+                                                                    baseline: dict[str, list[int]]) -> None:
+    """A pipelined schedule counts positions up to a step ahead of the device (more after rejections): the window
+    blocks it frees must be behind what the device has surely computed, the start of the step it schedules, or a
+    block the step still reads could go to another request."""
+    e = _engine(tiny_v41, 3, _oracle(baseline, [1, 3], 3), block_size=4)
+    pipe, rs, kv = e.runner.speculator.pipeline, e.runner.req_state, e.kv_manager
+    seen: list[tuple[int, int]] = []
+    orig = kv.allocate_slots
+
+    def spy(req_id: str, num_tokens: int, num_computed: int = 0) -> Any:
+        if pipe.device_ahead and req_id in rs.req_id_to_row:  # a pipelined schedule: the device's start is known
+            seen.append((num_computed, int(pipe.computed[rs.req_id_to_row[req_id]])))
+        return orig(req_id, num_tokens, num_computed)
+
+    kv.allocate_slots = spy  # type: ignore[method-assign]
+    outs = run_to_completion(e, {"0": PROMPTS[1], "1": PROMPTS[3]}, GREEDY)
+    assert outs == {"0": baseline["1"], "1": baseline["3"]}
+    assert len(seen) > 4 and all(freed_behind <= start for freed_behind, start in seen)
+    assert any(freed_behind < start for freed_behind, start in seen)  # (the bound is not always tight)
+
+
+def test_arrivals_aborts_and_stop_tokens(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
+    """Requests arriving while others decode (the engine lands the pipelined step and runs the admission step
+    synchronously, then pipelines again), one aborted mid-run, one stopped by a stop token of its plain output:
+    the others' outputs are plain decoding's, the stopped one is plain's up to its stop token."""
+    e = _engine(tiny_v41, 3, _oracle(baseline, [0, 1, 2, 3], 4))
+    stop = baseline["3"][6]
+    cut = baseline["3"][: baseline["3"].index(stop) + 1]
+    e.add_request(PROMPTS[0], GREEDY, request_id="0")
+    outs: dict[str, list[int]] = {}
+    step = 0
+    while e.has_unfinished_requests() or step < 3:
+        if step == 2:
+            e.add_request(PROMPTS[1], GREEDY, request_id="1")
+            e.add_request(PROMPTS[2], GREEDY, request_id="2")
+        if step == 4:
+            e.add_request(PROMPTS[3], SamplingParams(max_tokens=14, temperature=0, stop_token_ids=[stop]),
+                          request_id="3")
+        if step == 6:
+            e.abort_request("2")
+        for o in e.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+        step += 1
+    assert outs["0"] == baseline["0"] and outs["1"] == baseline["1"] and outs["3"] == cut
+    assert "2" not in outs or outs["2"] == baseline["2"][: len(outs["2"])]
+    assert e.runner.speculator.pipeline.num_steps > 0 and not e.scheduler.running
+
+
+@pytest.mark.parametrize("case", ["prefix_cache", "preemption"])
+def test_prefix_caching_and_preemption(tiny_v41: str, case: str) -> None:
+    """Units cached at landings are hits for later requests (outputs unchanged); a pool too small for everyone
+    preempts in the synchronous steps, never in a pipelined one."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    if case == "prefix_cache":
+        shared = [0] + [(11 * j) % 450 + 5 for j in range(37)]
+        prompts = [shared + [9, 10], shared + [12, 13, 14], shared + [9, 10]]
+        kw: dict[str, Any] = dict(block_size=4, max_num_seqs=1)
+    else:
+        prompts = [[0] + [(7 * i + j) % 400 + 3 for j in range(10 + 3 * i)] for i in range(4)]
+        kw = dict(block_size=4, num_kv_blocks=20, enable_prefix_caching=False, max_num_seqs=4)
+    named = {str(i): p for i, p in enumerate(prompts)}
+    base = run_to_completion(_engine(tiny_v41, None, **kw), named, params)
+    oracle = {str(i): p + base[str(i)] for i, p in enumerate(prompts)}
+    for r, seq in enumerate(oracle.values()):
+        for j in range(len(prompts[r]) + 2 + r, len(seq), 4):
+            seq[j] = (seq[j] + 1) % 500
+    e = _engine(tiny_v41, 3, oracle, **kw)
+    assert run_to_completion(e, named, params) == base
+    assert e.runner.speculator.pipeline.num_steps > 0
+    if case == "prefix_cache":
+        assert e.kv_manager.prefix is not None and e.kv_manager.prefix.hits > 0
+    else:
+        assert e.scheduler.num_preemptions > 0
+
+
+def test_sampled_requests_keep_the_synchronous_path(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
+    """A seeded sampled request beside greedy ones: while it runs nothing is pipelined (its acceptance needs the
+    host's sampling tensors), and its tokens equal the synchronous speculative engine's; once it ends, the greedy
+    requests are pipelined."""
+    sampled = SamplingParams(max_tokens=5, temperature=0.8, seed=7, ignore_eos=True)
+    params = {"0": GREEDY, "1": sampled, "2": GREEDY}
+    named = {str(i): PROMPTS[i] for i in range(3)}
+    sync = run_to_completion(_engine(tiny_v41, 2, pipelined=False), named, params)
+    e = _engine(tiny_v41, 2)
+    outs = run_to_completion(e, named, params)
+    assert outs == sync and outs["0"] == baseline["0"] and outs["2"] == baseline["2"]
+    assert e.runner.speculator.pipeline.num_steps > 0
+
+
+def test_graph_path_and_the_trained_drafter() -> None:
+    """The built-in trained model (its drafter gets part of its drafts accepted) with the verify rows and the
+    drafter's proposals replayed by the CPU stand-in for CUDA graphs (device inputs only: a host read in either
+    would break the real graphs too): greedy output equals plain decoding, most steps pipelined."""
+    model = default_model_dir()
+    tok = Tokenizer.from_dir(model)
+    texts = ["def __init__(self", "import os\nimport sys\n\n\ndef main(", "class Queue:\n    def "]
+    prompts = {str(i): [tok.bos_token_id] + tok.encode(t, add_special_tokens=False) for i, t in enumerate(texts)}
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = run_to_completion(LLMEngine.from_args(model, max_num_seqs=4), prompts, params)
+    e = LLMEngine.from_args(model, max_num_seqs=4, async_scheduling=True,
+                            speculative_config=_spec(3, drafter_cuda_graphs=True))
+    sp = e.runner.speculator
+    vd = sp.verify_decode
+    vd.graphs = RerunGraphs(verify_capture_sizes([1, 2, 4], vd.q, 4, None), enabled=True)
+    vd.capture()
+    p = sp.proposer
+    assert isinstance(p, GraphedDSparkProposer)
+    p.graphs = RerunGraphs([1, 2, 4], enabled=True)
+    p.capture()
+    assert run_to_completion(e, prompts, params) == plain
+    st = e.spec_decode_stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+    assert sp.pipeline.num_steps > 0 and vd.num_graph_replays == vd.num_decode_steps
+    assert p.num_graph_replays > 0 and p.num_eager_proposals == 0
+
+
+def test_config(tiny_v41: str, tmp_path: Any) -> None:
+    """Async scheduling with speculation needs verify_decode (DSpark); the scheduler then pipelines k + 1 tokens.
+    Without async scheduling nothing is pipelined."""
+    with pytest.raises(ConfigError, match="verify_decode"):
+        LLMEngine.from_args(tiny_v41, speculative_config={"method": "dspark", "num_speculative_tokens": 2},
+                            async_scheduling=True)
+    e = _engine(tiny_v41, 3)
+    assert e.config.scheduler.async_scheduling and e.config.scheduler.spec_pipeline_tokens == 4
+    assert e.runner.speculator.pipeline is not None
+    off = _engine(tiny_v41, 3, pipelined=False)
+    assert off.config.scheduler.spec_pipeline_tokens == 0 and off.runner.speculator.pipeline is None
+    assert not LLMEngine.from_args(tiny_v41, speculative_config=_spec(3)).config.scheduler.async_scheduling
+    bad = e.config.__class__(**{**e.config.__dict__, "scheduler": SchedulerConfig(spec_pipeline_tokens=3)})
+    with pytest.raises(ConfigError, match="spec_pipeline_tokens"):
+        bad.validate()
+    assert np.array_equal(accept_greedy(torch.tensor([[5, 6]]), torch.tensor([[1, 5]]), torch.tensor([1])),
+                          torch.tensor([1]))
