@@ -7,6 +7,8 @@ requests beside greedy ones, and the graph path; the device acceptance rule equa
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -17,13 +19,15 @@ from dsv4.config import SchedulerConfig
 from dsv4.engine.engine import LLMEngine
 from dsv4.make_model import default_model_dir
 from dsv4.models.config import ConfigError
+from dsv4.runtime.sampler import SamplingTensors
 from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.dspark_graphs import GraphedDSparkProposer
-from dsv4.spec_decode.pipelined import accept_greedy
+from dsv4.spec_decode.pipelined import accept_greedy, verify_on_device
 from dsv4.spec_decode.proposer import OracleProposer
 from dsv4.spec_decode.verify_decode import verify_capture_sizes
 from dsv4.tokenizer import Tokenizer
 from engine_runs import RerunGraphs, run_to_completion
+from test_spec_decode import _chi_square_p
 
 # lengths 5, 13, 2, 8: the first verify step's anchor at odd and even positions (ratio-2 pairs)
 PROMPTS = [[0, 5, 9, 33, 77], [0, 8, 100, 200, 300, 400, 17, 18, 19, 20, 21, 22, 23], [0, 44],
@@ -88,6 +92,41 @@ def test_device_acceptance_equals_the_host_rule() -> None:
         want = [_host_accept(t, i, int(a)) for t, i, a in zip(target.tolist(), ids.tolist(), known.tolist())]
         assert j.tolist() == want
         assert (j <= q - known).all() and (j >= 0).all()
+
+
+@pytest.mark.parametrize("known", [1, 2])
+def test_device_rejection_sampling_keeps_the_target_distribution(known: int) -> None:
+    """verify_on_device on fixed logits, many requests, unseeded draws from one generator: the first emitted token
+    is distributed as the anchor row's p (temperature and top-k applied), whatever the draft, and the second, given
+    the first draft accepted, as the next row's. A row before the anchor (known = 2, after a rewind) verifies
+    nothing. Fails for an off-by-one between drafts and rows."""
+    V, q, n = 8, 4, 4000
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(q, V, generator=gen) * 1.5
+    a = known - 1  # the anchor row
+    row = [3] * q
+    row[known] = int(logits[a].argmax())  # a likely first draft, then a second choice
+    row[known + 1] = int(logits[a + 1].argsort()[-2])
+    ids = torch.tensor([row] * n)
+    params = [SamplingParams(temperature=0.8, top_k=6)] * (n * q)
+    st = SamplingTensors.build(params, [[]] * len(params), [[]] * len(params), V, "cpu")
+    j, bonus = verify_on_device(logits.repeat(n, 1), ids, torch.full((n,), known), st, gen)
+    first = torch.where(j > 0, ids[:, known], bonus).tolist()
+    p = torch.softmax(torch.where(logits >= logits.topk(6).values[:, -1:], logits, -torch.inf) / 0.8, dim=-1)
+
+    def check(tokens: list[int], probs: torch.Tensor) -> None:
+        counts = Counter(tokens)
+        m = len(tokens)
+        keep = [v for v in range(V) if probs[v] > 0]
+        assert set(counts) <= set(keep)
+        assert _chi_square_p([counts[v] for v in keep], [m * float(probs[v]) for v in keep]) > 1e-3
+
+    check(first, p[a])
+    acc = j > 0
+    second = torch.where(j[acc] > 1, ids[acc, known + 1], bonus[acc]).tolist()
+    assert len(second) > 500
+    check(second, p[a + 1])
+    assert (j == 0).any() and (j == q - known).any()
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])
@@ -223,10 +262,68 @@ def test_prefix_caching_and_preemption(tiny_v41: str, case: str) -> None:
         assert e.scheduler.num_preemptions > 0
 
 
-def test_sampled_requests_keep_the_synchronous_path(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
-    """A seeded sampled request beside greedy ones: while it runs nothing is pipelined (its acceptance needs the
-    host's sampling tensors), and its tokens equal the synchronous speculative engine's; once it ends, the greedy
-    requests are pipelined."""
+def _top_k_targets(model_dir: str, prompts: list[list[int]], K: int) -> list[dict[int, float]]:
+    """The target's next-token distribution after each prompt at temperature 1, top-k K (from plain decoding's
+    logprobs, renormalised over the K best)."""
+    e = _engine(model_dir, None, max_num_seqs=8)
+    for i, p in enumerate(prompts):
+        e.add_request(p, SamplingParams(max_tokens=1, temperature=0, logprobs=K), request_id=str(i))
+    lps: dict[str, Any] = {}
+    while e.has_unfinished_requests():
+        for o in e.step():
+            if o.finished:
+                lps[o.request_id] = o.outputs[0].logprobs[0]
+    out = []
+    for i in range(len(prompts)):
+        best = sorted(lps[str(i)].items(), key=lambda kv: -kv[1].logprob)[:K]
+        z = sum(math.exp(v.logprob) for _, v in best)
+        out.append({t: math.exp(v.logprob) / z for t, v in best})
+    return out
+
+
+def test_sampled_requests_are_pipelined(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
+    """Unseeded sampled requests (temperature, top-p, top-k: params that read no outputs) beside a greedy one: the
+    steps are pipelined, the greedy request's output is plain decoding's, the sampled ones run to their length."""
+    sampled = SamplingParams(max_tokens=14, temperature=0.9, top_p=0.9, top_k=20, ignore_eos=True)
+    e = _engine(tiny_v41, 3)
+    outs = run_to_completion(e, {str(i): PROMPTS[i] for i in range(3)}, {"0": sampled, "1": GREEDY, "2": sampled})
+    assert outs["1"] == baseline["1"] and len(outs["0"]) == len(outs["2"]) == 14
+    assert e.runner.speculator.pipeline.num_steps >= 3
+
+
+@pytest.mark.slow
+def test_pipelined_sampling_follows_the_target_softmax(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
+    """Through the engine with the oracle drafter (its drafts are the greedy continuation: often accepted, often
+    not): the second token, which the first verify step emits and which is pipelined, follows the target's
+    distribution given the first (temperature 1, top-k 4, unseeded: the device's own draws)."""
+    prompt, K, rounds, batch = PROMPTS[0], 4, 10, 64
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=K, ignore_eos=True)
+    e = _engine(tiny_v41, 1, {str(i): prompt + baseline["0"] for i in range(rounds * batch)}, max_num_seqs=batch)
+    outs: dict[str, list[int]] = {}
+    for r in range(rounds):  # a round at a time: nobody waits, so the verify steps are pipelined
+        outs.update(run_to_completion(e, {str(r * batch + i): prompt for i in range(batch)}, params))
+    n = len(outs)
+    pairs = Counter(tuple(o[:2]) for o in outs.values())
+    firsts = sorted({t1 for t1, _ in pairs})
+    targets = _top_k_targets(tiny_v41, [prompt] + [prompt + [t] for t in firsts], K)
+    observed, expected = [], []
+    p1 = targets[0]
+    assert set(firsts) <= set(p1)
+    for i, t1 in enumerate(firsts):
+        p2 = targets[i + 1]
+        for t2, q in p2.items():
+            observed.append(pairs.get((t1, t2), 0))
+            expected.append(n * p1[t1] * q)
+    assert sum(observed) == n
+    assert _chi_square_p(observed, expected) > 1e-3
+    st = e.spec_decode_stats
+    assert e.runner.speculator.pipeline.num_steps >= rounds and 0 < st.num_accepted_tokens < st.num_draft_tokens
+
+
+def test_seeded_requests_keep_the_synchronous_path(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
+    """A seeded sampled request beside greedy ones: while it runs nothing is pipelined (its draws are seeded by its
+    output count, which the host learns only when a step lands), and its tokens equal the synchronous speculative
+    engine's; once it ends, the greedy requests are pipelined."""
     sampled = SamplingParams(max_tokens=5, temperature=0.8, seed=7, ignore_eos=True)
     params = {"0": GREEDY, "1": sampled, "2": GREEDY}
     named = {str(i): PROMPTS[i] for i in range(3)}

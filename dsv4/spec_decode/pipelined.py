@@ -16,9 +16,10 @@ computed .. computed + q - 1, so its shape is known on the host and only the pos
 1. drafts (proposed last step, `Speculator.drafts`) go into the token history after `tokens`; input ids are the
    history at the positions; the multi-row decode metadata is built from those device positions (the decode build
    takes device positions; a CUDA graph replays the forward);
-2. greedy verification on the device (`accept_greedy`): row i's argmax must equal the token at row i + 1, from row
-   a - 1 (the anchor) on; j accepted drafts, and the target's token at row a - 1 + j is the bonus, written into the
-   history after them;
+2. verification on the device (`verify_on_device`): for a greedy request row i's argmax must equal the token at
+   row i + 1, from row a - 1 (the anchor) on; j accepted drafts, and the target's token at row a - 1 + j is the
+   bonus, written into the history after them. A sampled request follows the rejection rule of rejection.py with
+   its randomness drawn on the device;
 3. the counts advance as the synchronous path's (speculator.py `_verify`): tokens += j + 1; computed = tokens - 1
    when all d = q - a drafts were accepted, else the compressor pair start floor((n0 + j) / R) * R;
 4. the drafter proposes the next drafts from the new counts (taps written from device positions; proposers take
@@ -30,13 +31,14 @@ computed .. computed + q - 1, so its shape is known on the host and only the pos
 What stays on the host: the scheduler (dsv4/engine/scheduler.py "Pipelined speculation": q tokens a request, blocks
 for the counted positions, which are never behind the device's), stop checks, detokenization. A step is pipelined
 only while the batch is steady (`Scheduler.can_pipeline`, `Speculator.can_pipeline`): no admission, no prefill, every
-request plain greedy (no penalties, logprobs, grammar or seed to resolve on the host), below disable_by_batch_size,
-with room for two more steps. The engine lands every pipelined step before any other step (`LLMEngine.step`), which
+request plain greedy or sampled with static params (temperature, top-k, top-p, min-p; no penalty, logit bias, seed,
+logprobs, grammar or pending min_tokens ban, which need the host's outputs), below disable_by_batch_size, with room
+for two more steps. The engine lands every pipelined step before any other step (`LLMEngine.step`), which
 then runs the synchronous speculative path with exact host counts. A request that stops while a step for it is in
 flight loses that step's tokens (as async scheduling's one discarded token); its row goes at the next step.
 
-Sampling rows (temperature > 0) are not pipelined yet: they need the rejection rule on the device with the
-Sampler's per-position tensors, which are built on the host from the outputs.
+Seeded sampled requests stay synchronous: a seeded row draws from a generator seeded by its output count, which the
+host does not know while a step is in flight.
 """
 
 from __future__ import annotations
@@ -47,21 +49,59 @@ import numpy as np
 import torch
 
 from dsv4.runtime.input_batch import InputBatch
+from dsv4.runtime.sampler import SamplingTensors, apply_filters
 from dsv4.step import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from dsv4.spec_decode.speculator import Speculator
 
 
+def leading_accepts(accept: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
+    """Accepted drafts per request: accept [R, q - 1] whether row i accepts the token at row i + 1, known [R] how
+    many of the q rows are known tokens (the drafts are rows known ..). Row i verifies for i >= known - 1; the count
+    is the length of the leading run of acceptances from there."""
+    i = torch.arange(accept.shape[1], device=accept.device)
+    before = i[None, :] < (known - 1)[:, None]  # rows before the anchor: not verifying, counted as accepting
+    return (accept | before).to(torch.int64).cumprod(dim=1).sum(dim=1) - (known - 1)
+
+
 def accept_greedy(target: torch.Tensor, ids: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
-    """Accepted drafts per request: target [R, q] the target's token after each row, ids [R, q] the rows' input
-    tokens, known [R] how many of the rows are known tokens (the drafts are ids[:, known:]). Row i verifies the draft
-    at row i + 1 for i >= known - 1; the count is the length of the leading run of matches from there."""
+    """Accepted drafts of greedy requests: target [R, q] the target's argmax after each row, ids [R, q] the rows'
+    input tokens; a draft is accepted while it equals the target's token at the row before it."""
+    return leading_accepts(target[:, :-1] == ids[:, 1:], known)
+
+
+def verify_on_device(logits: torch.Tensor, ids: torch.Tensor, known: torch.Tensor, st: SamplingTensors | None,
+                     generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(accepted drafts [R], the token emitted after them [R]) of q rows a request: logits [R * q, V] raw, ids
+    [R, q] the rows' input tokens, known [R] (as `leading_accepts`). `st` (None: every request plain greedy) has
+    one row per logits row, static (no penalty, bias, ban or seed: `Speculator.can_pipeline`). Greedy requests
+    follow `accept_greedy` and emit the target's argmax; sampled ones follow dsv4.spec_decode.rejection's rule for
+    one-hot drafts (accept draft x at row i when u_i < p_i(x); at the first rejection draw from p_i without x,
+    after all of them from p at the last row), with the randomness drawn on the device from `generator`."""
     R, q = ids.shape
-    i = torch.arange(q - 1, device=ids.device)
-    before = i[None, :] < (known - 1)[:, None]  # rows before the anchor: not verifying, counted as matches
-    match = (target[:, :-1] == ids[:, 1:]) | before
-    return match.to(torch.int64).cumprod(dim=1).sum(dim=1) - (known - 1)
+    logits = logits.float()
+    target = logits.argmax(dim=-1).view(R, q)
+    if st is None or st.all_greedy:
+        j = accept_greedy(target, ids, known)
+        return j, target.gather(1, (known - 1 + j)[:, None])[:, 0]
+    V = logits.shape[1]
+    probs = apply_filters(logits, st).softmax(dim=-1).view(R, q, V)
+    u = torch.rand(R * q, generator=generator, device=logits.device).view(R, q)
+    noise = torch.empty(R * q, V, device=logits.device).exponential_(generator=generator).view(R, q, V)
+    greedy = st.greedy.view(R, q)[:, 0]
+    p_next = probs[:, :-1].gather(2, ids[:, 1:, None])[..., 0]  # row i's probability of the token at row i + 1
+    j = leading_accepts(torch.where(greedy[:, None], target[:, :-1] == ids[:, 1:], u[:, :-1] < p_next), known)
+    b = known - 1 + j
+    r = torch.arange(R, device=logits.device)
+    p = probs[r, b]
+    rejected = ids[r, (b + 1).clamp(max=q - 1)]
+    # norm(max(p - one_hot(rejected), 0)): p without the rejected draft (the race needs no normalisation)
+    residual = p.scatter(1, rejected[:, None], 0.0)
+    use = (j < q - known) & (residual.sum(dim=-1) > 0)
+    dist = torch.where(use[:, None], residual, p)
+    drawn = (dist / noise[r, b].clamp(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    return j, torch.where(greedy, target[r, b], drawn)
 
 
 class PipelinedOutput:
@@ -102,6 +142,8 @@ class PipelinedVerify:
         self.num_steps = 0  # pipelined steps launched
         self._rows_key: tuple[int, ...] = ()
         self._rows_dev = torch.zeros(0, dtype=torch.int64, device=dev)
+        self._st_key: tuple[str, ...] | None = None
+        self._st: SamplingTensors | None = None
 
     def _device_rows(self, rows: np.ndarray) -> torch.Tensor:
         """The state rows as a device tensor, copied only when the batch changes (a copy from pageable memory
@@ -114,6 +156,22 @@ class PipelinedVerify:
                 t = t.pin_memory()
             self._rows_dev, self._rows_key = t.to(dev, non_blocking=True), key
         return self._rows_dev
+
+    def _sampling(self, rows: np.ndarray, req_ids: list[str]) -> SamplingTensors | None:
+        """The Sampler's tensors of the step's R * q rows (None: all plain greedy), built once per batch while it
+        is pipelined: pipelined requests' params read no outputs, so they do not change from step to step."""
+        rs = self.spec.runner.req_state
+        if rs.all_plain_greedy(rows):
+            return None
+        key = tuple(req_ids)
+        if key != self._st_key:
+            r = self.spec.runner
+            params = [rs.sampling_params[row] for row in rows.tolist() for _ in range(self.q)]
+            n = len(params)
+            self._st = SamplingTensors.build(params, [[]] * n, [[]] * n, r.vocab_size, r.device, r.eos_token_ids,
+                                             num_output_tokens=[p.min_tokens for p in params])
+            self._st_key = key
+        return self._st
 
     def launch(self, so: SchedulerOutput) -> PipelinedOutput:
         """Launch one pipelined step (the module docstring's steps 1-5); nothing here reads a device value."""
@@ -131,6 +189,7 @@ class PipelinedVerify:
             self.computed[rows] = torch.from_numpy(rs.num_computed[rows_np]).to(rows.device)
             self.tokens[rows] = torch.from_numpy(rs.num_tokens[rows_np]).to(rows.device)
             self.device_ahead = True
+            self._st_key, self._st = None, None
         dev = rows.device
         hist = rs.token_history.view(-1)
         p0, n0 = self.computed[rows], self.tokens[rows]
@@ -156,10 +215,9 @@ class PipelinedVerify:
         hidden = sp.verify_decode.forward(batch, taps)
         if taps is not None and sp.taps is not None:
             sp.taps.write_chunks(torch.cat([taps[i] for i in proposer.tap_layer_ids], dim=-1), rows, p0, q)
-        # 2. greedy verification and the bonus token
-        target = r.model.compute_logits(hidden).argmax(dim=-1).view(R, q)
-        j = accept_greedy(target, ids.view(R, q), known)
-        bonus = target.gather(1, (known - 1 + j)[:, None])[:, 0]
+        # 2. verification and the token after the accepted drafts
+        j, bonus = verify_on_device(r.model.compute_logits(hidden), ids.view(R, q), known,
+                                    self._sampling(rows_np, req_ids), r.sampler.generator)
         hist[rows * L + (n0 + j).clamp(max=L - 1)] = bonus
         # 3. the counts, as the synchronous path's
         new_tokens = n0 + j + 1

@@ -65,7 +65,8 @@ import torch
 from dsv4.models.config import ConfigError
 from dsv4.runtime.cudagraphs import default_capture_sizes
 from dsv4.runtime.input_batch import InputBatch
-from dsv4.runtime.sampler import SamplingTensors
+from dsv4.runtime.sampler import SamplingTensors, needs_output_values
+from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.config import SpeculativeConfig
 from dsv4.spec_decode.dspark_graphs import GraphedDSparkProposer
 from dsv4.spec_decode.pipelined import PipelinedOutput, PipelinedVerify
@@ -205,6 +206,13 @@ class RingSnapshot:
             t[block, slots] = saved[i, slots]
 
 
+def _static_sampling(sp: SamplingParams, num_outputs: int) -> bool:
+    """Sampling params whose tensors stay the same for every later token of a request with `num_outputs` outputs:
+    no penalty, logit bias, seed (seeded by the output count), logprobs, grammar, or min_tokens ban still to lift."""
+    return (sp.logprobs is None and sp.structured_outputs is None and sp.seed is None and not sp.logit_bias
+            and not needs_output_values(sp) and num_outputs >= sp.min_tokens)
+
+
 def ring_ratio(runner: "ModelRunner") -> int:
     """R: the computed count a rejecting step rewinds to is a multiple of R (1 without compressor ring state)."""
     cfg = runner.config.model
@@ -277,15 +285,17 @@ class Speculator:
 
     def can_pipeline(self) -> bool:
         """Whether this runner can take the next step pipelined (the scheduler decides the rest): pipelining is on,
-        speculation is not off for the batch, and every active request samples plain greedy without logprobs or a
-        grammar, so its acceptance is decided on the device (pipelined.py)."""
+        speculation is not off for the batch, and every active request's acceptance can be decided on the device
+        (pipelined.py): plain greedy, or sampled with params that read neither the outputs nor their count."""
         if self.pipeline is None or self.disabled():
             return False
         rs = self.runner.req_state
         rows = np.array(sorted(rs.req_id_to_row.values()), dtype=np.int64)
-        if not len(rows) or not rs.all_plain_greedy(rows):
+        if not len(rows):
             return False
-        return all(rs.sampling_params[row].logprobs is None and rs.sampling_params[row].structured_outputs is None
+        if rs.all_plain_greedy(rows):
+            return all(rs.sampling_params[row].structured_outputs is None for row in rows.tolist())
+        return all(_static_sampling(rs.sampling_params[row], int(rs.num_tokens[row] - rs.prompt_len[row]))
                    for row in rows.tolist())
 
     def disabled(self) -> bool:

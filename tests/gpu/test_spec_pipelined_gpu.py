@@ -61,9 +61,11 @@ def test_pipelined_graphs_greedy_equal_plain(setup: tuple, k: int, drafter: str)
         assert st.num_accepted_tokens == st.num_draft_tokens > 0
 
 
-def test_pipelined_launch_does_not_sync(setup: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every pipelined launch after the first (which copies the host counts once) runs under
-    torch.cuda.set_sync_debug_mode("error"): any host read of a device value raises."""
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "with-sampled"])
+def test_pipelined_launch_does_not_sync(setup: tuple, monkeypatch: pytest.MonkeyPatch, sampled: bool) -> None:
+    """Every pipelined launch after the first (which copies the host counts and builds the sampling tensors once)
+    runs under torch.cuda.set_sync_debug_mode("error"): any host read of a device value raises. With an unseeded
+    sampled request beside the greedy one, its draws and the rejection rule run on the device too."""
     path, prompts, plain = setup
     e = _engine(path, 3, drafter_cuda_graphs=True)
     orig = PipelinedVerify.launch
@@ -81,5 +83,8 @@ def test_pipelined_launch_does_not_sync(setup: tuple, monkeypatch: pytest.Monkey
         return out
 
     monkeypatch.setattr(PipelinedVerify, "launch", strict)
-    assert run_to_completion(e, {"0": prompts[1]}, GREEDY) == {"0": plain["1"]}
+    named = {"0": prompts[1], "1": prompts[2]} if sampled else {"0": prompts[1]}
+    params = {"0": GREEDY, "1": SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, ignore_eos=True)}
+    outs = run_to_completion(e, named, {r: params[r] for r in named})
+    assert outs["0"] == plain["1"] and len(outs.get("1", [0] * 24)) == 24
     assert len(checked) > 2
