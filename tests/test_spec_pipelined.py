@@ -235,6 +235,49 @@ def test_arrivals_aborts_and_stop_tokens(tiny_v41: str, baseline: dict[str, list
     assert e.runner.speculator.pipeline.num_steps > 0 and not e.scheduler.running
 
 
+@pytest.mark.parametrize("policy", ["fcfs", "fair"])
+def test_queued_requests_wait_while_every_slot_is_taken(tiny_v41: str, baseline: dict[str, list[int]],
+                                                         policy: str) -> None:
+    """Four requests, two slots: while both slots decode and the other two wait (no fairness preemption among
+    single-sequence requests), the steps are pipelined; a finish frees a slot and the next step admits
+    synchronously. Outputs are plain decoding's."""
+    e = _engine(tiny_v41, 2, _oracle(baseline, [0, 1, 2, 3], 4), max_num_seqs=2, scheduling_policy=policy)
+    pipe = e.runner.speculator.pipeline
+    waited_pipelined = 0
+    for r, i in enumerate([0, 1, 2, 3]):
+        e.add_request(PROMPTS[i], GREEDY, request_id=str(r))
+    outs: dict[str, list[int]] = {}
+    while e.has_unfinished_requests():
+        before, waiting = pipe.num_steps, len(e.scheduler.waiting)
+        for o in e.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+        waited_pipelined += pipe.num_steps > before and waiting > 0
+    assert outs == {str(r): baseline[str(i)] for r, i in enumerate([0, 1, 2, 3])}
+    assert waited_pipelined > 0 and e.scheduler.num_preemptions == 0
+
+
+def test_fairness_preemption_is_not_held_back(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
+    """A request fanned out to four sequences holds every slot when a single request arrives: under "fair" one of
+    the four gives its slot up (preempted, recomputed later), so steady pipelined steps must not run past that
+    decision. Every sequence ends with plain decoding's tokens."""
+    e = _engine(tiny_v41, 2, max_num_seqs=4, scheduling_policy="fair")
+    fan = SamplingParams(n=4, max_tokens=14, temperature=0, ignore_eos=True)
+    e.add_request(PROMPTS[1], fan, request_id="fan")
+    for _ in range(3):
+        e.step()
+    assert e.runner.speculator.pipeline.num_steps > 0
+    e.add_request(PROMPTS[0], GREEDY, request_id="late")
+    outs: dict[str, Any] = {}
+    while e.has_unfinished_requests():
+        for o in e.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert [list(c.token_ids) for c in outs["fan"].outputs] == [baseline["1"]] * 4
+    assert list(outs["late"].outputs[0].token_ids) == baseline["0"]
+    assert e.scheduler.num_preemptions > 0
+
+
 @pytest.mark.parametrize("case", ["prefix_cache", "preemption"])
 def test_prefix_caching_and_preemption(tiny_v41: str, case: str) -> None:
     """Units cached at landings are hits for later requests (outputs unchanged); a pool too small for everyone

@@ -48,8 +48,9 @@ they land); one that stops on a token computes one more token, which is discarde
 request is re-admitted only once its placeholders have landed, so its new row starts from the known tokens.
 
 Pipelined speculation (`SchedulerConfig.spec_pipeline_tokens` q = k + 1 > 0: async scheduling with speculative
-decoding, dsv4/spec_decode/pipelined.py). While the batch is steady (`can_pipeline`: nobody waits, nobody is
-mid-prefill, every running request verifies q tokens next and has room for two more such steps), the engine
+decoding, dsv4/spec_decode/pipelined.py). While the batch is steady (`can_pipeline`: nobody is mid-prefill, nobody
+waits unless every slot is taken and fairness would not preempt for them, every running request verifies q tokens
+next and has room for two more such steps), the engine
 schedules with `schedule_pipelined` before the previous step's acceptance is known: q tokens a request, counted as
 computed, and q placeholders a request (at most q tokens a step can emit) that its landing takes back. The runner
 computes each request's real positions on the device. When the step lands, its rejected tokens are subtracted as
@@ -314,13 +315,17 @@ class Scheduler:
     # ---- pipelined speculation -------------------------------------------------------------------------------
 
     def can_pipeline(self) -> bool:
-        """Whether the next step may be a pipelined speculative one (module docstring): something runs, nobody waits
-        or is mid-prefill, and every running request verifies q tokens next (its drafts land with it, or a pipelined
-        step is in flight for it), has room for two more steps of q within max_len (the device's positions may be
-        up to one step ahead of the counted ones: it never writes a token past max_len) and its blocks for q more
-        tokens are free without preempting anyone."""
+        """Whether the next step may be a pipelined speculative one (module docstring): something runs, nobody is
+        mid-prefill or would be admitted, and every running request verifies q tokens next (its drafts land with it, or a pipelined
+        step is in flight for it), has room for two more steps of q within max_len (the counted tokens include the
+        steps in flight; a step writes its drafts and bonus token up to q positions past them, never past max_len)
+        and its blocks for q more tokens are free without preempting anyone."""
         q = self.config.spec_pipeline_tokens
-        if not q or not self.running or self._num_waiting or self._prefilling:
+        if not q or not self.running or self._prefilling:
+            return False
+        # a waiting request would be admitted now, or would take a slot by fairness: a synchronous step
+        if self._num_waiting and (len(self.running) < self.config.max_num_seqs
+                                  or (self._fair and self._fairness_victim() is not None)):
             return False
         for req in self.running:
             if not req.num_output_placeholders and req.num_tokens - req.num_computed_tokens + req.num_draft_tokens != q:
@@ -446,25 +451,29 @@ class Scheduler:
         return best
 
     def _preempt_for_fairness(self) -> None:
+        victim = self._fairness_victim()
+        if victim is not None:
+            self.running.remove(victim)
+            self._preempt(victim)
+
+    def _fairness_victim(self) -> Request | None:
         # A slot (or blocks) for the group admission serves next, taken from the group running the most if that
-        # one would still run at least as many: preempt its newest request (the least progress to recompute).
+        # one would still run at least as many: its newest request (the least progress to recompute), or None.
         group = self._next_group()
         assert group is not None  # something waits
         head = self._waiting[group][0]
         if head.num_output_placeholders:
-            return  # not admissible this step anyway (a preempted request waiting for its in-flight token)
+            return None  # not admissible this step anyway (a preempted request waiting for its in-flight token)
         long = 0 < self._chunk_cap < head.num_tokens  # (a prefix hit could make it short: then it waits a bit)
         if long and not self._partial_prefill_room(long):
-            return  # not admissible this step either: no room for another long partial prefill (no thrashing)
+            return None  # not admissible this step either: no room for another long partial prefill (no thrashing)
         running = self._num_running_of
         if not running:
-            return  # blocked last step, but every running request has finished since
+            return None  # blocked last step, but every running request has finished since
         richest = max(running, key=running.__getitem__)  # <= max_num_seqs groups
         if running[richest] <= running.get(group, 0) + 1:
-            return
-        victim = next(r for r in reversed(self.running) if r.group_id == richest)
-        self.running.remove(victim)
-        self._preempt(victim)
+            return None
+        return next(r for r in reversed(self.running) if r.group_id == richest)
 
     @staticmethod
     def _num_planned(req: Request) -> int:
