@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from dsv4.config import SchedulerConfig
 from dsv4.engine.engine import LLMEngine
@@ -22,7 +23,7 @@ from dsv4.models.config import ConfigError
 from dsv4.runtime.sampler import SamplingTensors
 from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.dspark_graphs import GraphedDSparkProposer
-from dsv4.spec_decode.pipelined import accept_greedy, verify_on_device
+from dsv4.spec_decode.pipelined import PipelinedVerify, accept_greedy, verify_on_device
 from dsv4.spec_decode.proposer import OracleProposer
 from dsv4.spec_decode.verify_decode import verify_capture_sizes
 from dsv4.tokenizer import Tokenizer
@@ -205,6 +206,67 @@ def test_pipelined_steps_free_window_blocks_only_behind_the_device(tiny_v41: str
     assert outs == {"0": baseline["1"], "1": baseline["3"]}
     assert len(seen) > 4 and all(freed_behind <= start for freed_behind, start in seen)
     assert any(freed_behind < start for freed_behind, start in seen)  # (the bound is not always tight)
+
+
+class _HostReads(TorchFunctionMode):
+    """Records every call that brings a tensor's values to the host (on a GPU: a sync), outside graph replays."""
+
+    READS = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+        self.in_graph = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = getattr(func, "__name__", "")
+        if name in self.READS and not self.in_graph:
+            self.reads.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_pipelined_launch_reads_nothing_on_the_host(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
+    """The CPU side of the GPU test's sync check: a pipelined launch (after the first, which copies the host counts)
+    calls nothing that reads a tensor's values on the host (tolist, item, bool, numpy, ...), outside what the CUDA
+    graphs replay (verify rows, drafter: both replayed by the stand-in here), with a greedy and a sampled request.
+    A planted `.tolist()` of the acceptance makes it fail."""
+    e = LLMEngine.from_args(tiny_v41, max_num_seqs=4, async_scheduling=True,
+                            speculative_config=_spec(3, drafter_cuda_graphs=True))
+    sp = e.runner.speculator
+    vd, p, pipe = sp.verify_decode, sp.proposer, sp.pipeline
+    vd.graphs = RerunGraphs(verify_capture_sizes([1, 2, 4], vd.q, 4, None), enabled=True)
+    vd.capture()
+    assert isinstance(p, GraphedDSparkProposer)
+    p.graphs = RerunGraphs([1, 2, 4], enabled=True)
+    p.capture()
+    mode = _HostReads()
+    for graphs in (vd.graphs, p.graphs):
+        replay = graphs.replay
+
+        def quiet(size: int, replay: Any = replay) -> torch.Tensor:
+            mode.in_graph += 1
+            try:
+                return replay(size)
+            finally:
+                mode.in_graph -= 1
+
+        graphs.replay = quiet  # type: ignore[method-assign]
+    launch = PipelinedVerify.launch
+    checked = []
+
+    def watched(so: Any) -> Any:
+        if not pipe.device_ahead:
+            return launch(pipe, so)
+        with mode:
+            out = launch(pipe, so)
+        checked.append(len(mode.reads))
+        return out
+
+    pipe.launch = watched  # type: ignore[method-assign]
+    sampled = SamplingParams(max_tokens=14, temperature=0.9, top_p=0.9, ignore_eos=True)
+    outs = run_to_completion(e, {"0": PROMPTS[1], "1": PROMPTS[3]}, {"0": GREEDY, "1": sampled})
+    assert outs["0"] == baseline["1"]
+    assert len(checked) > 3 and mode.reads == [], sorted(set(mode.reads))
 
 
 def test_arrivals_aborts_and_stop_tokens(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
