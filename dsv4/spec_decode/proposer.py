@@ -103,7 +103,10 @@ class DSparkProposer:
         assert taps is not None
         last = as_device(last_positions, anchors.device)
         ctx = taps.gather(rows, last)
-        return self.drafter.propose(ctx, last, anchors, self.embed, self.lm_head).tokens
+        # device positions (a pipelined step): the MoE's fixed-shape path, which reads nothing on the host (the
+        # grouped path sizes its groups there); the same function (tests/test_dspark_graphs.py)
+        fixed = isinstance(last_positions, torch.Tensor)
+        return self.drafter.propose(ctx, last, anchors, self.embed, self.lm_head, fixed=fixed).tokens
 
 
 class MTPProposer:
