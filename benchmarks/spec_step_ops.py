@@ -31,7 +31,7 @@ from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.verify_decode import verify_capture_sizes
 
 sys.path.insert(0, "tests")
-from engine_runs import RerunGraphs  # noqa: E402  (the tests' CPU stand-in for CUDA graphs)
+from engine_runs import RerunGraphs  # (the tests' CPU stand-in for CUDA graphs)
 
 READS = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu"})
 

@@ -223,8 +223,8 @@ class LLMEngine:
         quantization None / "auto": the checkpoint's format, "none": dequantize FP8 / FP4 weights at load;
         speculative_config: vLLM's `{"method": "dspark", "num_speculative_tokens": k}`, a dict or its JSON, which
         turns async scheduling off unless it was asked for: with `"verify_decode": true` async scheduling pipelines
-        the steady verify steps, dsv4/spec_decode/pipelined.py; without it, an error). quantization "fp8" of a float checkpoint
-        loads its released-format copy (made once, cached: dsv4/quant/online.py)."""
+        the steady verify steps, dsv4/spec_decode/pipelined.py; without it, an error). quantization "fp8" of a
+        float checkpoint loads its released-format copy (made once, cached: dsv4/quant/online.py)."""
         model, quantization = online_quantized_dir(model, quantization)
         mc = load_model_config(model)
         spec = parse_speculative_config(speculative_config, drafter_spec(_raw_config(model)))
@@ -416,7 +416,8 @@ class LLMEngine:
         if work and self._channel is not None:
             assert self.parallel.rank == 0, "under follow_rank0 only rank 0 steps; the others call follow()"
             self._channel.send(so)  # the other ranks execute the same step (their collectives meet ours)
-        if not self.config.scheduler.async_scheduling or (self.config.scheduler.spec_pipeline_tokens and not pipelined):
+        sc = self.config.scheduler
+        if not sc.async_scheduling or (sc.spec_pipeline_tokens and not pipelined):  # (speculation: synchronous)
             return self._outputs(touched | (self._apply_output(so, self.runner.execute(so)) if work else set()))
         pending = self.runner.execute_async(so) if work else None
         landed, self._in_flight = self._in_flight, (so, pending) if pending is not None else None

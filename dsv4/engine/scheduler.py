@@ -50,9 +50,9 @@ request is re-admitted only once its placeholders have landed, so its new row st
 Pipelined speculation (`SchedulerConfig.spec_pipeline_tokens` q = k + 1 > 0: async scheduling with speculative
 decoding, dsv4/spec_decode/pipelined.py). While the batch is steady (`can_pipeline`: nobody is mid-prefill, nobody
 waits unless every slot is taken and fairness would not preempt for them, every running request verifies q tokens
-next and has room for two more such steps), the engine
-schedules with `schedule_pipelined` before the previous step's acceptance is known: q tokens a request, counted as
-computed, and q placeholders a request (at most q tokens a step can emit) that its landing takes back. The runner
+next and has room for two more such steps), the engine schedules with `schedule_pipelined` before the previous
+step's acceptance is known: q tokens a request, counted as computed, and q placeholders a request (at most q
+tokens a step can emit) that its landing takes back. The runner
 computes each request's real positions on the device. When the step lands, its rejected tokens are subtracted as
 usual; so num_computed_tokens runs q tokens a step in flight ahead of the device, which is never behind it: blocks
 allocated for the counted positions cover the real ones. Units are cached at a landing, up to what the device has
@@ -316,10 +316,10 @@ class Scheduler:
 
     def can_pipeline(self) -> bool:
         """Whether the next step may be a pipelined speculative one (module docstring): something runs, nobody is
-        mid-prefill or would be admitted, and every running request verifies q tokens next (its drafts land with it, or a pipelined
-        step is in flight for it), has room for two more steps of q within max_len (the counted tokens include the
-        steps in flight; a step writes its drafts and bonus token up to q positions past them, never past max_len)
-        and its blocks for q more tokens are free without preempting anyone."""
+        mid-prefill or would be admitted, and every running request verifies q tokens next (its drafts land with it,
+        or a pipelined step is in flight for it), has room for two more steps of q within max_len (the counted
+        tokens include the steps in flight; a step writes its drafts and bonus token up to q positions past them,
+        never past max_len) and its blocks for q more tokens are free without preempting anyone."""
         q = self.config.spec_pipeline_tokens
         if not q or not self.running or self._prefilling:
             return False
@@ -387,13 +387,11 @@ class Scheduler:
             if not tokens or req is None:  # a partial prefill, or aborted after it was scheduled
                 continue
             assert req_id in scheduler_output.num_scheduled_tokens, f"{req_id} sampled but was not scheduled"
-            if pipelined:
-                pass
-            elif self.config.async_scheduling and not self.config.spec_pipeline_tokens:
+            if self.config.async_scheduling and not self.config.spec_pipeline_tokens:
                 # later steps may already be scheduled past these tokens (or the request preempted since)
                 req.num_output_placeholders -= len(tokens)
                 assert req.num_output_placeholders >= 0, f"{req_id}: more tokens than placeholders"
-            else:  # a speculative step also computed the drafts it accepted (all but the newest token)
+            elif not pipelined:  # a speculative step also computed the drafts it accepted (all but the newest token)
                 assert req.num_computed_tokens <= req.num_tokens + len(tokens) - 1 and (
                     spec or req.num_computed_tokens == req.num_tokens), f"{req_id} sampled before its prefill completed"
             for token in tokens:
