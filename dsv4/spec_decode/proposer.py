@@ -150,6 +150,8 @@ class OracleProposer:
         self.sequences, self.block_size, self.fill = sequences, block_size, fill
         self._table: torch.Tensor | None = None  # [ids + 1, longest + block_size]: each sequence, then fill
         self._index: dict[str, int] = {}
+        self._batch_key: tuple[str, ...] = ()
+        self._batch_idx = torch.zeros(0, dtype=torch.int64)
 
     def _device_table(self, device: torch.device) -> torch.Tensor:
         if self._table is None or self._table.device != device:
@@ -167,9 +169,12 @@ class OracleProposer:
         K = self.block_size
         if isinstance(last_positions, torch.Tensor):
             table = self._device_table(anchors.device)
-            idx = [self._index.get(r, table.shape[0] - 1) for r in req_ids]
+            key = tuple(req_ids)
+            if key != self._batch_key:  # copied once per batch: a copy from a list waits for the stream
+                idx = [self._index.get(r, table.shape[0] - 1) for r in req_ids]
+                self._batch_key, self._batch_idx = key, torch.tensor(idx, device=anchors.device)
             cols = (last_positions[:, None] + 2 + torch.arange(K, device=anchors.device)).clamp(max=table.shape[1] - 1)
-            return table[torch.tensor(idx, device=anchors.device)[:, None], cols]
+            return table[self._batch_idx[:, None], cols]
         out = np.full((len(req_ids), K), self.fill, dtype=np.int64)
         for i, (req_id, last) in enumerate(zip(req_ids, last_positions.tolist())):
             seq = self.sequences.get(req_id, ())

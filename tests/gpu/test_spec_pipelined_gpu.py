@@ -61,13 +61,17 @@ def test_pipelined_graphs_greedy_equal_plain(setup: tuple, k: int, drafter: str)
         assert st.num_accepted_tokens == st.num_draft_tokens > 0
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "with-sampled"])
-def test_pipelined_launch_does_not_sync(setup: tuple, monkeypatch: pytest.MonkeyPatch, sampled: bool) -> None:
+@pytest.mark.parametrize(("sampled", "drafter"), [(False, "dspark"), (True, "dspark"), (False, "oracle")],
+                         ids=["greedy", "with-sampled", "oracle"])
+def test_pipelined_launch_does_not_sync(setup: tuple, monkeypatch: pytest.MonkeyPatch, sampled: bool,
+                                        drafter: str) -> None:
     """Every pipelined launch after the first (which copies the host counts and builds the sampling tensors once)
     runs under torch.cuda.set_sync_debug_mode("error"): any host read of a device value raises. With an unseeded
-    sampled request beside the greedy one, its draws and the rejection rule run on the device too."""
+    sampled request beside the greedy one, its draws and the rejection rule run on the device too; the oracle
+    (the benchmark's drafter) reads its device table."""
     path, prompts, plain = setup
-    e = _engine(path, 3, drafter_cuda_graphs=True)
+    oracle = {"0": prompts[1] + plain["1"]} if drafter == "oracle" else None
+    e = _engine(path, 3, oracle, drafter_cuda_graphs=True)
     orig = PipelinedVerify.launch
     checked = []
 
