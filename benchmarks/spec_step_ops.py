@@ -65,6 +65,21 @@ class _Reads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+def _uncounted(counter: _Counter, fn: Any, counts_as: str | None = None) -> Any:
+    """`fn` with its ops left out of `counter` (a graph replays them), or counted as one op `counts_as`."""
+
+    def run(*args: Any) -> Any:
+        if counts_as is not None:
+            counter.ops[counts_as] += 1
+        counter.paused += 1
+        try:
+            return fn(*args)
+        finally:
+            counter.paused -= 1
+
+    return run
+
+
 def _stand_in_graphs(engine: LLMEngine, counter: _Counter) -> None:
     """Verify rows and drafter proposals replayed by RerunGraphs, their ops uncounted (the plain decode's forward is
     uncounted by `measure`)."""
@@ -77,28 +92,10 @@ def _stand_in_graphs(engine: LLMEngine, counter: _Counter) -> None:
         p.graphs = RerunGraphs([1, 2, 4, 8], enabled=True)
         p.capture()
         managers = [vd.graphs, p.graphs]
-        build = vd.decode.build_groups
-
-        def one_launch(*args: Any) -> None:  # on CUDA the decode-metadata build is one Triton launch
-            counter.ops["decode_metadata_build"] += 1
-            counter.paused += 1
-            try:
-                build(*args)
-            finally:
-                counter.paused -= 1
-
-        vd.decode.build_groups = one_launch
+        # on CUDA the decode-metadata build is one Triton launch
+        vd.decode.build_groups = _uncounted(counter, vd.decode.build_groups, "decode_metadata_build")
     for graphs in managers:
-        replay = graphs.replay
-
-        def quiet(size: int, replay: Any = replay) -> torch.Tensor:
-            counter.paused += 1
-            try:
-                return replay(size)
-            finally:
-                counter.paused -= 1
-
-        graphs.replay = quiet
+        graphs.replay = _uncounted(counter, graphs.replay)
 
 
 def measure(model: str, kind: str, batch: int, k: int, steps: int) -> dict[str, Any]:
@@ -109,17 +106,7 @@ def measure(model: str, kind: str, batch: int, k: int, steps: int) -> dict[str, 
     reads = _Reads(counter)
     _stand_in_graphs(e, counter)
     if kind == "plain":  # the plain decode's graph: its forward uncounted too
-        r = e.runner
-        orig = r._decode
-
-        def decode(batch: Any) -> torch.Tensor:
-            counter.paused += 1
-            try:
-                return orig(batch)
-            finally:
-                counter.paused -= 1
-
-        r._decode = decode
+        e.runner._decode = _uncounted(counter, e.runner._decode)
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
         e.add_request(torch.randint(5, 400, (40,), generator=g).tolist(),

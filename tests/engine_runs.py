@@ -4,7 +4,9 @@ CPU stand-in for CUDA graph capture and replay."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -25,6 +27,38 @@ def run_to_completion(engine: LLMEngine, prompts: Mapping[str, str | list[int]],
             if o.finished:
                 outs[o.request_id] = list(o.outputs[0].token_ids)
     return outs
+
+
+def oracle_sequences(prompts: Sequence[list[int]], outputs: Sequence[list[int]], wrong_every: int = 0
+                     ) -> dict[str, list[int]]:
+    """The OracleProposer's sequences for requests "0", "1", ..: request r drafts prompts[r] + outputs[r] (its
+    plain continuation), with a wrong token every `wrong_every` positions (0: none) from position len(prompt) + 2 +
+    r on, so the rejections fall at offsets that differ per request."""
+    out = {}
+    for r, (prompt, output) in enumerate(zip(prompts, outputs)):
+        seq = list(prompt) + list(output)
+        if wrong_every:
+            for j in range(len(prompt) + 2 + r, len(seq), wrong_every):
+                seq[j] = (seq[j] + 1) % 500
+        out[str(r)] = seq
+    return out
+
+
+def demo_code_prompts(model_dir: str) -> dict[str, list[int]]:
+    """Three short code prompts (BOS first) in the built-in trained model's tokens, by request id "0".."2"."""
+    from dsv4.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    texts = ["def __init__(self", "import os\nimport sys\n\n\ndef main(", "class Queue:\n    def "]
+    return {str(i): [tok.bos_token_id] + tok.encode(t, add_special_tokens=False) for i, t in enumerate(texts)}
+
+
+def top_k_probs(logprobs: Mapping[int, Any], k: int) -> dict[int, float]:
+    """A position's logprobs (token -> Logprob) as the distribution of temperature 1, top-k k: the k best,
+    renormalised."""
+    best = sorted(logprobs.items(), key=lambda kv: -kv[1].logprob)[:k]
+    z = sum(math.exp(v.logprob) for _, v in best)
+    return {t: math.exp(v.logprob) / z for t, v in best}
 
 
 class RerunGraphs(CudaGraphManager):

@@ -18,8 +18,7 @@ from dsv4.models.config import ConfigError
 from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.config import DrafterSpec, DSparkConfig, parse_speculative_config
 from dsv4.spec_decode.dspark_graphs import GraphedDSparkProposer
-from dsv4.tokenizer import Tokenizer
-from engine_runs import RerunGraphs, run_to_completion
+from engine_runs import RerunGraphs, demo_code_prompts, run_to_completion
 
 def _spec(graphs: bool) -> dict[str, Any]:
     return {"method": "dspark", "drafter_cuda_graphs": graphs}
@@ -105,9 +104,7 @@ def test_engine_with_drafter_graphs_decodes_as_plain() -> None:
     the graphed drafter (stand-in graphs of 1, 2 and 4 requests, so the 3-request steps are padded) emits plain
     decoding's tokens, with exactly the eager drafter's acceptance counts."""
     model = default_model_dir()
-    tok = Tokenizer.from_dir(model)
-    texts = ["def __init__(self", "import os\nimport sys\n\n\ndef main(", "class Queue:\n    def "]
-    prompts = {str(i): [tok.bos_token_id] + tok.encode(t, add_special_tokens=False) for i, t in enumerate(texts)}
+    prompts = demo_code_prompts(model)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     plain = run_to_completion(LLMEngine.from_args(model, max_num_seqs=4), prompts, params)
     eager = LLMEngine.from_args(model, max_num_seqs=4, speculative_config=_spec(False))

@@ -31,6 +31,7 @@ from dsv4.spec_decode.mtp import MTPDrafter, load_mtp_drafter
 from dsv4.spec_decode.proposer import OracleProposer
 from dsv4.spec_decode.rejection import verify
 from dsv4.tokenizer import Tokenizer
+from engine_runs import top_k_probs
 
 SPEC = {"method": "dspark", "num_speculative_tokens": 3}
 MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 3}
@@ -388,17 +389,11 @@ def test_speculative_sampling_follows_the_target_softmax(model_dir: str, baselin
     lp_params = SamplingParams(max_tokens=1, temperature=0, logprobs=K)
     lp_outs, _ = _run(model_dir, [prompt] + [prompt + [t] for t in firsts], lp_params, max_num_seqs=8)
 
-    def topk(o: Any) -> dict[int, float]:
-        lps = o.logprobs[0]
-        best = sorted(lps.items(), key=lambda kv: -kv[1].logprob)[:K]
-        z = sum(math.exp(v.logprob) for _, v in best)
-        return {t: math.exp(v.logprob) / z for t, v in best}
-
-    p1 = topk(lp_outs["0"])
+    p1 = top_k_probs(lp_outs["0"].logprobs[0], K)
     assert set(firsts) <= set(p1)
     observed, expected = [], []
     for i, t1 in enumerate(firsts):
-        p2 = topk(lp_outs[str(i + 1)])
+        p2 = top_k_probs(lp_outs[str(i + 1)].logprobs[0], K)
         for t2, q in p2.items():
             observed.append(pairs.get((t1, t2), 0))
             expected.append(n * p1[t1] * q)

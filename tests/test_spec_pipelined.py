@@ -7,7 +7,6 @@ requests beside greedy ones, and the graph path; the device acceptance rule equa
 
 from __future__ import annotations
 
-import math
 import sys
 from collections import Counter
 from typing import Any
@@ -27,8 +26,7 @@ from dsv4.spec_decode.dspark_graphs import GraphedDSparkProposer
 from dsv4.spec_decode.pipelined import PipelinedVerify, accept_greedy, verify_on_device
 from dsv4.spec_decode.proposer import OracleProposer
 from dsv4.spec_decode.verify_decode import verify_capture_sizes
-from dsv4.tokenizer import Tokenizer
-from engine_runs import RerunGraphs, run_to_completion
+from engine_runs import RerunGraphs, demo_code_prompts, oracle_sequences, run_to_completion, top_k_probs
 from test_spec_decode import _chi_square_p
 
 # lengths 5, 13, 2, 8: the first verify step's anchor at odd and even positions (ratio-2 pairs)
@@ -58,16 +56,8 @@ def baseline(tiny_v41: str) -> dict[str, list[int]]:
 
 
 def _oracle(baseline: dict[str, list[int]], ids: list[int], wrong_every: int = 0) -> dict[str, list[int]]:
-    """Request r (prompt ids[r]) drafts its plain continuation, with a wrong token every `wrong_every` positions
-    (0: none) at offsets that differ per request."""
-    out = {}
-    for r, i in enumerate(ids):
-        seq = PROMPTS[i] + baseline[str(i)]
-        if wrong_every:
-            for j in range(len(PROMPTS[i]) + 2 + r, len(seq), wrong_every):
-                seq[j] = (seq[j] + 1) % 500
-        out[str(r)] = seq
-    return out
+    """Request r (prompt ids[r]) drafts its plain continuation (`oracle_sequences`)."""
+    return oracle_sequences([PROMPTS[i] for i in ids], [baseline[str(i)] for i in ids], wrong_every)
 
 
 def _host_accept(target: list[int], ids: list[int], known: int) -> int:
@@ -373,10 +363,7 @@ def test_prefix_caching_and_preemption(tiny_v41: str, case: str) -> None:
         kw = dict(block_size=4, num_kv_blocks=20, enable_prefix_caching=False, max_num_seqs=4)
     named = {str(i): p for i, p in enumerate(prompts)}
     base = run_to_completion(_engine(tiny_v41, None, **kw), named, params)
-    oracle = {str(i): p + base[str(i)] for i, p in enumerate(prompts)}
-    for r, seq in enumerate(oracle.values()):
-        for j in range(len(prompts[r]) + 2 + r, len(seq), 4):
-            seq[j] = (seq[j] + 1) % 500
+    oracle = oracle_sequences(prompts, [base[str(i)] for i in range(len(prompts))], 4)
     e = _engine(tiny_v41, 3, oracle, **kw)
     assert run_to_completion(e, named, params) == base
     assert e.runner.speculator.pipeline.num_steps > 0
@@ -397,12 +384,7 @@ def _top_k_targets(model_dir: str, prompts: list[list[int]], K: int) -> list[dic
         for o in e.step():
             if o.finished:
                 lps[o.request_id] = o.outputs[0].logprobs[0]
-    out = []
-    for i in range(len(prompts)):
-        best = sorted(lps[str(i)].items(), key=lambda kv: -kv[1].logprob)[:K]
-        z = sum(math.exp(v.logprob) for _, v in best)
-        out.append({t: math.exp(v.logprob) / z for t, v in best})
-    return out
+    return [top_k_probs(lps[str(i)], K) for i in range(len(prompts))]
 
 
 def test_sampled_requests_are_pipelined(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
@@ -463,9 +445,7 @@ def test_graph_path_and_the_trained_drafter() -> None:
     drafter's proposals replayed by the CPU stand-in for CUDA graphs (device inputs only: a host read in either
     would break the real graphs too): greedy output equals plain decoding, most steps pipelined."""
     model = default_model_dir()
-    tok = Tokenizer.from_dir(model)
-    texts = ["def __init__(self", "import os\nimport sys\n\n\ndef main(", "class Queue:\n    def "]
-    prompts = {str(i): [tok.bos_token_id] + tok.encode(t, add_special_tokens=False) for i, t in enumerate(texts)}
+    prompts = demo_code_prompts(model)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     plain = run_to_completion(LLMEngine.from_args(model, max_num_seqs=4), prompts, params)
     e = LLMEngine.from_args(model, max_num_seqs=4, async_scheduling=True,

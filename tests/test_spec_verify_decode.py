@@ -26,7 +26,7 @@ from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.config import DrafterSpec, DSparkConfig, SpeculativeConfig, parse_speculative_config
 from dsv4.spec_decode.proposer import OracleProposer
 from dsv4.spec_decode.verify_decode import VerifyDecode, verify_capture_sizes
-from engine_runs import RerunGraphs, run_to_completion
+from engine_runs import RerunGraphs, oracle_sequences, run_to_completion
 
 # lengths 5, 13, 2, 8: the first verify step's anchor at odd and even positions (closing a ratio-2 pair with the
 # ring's row, or opening one)
@@ -60,16 +60,8 @@ def baseline(tiny_v41: str) -> dict[str, list[int]]:
 
 
 def _oracle(baseline: dict[str, list[int]], ids: list[int], wrong_every: int = 0) -> dict[str, list[int]]:
-    """The oracle's sequences of prompts `ids` (request ids "0", ".." in that order): the plain output, with a wrong
-    token every `wrong_every` positions (0: none) at offsets that differ per request."""
-    out = {}
-    for r, i in enumerate(ids):
-        seq = PROMPTS[i] + baseline[str(i)]
-        if wrong_every:
-            for j in range(len(PROMPTS[i]) + 2 + r, len(seq), wrong_every):
-                seq[j] = (seq[j] + 1) % 500
-        out[str(r)] = seq
-    return out
+    """The oracle's sequences of prompts `ids` (request ids "0", ".." in that order; `oracle_sequences`)."""
+    return oracle_sequences([PROMPTS[i] for i in ids], [baseline[str(i)] for i in ids], wrong_every)
 
 
 def _record_uniform(vd: VerifyDecode) -> list[tuple[bool, list[int], list[int]]]:
@@ -143,10 +135,7 @@ def test_greedy_equals_plain_with_prefix_caching_and_preemption(tiny_v41: str, c
         prompts = [[0] + [(7 * i + j) % 400 + 3 for j in range(10 + 3 * i)] for i in range(4)]
         kw = dict(block_size=4, num_kv_blocks=20, enable_prefix_caching=False, max_num_seqs=4)
     base = _run(tiny_v41, prompts, params=params, **kw)[0]
-    oracle = {str(i): p + base[str(i)] for i, p in enumerate(prompts)}
-    for r, seq in enumerate(oracle.values()):
-        for j in range(len(prompts[r]) + 2 + r, len(seq), 4):
-            seq[j] = (seq[j] + 1) % 500
+    oracle = oracle_sequences(prompts, [base[str(i)] for i in range(len(prompts))], 4)
     outs, e = _run(tiny_v41, prompts, _spec(3), oracle, params=params, **kw)
     assert outs == base
     st = e.spec_decode_stats

@@ -400,9 +400,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; return the outputs of requests that progressed or finished. With async
         scheduling the step is launched first and the outputs are those of the step before it."""
+        sc = self.config.scheduler
         touched: set[str] = set()
         pipelined = False
-        if self.config.scheduler.spec_pipeline_tokens:
+        if sc.spec_pipeline_tokens:
             # speculation under async scheduling: only steady verify steps are pipelined; any other step first
             # lands the one in flight (dsv4/spec_decode/pipelined.py)
             speculator = self.runner.speculator
@@ -416,7 +417,6 @@ class LLMEngine:
         if work and self._channel is not None:
             assert self.parallel.rank == 0, "under follow_rank0 only rank 0 steps; the others call follow()"
             self._channel.send(so)  # the other ranks execute the same step (their collectives meet ours)
-        sc = self.config.scheduler
         if not sc.async_scheduling or (sc.spec_pipeline_tokens and not pipelined):  # (speculation: synchronous)
             return self._outputs(touched | (self._apply_output(so, self.runner.execute(so)) if work else set()))
         pending = self.runner.execute_async(so) if work else None

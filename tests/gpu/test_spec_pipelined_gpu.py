@@ -16,7 +16,7 @@ from dsv4.make_model import make_model
 from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.pipelined import PipelinedVerify
 from dsv4.spec_decode.proposer import OracleProposer
-from engine_runs import run_to_completion
+from engine_runs import oracle_sequences, run_to_completion
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -47,11 +47,7 @@ def test_pipelined_graphs_greedy_equal_plain(setup: tuple, k: int, drafter: str)
     path, prompts, plain = setup
     oracle = None
     if drafter != "dspark":
-        oracle = {str(i): p + plain[str(i)] for i, p in enumerate(prompts)}
-        if drafter == "wrong":
-            for i, seq in enumerate(oracle.values()):
-                for j in range(len(prompts[i]) + 2 + i, len(seq), 3):
-                    seq[j] = (seq[j] + 1) % 500
+        oracle = oracle_sequences(prompts, [plain[str(i)] for i in range(len(prompts))], 3 if drafter == "wrong" else 0)
     e = _engine(path, k, oracle, drafter_cuda_graphs=True)
     sp = e.runner.speculator
     assert run_to_completion(e, {str(i): p for i, p in enumerate(prompts)}, GREEDY) == plain

@@ -15,7 +15,7 @@ from dsv4.make_model import make_model
 from dsv4.runtime.input_batch import InputBatch
 from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.proposer import OracleProposer
-from engine_runs import run_to_completion
+from engine_runs import oracle_sequences, run_to_completion
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -51,11 +51,7 @@ def test_verify_decode_graphs_greedy_equal_plain(setup: tuple, k: int, drafter: 
     path, prompts, plain = setup
     oracle = None
     if drafter != "dspark":
-        oracle = {str(i): p + plain[str(i)] for i, p in enumerate(prompts)}
-        if drafter == "wrong":
-            for i, seq in enumerate(oracle.values()):
-                for j in range(len(prompts[i]) + 2 + i, len(seq), 3):
-                    seq[j] = (seq[j] + 1) % 500
+        oracle = oracle_sequences(prompts, [plain[str(i)] for i in range(len(prompts))], 3 if drafter == "wrong" else 0)
     e = _engine(path, _spec(k), oracle)
     vd = e.runner.speculator.verify_decode
     assert vd.graphs.enabled and sorted(vd.graphs.graphs) == [k + 1, 2 * (k + 1), 4 * (k + 1)]
