@@ -4,6 +4,7 @@ CPU stand-in for CUDA graph capture and replay."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -12,7 +13,9 @@ import torch
 
 from dsv4.engine.engine import LLMEngine
 from dsv4.runtime.cudagraphs import CudaGraphManager
+from dsv4.runtime.input_batch import InputBatch
 from dsv4.sampling_params import SamplingParams
+from dsv4.spec_decode.verify_decode import VerifyDecode, verify_capture_sizes
 
 
 def run_to_completion(engine: LLMEngine, prompts: Mapping[str, str | list[int]],
@@ -74,3 +77,65 @@ class RerunGraphs(CudaGraphManager):
 
     def replay(self, size: int) -> torch.Tensor:
         return self.run(size)
+
+
+# ---- the multi-row verify decode (dsv4/spec_decode/verify_decode.py) -----------------------------------------------
+def cache_tensors(engine: LLMEngine) -> list[torch.Tensor]:
+    """Every tensor of the engine's per-layer KV caches (window KV, entries, indexer keys, compressor rings)."""
+    return [getattr(c, f.name) for c in engine.runner.kv_caches for f in dataclasses.fields(c)
+            if isinstance(getattr(c, f.name), torch.Tensor)]
+
+
+def pad_like_graphs(vd: VerifyDecode, graphs: bool = False) -> None:
+    """Verify steps padded to the graph sizes (requests 1, 2, 4): run eagerly (an enabled manager with nothing
+    captured, as a GPU run whose graph of some size is missing), or `graphs`: "replayed" by `RerunGraphs`, captured
+    as the runner captures them. Padding rows must leave the real rows' outputs and caches alone."""
+    sizes = verify_capture_sizes([1, 2, 4], vd.q, 4, None)
+    vd.graphs = (RerunGraphs if graphs else CudaGraphManager)(sizes, enabled=True)
+    if graphs:
+        vd.capture()
+
+
+def compare_verify_with_eager(engine: LLMEngine) -> list[int]:
+    """Make every decode-row verify step of `engine` also run through the eager token-row forward from the same
+    caches (cloned before, restored after) and check that the hidden states (so the logits rejection.verify gets),
+    the drafter's taps and every cache after the step (window KV, entries, indexer keys, compressor rings) agree
+    within fp32 round-off. Returns the list the compared steps' token counts are appended to."""
+    r = engine.runner
+    vd = r.speculator.verify_decode
+    assert vd is not None
+    orig = vd.forward
+    compared: list[int] = []
+
+    def both(batch: InputBatch, taps: dict[int, torch.Tensor | None] | None) -> torch.Tensor:
+        tensors = cache_tensors(engine)
+        before = [t.clone() for t in tensors]
+        md = r.model_state.prepare_attn(batch, r.block_tables)
+        extra = dict(r.model_state.prepare_inputs(batch, r.req_state))
+        eager_taps = dict.fromkeys(taps) if taps is not None else None
+        if eager_taps is not None:
+            extra["taps"] = eager_taps
+        want = r.model(batch.input_ids, md, r.kv_caches, **extra).clone()
+        eager_state = [t.clone() for t in tensors]
+        for t, b in zip(tensors, before):
+            t.copy_(b)
+        # VerifyDecode.reference_forward (the GPU test's and the precision benchmark's) is this same eager forward,
+        # and leaves the caches as it found them (the decode-row step below must then match the eager state)
+        assert torch.equal(vd.reference_forward(batch), want)
+        got = orig(batch, taps)
+        # every cache the step writes as the eager step left it, but for row 0 (the trash slot / null ring block,
+        # which both paths' masked writes hit)
+        for t, w in zip(tensors, eager_state):
+            torch.testing.assert_close(t[1:], w[1:], rtol=1e-5, atol=1e-6)
+        T = batch.num_tokens
+        assert got.shape[0] == T
+        torch.testing.assert_close(r.model.compute_logits(got), r.model.compute_logits(want), rtol=1e-5, atol=1e-5)
+        if taps is not None:
+            assert eager_taps is not None
+            for i in taps:
+                torch.testing.assert_close(taps[i], eager_taps[i], rtol=1e-4, atol=1e-5)
+        compared.append(T)
+        return got
+
+    vd.forward = both  # type: ignore[method-assign]
+    return compared

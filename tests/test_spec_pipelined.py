@@ -22,7 +22,7 @@ from dsv4.make_model import default_model_dir
 from dsv4.models.config import ConfigError
 from dsv4.runtime.sampler import SamplingTensors
 from dsv4.sampling_params import SamplingParams
-from dsv4.spec_decode.dspark_graphs import GraphedDSparkProposer
+from dsv4.spec_decode.drafter_graphs import GraphedDSparkProposer, GraphedMTPProposer
 from dsv4.spec_decode.pipelined import PipelinedVerify, accept_greedy, verify_on_device
 from dsv4.spec_decode.proposer import OracleProposer
 from dsv4.spec_decode.verify_decode import verify_capture_sizes
@@ -35,14 +35,14 @@ PROMPTS = [[0, 5, 9, 33, 77], [0, 8, 100, 200, 300, 400, 17, 18, 19, 20, 21, 22,
 GREEDY = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
 
 
-def _spec(k: int, **extra: Any) -> dict[str, Any]:
-    return {"method": "dspark", "num_speculative_tokens": k, "verify_decode": True, **extra}
+def _spec(k: int, method: str = "dspark", **extra: Any) -> dict[str, Any]:
+    return {"method": method, "num_speculative_tokens": k, "verify_decode": True, **extra}
 
 
 def _engine(model_dir: str, k: int | None, oracle: dict[str, list[int]] | None = None, pipelined: bool = True,
-            **kw: Any) -> LLMEngine:
+            method: str = "dspark", **kw: Any) -> LLMEngine:
     kw.setdefault("max_num_seqs", 4)
-    e = LLMEngine.from_args(model_dir, speculative_config=_spec(k) if k else None,
+    e = LLMEngine.from_args(model_dir, speculative_config=_spec(k, method) if k else None,
                             async_scheduling=pipelined if k else False, **kw)
     if oracle is not None:
         e.runner.speculator.set_proposer(OracleProposer(oracle, 4))
@@ -53,6 +53,12 @@ def _engine(model_dir: str, k: int | None, oracle: dict[str, list[int]] | None =
 def baseline(tiny_v41: str) -> dict[str, list[int]]:
     """Plain decoding of every prompt (greedy: batching does not change the tokens)."""
     return run_to_completion(_engine(tiny_v41, None), {str(i): p for i, p in enumerate(PROMPTS)}, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def baseline_v4(tiny_v4: str) -> dict[str, list[int]]:
+    """tiny-v4's plain decoding of every prompt (the MTP cases)."""
+    return run_to_completion(_engine(tiny_v4, None), {str(i): p for i, p in enumerate(PROMPTS)}, GREEDY)
 
 
 def _oracle(baseline: dict[str, list[int]], ids: list[int], wrong_every: int = 0) -> dict[str, list[int]]:
@@ -135,6 +141,27 @@ def test_greedy_equals_plain_decoding(tiny_v41: str, baseline: dict[str, list[in
     assert outs == {str(r): baseline[str(i)] for r, i in enumerate(ids)}
     sp = e.runner.speculator
     assert sp.pipeline is not None and sp.pipeline.num_steps > 0 and not sp.pipeline.in_flight
+    st = e.spec_decode_stats
+    if wrong_every == 0:
+        assert st.num_accepted_tokens == st.num_draft_tokens > 0
+    elif wrong_every == 3 and k > 1:
+        assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("ids", [[0], [3, 0, 2]], ids=["b1", "b3"])
+@pytest.mark.parametrize("wrong_every", [0, 3, -1], ids=["accept", "reject", "random"])
+def test_mtp_greedy_equals_plain_decoding(tiny_v4: str, baseline_v4: dict[str, list[int]], k: int, ids: list[int],
+                                          wrong_every: int) -> None:
+    """DeepSeek-V4 with its MTP layer (or the oracle): a rejection puts the rejected positions' compressor ring rows
+    back on the device (`RingSnapshot.save_steps` / `restore_steps`), with no rewind; every verify step after the
+    prefill is pipelined."""
+    oracle = None if wrong_every < 0 else _oracle(baseline_v4, ids, wrong_every)
+    e = _engine(tiny_v4, k, oracle, method="mtp")
+    outs = run_to_completion(e, {str(r): PROMPTS[i] for r, i in enumerate(ids)}, GREEDY)
+    assert outs == {str(r): baseline_v4[str(i)] for r, i in enumerate(ids)}
+    sp = e.runner.speculator
+    assert sp.rings is not None and sp.pipeline is not None and sp.pipeline.num_steps > 0
     st = e.spec_decode_stats
     if wrong_every == 0:
         assert st.num_accepted_tokens == st.num_draft_tokens > 0
@@ -228,23 +255,27 @@ def _cpu_only_check() -> bool:
     return False
 
 
+@pytest.mark.parametrize("method", ["dspark", "mtp"])
 @pytest.mark.parametrize("drafter_graphs", [True, False], ids=["drafter-graphs", "eager-drafter"])
-def test_pipelined_launch_reads_nothing_on_the_host(tiny_v41: str, baseline: dict[str, list[int]],
-                                                    drafter_graphs: bool) -> None:
+def test_pipelined_launch_reads_nothing_on_the_host(tiny_v41: str, baseline: dict[str, list[int]], tiny_v4: str,
+                                                    baseline_v4: dict[str, list[int]], drafter_graphs: bool,
+                                                    method: str) -> None:
     """The CPU side of the GPU test's sync check: a pipelined launch (after the first, which copies the host counts)
     calls nothing that reads a tensor's values on the host (tolist, item, bool, numpy, ...), outside what the CUDA
     graphs replay (the verify rows, and the drafter when its graphs are on: replayed by the stand-in here), with a
     greedy and a sampled request. The eager drafter takes the MoE's fixed-shape path there (the grouped one reads
-    its group sizes). A planted `.tolist()` of the acceptance makes it fail."""
-    e = LLMEngine.from_args(tiny_v41, max_num_seqs=4, async_scheduling=True,
-                            speculative_config=_spec(3, drafter_cuda_graphs=drafter_graphs))
+    its group sizes). DSpark (V4.1) and MTP (V4: its ring copies and restores on the device too). A planted
+    `.tolist()` of the acceptance makes it fail."""
+    model, want = (tiny_v41, baseline) if method == "dspark" else (tiny_v4, baseline_v4)
+    e = LLMEngine.from_args(model, max_num_seqs=4, async_scheduling=True,
+                            speculative_config=_spec(3, method, drafter_cuda_graphs=drafter_graphs))
     sp = e.runner.speculator
     vd, p, pipe = sp.verify_decode, sp.proposer, sp.pipeline
     vd.graphs = RerunGraphs(verify_capture_sizes([1, 2, 4], vd.q, 4, None), enabled=True)
     vd.capture()
     managers = [vd.graphs]
     if drafter_graphs:
-        assert isinstance(p, GraphedDSparkProposer)
+        assert isinstance(p, GraphedDSparkProposer if method == "dspark" else GraphedMTPProposer)
         p.graphs = RerunGraphs([1, 2, 4], enabled=True)
         p.capture()
         managers.append(p.graphs)
@@ -274,7 +305,7 @@ def test_pipelined_launch_reads_nothing_on_the_host(tiny_v41: str, baseline: dic
     pipe.launch = watched  # type: ignore[method-assign]
     sampled = SamplingParams(max_tokens=14, temperature=0.9, top_p=0.9, ignore_eos=True)
     outs = run_to_completion(e, {"0": PROMPTS[1], "1": PROMPTS[3]}, {"0": GREEDY, "1": sampled})
-    assert outs["0"] == baseline["1"]
+    assert outs["0"] == want["1"]
     assert len(checked) > 3 and mode.reads == [], sorted(set(mode.reads))
 
 

@@ -7,7 +7,6 @@ uniform steps take the new path and all others the eager one.
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,13 +19,12 @@ from dsv4.kv.spec import NULL_BLOCK
 from dsv4.models.config import ConfigError
 from dsv4.models.deepseek_v41 import Compressor
 from dsv4.models.verify_rows import pool_verify_rows
-from dsv4.runtime.cudagraphs import CudaGraphManager
 from dsv4.runtime.input_batch import InputBatch
 from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.config import DrafterSpec, DSparkConfig, SpeculativeConfig, parse_speculative_config
 from dsv4.spec_decode.proposer import OracleProposer
 from dsv4.spec_decode.verify_decode import VerifyDecode, verify_capture_sizes
-from engine_runs import RerunGraphs, oracle_sequences, run_to_completion
+from engine_runs import compare_verify_with_eager, oracle_sequences, pad_like_graphs, run_to_completion
 
 # lengths 5, 13, 2, 8: the first verify step's anchor at odd and even positions (closing a ratio-2 pair with the
 # ring's row, or opening one)
@@ -43,13 +41,13 @@ def _run(model_dir: str, prompts: list[list[int]], spec: dict[str, Any] | None =
          oracle: dict[str, list[int]] | None = None, pad: bool = False, graphs: bool = False,
          params: SamplingParams = GREEDY, **kw: Any) -> tuple[dict[str, list[int]], LLMEngine]:
     """Outputs by request id ("0", "1", ..) of one engine run; `pad`: verify steps padded to the graph sizes
-    (`_pad_like_graphs`), `graphs`: and replayed."""
+    (`pad_like_graphs`), `graphs`: and replayed."""
     kw.setdefault("max_num_seqs", 4)
     e = LLMEngine.from_args(model_dir, speculative_config=spec, **kw)
     if oracle is not None:
         e.runner.speculator.set_proposer(OracleProposer(oracle, 4))
     if pad:
-        _pad_like_graphs(e.runner.speculator.verify_decode, graphs)
+        pad_like_graphs(e.runner.speculator.verify_decode, graphs)
     return run_to_completion(e, {str(i): p for i, p in enumerate(prompts)}, params), e
 
 
@@ -201,21 +199,6 @@ def test_ring_rows_pair_within_the_step_and_scatter_once() -> None:
 
 
 # ---- the same step both ways ----------------------------------------------------------------------------------------
-def _cache_tensors(e: LLMEngine) -> list[torch.Tensor]:
-    return [getattr(c, f.name) for c in e.runner.kv_caches for f in dataclasses.fields(c)
-            if isinstance(getattr(c, f.name), torch.Tensor)]
-
-
-def _pad_like_graphs(vd: VerifyDecode, graphs: bool = False) -> None:
-    """Steps padded to the graph sizes (requests 1, 2, 4): run eagerly (an enabled manager with nothing captured,
-    as a GPU run whose graph of some size is missing), or `graphs`: "replayed" by `RerunGraphs`, captured as the
-    runner captures them. Padding rows must leave the real rows' outputs and caches alone."""
-    sizes = verify_capture_sizes([1, 2, 4], vd.q, 4, None)
-    vd.graphs = (RerunGraphs if graphs else CudaGraphManager)(sizes, enabled=True)
-    if graphs:
-        vd.capture()
-
-
 @pytest.mark.parametrize(("mode", "drafter"), [("exact", "dspark"), ("exact", "wrong"), ("padded", "wrong"),
                                                ("graphs", "accept"), ("graphs", "dspark")])
 def test_verify_logits_equal_the_eager_forward(tiny_v41: str, baseline: dict[str, list[int]], drafter: str,
@@ -226,48 +209,16 @@ def test_verify_logits_equal_the_eager_forward(tiny_v41: str, baseline: dict[str
     padded to the graph sizes, and through the graph path's capture and replay (`RerunGraphs`)."""
     ids = [0, 1, 2]
     e = LLMEngine.from_args(tiny_v41, speculative_config=_spec(3), max_num_seqs=4)
-    sp, r = e.runner.speculator, e.runner
+    sp = e.runner.speculator
     if drafter != "dspark":  # the oracle (no taps), all right or wrong every 4 positions
         sp.set_proposer(OracleProposer(_oracle(baseline, ids, wrong_every=4 if drafter == "wrong" else 0), 4))
     vd = sp.verify_decode
     if mode != "exact":
-        _pad_like_graphs(vd, graphs=mode == "graphs")
+        pad_like_graphs(vd, graphs=mode == "graphs")
     pads: list[int] = []
     build = vd.decode.build_groups
     vd.decode.build_groups = lambda names, R, P, *a: (pads.append(P - R), build(names, R, P, *a))[1]
-    orig = vd.forward
-    compared: list[int] = []
-
-    def both(batch: InputBatch, taps: dict[int, torch.Tensor | None] | None) -> torch.Tensor:
-        tensors = _cache_tensors(e)
-        before = [t.clone() for t in tensors]
-        md = r.model_state.prepare_attn(batch, r.block_tables)
-        extra = dict(r.model_state.prepare_inputs(batch, r.req_state))
-        eager_taps = dict.fromkeys(taps) if taps is not None else None
-        if eager_taps is not None:
-            extra["taps"] = eager_taps
-        want = r.model(batch.input_ids, md, r.kv_caches, **extra).clone()
-        eager_state = [t.clone() for t in tensors]
-        for t, b in zip(tensors, before):
-            t.copy_(b)
-        # VerifyDecode.reference_forward (the GPU test's and the precision benchmark's) is this same eager forward,
-        # and leaves the caches as it found them (the decode-row step below must then match the eager state)
-        assert torch.equal(vd.reference_forward(batch), want)
-        got = orig(batch, taps)
-        # every cache the step writes (window KV, compressed entries, indexer keys, rings) as the eager step left it,
-        # but for row 0 (the trash slot / null ring block, which both paths' masked writes hit)
-        for t, w in zip(tensors, eager_state):
-            torch.testing.assert_close(t[1:], w[1:], rtol=1e-5, atol=1e-6)
-        T = batch.num_tokens
-        assert got.shape[0] == T
-        torch.testing.assert_close(r.model.compute_logits(got), r.model.compute_logits(want), rtol=1e-5, atol=1e-5)
-        if taps is not None:
-            for i in taps:
-                torch.testing.assert_close(taps[i], eager_taps[i], rtol=1e-4, atol=1e-5)
-        compared.append(T)
-        return got
-
-    vd.forward = both  # type: ignore[method-assign]
+    compared = compare_verify_with_eager(e)
     outs = run_to_completion(e, {str(i): PROMPTS[i] for i in ids}, GREEDY)
     assert outs == {str(i): baseline[str(i)] for i in ids}
     assert len(compared) == vd.num_decode_steps > 0
@@ -349,7 +300,6 @@ def test_config_switch() -> None:
     assert parse_speculative_config({"method": "dspark"}, dspark) == SpeculativeConfig("dspark", 4, None, False)
     assert parse_speculative_config({"method": "dspark", "verify_decode": True}, dspark).verify_decode
     assert parse_speculative_config({"method": "mtp"}, mtp) == SpeculativeConfig("mtp", 1, None, False)
-    with pytest.raises(ConfigError, match="verify_decode"):
-        parse_speculative_config({"method": "mtp", "verify_decode": True}, mtp)
+    assert parse_speculative_config({"method": "mtp", "verify_decode": True}, mtp).verify_decode  # MTP too
     with pytest.raises(ConfigError, match="true or false"):
         parse_speculative_config({"method": "mtp", "verify_decode": 1}, mtp)

@@ -22,6 +22,7 @@ from dsv4.models.layers.merged import V4_COMPRESSOR_CSA, V4_COMPRESSOR_HCA, proj
 from dsv4.models.layers.moe import MoE
 from dsv4.models.layers.norm import RMSNorm
 from dsv4.models.layers.rope import RotaryTable
+from dsv4.models.verify_rows import roll_rings, verify_windows
 from dsv4.ops.compress_pool import entry_start, pool_decode, pool_rows, write_entries
 from dsv4.ops.decode_attention import TableSource, decode_sink_attention
 from dsv4.ops.indexer import decode_select, indexer_scores, pick_sources
@@ -118,11 +119,18 @@ class Compressor(nn.Module):
                        out_cache: torch.Tensor, ring_kv: torch.Tensor, ring_gate: torch.Tensor,
                        entry_write: torch.Tensor) -> None:
         """One token per row (its kv_proj / gate_proj rows kv, gate): push its rows into the ring, then pool the
-        window it closes (written to `entry_write`, TRASH_SLOT for rows that close none)."""
+        window it closes (written to `entry_write`, TRASH_SLOT for rows that close none). A verify step's q > 1
+        rows of a request (`dmd.query_len`) would collide in the ring: their windows come from the step's own rows
+        and the ring as it was, then the ring rolls once per slot (dsv4/models/verify_rows.py)."""
         m = self.ratio
         pos, blk = dmd.positions, dmd.state_blocks
-        pooled = pool_decode(ring_kv, ring_gate, blk, pos, self.position_bias, m, self.overlap, kv.dtype,
-                             new_kv=kv, new_gate=gate)  # pushes them into the rings
+        if dmd.query_len > 1:
+            wkv, wgate = verify_windows(ring_kv, ring_gate, kv, gate, dmd, ring_kv.shape[1])  # the ring's window
+            pooled = pool_rows(wkv, wgate, self.position_bias, m, self.dim, self.overlap)
+            roll_rings(ring_kv, ring_gate, kv, gate, dmd)
+        else:
+            pooled = pool_decode(ring_kv, ring_gate, blk, pos, self.position_bias, m, self.overlap, kv.dtype,
+                                 new_kv=kv, new_gate=gate)  # pushes them into the rings
         if rope.table is not None:  # norm, rope at the window's start and the write in one step
             write_entries(pooled, self.kv_norm.weight, self.kv_norm.eps, rope.table, pos, m, out_cache, entry_write)
         else:
@@ -383,10 +391,13 @@ class DeepseekV4Model(nn.Module):
         return self.norm(self.hc_head(h))
 
 
-    def forward_decode(self, input_ids: torch.Tensor, dmd: DecodeMetadata, caches: list[LayerKVCache]) -> torch.Tensor:
+    def forward_decode(self, input_ids: torch.Tensor, dmd: DecodeMetadata, caches: list[LayerKVCache],
+                       taps: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
         h = self.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         for layer, cache in zip(self.layers, caches):
             h = layer.forward_decode(h, input_ids, dmd, cache)
+        if taps is not None:  # as in `forward`
+            taps[len(self.layers)] = h.flatten(1)
         return self.norm(self.hc_head(h))
 
 
@@ -405,9 +416,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         [T, hc*D]} (entering layer n = num_hidden_layers, the MTP's index; before hc_head); None costs nothing."""
         return self.model(input_ids, md, caches, taps)
 
-    def forward_decode(self, input_ids: torch.Tensor, dmd: DecodeMetadata, caches: list[LayerKVCache]) -> torch.Tensor:
-        """One token per row, fixed shapes, no host sync: the forward a FULL decode CUDA graph captures."""
-        return self.model.forward_decode(input_ids, dmd, caches)
+    def forward_decode(self, input_ids: torch.Tensor, dmd: DecodeMetadata, caches: list[LayerKVCache],
+                       taps: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
+        """One token per row, fixed shapes, no host sync: the forward a FULL decode CUDA graph captures. A verify
+        step's rows (`dmd.query_len` q > 1: q rows per request at consecutive positions) run here too; `taps` as
+        in `forward` (the MTP layer's inputs, one row per decode row)."""
+        return self.model.forward_decode(input_ids, dmd, caches, taps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the given final hidden rows."""

@@ -29,8 +29,8 @@ SPECULATIVE_CONFIG_HELP = (
     'speculative decoding with the checkpoint\'s drafter, as vLLM: \'{"method": "dspark" | "mtp", '
     '"num_speculative_tokens": k, "disable_by_batch_size": B}\' (k defaults to the DSpark block size / the MTP layer '
     "count; with B or more running requests a step decodes plainly, without drafts); turns async scheduling off; "
-    "steps with drafts run eagerly (no CUDA graphs); \"verify_decode\": true (DSpark, experimental) runs steps where "
-    "every request verifies k drafts as k + 1 decode rows each; \"drafter_cuda_graphs\": true (DSpark, experimental) "
+    "steps with drafts run eagerly (no CUDA graphs); \"verify_decode\": true (experimental) runs steps where "
+    "every request verifies k drafts as k + 1 decode rows each; \"drafter_cuda_graphs\": true (experimental) "
     "replays the drafter's proposals as CUDA graphs")
 
 _KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", "verify_decode", "drafter_cuda_graphs")
@@ -70,7 +70,7 @@ class DrafterSpec:
 class SpeculativeConfig:
     """A validated `--speculative-config`.
 
-    `verify_decode` (dsv4's own key, default off; DSpark / DeepSeek-V4.1 only): a verify step in which every request
+    `verify_decode` (dsv4's own key, default off; DSpark and MTP): a verify step in which every request
     verifies drafts in k + 1 tokens (its anchor and k drafts; a request rewound after a rejection is drafted k - 1
     after its recomputed token) runs as k + 1 decode rows per request through the model's fixed-shape decode
     forward (dsv4/spec_decode/verify_decode.py) instead of the eager token-row forward; any other step with drafts
@@ -78,8 +78,8 @@ class SpeculativeConfig:
     drafts, those past max_tokens dropped, and a constrained request k placeholders never accepted. The greedy
     output is the same either way.
 
-    `drafter_cuda_graphs` (dsv4's own key, default off until measured on a GPU; DSpark only): on CUDA without
-    enforce_eager the drafter's proposals replay one CUDA graph per request count (dsv4/spec_decode/dspark_graphs.py)
+    `drafter_cuda_graphs` (dsv4's own key, default off until measured on a GPU; DSpark and MTP): on CUDA without
+    enforce_eager the drafter's proposals replay one CUDA graph per request count (dsv4/spec_decode/drafter_graphs.py)
     instead of its eager, launch-bound forward. The drafts are the same either way."""
 
     method: str
@@ -247,15 +247,9 @@ def parse_speculative_config(value: str | Mapping[str, Any] | None, spec: Drafte
     verify_decode = value.get("verify_decode", False)
     if not isinstance(verify_decode, bool):
         raise _spec_error("verify_decode", f"must be true or false, got {verify_decode!r}")
-    if verify_decode and method != DSPARK:
-        # V4's compressor rings (CSA overlapping windows) have no multi-row decode: its verify steps stay eager
-        raise _spec_error("verify_decode", "runs DeepSeek-V4.1's DSpark verify steps only; MTP steps run eagerly")
     graphs = value.get("drafter_cuda_graphs", False)
     if not isinstance(graphs, bool):
         raise _spec_error("drafter_cuda_graphs", f"must be true or false, got {graphs!r}")
-    if graphs and method != DSPARK:
-        raise _spec_error("drafter_cuda_graphs", "captures DeepSeek-V4.1's DSpark drafter only; the MTP layer runs "
-                                                 "eagerly")
     return SpeculativeConfig(method=method, num_speculative_tokens=k, disable_by_batch_size=batch,
                              verify_decode=verify_decode, drafter_cuda_graphs=graphs)
 

@@ -84,7 +84,7 @@ class DSparkStage(DecoderLayerV41):
         """The block rows h [B*K, hc, D] (K per sequence, at `positions` [B*K]) through this stage, delayed mHC as
         the target's layer: the attention input collapses with the previous stage's pre, the FFN's with this stage's
         attention-site pre. Returns the streams and this stage's FFN-site pre. `fixed`: the MoE's fixed-shape path,
-        without host syncs (a captured proposal, dspark_graphs.py)."""
+        without host syncs (a captured proposal, drafter_graphs.py)."""
         pre_a, post_a, comb_a = hc_mixes(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc)
         y = block_attention(self.attn, self.attn_norm(collapse(h, pre_prev)), positions, context_kv, context_mask)
         h = expand(y, h, post_a, comb_a)

@@ -84,16 +84,18 @@ class MTPLayer(DecoderLayer):
         return q, kv, cos, sin, mixes
 
     def finish(self, h: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, mixes: tuple[torch.Tensor, ...], token_ids: torch.Tensor) -> torch.Tensor:
+               sin: torch.Tensor, mixes: tuple[torch.Tensor, ...], token_ids: torch.Tensor, fixed: bool = False
+               ) -> torch.Tensor:
         """The rest of the layer: each row's sink attention over its own keys [R, L, hd] where `mask` [R, L], the
-        output projection, the FFN site. Returns the output streams [R, hc, D]."""
+        output projection, the FFN site. Returns the output streams [R, hc, D]. `fixed`: the MoE's fixed-shape path,
+        without host syncs (a captured or pipelined proposal)."""
         attn: Attention = self.self_attn
         out = sink_attention_rows(q, keys.to(q.dtype), mask, attn.sinks, attn.head_dim ** -0.5)
         y = attn._output(apply_rope(out, cos, sin, inverse=True))
         _, post, comb = mixes
         h = expand(y, h, post, comb)
         pre, post, comb = self.ffn_hc.mixes(h)
-        z = self.mlp(self.post_attention_layernorm(collapse(h, pre)), token_ids)
+        z = self.mlp(self.post_attention_layernorm(collapse(h, pre)), token_ids, fixed=fixed)
         return expand(z, h, post, comb)
 
     def head_hidden(self, streams: torch.Tensor) -> torch.Tensor:
@@ -117,14 +119,14 @@ class MTPDrafter(nn.Module):
 
     @torch.no_grad()
     def propose(self, streams: torch.Tensor, last_position: torch.Tensor, next_tokens: torch.Tensor, k: int,
-                embed: nn.Module, lm_head: nn.Module) -> torch.Tensor:
+                embed: nn.Module, lm_head: nn.Module, fixed: bool = False) -> torch.Tensor:
         """k greedy drafts per sequence [B, k].
 
         streams [B, C, hc*D]: the target's final streams at each sequence's last C committed positions, the last at
         `last_position` [B] = p (rows before position 0 are padding, masked out); next_tokens [B, C]: the token
         after each of those positions (the last: the anchor, the token the target sampled at p + 1). Draft j
         (0-based) is the token at p + 2 + j: the layer at position p + j, on its previous output streams and draft
-        j - 1 for j > 0."""
+        j - 1 for j > 0. `fixed`: the MoE's fixed-shape path (the same function, no host sync: drafter_graphs.py)."""
         cfg = self.cfg
         W, hc, D = cfg.sliding_window, cfg.hc_mult, cfg.hidden_size
         streams, next_tokens = streams[:, -W:], next_tokens[:, -W:]
@@ -142,7 +144,7 @@ class MTPDrafter(nn.Module):
         causal = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
         mask = (causal[None] & valid[:, None, :]).reshape(B * C, C)
         rows = torch.arange(B, device=dev).repeat_interleave(C)
-        out = layer.finish(h, q, keys[rows], mask, cos, sin, mixes, ids).view(B, C, hc, D)[:, -1]
+        out = layer.finish(h, q, keys[rows], mask, cos, sin, mixes, ids, fixed).view(B, C, hc, D)[:, -1]
         key_pos, key_valid = pos, valid
         drafts = []
         token = self._greedy(layer, out, lm_head)
@@ -159,7 +161,7 @@ class MTPDrafter(nn.Module):
             key_pos = torch.cat([key_pos, p[:, None]], dim=1)
             key_valid = torch.cat([key_valid, torch.ones_like(p[:, None], dtype=torch.bool)], dim=1)
             mask = key_valid & (key_pos > p[:, None] - W)
-            out = layer.finish(h, q, keys, mask, cos, sin, mixes, token)
+            out = layer.finish(h, q, keys, mask, cos, sin, mixes, token, fixed)
             token = self._greedy(layer, out, lm_head)
         return torch.stack(drafts, dim=1)
 

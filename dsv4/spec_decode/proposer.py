@@ -104,14 +104,14 @@ class DSparkProposer:
         last = as_device(last_positions, anchors.device)
         ctx = taps.gather(rows, last)
         # device positions (a pipelined step): the MoE's fixed-shape path, which reads nothing on the host (the
-        # grouped path sizes its groups there); the same function (tests/test_dspark_graphs.py)
+        # grouped path sizes its groups there); the same function (tests/test_drafter_graphs.py)
         fixed = isinstance(last_positions, torch.Tensor)
         return self.drafter.propose(ctx, last, anchors, self.embed, self.lm_head, fixed=fixed).tokens
 
 
 class MTPProposer:
-    """DeepSeek-V4's MTP layer, eager (its reference `propose`: the layer's context keys are recomputed from the
-    taps each call), k greedy drafts per request (the layer re-applied), so the verifier's draft distribution is
+    """DeepSeek-V4's MTP layer (its reference `propose`: the layer's context keys are recomputed from the taps each
+    call; `propose_on_device` is what drafter_graphs.py captures), k greedy drafts per request (the layer re-applied), so the verifier's draft distribution is
     one-hot. Its tap is the target's final streams (`DeepseekV4ForCausalLM.forward`'s tap n = num_hidden_layers);
     the token after each tapped position comes from the device token history."""
 
@@ -123,19 +123,25 @@ class MTPProposer:
         self.tap_layer_ids = (cfg.num_hidden_layers,)
         self.tap_width = cfg.hc_mult * cfg.hidden_size
 
-    def propose(self, req_ids: Sequence[str], rows: np.ndarray, last_positions: np.ndarray, anchors: torch.Tensor,
+    def propose(self, req_ids: Sequence[str], rows: np.ndarray | torch.Tensor,
+                last_positions: np.ndarray | torch.Tensor, anchors: torch.Tensor,
                 taps: TapBuffer | None) -> torch.Tensor:
         assert taps is not None
-        dev = anchors.device
+        # device positions (a pipelined step): the MoE's fixed-shape path, which reads nothing on the host
+        return self.propose_on_device(as_device(rows, anchors.device), as_device(last_positions, anchors.device),
+                                      taps, fixed=isinstance(last_positions, torch.Tensor))
+
+    def propose_on_device(self, rows: torch.Tensor, last: torch.Tensor, taps: TapBuffer, fixed: bool
+                          ) -> torch.Tensor:
+        """Drafts [S, k] of state rows `rows` with last committed positions `last` (device tensors): the streams
+        of positions last - W + 1 .. last from the tap ring, and the token after each of them from the device
+        token history (the last: the anchor); a position before the sequence start reads token 0 and its row is
+        masked by the drafter. No host read (capturable with `fixed`)."""
         W = taps.window
-        # the token after each tapped position last - W + 1 .. last (the last one: the anchor); a position before
-        # the sequence start reads token 0, its row is masked by the drafter
-        pos = last_positions[:, None] - W + 2 + np.arange(W)
-        hist_rows = torch.from_numpy(rows).to(dev)[:, None]
-        tokens = self.token_history[hist_rows, torch.from_numpy(np.maximum(pos, 0)).to(dev)]
-        last = torch.from_numpy(last_positions).to(dev)
-        return self.drafter.propose(taps.gather(rows, last_positions), last, tokens, self.block_size, self.embed,
-                                    self.lm_head)
+        pos = (last[:, None] - W + 2 + torch.arange(W, device=last.device)).clamp(min=0)
+        tokens = self.token_history[rows[:, None], pos]
+        return self.drafter.propose(taps.gather(rows, last), last, tokens, self.block_size, self.embed,
+                                    self.lm_head, fixed=fixed)
 
 
 class OracleProposer:

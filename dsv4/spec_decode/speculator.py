@@ -39,10 +39,10 @@ drafts included; each kind is position-addressed or recomputed:
 This step is eager (the token-row forward, no CUDA graph), sync (no async scheduling), and drafts are greedy.
 Under async scheduling with `verify_decode`, steady steps are pipelined instead (pipelined.py: the same step with
 its counts and acceptance on the device); this path then runs only after all of them have landed.
-With `verify_decode` on (V4.1), a step in which every request verifies exactly k drafts after its anchor runs as
-k + 1 decode rows per request through the model's fixed-shape decode forward instead (verify_decode.py); the
-rollback above holds unchanged (dsv4/models/verify_rows.py: the ring after such a step). With `drafter_cuda_graphs`
-on (DSpark), the drafter's proposals replay CUDA graphs (dspark_graphs.py). `phases` (PhaseTimes, opt-in) times the
+With `verify_decode` on, a step in which every request verifies exactly k drafts after its anchor runs as k + 1
+decode rows per request through the model's fixed-shape decode forward instead (verify_decode.py); the rollback
+above holds unchanged (dsv4/models/verify_rows.py: the rings after such a step are the token-row path's). With
+`drafter_cuda_graphs` on, the drafter's proposals replay CUDA graphs (drafter_graphs.py). `phases` (PhaseTimes, opt-in) times the
 step's parts for spec_decode_speed --phase-profile.
 
 `disable_by_batch_size` B (vLLM's): while B or more requests hold a row, no drafts are proposed, and a step with no
@@ -68,7 +68,7 @@ from dsv4.runtime.input_batch import InputBatch
 from dsv4.runtime.sampler import SamplingTensors, needs_output_values
 from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.config import SpeculativeConfig
-from dsv4.spec_decode.dspark_graphs import GraphedDSparkProposer
+from dsv4.spec_decode.drafter_graphs import GraphedDSparkProposer, GraphedMTPProposer, ProposalGraphs
 from dsv4.spec_decode.pipelined import PipelinedOutput, PipelinedVerify
 from dsv4.spec_decode.proposer import DSparkProposer, MTPProposer, Proposer, TapBuffer
 from dsv4.spec_decode.rejection import verify
@@ -180,6 +180,9 @@ class RingSnapshot:
         self.index: dict[int, int] = {}
         self.blocks: torch.Tensor | None = None
         self.saved: list[torch.Tensor] = []
+        # a pipelined step's (`save_steps`): [R, 1] blocks, [R, q] positions, each ring's [R, q, width] rows
+        self.step_blocks = self.step_positions = torch.zeros(0, dtype=torch.int64)
+        self.step_saved: list[torch.Tensor] = []
 
     def save(self, rows: np.ndarray) -> None:
         """Copy the ring rows of the state rows `rows` (those with drafts this step)."""
@@ -204,6 +207,26 @@ class RingSnapshot:
         for t, saved in zip(self.tensors, self.saved):
             slots = positions % t.shape[1]
             t[block, slots] = saved[i, slots]
+
+    def save_steps(self, rows: torch.Tensor, first: torch.Tensor, q: int) -> None:
+        """A pipelined step's variant (pipelined.py: device counts, no host read): state rows `rows` [R] compute
+        positions first .. first + q - 1 (q <= every ring, so distinct slots); their ring rows are saved."""
+        if not self.tensors:
+            return
+        assert self.table is not None
+        self.step_blocks = self.table[rows, 0].long()[:, None]
+        self.step_positions = first[:, None] + torch.arange(q, device=first.device)
+        self.step_saved = [t[self.step_blocks, self.step_positions % t.shape[1]] for t in self.tensors]
+
+    def restore_steps(self, keep: torch.Tensor) -> None:
+        """After `save_steps`' step: positions >= keep [R] were computed for rejected drafts, so their ring slots
+        get the saved rows back (fixed shapes: the other slots are rewritten with their own values)."""
+        if not self.tensors:
+            return
+        rejected = (self.step_positions >= keep[:, None])[..., None]
+        for t, saved in zip(self.tensors, self.step_saved):
+            at = (self.step_blocks, self.step_positions % t.shape[1])
+            t[at] = torch.where(rejected, saved, t[at])
 
 
 def _static_sampling(sp: SamplingParams, num_outputs: int) -> bool:
@@ -247,9 +270,9 @@ class Speculator:
             self.taps = TapBuffer(n, runner.config.model.sliding_window, proposer.block_size + 2,
                                   proposer.tap_width, dtype, runner.device)
         self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * self.k)
-        # uniform verify steps as decode rows (spec.verify_decode, V4.1 only: the config refuses it for MTP)
-        self.verify_decode = (VerifyDecode(runner, self.k, proposer.tap_layer_ids) if spec.verify_decode
-                              else None)
+        # uniform verify steps as decode rows (spec.verify_decode)
+        self.verify_decode = (VerifyDecode(runner, self.k, proposer.tap_layer_ids, proposer.tap_width)
+                              if spec.verify_decode else None)
         self.num_plain_steps = 0  # steps run by ModelRunner.launch_plain (speculation disabled for the batch)
         # per state row: its drafts are placeholders (a constrained request under verify_decode, `_propose`)
         self.placeholder = np.zeros(n, dtype=bool)
@@ -269,10 +292,10 @@ class Speculator:
 
     def capture_graphs(self) -> None:
         """The speculative step's CUDA graphs, each where its switch is on (no-op otherwise, and off CUDA): the
-        multi-row verify forward (verify_decode.py) and the drafter's proposal (dspark_graphs.py)."""
+        multi-row verify forward (verify_decode.py) and the drafter's proposal (drafter_graphs.py)."""
         if self.verify_decode is not None:
             self.verify_decode.capture()
-        if isinstance(self.proposer, GraphedDSparkProposer):
+        if isinstance(self.proposer, ProposalGraphs):
             self.proposer.capture()
 
     def profile_forwards(self) -> None:
@@ -280,7 +303,7 @@ class Speculator:
         can outgrow the plain decode) and the largest captured proposal."""
         if self.verify_decode is not None:
             self.verify_decode.dummy_forward()
-        if isinstance(self.proposer, GraphedDSparkProposer):
+        if isinstance(self.proposer, ProposalGraphs):
             self.proposer.dummy_forward()
 
     def can_pipeline(self) -> bool:
@@ -521,27 +544,31 @@ def make_speculator(runner: "ModelRunner", spec: SpeculativeConfig) -> Speculato
 
     cfg = runner.config
     model = runner.model
+    sc = cfg.scheduler
+    # proposals are made for at most disable_by_batch_size - 1 requests: sizes as the verify graphs' (q = 1)
+    sizes = verify_capture_sizes(list(cfg.cudagraph_capture_sizes or default_capture_sizes(sc.max_num_seqs)), 1,
+                                 sc.max_num_seqs, spec.disable_by_batch_size)
+    enabled = runner.device.type == "cuda" and not cfg.enforce_eager and runner._graph_safe()
+    paths = ("uniform steps as decode rows: verify_decode" if spec.verify_decode else "eager, no CUDA graphs",
+             "as CUDA graphs: drafter_cuda_graphs" if spec.drafter_cuda_graphs else "eager")
     if spec.method == "mtp":
         k = spec.num_speculative_tokens
         mtp = load_mtp_drafter(cfg.model_dir, cfg.model, model.lm_head.weight.dtype, runner.device,
-                               cfg.scheduler.max_model_len, k)
-        logger.info("speculative decoding: MTP, %d draft(s) per step (eager, no CUDA graphs)", k)
-        proposer = MTPProposer(mtp, k, model.model.embed_tokens, model.lm_head, runner.req_state.token_history)
-        return Speculator(runner, proposer, spec)
+                               sc.max_model_len, k)
+        logger.info("speculative decoding: MTP, %d draft(s) per step (%s; drafter %s)", k, *paths)
+        args = (mtp, k, model.model.embed_tokens, model.lm_head, runner.req_state.token_history)
+        speculator = Speculator(runner, MTPProposer(*args), spec)
+        if spec.drafter_cuda_graphs:
+            assert speculator.taps is not None
+            speculator.set_proposer(GraphedMTPProposer(*args, speculator.taps, sizes, enabled))
+        return speculator
     drafter = load_dspark_drafter(cfg.model_dir, cfg.model, model.lm_head.weight.dtype, runner.device,
-                                  cfg.scheduler.max_model_len)
+                                  sc.max_model_len)
     logger.info("speculative decoding: DSpark, %d of %d block tokens verified per step (%s; drafter %s)",
-                spec.num_speculative_tokens, drafter.dspark.block_size,
-                "uniform steps as decode rows: verify_decode" if spec.verify_decode else "eager, no CUDA graphs",
-                "as CUDA graphs: drafter_cuda_graphs" if spec.drafter_cuda_graphs else "eager")
+                spec.num_speculative_tokens, drafter.dspark.block_size, *paths)
     speculator = Speculator(runner, DSparkProposer(drafter, model.model.embed, model.lm_head), spec)
     if spec.drafter_cuda_graphs:
-        sc = cfg.scheduler
-        # proposals are made for at most disable_by_batch_size - 1 requests: sizes as the verify graphs' (q = 1)
-        sizes = verify_capture_sizes(list(cfg.cudagraph_capture_sizes or default_capture_sizes(sc.max_num_seqs)), 1,
-                                     sc.max_num_seqs, spec.disable_by_batch_size)
         assert speculator.taps is not None
-        enabled = runner.device.type == "cuda" and not cfg.enforce_eager and runner._graph_safe()
         speculator.set_proposer(GraphedDSparkProposer(drafter, model.model.embed, model.lm_head, speculator.taps,
                                                       sizes, enabled))
     return speculator

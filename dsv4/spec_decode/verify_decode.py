@@ -1,15 +1,17 @@
-"""A speculative verify step run as decode rows (`SpeculativeConfig.verify_decode`, DeepSeek-V4.1 only, off by
+"""A speculative verify step run as decode rows (`SpeculativeConfig.verify_decode`, DSpark and MTP, off by
 default): when every request of the step verifies exactly k drafts after one anchor, its q = k + 1 tokens become q
 decode rows, row j of a request at position p + j, through the model's fixed-shape `forward_decode` (the path the
 plain decode replays as CUDA graphs) instead of the eager token-row forward.
 
-Why the decode forward can take several rows of one request (each checked in the model):
+Why the decode forward can take several rows of one request (each checked in the model; V4 writes its entries in
+its compressors before its rows attend, as V4.1's KV sources do, and has no engram):
 - window KV: every row writes its own slot (its own position) before any row attends, so row j sees rows < j;
 - compressed entries: a KV source writes the entry a row closes (`_publish_decode`) before the layer's rows
   attend, and later layers of the group read them after; row j sees entries e < (p + j + 1) // ratio (its own n
   in the metadata), so an entry its own request closes later in the step is not visible to it;
-- the ratio-2 compressor ring: rows of a request would collide there; dsv4/models/verify_rows.py pools each
-  window from the step's own rows and the ring as the previous step left it, and rolls the ring once per slot;
+- the compressor rings (V4.1's ratio-2 pairs; V4's CSA and HCA windows, its indexer's too): rows of a request
+  would collide there; dsv4/models/verify_rows.py pools each window from the step's own rows and the ring as the
+  previous step left it, and rolls the ring once per slot;
 - indexer, top-k and candidate blocks, rope, mHC and the MoE are per row; the engram n-grams are per request
   (`DecodeMetadata.query_len`: the request offsets 0, q, 2q, ..; the lookback window is the request's, gathered
   at its chunk start as on the token-row path), so every row hashes the drafts before it;
@@ -69,9 +71,9 @@ def verify_capture_sizes(request_sizes: list[int], q: int, max_num_seqs: int, di
 class VerifyDecode:
     """The multi-row decode of uniform verify steps: its metadata and input buffers, its graphs and counters."""
 
-    def __init__(self, runner: "ModelRunner", k: int, tap_layer_ids: tuple[int, ...]) -> None:
+    def __init__(self, runner: "ModelRunner", k: int, tap_layer_ids: tuple[int, ...], tap_width: int) -> None:
+        """`tap_width`: the width of the taps `tap_layer_ids` concatenated (the proposer's; each tap is as wide)."""
         cfg = runner.config
-        assert cfg.model.v41 is not None, "the multi-row verify decode is DeepSeek-V4.1's"
         self.runner, self.q = runner, k + 1
         sc = cfg.scheduler
         rows = sc.max_num_seqs * self.q
@@ -80,6 +82,8 @@ class VerifyDecode:
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=runner.device)  # what a graph reads
         self.tap_layer_ids = tap_layer_ids  # the taps a graph computes (the drafter's at start-up)
         self.hidden_size = cfg.model.hidden_size
+        # one tap's width: DSpark's are hc-means [D] each, the MTP layer's one the final streams [hc * D]
+        self.tap_size = tap_width // len(tap_layer_ids) if tap_layer_ids else 0
         sizes = verify_capture_sizes(list(cfg.cudagraph_capture_sizes or default_capture_sizes(sc.max_num_seqs)),
                                      self.q, sc.max_num_seqs, cfg.speculative.disable_by_batch_size
                                      if cfg.speculative is not None else None, sc.max_num_batched_tokens)
@@ -124,11 +128,11 @@ class VerifyDecode:
         else:
             out, order = self._run(self.decode.views(T, P, self.q), extra, wanted), wanted
         out = out[:T]
-        D = self.hidden_size
+        D, W = self.hidden_size, self.tap_size
         if taps is not None:
             for n, i in enumerate(order):
                 if i in taps:
-                    taps[i] = out[:, D * (n + 1): D * (n + 2)]
+                    taps[i] = out[:, D + W * n: D + W * (n + 1)]
         return out[:, :D]
 
     def reference_forward(self, batch: InputBatch) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The DSpark drafter's proposal as real CUDA graphs (`"drafter_cuda_graphs": true`, dsv4/spec_decode/dspark_graphs.py),
+"""The DSpark drafter's proposal as real CUDA graphs (`"drafter_cuda_graphs": true`, dsv4/spec_decode/drafter_graphs.py),
 fp32 on CUDA: on random tap rings the replayed drafts equal the eager proposer's (1, 2 and 3 requests: exact and
 padded graphs); the built-in trained model decodes greedily exactly as plain decoding, with the eager drafter's
 acceptance counts, alone and together with the multi-row verify graphs (`verify_decode`)."""
@@ -14,7 +14,8 @@ import torch
 from dsv4.engine.engine import LLMEngine
 from dsv4.make_model import default_model_dir
 from dsv4.sampling_params import SamplingParams
-from dsv4.spec_decode.dspark_graphs import GraphedDSparkProposer
+from dsv4.spec_decode.drafter_graphs import GraphedDSparkProposer
+from dsv4.spec_decode.proposer import DSparkProposer
 from dsv4.tokenizer import Tokenizer
 from engine_runs import run_to_completion
 
@@ -46,7 +47,7 @@ def test_replayed_drafts_equal_the_eager_proposers(tiny_v41: str) -> None:
     for rows, last in (([2], [0]), ([0, 3], [17, 5]), ([3, 1, 2], [9, 30, 2]), ([1, 1, 0], [6, 6, 40])):
         rows_np, last_np = np.array(rows, dtype=np.int64), np.array(last, dtype=np.int64)
         anchors = torch.randint(5, 400, (len(rows),), generator=g, device="cuda")
-        want = super(GraphedDSparkProposer, p).propose([], rows_np, last_np, anchors, taps)
+        want = DSparkProposer.propose(p, [], rows_np, last_np, anchors, taps)
         before = p.num_graph_replays
         got = p.propose([], rows_np, last_np, anchors, taps).clone()
         assert p.num_graph_replays == before + 1

@@ -1,5 +1,6 @@
 """Pipelined speculative steps (async scheduling with `"verify_decode": true`, dsv4/spec_decode/pipelined.py) on the
-GPU with the verify rows' and the drafter's CUDA graphs: tiny V4.1 with its DSpark drafter, fp32. Greedy outputs
+GPU with the verify rows' and the drafter's CUDA graphs: tiny V4.1 with its DSpark drafter and tiny V4 with its MTP
+layer, fp32. Greedy outputs
 with the random drafter, the oracle drafter and a partly wrong oracle equal plain decoding (the plain engine with its
 CUDA graphs); steady steps are pipelined and replay graphs; a pipelined launch reads no device value on the host
 (checked with CUDA's sync debug mode: a synchronizing call inside a launch raises)."""
@@ -21,9 +22,10 @@ from engine_runs import oracle_sequences, run_to_completion
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
 
-def _engine(path: str, k: int | None, oracle: dict[str, list[int]] | None = None, **spec: Any) -> LLMEngine:
+def _engine(path: str, k: int | None, oracle: dict[str, list[int]] | None = None, method: str = "dspark",
+            **spec: Any) -> LLMEngine:
     e = LLMEngine.from_args(path, device="cuda", dtype="float32", max_num_seqs=4,
-                            speculative_config={"method": "dspark", "num_speculative_tokens": k,
+                            speculative_config={"method": method, "num_speculative_tokens": k,
                                                 "verify_decode": True, **spec} if k else None,
                             async_scheduling=True)
     if oracle is not None:
@@ -31,14 +33,44 @@ def _engine(path: str, k: int | None, oracle: dict[str, list[int]] | None = None
     return e
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list[int]], dict[str, list[int]]]:
-    path = make_model("tiny-v41", str(tmp_path_factory.mktemp("m")), seed=0)
+def _plain(path: str) -> tuple[str, list[list[int]], dict[str, list[int]]]:
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (5, 13, 40, 2)]
     e0 = _engine(path, None)
     assert e0.runner.graphs.enabled
     return path, prompts, run_to_completion(e0, {str(i): p for i, p in enumerate(prompts)}, GREEDY)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list[int]], dict[str, list[int]]]:
+    return _plain(make_model("tiny-v41", str(tmp_path_factory.mktemp("m")), seed=0))
+
+
+@pytest.fixture(scope="module")
+def setup_v4(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list[int]], dict[str, list[int]]]:
+    return _plain(make_model("tiny-v4", str(tmp_path_factory.mktemp("m4")), seed=0))
+
+
+def _strict_launches(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Every pipelined launch after the first (which copies the host counts and builds the sampling tensors once)
+    runs under torch.cuda.set_sync_debug_mode("error"): any host read of a device value raises. Returns the list
+    each checked launch appends to."""
+    orig = PipelinedVerify.launch
+    checked: list[bool] = []
+
+    def strict(self: PipelinedVerify, so: Any) -> Any:
+        if not self.device_ahead:
+            return orig(self, so)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = orig(self, so)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        checked.append(True)
+        return out
+
+    monkeypatch.setattr(PipelinedVerify, "launch", strict)
+    return checked
 
 
 @pytest.mark.parametrize("k", [2, 3])
@@ -61,30 +93,38 @@ def test_pipelined_graphs_greedy_equal_plain(setup: tuple, k: int, drafter: str)
                          ids=["greedy", "with-sampled", "oracle"])
 def test_pipelined_launch_does_not_sync(setup: tuple, monkeypatch: pytest.MonkeyPatch, sampled: bool,
                                         drafter: str) -> None:
-    """Every pipelined launch after the first (which copies the host counts and builds the sampling tensors once)
-    runs under torch.cuda.set_sync_debug_mode("error"): any host read of a device value raises. With an unseeded
-    sampled request beside the greedy one, its draws and the rejection rule run on the device too; the oracle
-    (the benchmark's drafter) reads its device table."""
+    """Pipelined launches without a host read (`_strict_launches`). With an unseeded sampled request beside the
+    greedy one, its draws and the rejection rule run on the device too; the oracle (the benchmark's drafter) reads
+    its device table."""
     path, prompts, plain = setup
     oracle = {"0": prompts[1] + plain["1"]} if drafter == "oracle" else None
     e = _engine(path, 3, oracle, drafter_cuda_graphs=True)
-    orig = PipelinedVerify.launch
-    checked = []
-
-    def strict(self: PipelinedVerify, so: Any) -> Any:
-        if not self.device_ahead:
-            return orig(self, so)
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            out = orig(self, so)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        checked.append(True)
-        return out
-
-    monkeypatch.setattr(PipelinedVerify, "launch", strict)
+    checked = _strict_launches(monkeypatch)
     named = {"0": prompts[1], "1": prompts[2]} if sampled else {"0": prompts[1]}
     params = {"0": GREEDY, "1": SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, ignore_eos=True)}
     outs = run_to_completion(e, named, {r: params[r] for r in named})
     assert outs["0"] == plain["1"] and len(outs.get("1", [0] * 24)) == 24
     assert len(checked) > 2
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "wrong"])
+def test_mtp_pipelined_graphs_greedy_equal_plain_without_sync(setup_v4: tuple, monkeypatch: pytest.MonkeyPatch,
+                                                              drafter: str) -> None:
+    """tiny V4 with its MTP layer (random: drafts rejected) or a partly wrong oracle: the verify rows and the MTP
+    drafter replay their graphs, rejected positions' compressor ring rows are restored on the device, the greedy
+    output is plain decoding's, and no pipelined launch reads the device on the host."""
+    path, prompts, plain = setup_v4
+    oracle = None
+    if drafter == "wrong":
+        oracle = oracle_sequences(prompts, [plain[str(i)] for i in range(len(prompts))], 3)
+    e = _engine(path, 3, oracle, method="mtp", drafter_cuda_graphs=True)
+    checked = _strict_launches(monkeypatch)
+    sp = e.runner.speculator
+    assert run_to_completion(e, {str(i): p for i, p in enumerate(prompts)}, GREEDY) == plain
+    vd = sp.verify_decode
+    assert sp.pipeline.num_steps > 0 and vd.num_graph_replays == vd.num_decode_steps and len(checked) > 2
+    if drafter == "mtp":
+        assert sp.proposer.num_graph_replays > 0 and sp.proposer.num_eager_proposals == 0
+    else:
+        st = e.spec_decode_stats
+        assert 0 < st.num_accepted_tokens < st.num_draft_tokens

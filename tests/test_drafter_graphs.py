@@ -1,5 +1,5 @@
-"""The DSpark drafter's proposal as CUDA graphs (`"drafter_cuda_graphs": true`, dsv4/spec_decode/dspark_graphs.py) on
-the CPU: the fixed-shape MoE path of the captured forward equals the eager reference's, the graph path (captured and
+"""The drafters' proposals as CUDA graphs (`"drafter_cuda_graphs": true`, dsv4/spec_decode/drafter_graphs.py) on
+the CPU, DSpark and MTP: the fixed-shape MoE path of the captured forward equals the eager reference's, the graph path (captured and
 "replayed" by a stand-in that re-runs the captured closure on the persistent buffers) drafts exactly what the eager
 proposer drafts, padding rows change nothing, and an engine with the switch decodes exactly as plain decoding, with
 the same acceptance counts as the eager drafter. The real graphs: tests/gpu/test_dspark_graphs_gpu.py."""
@@ -17,17 +17,19 @@ from dsv4.make_model import default_model_dir
 from dsv4.models.config import ConfigError
 from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.config import DrafterSpec, DSparkConfig, parse_speculative_config
-from dsv4.spec_decode.dspark_graphs import GraphedDSparkProposer
+from dsv4.spec_decode.drafter_graphs import GraphedDSparkProposer, GraphedMTPProposer, ProposalGraphs
+from dsv4.spec_decode.proposer import DSparkProposer, MTPProposer
 from engine_runs import RerunGraphs, demo_code_prompts, run_to_completion
 
-def _spec(graphs: bool) -> dict[str, Any]:
-    return {"method": "dspark", "drafter_cuda_graphs": graphs}
+def _spec(graphs: bool, method: str = "dspark") -> dict[str, Any]:
+    """DSpark's whole block, or 3 MTP drafts (the layer re-applied)."""
+    return {"method": method, "drafter_cuda_graphs": graphs, **({"num_speculative_tokens": 3} if method == "mtp" else {})}
 
 
-def _standin(engine: LLMEngine, sizes: list[int]) -> GraphedDSparkProposer:
+def _standin(engine: LLMEngine, sizes: list[int]) -> ProposalGraphs:
     """The engine's graphed proposer with the re-running stand-in for the graphs of `sizes`, captured."""
     p = engine.runner.speculator.proposer
-    assert isinstance(p, GraphedDSparkProposer)
+    assert isinstance(p, ProposalGraphs)
     assert not p.graphs.enabled  # CPU: the switch alone captures nothing here
     p.graphs = RerunGraphs(sizes, enabled=True)
     p.capture()
@@ -55,33 +57,43 @@ def test_fixed_moe_path_proposes_what_the_reference_does(tiny_v41: str, B: int) 
     assert (ref.logits.std(dim=-1) > 1e-3).all()  # not a degenerate (constant) draft distribution
 
 
-def test_graph_path_drafts_what_the_eager_proposer_drafts(tiny_v41: str) -> None:
-    """Random tap rings and positions; proposals of 1, 2 and 3 requests (padded to 1, 2, 4), some rows more than
-    once, in any order: the replayed drafts equal the eager proposer's on the same ring, and a proposal larger than
-    every capture size runs eagerly."""
-    e = LLMEngine.from_args(tiny_v41, max_num_seqs=4, speculative_config=_spec(True))
+@pytest.mark.parametrize("method", ["dspark", "mtp"])
+def test_graph_path_drafts_what_the_eager_proposer_drafts(tiny_v41: str, tiny_v4: str, method: str) -> None:
+    """Random tap rings (and for MTP a random token history: the token after each context position) and positions;
+    proposals of 1, 2 and 3 requests (padded to 1, 2, 4), some rows more than once, in any order: the replayed
+    drafts equal the eager proposer's (its grouped MoE path) on the same ring, and a proposal larger than every
+    capture size runs eagerly."""
+    e = LLMEngine.from_args(tiny_v41 if method == "dspark" else tiny_v4, max_num_seqs=4,
+                            speculative_config=_spec(True, method))
     p = _standin(e, [1, 2, 4])
+    assert isinstance(p, GraphedDSparkProposer if method == "dspark" else GraphedMTPProposer)
+    eager = DSparkProposer.propose if method == "dspark" else MTPProposer.propose
     taps = e.runner.speculator.taps
     assert taps is not None and p.taps is taps
     g = torch.Generator().manual_seed(7)
     taps.values.copy_(torch.randn(taps.values.shape, generator=g))
+    hist = e.runner.req_state.token_history
+    hist.copy_(torch.randint(2, 400, hist.shape, generator=g))
     cases = [([2], [0]), ([0, 3], [17, 5]), ([3, 1, 2], [9, 30, 2]), ([1, 1, 0], [6, 6, 40])]
+    drafted: set[int] = set()
     for rows, last in cases:
         rows_np, last_np = np.array(rows, dtype=np.int64), np.array(last, dtype=np.int64)
-        anchors = torch.randint(5, 400, (len(rows),), generator=g)
-        want = super(GraphedDSparkProposer, p).propose([], rows_np, last_np, anchors, taps)
+        anchors = hist[torch.from_numpy(rows_np), torch.from_numpy(last_np + 1)]
+        want = eager(p, [], rows_np, last_np, anchors, taps)
         before = p.num_graph_replays
         got = p.propose([], rows_np, last_np, anchors, taps).clone()
         assert p.num_graph_replays == before + 1
         assert torch.equal(got, want), (rows, last)
+        drafted.update(want.flatten().tolist())
+    assert len(drafted) > 3  # not a degenerate (constant) drafter
     p.graphs = RerunGraphs([1, 2], enabled=True)
     p.capture()
-    eager = p.num_eager_proposals
+    count = p.num_eager_proposals
     rows_np, last_np = np.array([0, 1, 2], dtype=np.int64), np.array([4, 5, 6], dtype=np.int64)
-    anchors = torch.tensor([7, 8, 9])
+    anchors = hist[torch.from_numpy(rows_np), torch.from_numpy(last_np + 1)]
     got = p.propose([], rows_np, last_np, anchors, taps)
-    assert p.num_eager_proposals == eager + 1  # 3 requests, largest graph 2: the eager reference
-    assert torch.equal(got, super(GraphedDSparkProposer, p).propose([], rows_np, last_np, anchors, taps))
+    assert p.num_eager_proposals == count + 1  # 3 requests, largest graph 2: the eager reference
+    assert torch.equal(got, eager(p, [], rows_np, last_np, anchors, taps))
 
 
 def test_padding_rows_do_not_change_real_rows(tiny_v41: str) -> None:
@@ -129,5 +141,4 @@ def test_config_switch() -> None:
     with pytest.raises(ConfigError, match="drafter_cuda_graphs.*true or false"):
         parse_speculative_config({"method": "dspark", "drafter_cuda_graphs": 1}, dspark)
     mtp = DrafterSpec(model_type="deepseek_v4", method="mtp", num_layers=1)
-    with pytest.raises(ConfigError, match="drafter_cuda_graphs.*DSpark drafter only"):
-        parse_speculative_config({"method": "mtp", "drafter_cuda_graphs": True}, mtp)
+    assert parse_speculative_config({"method": "mtp", "drafter_cuda_graphs": True}, mtp).drafter_cuda_graphs
