@@ -13,6 +13,7 @@
 #   VERIFY_DECODE=1 (bench, demo): the speculative engine runs uniform verify steps as decode rows with CUDA graphs
 #   DRAFTER_GRAPHS=1 (bench, demo): the speculative engine replays the DSpark drafter's proposals as CUDA graphs
 #   PIPELINED=1 (bench, demo; with VERIFY_DECODE=1): the speculative engine with async scheduling (pipelined steps)
+#   ADAPTIVE=1 (bench, demo): the speculative engine speculates only while it measures that it pays (gate.py)
 #   PHASE_PROFILE=1 (bench, demo): one more run per speculative row, every step's phases synced and timed (phases_ms)
 #   BENCH_LIMIT: seconds for spec_decode_speed.py in the bench part (default 280; up to ~480 when it runs alone)
 #   demo    the built-in trained model with its trained drafter on held-out code (--prompts held-out-code): the
@@ -75,7 +76,7 @@ part_bench() {
   local t0=$SECONDS log=$out/spec_decode_speed.log
   timeout "${BENCH_LIMIT:-280}" python3 benchmarks/spec_decode_speed.py --model "$dir" --batch-sizes "${BATCHES:-1,2,4,8,16,32}" \
     --input-len 512 --output-len "${OUTPUT_LEN:-128}" ${VERIFY_DECODE:+--verify-decode} \
-    ${DRAFTER_GRAPHS:+--drafter-cuda-graphs} ${PIPELINED:+--pipelined} ${PHASE_PROFILE:+--phase-profile} \
+    ${DRAFTER_GRAPHS:+--drafter-cuda-graphs} ${PIPELINED:+--pipelined} ${ADAPTIVE:+--adaptive} ${PHASE_PROFILE:+--phase-profile} \
     --output-json "$out/spec_decode_speed.json" > "$log" 2>&1
   local rc=$?
   echo "spec_decode_speed (rc $rc): $((SECONDS - t0)) s"
@@ -91,7 +92,7 @@ part_demo() {
   timeout 200 python3 benchmarks/spec_decode_speed.py --model dsv4/assets/dsv4-demo --prompts held-out-code \
     --modes plain,oracle,drafter --batch-sizes "${BATCHES:-1,2,4,8,16,32}" --input-len 256 \
     --output-len "${OUTPUT_LEN:-128}" ${VERIFY_DECODE:+--verify-decode} ${DRAFTER_GRAPHS:+--drafter-cuda-graphs} \
-    ${PIPELINED:+--pipelined} ${PHASE_PROFILE:+--phase-profile} --output-json "$out/spec_decode_demo.json" \
+    ${PIPELINED:+--pipelined} ${ADAPTIVE:+--adaptive} ${PHASE_PROFILE:+--phase-profile} --output-json "$out/spec_decode_demo.json" \
     > "$log" 2>&1
   echo "spec_decode_speed demo (rc $?): $((SECONDS - t0)) s"
   sed -n '/^spec_decode_speed: /,$p' "$log"

@@ -92,6 +92,7 @@ from dsv4.bench.latency import (environment, random_prompts, resolve_device_dtyp
                                 summarize, sync)
 from dsv4.models.config import load_model_config
 from dsv4.spec_decode.config import DSPARK, drafter_spec
+from dsv4.spec_decode.gate import SpeculationGate
 from dsv4.spec_decode.proposer import OracleProposer
 from dsv4.spec_decode.speculator import PhaseTimes
 from dsv4.tokenizer import Tokenizer
@@ -161,8 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the speculative engine verifies uniform steps as decode rows with CUDA graphs "
                         "(speculative config \"verify_decode\": true; default: eager verify steps)")
     p.add_argument("--drafter-cuda-graphs", action="store_true",
-                   help="the speculative engine replays the DSpark drafter's proposals as CUDA graphs (speculative "
+                   help="the speculative engine replays the drafter's proposals as CUDA graphs (speculative "
                         "config \"drafter_cuda_graphs\": true; default: the eager drafter)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="the speculative engine speculates only while its measured step times and acceptance say "
+                        "it pays (speculative config \"adaptive\": true, dsv4/spec_decode/gate.py; default off)")
     p.add_argument("--phase-profile", action="store_true",
                    help="after each speculative run, one more (untimed) with the device synced at every phase of a "
                         "step: prepare / forward / verify / propose milliseconds per verify step (`phases_ms`)")
@@ -350,6 +354,8 @@ def _spec_run(engine: Any, speculator: Any, own: Any, mode: str, b: int, prompts
             oracle = OracleProposer(_oracle_sequences(prompts, source, [tag], args.num_iters),
                                     own.block_size if mode == "oracle_drafter" else k)
             speculator.set_proposer(oracle if mode == "oracle" else OracleAfterDrafter(own, oracle))
+        if speculator.gate is not None:  # --adaptive: each mode measured from a fresh switch (the last mode's
+            speculator.gate = SpeculationGate()  # acceptance would otherwise carry over)
         _warm(engine, prompts, args, device, tag)
         before = copy.deepcopy(engine.spec_decode_stats)
         plain_before = speculator.num_plain_steps
@@ -446,6 +452,8 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         raise ValueError("--pipelined needs --verify-decode (async scheduling pipelines the multi-row verify steps)")
     if args.drafter_cuda_graphs:
         spec_cfg["drafter_cuda_graphs"] = True
+    if args.adaptive:
+        spec_cfg["adaptive"] = True
 
     env = environment(args, device)
     env["command"] = "python3 benchmarks/spec_decode_speed.py " + shlex.join(sys.argv[1:] if argv is None else argv)
@@ -507,7 +515,9 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
                 base = row["plain"]
                 row["speedup"][mode] = stats["output_tokens_per_s"] / base["output_tokens_per_s"]
                 row["step_ratio"][mode] = stats["step_s"]["median"] / base["step_s"]["median"]
-                if stats["num_plain_steps"] or not (stats["outputs_match"] or stats["diverged_at_near_ties_only"]):
+                # plain steps are the adaptive switch's choice (calibration, backoffs); otherwise a defect
+                plain_ok = args.adaptive or not stats["num_plain_steps"]
+                if not plain_ok or not (stats["outputs_match"] or stats["diverged_at_near_ties_only"]):
                     why = (f"outputs differ from plain decoding's: {stats['mismatches']}" if not stats["outputs_match"]
                            else f"{stats['num_plain_steps']} steps ran without speculation")
                     result["failures"].append({"batch_size": b, "mode": mode, "error": why})

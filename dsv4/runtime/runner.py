@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 from dsv4.config import EngineConfig
 from dsv4.kv.spec import KVGroupSpec
 from dsv4.models.layers.rope import prepare_rope_tables
+from dsv4.runtime.attn_metadata import DecodeMetadata
 from dsv4.runtime.block_tables import BlockTables
 from dsv4.runtime.cudagraphs import CudaGraphManager, default_capture_sizes, round_capture_sizes
 from dsv4.runtime.encoder_cudagraphs import EncoderCudaGraphManager
@@ -140,6 +142,9 @@ class ModelRunner:
         # speculative decoding (dsv4.spec_decode): every step is the speculator's (verify, commit, propose)
         self.speculator: Speculator | None = (make_speculator(self, config.speculative)
                                               if config.speculative is not None else None)
+        # its plain steps (speculation off for the batch) compute the drafter's taps too, so the drafter reads fresh
+        # ones when speculation resumes; not under compile (a dict filled inside the traced forward)
+        self.plain_tap_ids: tuple[int, ...] = () if config.compile_decode else self._drafter_tap_ids()
 
     def _graph_safe(self) -> bool:
         """Graphs need every input readable by the device without the host: engram tables on the device or in
@@ -196,10 +201,9 @@ class ModelRunner:
                                                         2 * len(self.graphs.capture_sizes))
             forward = torch.compile(forward, dynamic=False)
 
-        def run(size: int) -> torch.Tensor:
+        def run(size: int) -> torch.Tensor:  # with `plain_tap_ids`, the drafter's taps beside the hidden states
             inputs = {k: v[:size] for k, v in extra.items()}
-            return forward(self.buffers.input_ids[:size], self.model_state.decode.views(size, size), self.kv_caches,
-                           **inputs)
+            return self._forward_decode_with_taps(forward, size, self.model_state.decode.views(size, size), inputs)
 
         with torch.inference_mode():
             self.graphs.capture(run)
@@ -276,14 +280,24 @@ class ModelRunner:
 
         batch = InputBatch.prepare(self.buffers, rs.token_history, req_ids, rows, computed, sched, sample_rows)
         image_rows = self._image_rows(batch)
+        tap_ids = self.plain_tap_ids
         if (sched == 1).all() and image_rows is None and not self.model_state.replaying(batch):
             hidden = self._decode(batch)
+            tap_values = hidden[:, self.config.model.hidden_size:] if tap_ids else None
+            hidden = hidden[:, : self.config.model.hidden_size] if tap_ids else hidden
         else:
             md = self.model_state.prepare_attn(batch, self.block_tables)
             extra = self.model_state.prepare_inputs(batch, rs)
             if image_rows is not None:
                 extra["image_embeds"] = image_rows
+            taps = dict.fromkeys(tap_ids) if tap_ids else None
+            if taps is not None:
+                extra["taps"] = taps
             hidden = self.model(batch.input_ids, md, self.kv_caches, **extra)
+            tap_values = torch.cat([taps[i] for i in tap_ids], dim=-1) if taps is not None else None
+        if tap_values is not None:  # the drafter's tap ring stays fresh while speculation is off
+            assert self.speculator is not None
+            self.speculator.write_taps(tap_values, rows, computed, sched)
         rs.num_computed[rows] = computed + sched
 
         tokens = lps = None
@@ -350,7 +364,24 @@ class ModelRunner:
         extra = self.model_state.prepare_inputs(batch, self.req_state)
         if full:
             return self.graphs.replay(padded)[:R]
-        return self.model.forward_decode(self.buffers.input_ids[:P], dmd, self.kv_caches, **extra)[:R]
+        return self._forward_decode_with_taps(self.model.forward_decode, P, dmd, extra)[:R]
+
+    def _drafter_tap_ids(self) -> tuple[int, ...]:
+        """The target layers whose taps a speculative engine's drafter reads (its tap ring's), else ()."""
+        sp = self.speculator
+        return sp.tap_layer_ids if sp is not None and sp.taps is not None else ()
+
+    def _forward_decode_with_taps(self, forward: Callable[..., torch.Tensor], size: int, dmd: DecodeMetadata,
+                                  extra: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The decode forward of `size` rows: hidden states [size, D], and with `plain_tap_ids` the drafter's taps
+        after them in the same rows ([size, D + taps]: one output, what a graph keeps)."""
+        ids = self.plain_tap_ids
+        taps = dict.fromkeys(ids) if ids else None
+        hidden = forward(self.buffers.input_ids[:size], dmd, self.kv_caches, **extra,
+                         **({"taps": taps} if taps is not None else {}))
+        if taps is None:
+            return hidden
+        return torch.cat([hidden] + [taps[i].to(hidden.dtype) for i in ids], dim=-1)
 
     @torch.inference_mode()
     def profile_peak_memory(self) -> int:

@@ -31,9 +31,11 @@ SPECULATIVE_CONFIG_HELP = (
     "count; with B or more running requests a step decodes plainly, without drafts); turns async scheduling off; "
     "steps with drafts run eagerly (no CUDA graphs); \"verify_decode\": true (experimental) runs steps where "
     "every request verifies k drafts as k + 1 decode rows each; \"drafter_cuda_graphs\": true (experimental) "
-    "replays the drafter's proposals as CUDA graphs")
+    "replays the drafter's proposals as CUDA graphs; \"adaptive\": true (experimental) speculates only while the "
+    "measured step times and acceptance say it pays")
 
-_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", "verify_decode", "drafter_cuda_graphs")
+_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", "verify_decode", "drafter_cuda_graphs",
+         "adaptive")
 # Keys vLLM accepts that dsv4 does not implement yet: refused with a message that says so, not as a typo.
 _VLLM_ONLY_KEYS = ("model", "draft_tensor_parallel_size", "draft_sample_method", "rejection_sample_method",
                    "enable_adaptive_verification", "prompt_lookup_max", "prompt_lookup_min", "quantization",
@@ -80,13 +82,18 @@ class SpeculativeConfig:
 
     `drafter_cuda_graphs` (dsv4's own key, default off until measured on a GPU; DSpark and MTP): on CUDA without
     enforce_eager the drafter's proposals replay one CUDA graph per request count (dsv4/spec_decode/drafter_graphs.py)
-    instead of its eager, launch-bound forward. The drafts are the same either way."""
+    instead of its eager, launch-bound forward. The drafts are the same either way.
+
+    `adaptive` (dsv4's own key, default off until measured on a GPU): speculation runs only while it emits more
+    tokens per second than plain decoding at the batch's size, both measured as the engine runs (step times and
+    accepted drafts: dsv4/spec_decode/gate.py); `disable_by_batch_size` still applies on top."""
 
     method: str
     num_speculative_tokens: int
     disable_by_batch_size: int | None = None
     verify_decode: bool = False
     drafter_cuda_graphs: bool = False
+    adaptive: bool = False
 
 
 def _spec_error(field: str, msg: str) -> ConfigError:
@@ -250,8 +257,11 @@ def parse_speculative_config(value: str | Mapping[str, Any] | None, spec: Drafte
     graphs = value.get("drafter_cuda_graphs", False)
     if not isinstance(graphs, bool):
         raise _spec_error("drafter_cuda_graphs", f"must be true or false, got {graphs!r}")
+    adaptive = value.get("adaptive", False)
+    if not isinstance(adaptive, bool):
+        raise _spec_error("adaptive", f"must be true or false, got {adaptive!r}")
     return SpeculativeConfig(method=method, num_speculative_tokens=k, disable_by_batch_size=batch,
-                             verify_decode=verify_decode, drafter_cuda_graphs=graphs)
+                             verify_decode=verify_decode, drafter_cuda_graphs=graphs, adaptive=adaptive)
 
 
 def load_speculative_config(model_dir: str, value: str | Mapping[str, Any] | None) -> SpeculativeConfig | None:

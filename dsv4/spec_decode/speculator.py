@@ -69,6 +69,7 @@ from dsv4.runtime.sampler import SamplingTensors, needs_output_values
 from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.config import SpeculativeConfig
 from dsv4.spec_decode.drafter_graphs import GraphedDSparkProposer, GraphedMTPProposer, ProposalGraphs
+from dsv4.spec_decode.gate import SpeculationGate
 from dsv4.spec_decode.pipelined import PipelinedOutput, PipelinedVerify
 from dsv4.spec_decode.proposer import DSparkProposer, MTPProposer, Proposer, TapBuffer
 from dsv4.spec_decode.rejection import verify
@@ -265,6 +266,7 @@ class Speculator:
                               f"do not fit this model's shortest compressor ring ({self.rings.capacity} positions); "
                               f"use at most {self.rings.capacity - 1}")
         self.taps: TapBuffer | None = None
+        self.tap_layer_ids = proposer.tap_layer_ids  # the tap ring's layers, in its row layout
         if proposer.tap_layer_ids:
             dtype = runner.model.lm_head.weight.dtype
             self.taps = TapBuffer(n, runner.config.model.sliding_window, proposer.block_size + 2,
@@ -280,6 +282,8 @@ class Speculator:
         # steady verify steps pipelined under async scheduling (pipelined.py; the scheduler's spec_pipeline_tokens)
         self.pipeline = (PipelinedVerify(self) if runner.config.scheduler.spec_pipeline_tokens
                          and self.verify_decode is not None else None)
+        # speculate only while it pays (spec.adaptive, gate.py): measured step times and acceptance
+        self.gate = SpeculationGate() if spec.adaptive else None
 
     def set_proposer(self, proposer: Proposer) -> None:
         """Swap the proposer (the oracle test hook); it must read no taps the current one does not provide."""
@@ -322,9 +326,11 @@ class Speculator:
                    for row in rows.tolist())
 
     def disabled(self) -> bool:
-        """Speculation is off for the current batch: disable_by_batch_size or more requests hold a row."""
+        """Speculation is off for the current batch: disable_by_batch_size or more requests hold a row, or the
+        adaptive switch (gate.py) measured that it does not pay at this batch size (or has not measured yet)."""
         limit = self.spec.disable_by_batch_size
-        return limit is not None and self.runner.req_state.num_active >= limit
+        n = self.runner.req_state.num_active
+        return (limit is not None and n >= limit) or (self.gate is not None and not self.gate.allows(n))
 
     # ---- one step ----------------------------------------------------------------------------------------------
     def _mark(self, phase: str) -> None:
@@ -332,8 +338,11 @@ class Speculator:
             self.phases.mark(phase)
 
     def launch(self, so: SchedulerOutput) -> SpecOutput | PlainSpecOutput | PipelinedOutput:
+        now = self.gate.clock() if self.gate is not None else 0.0
         if self.pipeline is not None:
             if so.pipelined:
+                if self.gate is not None:
+                    self.gate.step(now, True, len(so.num_scheduled_tokens), steady=True)
                 return self.pipeline.launch(so)
             # a synchronous step starts from exact host counts: every pipelined step has landed
             assert not self.pipeline.in_flight, "a synchronous speculative step while a pipelined one is in flight"
@@ -345,8 +354,12 @@ class Speculator:
         rs = r.req_state
         if self.disabled() and not any(rs.num_computed[rs.req_id_to_row[q]] + n > rs.num_tokens[rs.req_id_to_row[q]]
                                        for q, n in so.num_scheduled_tokens.items()):
-            # a large batch and no drafts to verify: the plain step (its decode CUDA graphs), no taps, no drafts
+            # speculation off for the batch and no drafts to verify: the plain step (its decode CUDA graphs; it
+            # writes the drafter's taps, ModelRunner.launch_plain), no drafts
             self.num_plain_steps += 1
+            if self.gate is not None:
+                self.gate.step(now, False, len(so.num_scheduled_tokens),
+                               steady=all(n == 1 for n in so.num_scheduled_tokens.values()))
             return PlainSpecOutput(r.launch_plain(so))
         req_ids = sorted(so.num_scheduled_tokens, key=lambda q: (so.num_scheduled_tokens[q] != 1,
                                                                    so.num_scheduled_tokens[q]))
@@ -360,6 +373,8 @@ class Speculator:
         drafts = np.maximum(ends - known, 0)  # the scheduler's drafts: positions past the known tokens
         sample = np.nonzero(ends >= known)[0]
         assert drafts.max(initial=0) <= self.k, "more drafts scheduled than proposed"
+        if self.gate is not None:  # steady: every request verifies drafts after its anchor (and a rewound token)
+            self.gate.step(now, True, len(req_ids), steady=bool((drafts > 0).all() and (sched - drafts <= 2).all()))
         if drafts.any():  # the drafts become the chunks' input ids: one gather and one write for the batch
             src_rows = np.repeat(rows, drafts)
             cols = np.arange(len(src_rows)) - np.repeat(np.cumsum(drafts) - drafts, drafts)  # 0 .. d-1 per request
@@ -387,12 +402,8 @@ class Speculator:
             if taps is not None:
                 extra["taps"] = taps
             hidden = r.model(batch.input_ids, md, r.kv_caches, **extra)
-        qsl = batch.query_start_loc_np
-        if taps is not None and self.taps is not None:
-            token_rows = np.repeat(rows, sched)
-            positions = np.repeat(computed - qsl[:-1], sched) + np.arange(int(qsl[-1]))
-            self.taps.write(torch.cat([taps[i] for i in self.proposer.tap_layer_ids], dim=-1), token_rows,
-                            positions, np.repeat(ends, sched))
+        if taps is not None:
+            self.write_taps(torch.cat([taps[i] for i in self.proposer.tap_layer_ids], dim=-1), rows, computed, sched)
         self._mark("forward")
 
         uncomputed = [0] * len(req_ids)
@@ -466,6 +477,15 @@ class Speculator:
         if ds.any():  # a step that verified drafts: its phases count (a prefill's first token does not)
             self._mark("propose")
 
+    def write_taps(self, values: torch.Tensor, rows: np.ndarray, computed: np.ndarray, sched: np.ndarray) -> None:
+        """The taps [T, width] of a step's T tokens (request by request: state row rows[b] computed sched[b] positions
+        from computed[b]) into the tap ring (speculative steps, and plain steps while speculation is off)."""
+        if self.taps is None:
+            return
+        starts = np.cumsum(sched) - sched
+        positions = np.repeat(computed - starts, sched) + np.arange(int(sched.sum()))
+        self.taps.write(values, np.repeat(rows, sched), positions, np.repeat(computed + sched, sched))
+
     def count_acceptance(self, row: int, d: int, j: int, n0: int) -> None:
         """The counters of one request's verify step: d drafts verified, j accepted, n0 tokens known before it.
         They count drafts that could be emitted: not placeholders (the caller's d), and with
@@ -476,6 +496,8 @@ class Speculator:
         if max_tokens is not None:
             d = min(d, max(max_tokens - int(n0 - rs.prompt_len[row]) - 1, 0))
             j = min(j, d)
+        if d and self.gate is not None:
+            self.gate.accepted(j + 1)
         if d:
             stats = self.stats
             stats.num_drafts += 1
