@@ -39,7 +39,7 @@ p=v41-flash-8l
 
 part_tests() {
   gpu_pytest 200 gpu_tests_spec.log tests/gpu/test_spec_decode_gpu.py tests/gpu/test_spec_verify_decode_gpu.py \
-    tests/gpu/test_dspark_graphs_gpu.py tests/gpu/test_spec_pipelined_gpu.py
+    tests/gpu/test_dspark_graphs_gpu.py tests/gpu/test_spec_pipelined_gpu.py tests/gpu/test_spec_gate_gpu.py
 }
 
 # make_drafter_preset DIR: v41-flash-8l with its DSpark drafter (drawn on the GPU) at DIR, unless it is there;

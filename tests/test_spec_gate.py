@@ -196,6 +196,16 @@ def test_plain_steps_write_the_taps_speculative_steps_would(model: str, request:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_plain_graphs_of_every_size_with_the_switch(tiny_v41: str) -> None:
+    """Without the switch plain steps run only for batches of disable_by_batch_size or more, so smaller graphs are
+    not captured; with it plain steps run at any size: every size is captured."""
+    def sizes(adaptive: bool) -> list[int]:
+        spec = {"method": "dspark", "disable_by_batch_size": 3, "adaptive": adaptive}
+        return LLMEngine.from_args(tiny_v41, max_num_seqs=4, speculative_config=spec).runner.graphs.capture_sizes
+
+    assert sizes(False) == [4] and sizes(True) == [1, 2, 4]
+
+
 def test_config_switch() -> None:
     mtp = DrafterSpec("deepseek_v4", "mtp", 1)
     assert parse_speculative_config({"method": "mtp", "adaptive": True}, mtp).adaptive

@@ -113,9 +113,10 @@ class ModelRunner:
         sizes = round_capture_sizes(list(config.cudagraph_capture_sizes or default_capture_sizes(sc.max_num_seqs)),
                                     1, sc.max_num_seqs)
         graph_sizes = sizes
-        if config.speculative is not None:
-            # steps with drafts run eagerly (Speculator.launch); only the plain decode steps of a batch of
-            # disable_by_batch_size or more requests replay graphs: sizes that cannot hold one are not captured
+        if config.speculative is not None and not config.speculative.adaptive:
+            # steps with drafts have their own paths (Speculator.launch); only the plain decode steps of a batch of
+            # disable_by_batch_size or more requests replay these graphs: sizes that cannot hold one are not
+            # captured. The adaptive switch (spec_decode/gate.py) runs plain steps at any batch size: all sizes.
             limit = config.speculative.disable_by_batch_size
             graph_sizes = [s for s in sizes if limit is not None and s >= limit]
         use_graphs = (self.device.type == "cuda" and not config.enforce_eager and bool(graph_sizes)

@@ -46,10 +46,11 @@ above holds unchanged (dsv4/models/verify_rows.py: the rings after such a step a
 step's parts for spec_decode_speed --phase-profile.
 
 `disable_by_batch_size` B (vLLM's): while B or more requests hold a row, no drafts are proposed, and a step with no
-drafts to verify is the runner's plain step (`ModelRunner.launch_plain`: decode CUDA graphs of sizes >= B, no taps).
-Drafts proposed before the batch grew are still verified (one eager step). Positions a plain step computes leave
-no taps, so after the batch shrinks below B the drafter reads stale taps for up to a window of positions: fewer
-drafts accepted for a while, never a different output.
+drafts to verify is the runner's plain step (`ModelRunner.launch_plain`: decode CUDA graphs of sizes >= B). Drafts
+proposed before the batch grew are still verified (one eager step). A plain step computes the drafter's taps of its
+positions too (`ModelRunner.plain_tap_ids`, beside the hidden states in its graphs' output; not under
+compile_decode), so when speculation resumes the drafter reads fresh ones. `"adaptive": true` (gate.py) also turns
+speculation off and on as it measures whether it pays; its plain steps run at any batch size (graphs of all sizes).
 """
 
 from __future__ import annotations
