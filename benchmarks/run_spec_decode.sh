@@ -14,6 +14,8 @@
 #   DRAFTER_GRAPHS=1 (bench, demo): the speculative engine replays the DSpark drafter's proposals as CUDA graphs
 #   PIPELINED=1 (bench, demo; with VERIFY_DECODE=1): the speculative engine with async scheduling (pipelined steps)
 #   ADAPTIVE=1 (bench, demo): the speculative engine speculates only while it measures that it pays (gate.py)
+#   MTP=1 (bench): V4-Flash-4l (random bf16) with one MTP layer (make_model(..., drafter=True)), written to
+#           /tmp/v4-flash-4l-mtp, k = $NUM_SPEC (default 3), instead of V4.1-Flash-8l and DSpark
 #   PHASE_PROFILE=1 (bench, demo): one more run per speculative row, every step's phases synced and timed (phases_ms)
 #   BENCH_LIMIT: seconds for spec_decode_speed.py in the bench part (default 280; up to ~480 when it runs alone)
 #   demo    the built-in trained model with its trained drafter on held-out code (--prompts held-out-code): the
@@ -36,33 +38,35 @@
 #   the acceptance's batch, comes first.
 . "$(dirname "$0")/device_lib.sh"
 p=v41-flash-8l
+[ -n "${MTP:-}" ] && p=v4-flash-4l  # MTP=1: DeepSeek-V4's MTP layer on V4-Flash-4l instead of DSpark
 
 part_tests() {
-  gpu_pytest 200 gpu_tests_spec.log tests/gpu/test_spec_decode_gpu.py tests/gpu/test_spec_verify_decode_gpu.py \
+  gpu_pytest 300 gpu_tests_spec.log tests/gpu/test_spec_decode_gpu.py tests/gpu/test_spec_verify_decode_gpu.py \
     tests/gpu/test_dspark_graphs_gpu.py tests/gpu/test_spec_pipelined_gpu.py tests/gpu/test_spec_gate_gpu.py
 }
 
-# make_drafter_preset DIR: v41-flash-8l with its DSpark drafter (drawn on the GPU) at DIR, unless it is there;
-# written to DIR.partial first, so a write cut short is never taken for a checkpoint
+# make_drafter_preset DIR: $p with its drafter (drawn on the GPU) at DIR, unless it is there: v41-flash-8l's DSpark,
+# or v4-flash-4l's MTP layer (MTP=1); written to DIR.partial first, so a write cut short is never taken for one
 make_drafter_preset() {
   local dir=$1 t0=$SECONDS
   [ -d "$dir" ] && return 0
   rm -rf "$dir.partial"
   local need=46 free  # GB: 44.5 with the released drafter; a smaller one ($DRAFTER_EXPERTS) needs less
   [ -n "${DRAFTER_EXPERTS:-}" ] && need=$(( 18 + DRAFTER_EXPERTS / 4 ))
+  [ -n "${MTP:-}" ] && need=12  # V4-Flash-4l (16 experts a layer) and one MTP layer of the same shapes
   free=$(df --output=avail -BG /tmp | tail -1 | tr -dc 0-9)
   if [ "${free:-0}" -lt "$need" ]; then  # the 1-GPU machine has a 64 GiB disk: /tmp/v41-flash-8l (16 GB) too?
     echo "make $dir: only ${free} GB free in /tmp, ~$need GB needed; the largest there:" \
       "$(du -sh /tmp/* 2>/dev/null | sort -h | tail -3 | tr '\n' ' ')"
     return 1
   fi
-  timeout 200 python3 - "$dir.partial" > "$out/make_model.log" 2>&1 <<'EOF'
+  timeout 200 python3 - "$dir.partial" "$p" > "$out/make_model.log" 2>&1 <<'EOF'
 import os, sys
 from dsv4.make_model import make_model
 from dsv4.models.presets import DRAFTER_FIELDS
 n = os.environ.get("DRAFTER_EXPERTS")
-overrides = {**DRAFTER_FIELDS, "dspark_n_routed_experts": int(n)} if n else None
-make_model("v41-flash-8l", sys.argv[1], device="cuda", drafter=True, overrides=overrides)
+overrides = {**DRAFTER_FIELDS, "dspark_n_routed_experts": int(n)} if n and sys.argv[2].startswith("v41") else None
+make_model(sys.argv[2], sys.argv[1], device="cuda", drafter=True, overrides=overrides)
 EOF
   local rc=$?
   [ $rc -eq 0 ] && mv "$dir.partial" "$dir"
@@ -72,12 +76,13 @@ EOF
 
 part_bench() {
   local dir=/tmp/$p-dspark${DRAFTER_EXPERTS:+-e$DRAFTER_EXPERTS}
+  [ -n "${MTP:-}" ] && dir=/tmp/$p-mtp
   make_drafter_preset "$dir" || { tail -5 "$out/make_model.log" 2>/dev/null; return 1; }
   local t0=$SECONDS log=$out/spec_decode_speed.log
   timeout "${BENCH_LIMIT:-280}" python3 benchmarks/spec_decode_speed.py --model "$dir" --batch-sizes "${BATCHES:-1,2,4,8,16,32}" \
     --input-len 512 --output-len "${OUTPUT_LEN:-128}" ${VERIFY_DECODE:+--verify-decode} \
     ${DRAFTER_GRAPHS:+--drafter-cuda-graphs} ${PIPELINED:+--pipelined} ${ADAPTIVE:+--adaptive} ${PHASE_PROFILE:+--phase-profile} \
-    --output-json "$out/spec_decode_speed.json" > "$log" 2>&1
+    ${MTP:+--num-speculative-tokens ${NUM_SPEC:-3}} --output-json "$out/spec_decode_speed.json" > "$log" 2>&1
   local rc=$?
   echo "spec_decode_speed (rc $rc): $((SECONDS - t0)) s"
   sed -n '/^spec_decode_speed: /,$p' "$log"  # the table and the verdicts
