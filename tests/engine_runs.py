@@ -80,6 +80,41 @@ class RerunGraphs(CudaGraphManager):
 
 
 # ---- the multi-row verify decode (dsv4/spec_decode/verify_decode.py) -----------------------------------------------
+def run_prompts(model_dir: str, prompts: Sequence[list[int]], params: SamplingParams,
+                spec: dict[str, Any] | None = None, oracle: dict[str, list[int]] | None = None, oracle_block: int = 4,
+                pad: bool = False, graphs: bool = False, **kw: Any) -> tuple[dict[str, list[int]], LLMEngine]:
+    """Outputs by request id ("0", "1", .. in prompt order) of one run of `speculative_engine(...)`, and the engine."""
+    e = speculative_engine(model_dir, spec, oracle, oracle_block, pad, graphs, **kw)
+    return run_to_completion(e, {str(i): p for i, p in enumerate(prompts)}, params), e
+
+
+def against_plain(model_dir: str, prompts: Sequence[list[int]], params: SamplingParams, spec: dict[str, Any],
+                  oracle_block: int, wrong_every: int = 4, **kw: Any
+                  ) -> tuple[dict[str, list[int]], dict[str, list[int]], LLMEngine]:
+    """(plain decoding's outputs, the speculative engine's, that engine): `spec` with an oracle of plain's
+    continuations that is wrong every `wrong_every` positions (`oracle_sequences`); `kw` for both engines."""
+    base = run_prompts(model_dir, prompts, params, **kw)[0]
+    oracle = oracle_sequences(prompts, [base[str(i)] for i in range(len(prompts))], wrong_every)
+    outs, e = run_prompts(model_dir, prompts, params, spec, oracle, oracle_block, **kw)
+    return base, outs, e
+
+
+def speculative_engine(model_dir: str, spec: dict[str, Any] | None = None, oracle: dict[str, list[int]] | None = None,
+                       oracle_block: int = 4, pad: bool = False, graphs: bool = False, **kw: Any) -> LLMEngine:
+    """An engine (max_num_seqs 4 unless given) with speculative config `spec`, an OracleProposer of `oracle`
+    (drafting `oracle_block` tokens), and with `pad` the verify steps padded to the graph sizes (`pad_like_graphs`;
+    `graphs`: and replayed)."""
+    from dsv4.spec_decode.proposer import OracleProposer
+
+    kw.setdefault("max_num_seqs", 4)
+    e = LLMEngine.from_args(model_dir, speculative_config=spec, **kw)
+    if oracle is not None:
+        e.runner.speculator.set_proposer(OracleProposer(oracle, oracle_block))
+    if pad:
+        pad_like_graphs(e.runner.speculator.verify_decode, graphs)
+    return e
+
+
 def cache_tensors(engine: LLMEngine) -> list[torch.Tensor]:
     """Every tensor of the engine's per-layer KV caches (window KV, entries, indexer keys, compressor rings)."""
     return [getattr(c, f.name) for c in engine.runner.kv_caches for f in dataclasses.fields(c)

@@ -24,7 +24,8 @@ from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.config import DrafterSpec, DSparkConfig, SpeculativeConfig, parse_speculative_config
 from dsv4.spec_decode.proposer import OracleProposer
 from dsv4.spec_decode.verify_decode import VerifyDecode, verify_capture_sizes
-from engine_runs import compare_verify_with_eager, oracle_sequences, pad_like_graphs, run_to_completion
+from engine_runs import (against_plain, compare_verify_with_eager, oracle_sequences, run_prompts, run_to_completion,
+                         speculative_engine)
 
 # lengths 5, 13, 2, 8: the first verify step's anchor at odd and even positions (closing a ratio-2 pair with the
 # ring's row, or opening one)
@@ -40,15 +41,8 @@ def _spec(k: int, on: bool = True) -> dict[str, Any]:
 def _run(model_dir: str, prompts: list[list[int]], spec: dict[str, Any] | None = None,
          oracle: dict[str, list[int]] | None = None, pad: bool = False, graphs: bool = False,
          params: SamplingParams = GREEDY, **kw: Any) -> tuple[dict[str, list[int]], LLMEngine]:
-    """Outputs by request id ("0", "1", ..) of one engine run; `pad`: verify steps padded to the graph sizes
-    (`pad_like_graphs`), `graphs`: and replayed."""
-    kw.setdefault("max_num_seqs", 4)
-    e = LLMEngine.from_args(model_dir, speculative_config=spec, **kw)
-    if oracle is not None:
-        e.runner.speculator.set_proposer(OracleProposer(oracle, 4))
-    if pad:
-        pad_like_graphs(e.runner.speculator.verify_decode, graphs)
-    return run_to_completion(e, {str(i): p for i, p in enumerate(prompts)}, params), e
+    """Outputs by request id ("0", "1", ..) of one engine run (`run_prompts`)."""
+    return run_prompts(model_dir, prompts, params, spec, oracle, 4, pad, graphs, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +126,7 @@ def test_greedy_equals_plain_with_prefix_caching_and_preemption(tiny_v41: str, c
     else:
         prompts = [[0] + [(7 * i + j) % 400 + 3 for j in range(10 + 3 * i)] for i in range(4)]
         kw = dict(block_size=4, num_kv_blocks=20, enable_prefix_caching=False, max_num_seqs=4)
-    base = _run(tiny_v41, prompts, params=params, **kw)[0]
-    oracle = oracle_sequences(prompts, [base[str(i)] for i in range(len(prompts))], 4)
-    outs, e = _run(tiny_v41, prompts, _spec(3), oracle, params=params, **kw)
+    base, outs, e = against_plain(tiny_v41, prompts, params, _spec(3), 4, **kw)
     assert outs == base
     st = e.spec_decode_stats
     assert e.runner.speculator.verify_decode.num_decode_steps > 0 and 0 < st.num_accepted_tokens < st.num_draft_tokens
@@ -208,13 +200,10 @@ def test_verify_logits_equal_the_eager_forward(tiny_v41: str, baseline: dict[str
     the step (window KV, entries, indexer keys, compressor rings) agree within fp32 round-off; also with the rows
     padded to the graph sizes, and through the graph path's capture and replay (`RerunGraphs`)."""
     ids = [0, 1, 2]
-    e = LLMEngine.from_args(tiny_v41, speculative_config=_spec(3), max_num_seqs=4)
-    sp = e.runner.speculator
-    if drafter != "dspark":  # the oracle (no taps), all right or wrong every 4 positions
-        sp.set_proposer(OracleProposer(_oracle(baseline, ids, wrong_every=4 if drafter == "wrong" else 0), 4))
-    vd = sp.verify_decode
-    if mode != "exact":
-        pad_like_graphs(vd, graphs=mode == "graphs")
+    # the oracle (no taps), all right or wrong every 4 positions, or the checkpoint's drafter
+    oracle = None if drafter == "dspark" else _oracle(baseline, ids, wrong_every=4 if drafter == "wrong" else 0)
+    e = speculative_engine(tiny_v41, _spec(3), oracle, 4, pad=mode != "exact", graphs=mode == "graphs")
+    vd = e.runner.speculator.verify_decode
     pads: list[int] = []
     build = vd.decode.build_groups
     vd.decode.build_groups = lambda names, R, P, *a: (pads.append(P - R), build(names, R, P, *a))[1]

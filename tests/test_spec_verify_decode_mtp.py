@@ -19,8 +19,8 @@ from dsv4.engine.engine import LLMEngine
 from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.config import DrafterSpec, parse_speculative_config
 from dsv4.spec_decode.drafter_graphs import GraphedMTPProposer
-from dsv4.spec_decode.proposer import OracleProposer
-from engine_runs import RerunGraphs, compare_verify_with_eager, oracle_sequences, pad_like_graphs, run_to_completion
+from engine_runs import (RerunGraphs, against_plain, compare_verify_with_eager, oracle_sequences, pad_like_graphs, run_prompts,
+                         run_to_completion, speculative_engine)
 
 # lengths 5, 13, 2, 8: the first verify step starts at every offset of tiny-v4's CSA (4) and HCA (8) windows
 PROMPTS = [[0, 5, 9, 33, 77], [0, 8, 100, 200, 300, 400, 17, 18, 19, 20, 21, 22, 23], [0, 44],
@@ -35,11 +35,7 @@ def _spec(k: int, on: bool = True, graphs: bool = False) -> dict[str, Any]:
 def _run(model_dir: str, prompts: list[list[int]], spec: dict[str, Any] | None = None,
          oracle: dict[str, list[int]] | None = None, params: SamplingParams = GREEDY,
          **kw: Any) -> tuple[dict[str, list[int]], LLMEngine]:
-    kw.setdefault("max_num_seqs", 4)
-    e = LLMEngine.from_args(model_dir, speculative_config=spec, **kw)
-    if oracle is not None:
-        e.runner.speculator.set_proposer(OracleProposer(oracle, 8))
-    return run_to_completion(e, {str(i): p for i, p in enumerate(prompts)}, params), e
+    return run_prompts(model_dir, prompts, params, spec, oracle, 8, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -79,13 +75,10 @@ def test_verify_logits_equal_the_eager_forward(tiny_v4: str, baseline: dict[str,
     indexer keys, both compressors' rings) agree within fp32 round-off; unpadded, padded to the graph sizes, and
     through the graph path's capture and replay (`RerunGraphs`)."""
     ids = [0, 1, 2]
-    e = LLMEngine.from_args(tiny_v4, speculative_config=_spec(3), max_num_seqs=4)
-    sp = e.runner.speculator
-    if drafter != "mtp":  # the oracle (no taps), all right or wrong every 4 positions
-        sp.set_proposer(OracleProposer(_oracle(baseline, ids, wrong_every=4 if drafter == "wrong" else 0), 8))
-    vd = sp.verify_decode
-    if mode != "exact":
-        pad_like_graphs(vd, graphs=mode == "graphs")
+    # the oracle (no taps), all right or wrong every 4 positions, or the checkpoint's MTP layer
+    oracle = None if drafter == "mtp" else _oracle(baseline, ids, wrong_every=4 if drafter == "wrong" else 0)
+    e = speculative_engine(tiny_v4, _spec(3), oracle, 8, pad=mode != "exact", graphs=mode == "graphs")
+    vd = e.runner.speculator.verify_decode
     compared = compare_verify_with_eager(e)
     outs = run_to_completion(e, {str(i): PROMPTS[i] for i in ids}, GREEDY)
     assert outs == {str(i): baseline[str(i)] for i in ids}
@@ -126,9 +119,7 @@ def test_greedy_equals_plain_with_preemption(tiny_v4: str) -> None:
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [[0] + [(7 * i + j) % 400 + 3 for j in range(10 + 3 * i)] for i in range(4)]
     kw: dict[str, Any] = dict(block_size=8, num_kv_blocks=14, enable_prefix_caching=False, max_num_seqs=4)
-    base = _run(tiny_v4, prompts, params=params, **kw)[0]
-    oracle = oracle_sequences(prompts, [base[str(i)] for i in range(len(prompts))], 4)
-    outs, e = _run(tiny_v4, prompts, _spec(3), oracle, params=params, **kw)
+    base, outs, e = against_plain(tiny_v4, prompts, params, _spec(3), 8, **kw)
     assert outs == base
     st = e.spec_decode_stats
     assert e.runner.speculator.verify_decode.num_decode_steps > 0 and 0 < st.num_accepted_tokens < st.num_draft_tokens
