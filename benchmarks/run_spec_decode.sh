@@ -42,7 +42,8 @@ p=v41-flash-8l
 
 part_tests() {
   gpu_pytest 300 gpu_tests_spec.log tests/gpu/test_spec_decode_gpu.py tests/gpu/test_spec_verify_decode_gpu.py \
-    tests/gpu/test_dspark_graphs_gpu.py tests/gpu/test_spec_pipelined_gpu.py tests/gpu/test_spec_gate_gpu.py
+    tests/gpu/test_dspark_graphs_gpu.py tests/gpu/test_spec_pipelined_gpu.py tests/gpu/test_spec_gate_gpu.py \
+    tests/gpu/test_seeded_noise_gpu.py
 }
 
 # make_drafter_preset DIR: $p with its drafter (drawn on the GPU) at DIR, unless it is there: v41-flash-8l's DSpark,

@@ -457,18 +457,27 @@ def test_pipelined_sampling_follows_the_target_softmax(tiny_v41: str, baseline: 
     assert e.runner.speculator.pipeline.num_steps >= rounds and 0 < st.num_accepted_tokens < st.num_draft_tokens
 
 
-def test_seeded_requests_keep_the_synchronous_path(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
-    """A seeded sampled request beside greedy ones: while it runs nothing is pipelined (its draws are seeded by its
-    output count, which the host learns only when a step lands), and its tokens equal the synchronous speculative
-    engine's; once it ends, the greedy requests are pipelined."""
-    sampled = SamplingParams(max_tokens=5, temperature=0.8, seed=7, ignore_eos=True)
-    params = {"0": GREEDY, "1": sampled, "2": GREEDY}
+@pytest.mark.parametrize("k", [2, 3])
+def test_seeded_requests_are_pipelined_and_draw_what_the_synchronous_path_draws(
+        tiny_v41: str, baseline: dict[str, list[int]], k: int) -> None:
+    """Seeded sampled requests (seeds 7 and 8, top-p) beside a greedy one: their draws are functions of (seed,
+    output count) set on the device (dsv4/runtime/seeded_noise.py), so they are pipelined and emit exactly the
+    tokens the synchronous speculative engine emits (same logits: both verify as decode rows), and those of a
+    third engine whose pipelined steps start at other points (max_num_seqs 2: the third request waits)."""
+    params = {"0": GREEDY,
+              "1": SamplingParams(max_tokens=14, temperature=0.8, seed=7, ignore_eos=True),
+              "2": SamplingParams(max_tokens=14, temperature=1.0, top_p=0.9, seed=8, ignore_eos=True)}
     named = {str(i): PROMPTS[i] for i in range(3)}
-    sync = run_to_completion(_engine(tiny_v41, 2, pipelined=False), named, params)
-    e = _engine(tiny_v41, 2)
+    sync_e = _engine(tiny_v41, k, pipelined=False)
+    sync = run_to_completion(sync_e, named, params)
+    e = _engine(tiny_v41, k)
     outs = run_to_completion(e, named, params)
-    assert outs == sync and outs["0"] == baseline["0"] and outs["2"] == baseline["2"]
-    assert e.runner.speculator.pipeline.num_steps > 0
+    assert outs == sync and outs["0"] == baseline["0"]
+    assert e.runner.speculator.pipeline.num_steps >= 3  # the seeded requests ran pipelined
+    assert sync_e.runner.speculator.pipeline is None
+    staggered = run_to_completion(_engine(tiny_v41, k, max_num_seqs=2), named, params)
+    assert staggered == sync
+    assert len({tuple(outs["1"]), tuple(outs["2"])}) == 2 and len(outs["1"]) == 14
 
 
 def test_graph_path_and_the_trained_drafter() -> None:

@@ -13,8 +13,9 @@ it disallows are -inf in everything above, logprobs included, as in vLLM (its ra
 logits after the grammar bitmask).
 
 `argmax(probs / q)` with `q ~ Exp(1)` draws from `probs` exactly (the exponential race), needs no renormalisation,
-and lets a seeded row draw its own noise from a generator seeded by (seed, number of output tokens): its token then
-depends only on its own logits and history, never on the batch it landed in or on a preemption.
+and lets a seeded row draw its own noise as a function of (seed, number of output tokens) (dsv4/runtime/
+seeded_noise.py, computed on the device): its token then depends only on its own logits and history, never on the
+batch it landed in, on a preemption, or on whether its step was pipelined.
 
 Fast path: a row whose params are "plain greedy" (`plain_greedy_from`) samples `argmax(raw logits)` whatever
 else is in its SamplingParams; when every row of a step is, the runner skips `SamplingTensors.build` and the
@@ -28,24 +29,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from dsv4.runtime.seeded_noise import seed_to_int64, seeded_exponential
 from dsv4.sampling_params import SamplingParams
 from dsv4.step import TokenLogprobs
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    """One splitmix64 step: a cheap, well-mixed 64-bit hash."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def row_seed(seed: int, num_output_tokens: int) -> int:
-    """The generator seed for a seeded row's next token: a hash of the user seed and the position it samples."""
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ num_output_tokens)
-
 
 def _flat_tokens(
     rows: list[int], histories: Sequence[Sequence[int]], device: torch.device
@@ -115,7 +101,11 @@ class SamplingTensors:
     bias_index: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) of logit_bias entries
     bias_values: torch.Tensor | None  # float32, aligned with bias_index
     ban_index: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) forced to -inf by min_tokens
-    seeded: list[tuple[int, int]]  # (row, generator seed) for non-greedy rows with a user seed
+    # non-greedy rows with a user seed (None: none): their rows, seeds (`seed_to_int64`) and output counts, [S] int64;
+    # their noise is `seeded_noise` of (seed, count), so a pipelined step can set the counts on the device
+    seeded_rows: torch.Tensor | None
+    seeds: torch.Tensor | None
+    seed_counts: torch.Tensor | None
     num_logprobs: list[int | None]  # per row: SamplingParams.logprobs
     # some row has structured outputs: its logits come masked by its grammar (dsv4.structured), which the min_tokens
     # ban may contradict
@@ -159,7 +149,7 @@ class SamplingTensors:
         bias_vals: list[float] = []
         ban_rows: list[int] = []
         ban_ids: list[int] = []
-        seeded: list[tuple[int, int]] = []
+        seeded: list[tuple[int, int, int]] = []  # (row, seed, output count)
         for i, sp in enumerate(params):
             g = sp.greedy
             num_out = len(output_token_ids[i]) if num_output_tokens is None else num_output_tokens[i]
@@ -192,7 +182,7 @@ class SamplingTensors:
                     ban_rows.append(i)
                     ban_ids.append(tok)
             if sp.seed is not None and not g:
-                seeded.append((i, row_seed(sp.seed, num_out)))
+                seeded.append((i, seed_to_int64(sp.seed), num_out))
 
         # One host->device copy for all per-row floats; the columns are views.
         f = torch.tensor(floats, dtype=torch.float32).reshape(n, 6).to(device)
@@ -233,7 +223,9 @@ class SamplingTensors:
             bias_index=idx(bias_rows, bias_ids),
             bias_values=torch.tensor(bias_vals, dtype=torch.float32).to(device) if bias_rows else None,
             ban_index=idx(ban_rows, ban_ids),
-            seeded=seeded,
+            seeded_rows=torch.tensor([s[0] for s in seeded], dtype=torch.int64).to(device) if seeded else None,
+            seeds=torch.tensor([s[1] for s in seeded], dtype=torch.int64).to(device) if seeded else None,
+            seed_counts=torch.tensor([s[2] for s in seeded], dtype=torch.int64).to(device) if seeded else None,
             num_logprobs=[sp.logprobs for sp in params],
             constrained=any(sp.structured_outputs is not None for sp in params),
         )
@@ -365,14 +357,11 @@ class Sampler:
         return sampled, compute_logprobs(logits, sampled, st.num_logprobs)
 
     def _draw(self, logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-        """argmax(probs / q), q ~ Exp(1): one batched draw, then seeded rows overwrite their noise row."""
+        """argmax(probs / q), q ~ Exp(1): one batched draw, then seeded rows overwrite their noise rows."""
         probs = logits.softmax(dim=-1)
         q = torch.empty_like(probs).exponential_(generator=self.generator)
-        for row, seed in st.seeded:
-            # A fresh [V] draw per row (not a view of q) so the noise cannot depend on where the row sits.
-            g = torch.Generator(device=probs.device)
-            g.manual_seed(seed)
-            q[row] = torch.empty(probs.shape[1], dtype=probs.dtype, device=probs.device).exponential_(generator=g)
+        if st.seeded_rows is not None:
+            q[st.seeded_rows] = seeded_exponential(st.seeds, st.seed_counts, probs.shape[1]).to(q.dtype)
         # Exp(1) can return exactly 0; 0/0 would be NaN and argmax prefers NaN, so keep q strictly positive.
         q.clamp_(min=torch.finfo(q.dtype).tiny)
         return (probs / q).argmax(dim=-1)

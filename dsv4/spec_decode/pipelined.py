@@ -33,18 +33,20 @@ computed .. computed + q - 1, so its shape is known on the host and only the pos
 What stays on the host: the scheduler (dsv4/engine/scheduler.py "Pipelined speculation": q tokens a request, blocks
 for the counted positions, which are never behind the device's), stop checks, detokenization. A step is pipelined
 only while the batch is steady (`Scheduler.can_pipeline`, `Speculator.can_pipeline`): no admission, no prefill, every
-request plain greedy or sampled with static params (temperature, top-k, top-p, min-p; no penalty, logit bias, seed,
+request plain greedy or sampled with static params (temperature, top-k, top-p, min-p, seed; no penalty, logit bias,
 logprobs, grammar or pending min_tokens ban, which need the host's outputs), below disable_by_batch_size, with room
 for two more steps. The engine lands every pipelined step before any other step (`LLMEngine.step`), which
 then runs the synchronous speculative path with exact host counts. A request that stops while a step for it is in
 flight loses that step's tokens (as async scheduling's one discarded token); its row goes at the next step.
 
-Seeded sampled requests stay synchronous: a seeded row draws from a generator seeded by its output count, which the
-host does not know while a step is in flight.
+A seeded request's randomness is a function of (seed, output count) computed on the device (dsv4/runtime/
+seeded_noise.py): a pipelined step sets each row's count from the device counts, so it draws exactly what the
+synchronous path draws for the same position, and the request's tokens do not depend on which path ran.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -52,6 +54,7 @@ import torch
 
 from dsv4.runtime.input_batch import InputBatch
 from dsv4.runtime.sampler import SamplingTensors, apply_filters
+from dsv4.spec_decode.rejection import seeded_randomness
 from dsv4.step import RunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -77,7 +80,8 @@ def verify_on_device(logits: torch.Tensor, ids: torch.Tensor, known: torch.Tenso
                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted drafts [R], the token emitted after them [R]) of q rows a request: logits [R * q, V] raw, ids
     [R, q] the rows' input tokens, known [R] (as `leading_accepts`). `st` (None: every request plain greedy) has
-    one row per logits row, static (no penalty, bias, ban or seed: `Speculator.can_pipeline`). Greedy requests
+    one row per logits row, static (no penalty, bias or ban: `Speculator.can_pipeline`; a seeded row's output count
+    in `st.seed_counts`, that of the position the row verifies). Greedy requests
     follow `accept_greedy` and emit the target's argmax; sampled ones follow dsv4.spec_decode.rejection's rule for
     one-hot drafts (accept draft x at row i when u_i < p_i(x); at the first rejection draw from p_i without x,
     after all of them from p at the last row), with the randomness drawn on the device from `generator`."""
@@ -89,8 +93,10 @@ def verify_on_device(logits: torch.Tensor, ids: torch.Tensor, known: torch.Tenso
         return j, target.gather(1, (known - 1 + j)[:, None])[:, 0]
     V = logits.shape[1]
     probs = apply_filters(logits, st).softmax(dim=-1).view(R, q, V)
-    u = torch.rand(R * q, generator=generator, device=logits.device).view(R, q)
-    noise = torch.empty(R * q, V, device=logits.device).exponential_(generator=generator).view(R, q, V)
+    u = torch.rand(R * q, generator=generator, device=logits.device)
+    noise = torch.empty(R * q, V, device=logits.device).exponential_(generator=generator)
+    seeded_randomness(u, noise, st)  # seeded rows: functions of (seed, st.seed_counts)
+    u, noise = u.view(R, q), noise.view(R, q, V)
     greedy = st.greedy.view(R, q)[:, 0]
     p_next = probs[:, :-1].gather(2, ids[:, 1:, None])[..., 0]  # row i's probability of the token at row i + 1
     j = leading_accepts(torch.where(greedy[:, None], target[:, :-1] == ids[:, 1:], u[:, :-1] < p_next), known)
@@ -146,6 +152,18 @@ class PipelinedVerify:
         self._rows_dev = torch.zeros(0, dtype=torch.int64, device=dev)
         self._st_key: tuple[str, ...] | None = None
         self._st: SamplingTensors | None = None
+        self._prompt_key: tuple[int, ...] | None = None
+        self._prompt_len_dev = torch.zeros(0, dtype=torch.int64, device=dev)
+
+    def _prompt_lens(self, rows: torch.Tensor, rows_np: np.ndarray) -> torch.Tensor:
+        """The requests' prompt lengths [R] on the device, copied at a run's first pipelined step and when its rows
+        change (a request joins only through a synchronous step, which starts a new run)."""
+        if self._prompt_key != self._rows_key:
+            t = torch.from_numpy(self.spec.runner.req_state.prompt_len[rows_np].astype(np.int64))
+            if rows.device.type == "cuda":
+                t = t.pin_memory()
+            self._prompt_len_dev, self._prompt_key = t.to(rows.device, non_blocking=True), self._rows_key
+        return self._prompt_len_dev
 
     def _device_rows(self, rows: np.ndarray) -> torch.Tensor:
         """The state rows as a device tensor, copied only when the batch changes (a copy from pageable memory
@@ -159,9 +177,12 @@ class PipelinedVerify:
             self._rows_dev, self._rows_key = t.to(dev, non_blocking=True), key
         return self._rows_dev
 
-    def _sampling(self, rows: np.ndarray, req_ids: list[str]) -> SamplingTensors | None:
+    def _sampling(self, rows: np.ndarray, req_ids: list[str], outputs: torch.Tensor,
+                  known: torch.Tensor) -> SamplingTensors | None:
         """The Sampler's tensors of the step's R * q rows (None: all plain greedy), built once per batch while it
-        is pipelined: pipelined requests' params read no outputs, so they do not change from step to step."""
+        is pipelined: pipelined requests' params read no outputs, so they do not change from step to step; only
+        the seeded rows' output counts do, set here on the device from `outputs` [R] (each request's outputs before
+        the step) and `known` [R]: row i verifies position i - (known - 1), whose draw follows that many more."""
         rs = self.spec.runner.req_state
         if rs.all_plain_greedy(rows):
             return None
@@ -173,7 +194,11 @@ class PipelinedVerify:
             self._st = SamplingTensors.build(params, [[]] * n, [[]] * n, r.vocab_size, r.device, r.eos_token_ids,
                                              num_output_tokens=[p.min_tokens for p in params])
             self._st_key = key
-        return self._st
+        st = self._st
+        if st is not None and st.seeded_rows is not None:
+            counts = (outputs - known + 1)[:, None] + torch.arange(self.q, device=outputs.device)
+            st = dataclasses.replace(st, seed_counts=counts.reshape(-1)[st.seeded_rows])
+        return st
 
     def launch(self, so: SchedulerOutput) -> PipelinedOutput:
         """Launch one pipelined step (the module docstring's steps 1-5); nothing here reads a device value."""
@@ -191,7 +216,7 @@ class PipelinedVerify:
             self.computed[rows] = torch.from_numpy(rs.num_computed[rows_np]).to(rows.device)
             self.tokens[rows] = torch.from_numpy(rs.num_tokens[rows_np]).to(rows.device)
             self.device_ahead = True
-            self._st_key, self._st = None, None
+            self._st_key, self._st, self._prompt_key = None, None, None  # a new run of pipelined steps: rebuilt
         dev = rows.device
         hist = rs.token_history.view(-1)
         p0, n0 = self.computed[rows], self.tokens[rows]
@@ -220,8 +245,8 @@ class PipelinedVerify:
         if taps is not None and sp.taps is not None:
             sp.taps.write_chunks(torch.cat([taps[i] for i in proposer.tap_layer_ids], dim=-1), rows, p0, q)
         # 2. verification and the token after the accepted drafts
-        j, bonus = verify_on_device(r.model.compute_logits(hidden), ids.view(R, q), known,
-                                    self._sampling(rows_np, req_ids), r.sampler.generator)
+        st = self._sampling(rows_np, req_ids, n0 - self._prompt_lens(rows, rows_np), known)
+        j, bonus = verify_on_device(r.model.compute_logits(hidden), ids.view(R, q), known, st, r.sampler.generator)
         hist[rows * L + (n0 + j).clamp(max=L - 1)] = bonus
         # 3. the counts, as the synchronous path's
         new_tokens = n0 + j + 1

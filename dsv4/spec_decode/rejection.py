@@ -13,9 +13,9 @@ position last (`cu[b] .. cu[b+1]-1`).
   accept x_i when u_i < p_i(x_i); on the first rejection draw from p_i with x_i removed (renormalised); when every
   draft is accepted draw the bonus token from p_d. Each emitted token is then distributed as p (Leviathan et al.
   2023, Chen et al. 2023).
-- Randomness per position: a seeded row draws its uniform and its exponential race from a generator seeded by
-  (seed, number of outputs before the position), so a seeded request's tokens depend only on its own history;
-  unseeded rows share the sampler's generator.
+- Randomness per position: a seeded row's uniform and exponential race are functions of (seed, number of outputs
+  before the position) (dsv4/runtime/seeded_noise.py), so a seeded request's tokens depend only on its own history
+  (the pipelined steps of pipelined.py draw the same); unseeded rows share the sampler's generator.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4.runtime.sampler import SampledLogprobs, SamplingTensors, apply_filters, apply_penalties, compute_logprobs
+from dsv4.runtime.seeded_noise import ACCEPT, seeded_exponential, seeded_uniform
 from dsv4.step import TokenLogprobs
 
 
@@ -110,17 +111,23 @@ def verify(logits: torch.Tensor, drafts: list[list[int]], st: SamplingTensors | 
 
 def _randomness(shape: torch.Size, st: SamplingTensors, generator: torch.Generator | None,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A uniform [N] (acceptance) and Exp(1) noise [N, V] (the draw) per position; seeded positions draw both
-    from their own generator, uniform first."""
+    """A uniform [N] (acceptance) and Exp(1) noise [N, V] (the draw) per position; seeded positions take theirs from
+    (seed, output count) (`seeded_randomness`)."""
     N, V = shape
     u = torch.rand(N, generator=generator, device=device)
     noise = torch.empty(N, V, device=device).exponential_(generator=generator)
-    for row, seed in st.seeded:
-        g = torch.Generator(device=device)
-        g.manual_seed(seed)
-        u[row] = torch.rand(1, generator=g, device=device)[0]
-        noise[row] = torch.empty(V, device=device).exponential_(generator=g)
+    seeded_randomness(u, noise, st)
     return u, noise
+
+
+def seeded_randomness(u: torch.Tensor, noise: torch.Tensor, st: SamplingTensors) -> None:
+    """Overwrite the seeded rows' acceptance uniforms u [N] (stream ACCEPT) and race noise [N, V] (stream NOISE)
+    with the functions of their (seed, output count): no host value read (pipelined steps too)."""
+    if st.seeded_rows is None:
+        return
+    assert st.seeds is not None and st.seed_counts is not None
+    u[st.seeded_rows] = seeded_uniform(st.seeds, st.seed_counts, 1, ACCEPT)[:, 0]
+    noise[st.seeded_rows] = seeded_exponential(st.seeds, st.seed_counts, noise.shape[1])
 
 
 def _logprobs(logits: torch.Tensor, tokens: list[list[int]], starts: list[int], st: SamplingTensors | None,

@@ -232,9 +232,10 @@ class RingSnapshot:
 
 
 def _static_sampling(sp: SamplingParams, num_outputs: int) -> bool:
-    """Sampling params whose tensors stay the same for every later token of a request with `num_outputs` outputs:
-    no penalty, logit bias, seed (seeded by the output count), logprobs, grammar, or min_tokens ban still to lift."""
-    return (sp.logprobs is None and sp.structured_outputs is None and sp.seed is None and not sp.logit_bias
+    """Sampling params whose tensors stay the same for every later token of a request with `num_outputs` outputs
+    (a seed's output count is set on the device, pipelined.py): no penalty, logit bias, logprobs, grammar, or
+    min_tokens ban still to lift."""
+    return (sp.logprobs is None and sp.structured_outputs is None and not sp.logit_bias
             and not needs_output_values(sp) and num_outputs >= sp.min_tokens)
 
 

@@ -89,19 +89,21 @@ def test_pipelined_graphs_greedy_equal_plain(setup: tuple, k: int, drafter: str)
         assert st.num_accepted_tokens == st.num_draft_tokens > 0
 
 
-@pytest.mark.parametrize(("sampled", "drafter"), [(False, "dspark"), (True, "dspark"), (False, "oracle")],
-                         ids=["greedy", "with-sampled", "oracle"])
-def test_pipelined_launch_does_not_sync(setup: tuple, monkeypatch: pytest.MonkeyPatch, sampled: bool,
+@pytest.mark.parametrize(("sampled", "drafter"), [(False, "dspark"), (True, "dspark"), ("seeded", "dspark"),
+                                                  (False, "oracle")],
+                         ids=["greedy", "with-sampled", "with-seeded", "oracle"])
+def test_pipelined_launch_does_not_sync(setup: tuple, monkeypatch: pytest.MonkeyPatch, sampled: bool | str,
                                         drafter: str) -> None:
-    """Pipelined launches without a host read (`_strict_launches`). With an unseeded sampled request beside the
-    greedy one, its draws and the rejection rule run on the device too; the oracle (the benchmark's drafter) reads
-    its device table."""
+    """Pipelined launches without a host read (`_strict_launches`). With a sampled request beside the greedy one,
+    its draws and the rejection rule run on the device too (a seeded one's randomness from its device output
+    count); the oracle (the benchmark's drafter) reads its device table."""
     path, prompts, plain = setup
     oracle = {"0": prompts[1] + plain["1"]} if drafter == "oracle" else None
     e = _engine(path, 3, oracle, drafter_cuda_graphs=True)
     checked = _strict_launches(monkeypatch)
     named = {"0": prompts[1], "1": prompts[2]} if sampled else {"0": prompts[1]}
-    params = {"0": GREEDY, "1": SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, ignore_eos=True)}
+    params = {"0": GREEDY, "1": SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, ignore_eos=True,
+                                               seed=3 if sampled == "seeded" else None)}
     outs = run_to_completion(e, named, {r: params[r] for r in named})
     assert outs["0"] == plain["1"] and len(outs.get("1", [0] * 24)) == 24
     assert len(checked) > 2
