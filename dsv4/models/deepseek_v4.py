@@ -22,7 +22,7 @@ from dsv4.models.layers.merged import V4_COMPRESSOR_CSA, V4_COMPRESSOR_HCA, proj
 from dsv4.models.layers.moe import MoE
 from dsv4.models.layers.norm import RMSNorm
 from dsv4.models.layers.rope import RotaryTable
-from dsv4.models.verify_rows import roll_rings, verify_windows
+from dsv4.models.verify_rows import roll_rings
 from dsv4.ops.compress_pool import entry_start, pool_decode, pool_rows, write_entries
 from dsv4.ops.decode_attention import TableSource, decode_sink_attention
 from dsv4.ops.indexer import decode_select, indexer_scores, pick_sources
@@ -124,9 +124,9 @@ class Compressor(nn.Module):
         and the ring as it was, then the ring rolls once per slot (dsv4/models/verify_rows.py)."""
         m = self.ratio
         pos, blk = dmd.positions, dmd.state_blocks
-        if dmd.query_len > 1:
-            wkv, wgate = verify_windows(ring_kv, ring_gate, kv, gate, dmd, ring_kv.shape[1])  # the ring's window
-            pooled = pool_rows(wkv, wgate, self.position_bias, m, self.dim, self.overlap)
+        if dmd.query_len > 1:  # the rings are read (one launch on CUDA), then rolled
+            pooled = pool_decode(ring_kv, ring_gate, blk, pos, self.position_bias, m, self.overlap, kv.dtype,
+                                 new_kv=kv, new_gate=gate, query_len=dmd.query_len)
             roll_rings(ring_kv, ring_gate, kv, gate, dmd)
         else:
             pooled = pool_decode(ring_kv, ring_gate, blk, pos, self.position_bias, m, self.overlap, kv.dtype,

@@ -14,9 +14,11 @@ do), so the ring ends holding the step's newest positions, exactly what the toke
   request to the start of its open pair (speculator.py), so the next step starts at an even position, which never
   reads the ring; after full acceptance the ring holds the last two positions, both committed.
 - DeepSeek-V4 (CSA: 2 * ratio rows, overlapping windows; HCA: ratio rows; rings in the model dtype;
-  `deepseek_v4.Compressor.forward_decode`): the window is the whole ring, as `pool_decode` pools it, and q <= cap
-  (checked at start-up), so every row of the step writes the ring; after a rejection the speculator puts the rows
-  the rejected positions overwrote back (`RingSnapshot`), as after an eager verify step.
+  `deepseek_v4.Compressor.forward_decode`): the window is the whole ring, as a decode row pools it; the same
+  windows (`ops.compress_pool.step_windows`) are pooled by the decode pool kernel in one launch on CUDA
+  (`pool_decode(..., query_len=q)`, which reads the step's rows where a window reaches into the step), then
+  `roll_rings`. q <= cap (checked at start-up), so every row of the step writes the ring; after a rejection the
+  speculator puts the rows the rejected positions overwrote back (`RingSnapshot`), as after an eager verify step.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsv4.kv.spec import NULL_BLOCK
+from dsv4.ops.compress_pool import step_windows
 from dsv4.runtime.attn_metadata import DecodeMetadata
 from dsv4.runtime.kv_cache import LayerKVCache
 
@@ -39,19 +42,7 @@ def verify_windows(ring_kv: torch.Tensor, ring_gate: torch.Tensor, kv: torch.Ten
     the step's own rows kv / gate [P, C] where they lie in it and from the rings (read now, before this step writes
     them) otherwise; positions before 0: kv 0, gate -inf. Fixed shapes, no host sync (capturable): row b of the step
     is row b % q of its request (requests have q rows each, padding whole requests)."""
-    q, cap = dmd.query_len, ring_kv.shape[1]
-    pos, blk = dmd.positions, dmd.state_blocks
-    dev = kv.device
-    rows = torch.arange(kv.shape[0], device=dev)
-    back = torch.arange(length, device=dev) - (length - 1)  # window row i is position pos - length + 1 + i
-    take = ((rows % q)[:, None] + back >= 0)[..., None]  # an earlier row of this step (or the row itself)
-    src = (rows[:, None] + back).clamp(min=0)
-    at = pos[:, None] + back
-    slot = at % cap  # a position before the step: its ring slot
-    wkv = torch.where(take, kv[src], ring_kv[blk[:, None], slot].to(kv.dtype))
-    wgate = torch.where(take, gate[src], ring_gate[blk[:, None], slot].to(gate.dtype))
-    before = (at < 0)[..., None]
-    return wkv.masked_fill(before, 0), wgate.masked_fill(before, float("-inf"))
+    return step_windows(ring_kv, ring_gate, kv, gate, dmd.state_blocks, dmd.positions, dmd.query_len, length)
 
 
 def roll_rings(ring_kv: torch.Tensor, ring_gate: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor,

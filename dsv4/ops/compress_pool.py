@@ -8,6 +8,11 @@ compressor, the older m rows give the first `dim` channels of their raw rows (Ca
 and the weighted rows summed (HF-V4 numerics: the ring rows are read in the stream dtype, products and sum rounded
 to it). Returns the pooled entries [R, dim] before the compressor's norm and rope.
 
+A speculative verify step's q rows a request (`query_len` q > 1, dsv4/spec_decode/verify_decode.py) take the same
+kernel with the step's projections as a second source: row j of a request reads the window rows at or after the
+request's first position from the step's rows and the older ones from the ring, which it does not write (the caller
+rolls the ring afterwards, dsv4/models/verify_rows.py); reference `pool_verify_torch` (`step_windows`, `pool_rows`).
+
 The torch reference is ~30 small kernels per compressor and step (the ring push, index arithmetic, two gathers,
 masks, bias adds, softmax, casts, product, sum). The kernel takes the newest row from the new projections directly
 (each program writes its own channels of it into the ring, which no other program of the step reads), and computes
@@ -46,6 +51,36 @@ def pool_decode_torch(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torch
     return pool_rows(kv, gate, position_bias, m, dim, overlap)
 
 
+def step_windows(ring_kv: torch.Tensor, ring_gate: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor,
+                 blk: torch.Tensor, pos: torch.Tensor, q: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw rows (kv, gate) [P, length, C] of the windows ending at a verify step's rows (positions pos - length + 1
+    .. pos in order; q rows a request at consecutive positions, request-major, so row b is row b % q of its request):
+    from the step's own rows kv / gate [P, C] where the window reaches into the step, from the rings (as the step
+    found them) before it; positions before 0: kv 0, gate -inf. Fixed shapes, no host sync."""
+    cap = ring_kv.shape[1]
+    dev = kv.device
+    rows = torch.arange(kv.shape[0], device=dev)
+    back = torch.arange(length, device=dev) - (length - 1)  # window row i is position pos - length + 1 + i
+    take = ((rows % q)[:, None] + back >= 0)[..., None]  # an earlier row of this step (or the row itself)
+    src = (rows[:, None] + back).clamp(min=0)
+    at = pos[:, None] + back
+    slot = at % cap  # a position before the step: its ring slot
+    wkv = torch.where(take, kv[src], ring_kv[blk[:, None], slot].to(kv.dtype))
+    wgate = torch.where(take, gate[src], ring_gate[blk[:, None], slot].to(gate.dtype))
+    before = (at < 0)[..., None]
+    return wkv.masked_fill(before, 0), wgate.masked_fill(before, float("-inf"))
+
+
+def pool_verify_torch(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torch.Tensor, pos: torch.Tensor,
+                      position_bias: torch.Tensor, ratio: int, overlap: bool, dtype: torch.dtype, new_kv: torch.Tensor,
+                      new_gate: torch.Tensor, q: int) -> torch.Tensor:
+    """Reference of a verify step's pooling (`pool_decode(..., query_len=q)`): each row's window (the whole ring's
+    length, as a decode row pools) from `step_windows`, pooled as `pool_rows`; the rings are only read."""
+    dim = ring_kv.shape[2] // (2 if overlap else 1)
+    wkv, wgate = step_windows(ring_kv, ring_gate, new_kv.to(dtype), new_gate.to(dtype), blk, pos, q, ring_kv.shape[1])
+    return pool_rows(wkv, wgate, position_bias, ratio, dim, overlap)
+
+
 def pool_rows(kv: torch.Tensor, gate: torch.Tensor, position_bias: torch.Tensor, ratio: int, dim: int,
               overlap: bool) -> torch.Tensor:
     """Entries [N, dim] of N windows from their raw rows kv / gate [N, L, coff*dim] in position order (masked rows:
@@ -65,8 +100,8 @@ if triton is not None:
 
     @triton.jit
     def _pool_decode_kernel(kv_ptr, gate_ptr, blk_ptr, pos_ptr, pb_ptr, out_ptr, new_kv_ptr, new_gate_ptr, cap, dim,
-                            ring_stride_b, ring_stride_r, new_stride, M: tl.constexpr, OVERLAP: tl.constexpr,
-                            PUSH: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
+                            ring_stride_b, ring_stride_r, new_stride, q, M: tl.constexpr, OVERLAP: tl.constexpr,
+                            PUSH: tl.constexpr, STEP: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
                             INTERPRET: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -91,8 +126,20 @@ if triton is not None:
         ring_rows = m2
         if PUSH:
             ring_rows = m2 & ~newest[:, None]
+        if STEP:  # a verify step's q rows of a request (row r is row r % q of its request): the window rows
+            # at or after the request's first row come from the step's new rows (row r - (cap - 1 - k)), the
+            # others from the ring as the step found it (nothing is pushed: the caller rolls the ring after)
+            in_step = k >= cap - 1 - (r % q)
+            ring_rows = m2 & ~in_step[:, None]
         kv = tl.load(kv_ptr + off, mask=ring_rows, other=0.0)
         g = tl.load(gate_ptr + off, mask=ring_rows, other=0.0)
+        if STEP:
+            src = (r - (cap - 1 - k)) * new_stride
+            sm = m2 & in_step[:, None]
+            skv = tl.load(new_kv_ptr + src[:, None] + ch[:, None] + c[None, :], mask=sm, other=0.0)
+            sg = tl.load(new_gate_ptr + src[:, None] + ch[:, None] + c[None, :], mask=sm, other=0.0)
+            kv = tl.where(sm, skv.to(tl.float32), kv.to(tl.float32))
+            g = tl.where(sm, sg.to(tl.float32), g.to(tl.float32))
         if PUSH:  # the newest row comes from the new projections, rounded to the rings' dtypes as a push stores it
             kdt = kv_ptr.dtype.element_ty
             gdt = gate_ptr.dtype.element_ty
@@ -137,16 +184,21 @@ POOL_MIN_PROGRAMS = 128  # about the H200's SM count: the decode pool's channel 
 
 def pool_decode_triton(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torch.Tensor, pos: torch.Tensor,
                        position_bias: torch.Tensor, ratio: int, overlap: bool, dtype: torch.dtype,
-                       new_kv: torch.Tensor | None = None, new_gate: torch.Tensor | None = None) -> torch.Tensor:
-    """The same in one launch (rings with contiguous rows, the same strides for kv and gate)."""
+                       new_kv: torch.Tensor | None = None, new_gate: torch.Tensor | None = None,
+                       query_len: int = 1) -> torch.Tensor:
+    """The same in one launch (rings with contiguous rows, the same strides for kv and gate). `query_len` q > 1: a
+    verify step's rows, q a request at consecutive positions (`pool_verify_decode`): new_kv / new_gate are the
+    step's rows, read where a window reaches into the step; the rings are only read."""
     assert triton is not None, "triton is not installed"
     assert ring_kv.shape == ring_gate.shape and ring_kv.stride() == ring_gate.stride()
     R, cap = pos.shape[0], ring_kv.shape[1]
     dim = ring_kv.shape[2] // (2 if overlap else 1)
     out = torch.empty(R, dim, dtype=dtype, device=pos.device)
-    push = new_kv is not None and new_gate is not None
+    step = query_len > 1
+    push = new_kv is not None and new_gate is not None and not step
+    assert not step or (new_kv is not None and new_gate is not None and query_len <= cap)
     new_stride = ring_kv.shape[2]
-    if push:  # rows read through one row stride: the views of a merged projection's product need no copy
+    if push or step:  # rows read through one row stride: the views of a merged projection's product need no copy
         if not (new_kv.stride(1) == new_gate.stride(1) == 1 and new_kv.stride(0) == new_gate.stride(0)):
             new_kv, new_gate = new_kv.contiguous(), new_gate.contiguous()
         assert new_kv.shape == new_gate.shape == (R, ring_kv.shape[2])
@@ -161,19 +213,26 @@ def pool_decode_triton(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torc
             block_d //= 2
         _pool_decode_kernel[(R, triton.cdiv(dim, block_d))](
             ring_kv, ring_gate, blk.contiguous(), pos.contiguous(), position_bias.float().contiguous(), out,
-            new_kv if push else out, new_gate if push else out, cap, dim, ring_kv.stride(0), ring_kv.stride(1),
-            new_stride, M=ratio, OVERLAP=overlap, PUSH=push, BLOCK_L=block_l, BLOCK_D=block_d,
-            INTERPRET=INTERPRET, enable_fp_fusion=False)
+            new_kv if push or step else out, new_gate if push or step else out, cap, dim, ring_kv.stride(0),
+            ring_kv.stride(1), new_stride, query_len, M=ratio, OVERLAP=overlap, PUSH=push, STEP=step,
+            BLOCK_L=block_l, BLOCK_D=block_d, INTERPRET=INTERPRET, enable_fp_fusion=False)
     return out
 
 
 def pool_decode(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torch.Tensor, pos: torch.Tensor,
                 position_bias: torch.Tensor, ratio: int, overlap: bool, dtype: torch.dtype,
-                new_kv: torch.Tensor | None = None, new_gate: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton on CUDA, torch elsewhere."""
+                new_kv: torch.Tensor | None = None, new_gate: torch.Tensor | None = None,
+                query_len: int = 1) -> torch.Tensor:
+    """Triton on CUDA, torch elsewhere. `query_len` q > 1: a verify step's rows (`pool_verify_torch`: the rings
+    are read, not pushed; the caller rolls them after)."""
     if (pos.is_cuda and triton is not None and ring_kv.stride(2) == 1 and ring_kv.stride() == ring_gate.stride()
             and ring_kv.shape == ring_gate.shape):
-        return pool_decode_triton(ring_kv, ring_gate, blk, pos, position_bias, ratio, overlap, dtype, new_kv, new_gate)
+        return pool_decode_triton(ring_kv, ring_gate, blk, pos, position_bias, ratio, overlap, dtype, new_kv, new_gate,
+                                  query_len)
+    if query_len > 1:
+        assert new_kv is not None and new_gate is not None
+        return pool_verify_torch(ring_kv, ring_gate, blk, pos, position_bias, ratio, overlap, dtype, new_kv,
+                                 new_gate, query_len)
     return pool_decode_torch(ring_kv, ring_gate, blk, pos, position_bias, ratio, overlap, dtype, new_kv, new_gate)
 
 

@@ -406,6 +406,37 @@ def test_compressor_decode_pool(dtype: torch.dtype, m: int, overlap: bool, dim: 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "overlap", "dim"), [(4, True, 512), (128, False, 512), (4, True, 128)])
+def test_pool_verify_rows(dtype: torch.dtype, m: int, overlap: bool, dim: int) -> None:
+    """A verify step's rows (q = 6 a request, 32 requests; V4-Flash's CSA, HCA and CSA indexer compressors): the
+    kernel's windows from the step and the ring as `pool_verify_torch`, within the decode pool's bound, rings
+    untouched."""
+    from dsv4.ops.compress_pool import pool_decode_triton, pool_verify_torch
+
+    g = torch.Generator(device="cuda").manual_seed(m + dim + 1)
+    cap, coff, q, R = (2 * m if overlap else m), (2 if overlap else 1), 6, 32
+    ring_kv = torch.randn(70, cap, coff * dim, device="cuda", generator=g).to(dtype)
+    ring_gate = torch.randn(70, cap, coff * dim, device="cuda", generator=g) * 2
+    pb = torch.randn(m, coff * dim, device="cuda", generator=g)
+    starts = torch.randint(0, 4 * cap, (R,), device="cuda", generator=g)
+    starts[:3] = torch.tensor([0, 1, cap - 2], device="cuda")
+    pos = (starts[:, None] + torch.arange(q, device="cuda")).reshape(-1)
+    blk = torch.randperm(70, device="cuda", generator=g)[:R].repeat_interleave(q)
+    new_kv = (torch.randn(R * q, coff * dim, device="cuda", generator=g) * 3).to(dtype)
+    new_gate = torch.randn(R * q, coff * dim, device="cuda", generator=g).to(dtype)
+    before = ring_kv.clone()
+    ref = pool_verify_torch(ring_kv, ring_gate, blk, pos, pb, m, overlap, dtype, new_kv, new_gate, q)
+    got = pool_decode_triton(ring_kv, ring_gate, blk, pos, pb, m, overlap, dtype, new_kv, new_gate, q)
+    assert torch.equal(ring_kv, before)
+    r, o = ref.float(), got.float()
+    s = pool_verify_torch(ring_kv.abs(), ring_gate, blk, pos, pb, m, overlap, dtype, new_kv.abs(), new_gate,
+                          q).float()
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -23
+    bound = r.abs() * ulp + s * (2 * ulp + 2 * cap * 2.0 ** -24)
+    assert ((r - o).abs() <= bound).all(), ((r - o).abs() / bound).max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("E", [256, 384])
 @pytest.mark.parametrize("hash_layer", [False, True])
 def test_route_v4(dtype: torch.dtype, E: int, hash_layer: bool) -> None:
