@@ -1,7 +1,8 @@
 """The engine on the CUDA dispatch path, interpreted on the CPU: every function that takes a Triton kernel on CUDA
 is pointed at its Triton version (run by TRITON_INTERPRET=1). The golden V4.1 checkpoint must still give the
 reference's greedy tokens, and a tiny V4 the tokens of the torch path, each with a second request batched beside
-it (decode steps through forward_decode, prefill and mixed steps through the token-row path). The per-kernel tests
+it (decode steps through forward_decode, prefill and mixed steps through the token-row path); tiny-v4 with MTP
+speculation and verify steps as decode rows (a partly wrong oracle) too. The per-kernel tests
 compare each kernel to its reference alone; this one catches what only shows in the model: wrong strides, dtypes or
 arguments at a call site."""
 
@@ -50,9 +51,12 @@ def test_golden_v41_and_v4_on_the_triton_path() -> None:
             norm_rope.rms_norm_rope: norm_rope.rms_norm_rope_triton,
             norm_rope.write_rms_norm_rope: norm_rope.write_rms_norm_rope_triton,
         }
-        def greedy(path, prompts, max_tokens, **kw):
+        def greedy(path, prompts, max_tokens, proposer=None, **kw):
             eng = LLMEngine.from_args(path, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=12,
                                       load_tokenizer=False, **kw)
+            if proposer is not None:
+                eng.runner.speculator.set_proposer(proposer)
+            greedy.last = eng
             for i, (p, n) in enumerate(zip(prompts, max_tokens)):
                 eng.add_request(p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), request_id=str(i))
             done = {}
@@ -67,6 +71,15 @@ def test_golden_v41_and_v4_on_the_triton_path() -> None:
         v4 = save_hf_model(build_hf_model(raw), "/tmp/dsv4-triton-path-v4")
         v4_prompts = [make_prompt(n, seed=70 + n, vocab_size=256, low=3)[0].tolist() for n in (23, 9)]
         v4_torch = greedy(v4, v4_prompts, (12, 8))
+        # tiny-v4 with its MTP layer: verify steps as decode rows (the decode pool kernel's verify-step mode)
+        from dsv4.make_model import make_model
+        from dsv4.spec_decode.proposer import OracleProposer
+        from engine_runs import oracle_sequences
+        mtp_model = make_model("tiny-v4", "/tmp/dsv4-triton-path-v4-mtp", seed=0)
+        mtp_prompts = [make_prompt(n, seed=90 + n, vocab_size=256, low=3)[0].tolist() for n in (13, 5)]
+        mtp_plain = greedy(mtp_model, mtp_prompts, (14, 10))
+        mtp_spec = {"method": "mtp", "num_speculative_tokens": 3, "verify_decode": True}
+        oracle = OracleProposer(oracle_sequences(mtp_prompts, mtp_plain, 3), 3)
 
         used = set()
         for mod in list(sys.modules.values()):
@@ -92,5 +105,8 @@ def test_golden_v41_and_v4_on_the_triton_path() -> None:
         got = greedy(golden, [ids, ids[:9]], (16, 10))
         assert got[0] == exp["greedy_token_ids"], (got[0], exp["greedy_token_ids"])
         assert greedy(v4, v4_prompts, (12, 8)) == v4_torch
+        assert greedy(mtp_model, mtp_prompts, (14, 10), oracle, speculative_config=mtp_spec) == mtp_plain
+        vd = greedy.last.runner.speculator.verify_decode
+        assert vd.num_decode_steps > 0, (vd.num_decode_steps, vd.num_eager_steps)
         print("ok")
     """)
