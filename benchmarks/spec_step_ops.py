@@ -5,10 +5,11 @@ pipelined.py), with the verify rows and the DSpark drafter "replayed" by the CPU
 are not counted: a GPU replays them as one graph launch each), and the decode-metadata build counted as the one
 Triton launch it is on CUDA (the CPU runs its torch reference).
 
-usage: PYTHONPATH=. python3 benchmarks/spec_step_ops.py [--batch 1 4] [--k 3] [--steps 12]
+usage: PYTHONPATH=. python3 benchmarks/spec_step_ops.py [--batch 1 4] [--k 3] [--steps 12] [--preset tiny-v4]
 
-The model is tiny-v41 (random weights, written to a temp dir) on the CPU: counts are what matters here, not times
-(the wall time per step is printed too, host work plus the CPU's own arithmetic outside the graphs).
+The model is tiny-v41 with its DSpark drafter, or tiny-v4 with its MTP layer (`--preset tiny-v4`; random weights,
+written to a temp dir) on the CPU: counts are what matters here, not times (the wall time per step is printed too,
+host work plus the CPU's own arithmetic outside the graphs).
 """
 
 from __future__ import annotations
@@ -98,8 +99,8 @@ def _stand_in_graphs(engine: LLMEngine, counter: _Counter) -> None:
         graphs.replay = _uncounted(counter, graphs.replay)
 
 
-def measure(model: str, kind: str, batch: int, k: int, steps: int) -> dict[str, Any]:
-    spec = None if kind == "plain" else {"method": "dspark", "num_speculative_tokens": k, "verify_decode": True,
+def measure(model: str, kind: str, batch: int, k: int, steps: int, method: str = "dspark") -> dict[str, Any]:
+    spec = None if kind == "plain" else {"method": method, "num_speculative_tokens": k, "verify_decode": True,
                                          "drafter_cuda_graphs": True}
     e = LLMEngine.from_args(model, max_num_seqs=8, speculative_config=spec, async_scheduling=kind != "sync")
     counter = _Counter()
@@ -135,16 +136,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--preset", choices=("tiny-v41", "tiny-v4"), default="tiny-v41",
+                    help="tiny-v41 (DSpark) or tiny-v4 (its MTP layer)")
     args = ap.parse_args()
+    method = "dspark" if args.preset == "tiny-v41" else "mtp"
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_model("tiny-v41", tmp, seed=0)
+        model = make_model(args.preset, tmp, seed=0)
         print("| kind | batch | aten ops / step (outside graphs) | host reads / step | CPU ms / step |")
         print("|---|---|---|---|---|")
         details = []
         for b in args.batch:
             for kind in ("plain", "sync", "pipelined"):
-                r = measure(model, kind, b, args.k, args.steps)
+                r = measure(model, kind, b, args.k, args.steps, method)
                 details.append(r)
                 print(f"| {kind} | {b} | {r['ops_per_step']:.0f} | {r['host_reads_per_step']:.0f} | "
                       f"{r['ms_per_step']:.2f} |")

@@ -171,7 +171,7 @@ class PlainSpecOutput:
 
 
 class RingSnapshot:
-    """DeepSeek-V4's compressor rings of the rows a step drafts for, saved before the step (module docstring)."""
+    """DeepSeek-V4's compressor ring rows that a step's drafts overwrite, saved before the step (module docstring)."""
 
     def __init__(self, runner: "ModelRunner") -> None:
         caches = runner.kv_caches
@@ -179,36 +179,47 @@ class RingSnapshot:
                         if t is not None]
         self.table = runner.block_tables.tables.get("compressor_state")
         self.capacity = min((t.shape[1] for t in self.tensors), default=0)  # the shortest ring, in positions
-        self.index: dict[int, int] = {}
-        self.blocks: torch.Tensor | None = None
+        # a synchronous step's (`save`): per drafting row (offset of its first saved position, that position), and
+        # per saved position its state block and position (device), each ring's saved rows [n, width]
+        self.spans: dict[int, tuple[int, int]] = {}
+        self.blocks = self.positions = torch.zeros(0, dtype=torch.int64)
         self.saved: list[torch.Tensor] = []
         # a pipelined step's (`save_steps`): [R, 1] blocks, [R, q] positions, each ring's [R, q, width] rows
         self.step_blocks = self.step_positions = torch.zeros(0, dtype=torch.int64)
         self.step_saved: list[torch.Tensor] = []
 
-    def save(self, rows: np.ndarray) -> None:
-        """Copy the ring rows of the state rows `rows` (those with drafts this step)."""
-        self.index = {int(r): i for i, r in enumerate(rows.tolist())}
+    def save(self, rows: np.ndarray, first: np.ndarray, end: np.ndarray) -> None:
+        """Before a step: state rows `rows` compute their drafts at positions first .. end - 1 (per row); copy the ring
+        rows those positions will overwrite (one gather per ring tensor, indices copied to the device once)."""
+        self.spans, self.saved = {}, []
         if not self.tensors or not len(rows):
-            self.saved = []
             return
-        assert self.table is not None
-        self.blocks = self.table[torch.from_numpy(rows).to(self.table.device), 0].long()
-        self.saved = [t[self.blocks] for t in self.tensors]  # advanced indexing: copies
+        assert self.table is not None and bool((end - first <= self.capacity).all()), "drafts longer than a ring"
+        lens = end - first
+        offsets = np.cumsum(lens) - lens
+        self.spans = {int(r): (int(o), int(f)) for r, o, f in zip(rows.tolist(), offsets, first)}
+        dev = self.table.device
+        row_of = torch.from_numpy(np.repeat(rows, lens)).to(dev)
+        self.positions = torch.from_numpy(np.concatenate([np.arange(f, e) for f, e in zip(first, end)])).to(dev)
+        self.blocks = self.table[row_of, 0].long()
+        self.saved = [t[self.blocks, self.positions % t.shape[1]] for t in self.tensors]  # advanced indexing: copies
 
-    def restore(self, row: int, first: int, end: int) -> None:
-        """Positions first .. end - 1 of state row `row` were computed for rejected drafts: their ring slots get the
-        rows saved before the step back."""
-        if not self.saved:
+    def restore(self, spans: list[tuple[int, int, int]]) -> None:
+        """Each (row, first, end): positions first .. end - 1 of state row `row` were computed for rejected drafts;
+        their ring slots get the rows saved before the step back. All rows at once: one scatter per ring tensor, the
+        indices copied to the device once (no per-row indexing, which reads a 0-d index on the host: a sync per row
+        and tensor on a GPU)."""
+        if not self.saved or not spans:
             return
-        assert end - first <= self.capacity, "a verify chunk longer than a compressor ring"
-        i = self.index[row]
-        assert self.blocks is not None
-        block = self.blocks[i]
-        positions = torch.arange(first, end, device=block.device)
+        flat = []
+        for row, first, end in spans:
+            offset, saved_first = self.spans[row]
+            assert first >= saved_first, "a rejected position that was not saved"
+            flat.append(np.arange(first, end) - saved_first + offset)
+        i = torch.from_numpy(np.concatenate(flat)).to(self.blocks.device)
+        block, pos = self.blocks[i], self.positions[i]
         for t, saved in zip(self.tensors, self.saved):
-            slots = positions % t.shape[1]
-            t[block, slots] = saved[i, slots]
+            t[block, pos % t.shape[1]] = saved[i]
 
     def save_steps(self, rows: torch.Tensor, first: torch.Tensor, q: int) -> None:
         """A pipelined step's variant (pipelined.py: device counts, no host read): state rows `rows` [R] compute
@@ -386,7 +397,8 @@ class Speculator:
                 torch.from_numpy(src_rows).to(dev), torch.from_numpy(cols).to(dev)]
 
         if self.rings is not None:
-            self.rings.save(rows[drafts > 0])
+            d = drafts > 0  # the drafts' positions: known .. end - 1
+            self.rings.save(rows[d], known[d], ends[d])
         batch = InputBatch.prepare(r.buffers, rs.token_history, req_ids, rows, computed, sched, sample)
         image_rows = r._image_rows(batch)
         taps = dict.fromkeys(self.proposer.tap_layer_ids) if self.proposer.tap_layer_ids else None
@@ -452,6 +464,7 @@ class Speculator:
         L = rs.max_model_len
         dst: list[int] = []  # the emitted tokens' places in the token history, written at once after the loop
         emitted: list[int] = []
+        restores: list[tuple[int, int, int]] = []  # V4: (row, first, end) of rejected positions, restored at once
         for i, b in enumerate(sample.tolist()):
             row, d, j, toks = int(srows[i]), int(ds[i]), res.num_accepted[i], res.tokens[i]
             n0 = int(known[b])
@@ -463,7 +476,7 @@ class Speculator:
                 r.grammars.accept(row, t)
             if j < d:  # a rejection: rewind to the open compressor window's start (module docstring)
                 if self.rings is not None:  # V4: the rings get the rejected positions' saved rows back
-                    self.rings.restore(row, n0 + j, int(ends[b]))
+                    restores.append((row, n0 + j, int(ends[b])))
                 new = (n0 + j) // self.ratio * self.ratio
                 assert new >= computed[b], "a rewind below the step's start"
                 rs.num_computed[row] = new
@@ -471,6 +484,8 @@ class Speculator:
             sampled[b] = toks
             logprobs[b] = res.logprobs[i]
             self.count_acceptance(row, int(dv[i]), j, n0)
+        if self.rings is not None:
+            self.rings.restore(restores)
         hist = rs.token_history
         hist.view(-1)[torch.tensor(dst, dtype=torch.int64).to(hist.device)] = torch.tensor(
             emitted, dtype=torch.int64).to(hist.device)
