@@ -745,8 +745,9 @@ def test_compressor_decode_pool_kernel_matches_torch() -> None:
         from dsv4.ops.compress_pool import pool_decode_torch, pool_decode_triton
         g = torch.Generator().manual_seed(4)
         for dtype in (torch.bfloat16, torch.float32):
-            for m, overlap, dim in ((2, True, 48), (4, False, 64), (32, False, 24), (4, True, 16)):
-                cap, coff, blocks = (2 * m if overlap else m), (2 if overlap else 1), 5
+            # slack: ring rows past the window (speculation on V4, kv.spec.ring_slack)
+            for m, overlap, dim, slack in ((2, True, 48, 0), (4, False, 64, 3), (32, False, 24, 0), (4, True, 16, 5)):
+                cap, coff, blocks = (2 * m if overlap else m) + slack, (2 if overlap else 1), 5
                 ring_kv = torch.randn(blocks, cap, coff * dim, generator=g).to(dtype)
                 ring_gate = torch.randn(blocks, cap, coff * dim, generator=g) * 2
                 pb = torch.randn(m, coff * dim, generator=g)
@@ -801,7 +802,8 @@ def test_pool_verify_kernel_matches_torch() -> None:
         g = torch.Generator().manual_seed(6)
         for dtype in (torch.bfloat16, torch.float32):
             for m, overlap, dim, q in ((4, True, 48, 3), (8, False, 32, 4), (4, False, 16, 4), (2, True, 24, 4)):
-                cap, coff, blocks = (2 * m if overlap else m), (2 if overlap else 1), 4
+                # the ring q rows longer than the window, as under speculation (kv.spec.ring_slack)
+                cap, coff, blocks = (2 * m if overlap else m) + q, (2 if overlap else 1), 4
                 ring_kv = torch.randn(blocks, cap, coff * dim, generator=g).to(dtype)
                 ring_gate = torch.randn(blocks, cap, coff * dim, generator=g) * 2
                 pb = torch.randn(m, coff * dim, generator=g)

@@ -31,7 +31,7 @@ from dsv4.spec_decode.mtp import MTPDrafter, load_mtp_drafter
 from dsv4.spec_decode.proposer import OracleProposer
 from dsv4.spec_decode.rejection import verify
 from dsv4.tokenizer import Tokenizer
-from engine_runs import top_k_probs
+from engine_runs import oracle_sequences, run_to_completion, top_k_probs
 
 SPEC = {"method": "dspark", "num_speculative_tokens": 3}
 MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 3}
@@ -189,10 +189,24 @@ def test_mtp_taps_and_drafts(tiny_v4_dir: str) -> None:
     assert two[0, 0] == head(layer.head_hidden(out[-1:])).argmax(-1)[0]
 
 
-def test_mtp_drafts_must_fit_the_compressor_ring(tiny_v4_dir: str) -> None:
-    """A verify chunk longer than V4's shortest compressor ring (tiny-v4: 8 positions) could not be restored."""
-    with pytest.raises(ConfigError, match="at most 7"):
-        LLMEngine.from_args(tiny_v4_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 8})
+@pytest.mark.parametrize("k", [3, 8])
+def test_v4_rings_keep_slack_for_the_drafts(tiny_v4_dir: str, k: int) -> None:
+    """Under speculation V4's compressor rings keep k + 1 rows past their windows (kv.spec.ring_slack: tiny-v4's
+    CSA and HCA windows are 8 positions), so a rejection restores nothing; k = 8, a verify chunk longer than a window,
+    decodes as plainly as k = 3: greedy equal with a partly wrong oracle (every other step rejects somewhere)."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = [[0] + [(13 * j) % 400 + 3 for j in range(n)] for n in (11, 4)]
+    plain_e = LLMEngine.from_args(tiny_v4_dir, max_num_seqs=2)
+    plain = run_to_completion(plain_e, {str(i): p for i, p in enumerate(prompts)}, params)
+    e = LLMEngine.from_args(tiny_v4_dir, max_num_seqs=2,
+                            speculative_config={"method": "mtp", "num_speculative_tokens": k})
+    e.runner.speculator.set_proposer(OracleProposer(oracle_sequences(prompts, [plain["0"], plain["1"]], 5), k))
+    assert run_to_completion(e, {str(i): p for i, p in enumerate(prompts)}, params) == plain
+    st = e.spec_decode_stats
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+    rows = {c.ring_kv.shape[1] for c in e.runner.kv_caches if c.ring_kv is not None}
+    assert rows == {8 + k + 1} and {c.ring_kv.shape[1] for c in plain_e.runner.kv_caches
+                                    if c.ring_kv is not None} == {8}
 
 
 def test_speculative_config_needs_a_drafter(tmp_path: Any, model_dir: str) -> None:

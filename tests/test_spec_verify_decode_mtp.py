@@ -1,8 +1,8 @@
 """DeepSeek-V4's MTP speculation with the multi-row decode verify step (`"verify_decode": true`,
 dsv4/spec_decode/verify_decode.py) and the graphed MTP drafter (`"drafter_cuda_graphs": true`,
 dsv4/spec_decode/drafter_graphs.py). V4's compressor rings (CSA: overlapping windows over 2 * ratio rows; HCA: ratio
-rows) are pooled from the step's own rows and the ring as it was (dsv4/models/verify_rows.py) and restored after a
-rejection (speculator.py `RingSnapshot`). Greedy output equals plain decoding (k = 1, 3, 7: windows of 4 and 8
+rows) are pooled from the step's own rows and the ring as it was (dsv4/models/verify_rows.py); with k + 1 rows of
+slack a rejection needs no restore (kv.spec.ring_slack). Greedy output equals plain decoding (k = 1, 3, 7: windows of 4 and 8
 positions close at every offset of a step; all drafts accepted, some rejected; batches of 1 and 3;
 preemption; padded and "replayed" graphs); every verify step's logits, taps and caches equal the eager token-row
 forward's for the same step.

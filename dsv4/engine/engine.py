@@ -25,7 +25,7 @@ from dsv4.engine.request import Request
 from dsv4.engine.scheduler import Scheduler
 from dsv4.engine.stop import check_stop_strings, stop_hold_back
 from dsv4.kv.manager import KVCacheManager
-from dsv4.kv.spec import make_kv_groups, replay_tokens
+from dsv4.kv.spec import make_kv_groups, replay_tokens, ring_slack
 from dsv4.engine.memory_plan import check_weights_fit, memory_report
 from dsv4.models.build import build_model
 from dsv4.models.config import ConfigError, ModelConfig, load_model_config
@@ -94,10 +94,10 @@ def default_num_blocks(config: EngineConfig) -> int:
 
 
 def kv_blocks_for_budget(cfg: ModelConfig, block_size: int, max_num_seqs: int, dtype: torch.dtype,
-                         budget: int) -> int:
+                         budget: int, slack: int = 0) -> int:
     """The largest window-group pool whose caches (all groups) fit in `budget` bytes."""
     def fits(n: int) -> bool:
-        return kv_cache_bytes(cfg, make_kv_groups(cfg, block_size, n, max_num_seqs), dtype) <= budget
+        return kv_cache_bytes(cfg, make_kv_groups(cfg, block_size, n, max_num_seqs, slack=slack), dtype) <= budget
 
     lo, hi = 0, 2
     while fits(hi):
@@ -144,7 +144,8 @@ class LLMEngine:
             num_blocks = self._size_kv_pool(model, dtype)
         cc = config.cache
         replay = replay_tokens(config.model, cc.swa_bounded_replay) if cc.enable_prefix_caching else 0
-        self.groups = make_kv_groups(config.model, cc.block_size, num_blocks, config.scheduler.max_num_seqs, replay)
+        self.groups = make_kv_groups(config.model, cc.block_size, num_blocks, config.scheduler.max_num_seqs, replay,
+                                     self._ring_slack())
         self.runner = ModelRunner(config, model, self.groups, dtype, self.grammar_compiler)
         cuda = config.device.startswith("cuda")
         if cuda:  # a capture empties the allocator's cache (torch.cuda.graph does): empty it first, so the
@@ -173,13 +174,19 @@ class LLMEngine:
         # async scheduling: the launched step whose tokens are still on their way (its SchedulerOutput with them)
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
 
+    def _ring_slack(self) -> int:
+        """DeepSeek-V4's compressor rings' rows past their windows under speculation (`kv.spec.ring_slack`)."""
+        spec = self.config.speculative
+        return ring_slack(self.config.model, spec.num_speculative_tokens if spec is not None else None)
+
     def _size_kv_pool(self, model: torch.nn.Module, dtype: torch.dtype) -> int:
         """Profile a worst-case step on a minimal pool, then give the KV cache what `gpu_memory_utilization`
         leaves (capped at what max_num_seqs requests of max_model_len can use). A budget that cannot hold one
         request of max_model_len fails here, at start-up, never mid-run."""
         cfg, sc, bs = self.config, self.config.scheduler, self.config.cache.block_size
+        slack = self._ring_slack()
         per_request = -(-sc.max_model_len // bs) + 1
-        probe = make_kv_groups(cfg.model, bs, per_request + 1, sc.max_num_seqs)
+        probe = make_kv_groups(cfg.model, bs, per_request + 1, sc.max_num_seqs, slack=slack)
         runner = ModelRunner(cfg, model, probe, dtype)
         peak = runner.profile_peak_memory() - kv_cache_bytes(cfg.model, probe, dtype)
         self._step_peak = peak
@@ -188,9 +195,9 @@ class LLMEngine:
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory
         budget = int(total * cfg.gpu_memory_utilization) - peak
-        blocks = kv_blocks_for_budget(cfg.model, bs, sc.max_num_seqs, dtype, budget)
+        blocks = kv_blocks_for_budget(cfg.model, bs, sc.max_num_seqs, dtype, budget, slack)
         if blocks < per_request + 1:
-            need = kv_cache_bytes(cfg.model, make_kv_groups(cfg.model, bs, per_request + 1, sc.max_num_seqs), dtype)
+            need = kv_cache_bytes(cfg.model, probe, dtype)
             raise ConfigError(
                 f"the KV cache does not fit: one request of max_model_len={sc.max_model_len} needs "
                 f"{need / 2**30:.2f} GiB, but gpu_memory_utilization={cfg.gpu_memory_utilization} of "
@@ -200,7 +207,8 @@ class LLMEngine:
         blocks = min(blocks, default_num_blocks(cfg))
         blocks = self.parallel.min_(blocks, cfg.device)  # every rank schedules into the same pool: the smallest
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB); worst-case step peak %.2f GiB", blocks, bs,
-                    kv_cache_bytes(cfg.model, make_kv_groups(cfg.model, bs, blocks, sc.max_num_seqs), dtype) / 2**30,
+                    kv_cache_bytes(cfg.model, make_kv_groups(cfg.model, bs, blocks, sc.max_num_seqs, slack=slack),
+                                   dtype) / 2**30,
                     peak / 2**30)
         return blocks
 

@@ -17,8 +17,9 @@ do), so the ring ends holding the step's newest positions, exactly what the toke
   `deepseek_v4.Compressor.forward_decode`): the window is the whole ring, as a decode row pools it; the same
   windows (`ops.compress_pool.step_windows`) are pooled by the decode pool kernel in one launch on CUDA
   (`pool_decode(..., query_len=q)`, which reads the step's rows where a window reaches into the step), then
-  `roll_rings`. q <= cap (checked at start-up), so every row of the step writes the ring; after a rejection the
-  speculator puts the rows the rejected positions overwrote back (`RingSnapshot`), as after an eager verify step.
+  `roll_rings`. Under speculation a V4 ring keeps q rows more than its window (dsv4/kv/spec.py `ring_slack`), so
+  every row of the step writes the ring, overwriting only rows older than any window still to be pooled, and a
+  rejection needs no restore (speculator.py).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """DeepSeek-V4's compressor pooling in a decode step, one launch on CUDA (model.md section 2).
 
 Each decode row first pushes its new raw rows (kv and gate projections of its token) into its ring at slot
-pos % cap, then pools the `cap` newest raw rows of its ring (positions pos - cap + 1 .. pos, the newest pushed
-already) into one entry: rows before the sequence start are masked (kv 0, gate -inf); for the overlapping (CSA)
-compressor, the older m rows give the first `dim` channels of their raw rows (Ca) and the newer m rows the last
-`dim` (Cb); the gates get the position bias; softmax over the rows in fp32, the weights cast to the stream dtype,
-and the weighted rows summed (HF-V4 numerics: the ring rows are read in the stream dtype, products and sum rounded
-to it). Returns the pooled entries [R, dim] before the compressor's norm and rope.
+pos % cap, then pools the L newest raw rows of its ring (its window: L = 2 * ratio for CSA, ratio for HCA;
+positions pos - L + 1 .. pos, the newest pushed already; a ring has cap >= L rows, more under speculation,
+dsv4/kv/spec.py `ring_slack`) into one entry: rows before the sequence start are masked (kv 0, gate -inf); for the
+overlapping (CSA) compressor, the older m rows give the first `dim` channels of their raw rows (Ca) and the newer m
+rows the last `dim` (Cb); the gates get the position bias; softmax over the rows in fp32, the weights cast to the
+stream dtype, and the weighted rows summed (HF-V4 numerics: the ring rows are read in the stream dtype, products
+and sum rounded to it). Returns the pooled entries [R, dim] before the compressor's norm and rope.
 
 A speculative verify step's q rows a request (`query_len` q > 1, dsv4/spec_decode/verify_decode.py) take the same
 kernel with the step's projections as a second source: row j of a request reads the window rows at or after the
@@ -36,19 +37,26 @@ def pool_decode_torch(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torch
                       position_bias: torch.Tensor, ratio: int, overlap: bool, dtype: torch.dtype,
                       new_kv: torch.Tensor | None = None, new_gate: torch.Tensor | None = None) -> torch.Tensor:
     """Reference: ring_kv / ring_gate [blocks, cap, coff*dim], blk / pos [R] -> pooled [R, dim] in `dtype`. With
-    new_kv / new_gate [R, coff*dim], the rows' new raw rows are pushed into the rings first (at pos % cap)."""
+    new_kv / new_gate [R, coff*dim], the rows' new raw rows are pushed into the rings first (at pos % cap). The
+    window is `window_rows(ratio, overlap)` <= cap rows (a ring may keep more: kv.spec.ring_slack)."""
     m, cap = ratio, ring_kv.shape[1]
     if new_kv is not None and new_gate is not None:
         ring_kv[blk, pos % cap] = new_kv.to(ring_kv.dtype)
         ring_gate[blk, pos % cap] = new_gate.to(ring_gate.dtype)
     dim = ring_kv.shape[2] // (2 if overlap else 1)
-    src = pos[:, None] - cap + 1 + torch.arange(cap, device=pos.device)  # positions of the ring's rows, in order
+    L = window_rows(m, overlap)
+    src = pos[:, None] - L + 1 + torch.arange(L, device=pos.device)  # positions of the window's rows, in order
     kv = ring_kv[blk[:, None], src % cap].to(dtype)
     gate = ring_gate[blk[:, None], src % cap].to(dtype)
     before = (src < 0)[..., None]
     kv = kv.masked_fill(before, 0)
     gate = gate.masked_fill(before, float("-inf"))
     return pool_rows(kv, gate, position_bias, m, dim, overlap)
+
+
+def window_rows(ratio: int, overlap: bool) -> int:
+    """Rows a compressor's window pools: 2 * ratio for the overlapping (CSA) one, ratio otherwise."""
+    return 2 * ratio if overlap else ratio
 
 
 def step_windows(ring_kv: torch.Tensor, ring_gate: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor,
@@ -74,10 +82,11 @@ def step_windows(ring_kv: torch.Tensor, ring_gate: torch.Tensor, kv: torch.Tenso
 def pool_verify_torch(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torch.Tensor, pos: torch.Tensor,
                       position_bias: torch.Tensor, ratio: int, overlap: bool, dtype: torch.dtype, new_kv: torch.Tensor,
                       new_gate: torch.Tensor, q: int) -> torch.Tensor:
-    """Reference of a verify step's pooling (`pool_decode(..., query_len=q)`): each row's window (the whole ring's
-    length, as a decode row pools) from `step_windows`, pooled as `pool_rows`; the rings are only read."""
+    """Reference of a verify step's pooling (`pool_decode(..., query_len=q)`): each row's window (`window_rows`,
+    as a decode row pools) from `step_windows`, pooled as `pool_rows`; the rings are only read."""
     dim = ring_kv.shape[2] // (2 if overlap else 1)
-    wkv, wgate = step_windows(ring_kv, ring_gate, new_kv.to(dtype), new_gate.to(dtype), blk, pos, q, ring_kv.shape[1])
+    wkv, wgate = step_windows(ring_kv, ring_gate, new_kv.to(dtype), new_gate.to(dtype), blk, pos, q,
+                              window_rows(ratio, overlap))
     return pool_rows(wkv, wgate, position_bias, ratio, dim, overlap)
 
 
@@ -101,17 +110,17 @@ if triton is not None:
     @triton.jit
     def _pool_decode_kernel(kv_ptr, gate_ptr, blk_ptr, pos_ptr, pb_ptr, out_ptr, new_kv_ptr, new_gate_ptr, cap, dim,
                             ring_stride_b, ring_stride_r, new_stride, q, M: tl.constexpr, OVERLAP: tl.constexpr,
-                            PUSH: tl.constexpr, STEP: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_D: tl.constexpr,
-                            INTERPRET: tl.constexpr):
+                            PUSH: tl.constexpr, STEP: tl.constexpr, WIN: tl.constexpr, BLOCK_L: tl.constexpr,
+                            BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         cm = c < dim
-        k = tl.arange(0, BLOCK_L)  # ring row in position order: position pos - cap + 1 + k
-        km = k < cap
+        k = tl.arange(0, BLOCK_L)  # window row in position order: position pos - WIN + 1 + k (ring slot: mod cap)
+        km = k < WIN
         dt = out_ptr.dtype.element_ty
         blk = tl.load(blk_ptr + r).to(tl.int64)
         pos = tl.load(pos_ptr + r).to(tl.int64)
-        p = pos - cap + 1 + k
+        p = pos - WIN + 1 + k
         slot = ((p % cap) + cap) % cap  # python's modulo for p < 0
         if OVERLAP:  # rows [0, M): first dim channels (Ca); rows [M, 2M): last dim channels (Cb)
             ch = tl.where(k >= M, dim, 0)
@@ -122,19 +131,19 @@ if triton is not None:
         valid = km & (p >= 0)
         m2 = valid[:, None] & cm[None, :]
         off = blk * ring_stride_b + slot[:, None] * ring_stride_r + (ch[:, None] + c[None, :])
-        newest = k == cap - 1
+        newest = k == WIN - 1
         ring_rows = m2
         if PUSH:
             ring_rows = m2 & ~newest[:, None]
         if STEP:  # a verify step's q rows of a request (row r is row r % q of its request): the window rows
-            # at or after the request's first row come from the step's new rows (row r - (cap - 1 - k)), the
+            # at or after the request's first row come from the step's new rows (row r - (WIN - 1 - k)), the
             # others from the ring as the step found it (nothing is pushed: the caller rolls the ring after)
-            in_step = k >= cap - 1 - (r % q)
+            in_step = k >= WIN - 1 - (r % q)
             ring_rows = m2 & ~in_step[:, None]
         kv = tl.load(kv_ptr + off, mask=ring_rows, other=0.0)
         g = tl.load(gate_ptr + off, mask=ring_rows, other=0.0)
         if STEP:
-            src = (r - (cap - 1 - k)) * new_stride
+            src = (r - (WIN - 1 - k)) * new_stride
             sm = m2 & in_step[:, None]
             skv = tl.load(new_kv_ptr + src[:, None] + ch[:, None] + c[None, :], mask=sm, other=0.0)
             sg = tl.load(new_gate_ptr + src[:, None] + ch[:, None] + c[None, :], mask=sm, other=0.0)
@@ -196,7 +205,8 @@ def pool_decode_triton(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torc
     out = torch.empty(R, dim, dtype=dtype, device=pos.device)
     step = query_len > 1
     push = new_kv is not None and new_gate is not None and not step
-    assert not step or (new_kv is not None and new_gate is not None and query_len <= cap)
+    win = window_rows(ratio, overlap)
+    assert win <= cap and (not step or (new_kv is not None and new_gate is not None and query_len <= cap))
     new_stride = ring_kv.shape[2]
     if push or step:  # rows read through one row stride: the views of a merged projection's product need no copy
         if not (new_kv.stride(1) == new_gate.stride(1) == 1 and new_kv.stride(0) == new_gate.stride(0)):
@@ -204,7 +214,7 @@ def pool_decode_triton(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torc
         assert new_kv.shape == new_gate.shape == (R, ring_kv.shape[2])
         new_stride = new_kv.stride(0)
     if R:
-        block_l = triton.next_power_of_2(cap)
+        block_l = triton.next_power_of_2(win)
         block_d = max(16, min(triton.next_power_of_2(dim), 4096 // block_l))
         # channels are independent (every reduction runs over the ring rows), so a small batch splits them over more
         # programs: at batch 1 a CSA compressor's 512 channels were one program doing 4096 exps and IEEE divisions
@@ -214,7 +224,7 @@ def pool_decode_triton(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torc
         _pool_decode_kernel[(R, triton.cdiv(dim, block_d))](
             ring_kv, ring_gate, blk.contiguous(), pos.contiguous(), position_bias.float().contiguous(), out,
             new_kv if push or step else out, new_gate if push or step else out, cap, dim, ring_kv.stride(0),
-            ring_kv.stride(1), new_stride, query_len, M=ratio, OVERLAP=overlap, PUSH=push, STEP=step,
+            ring_kv.stride(1), new_stride, query_len, M=ratio, OVERLAP=overlap, PUSH=push, STEP=step, WIN=win,
             BLOCK_L=block_l, BLOCK_D=block_d, INTERPRET=INTERPRET, enable_fp_fusion=False)
     return out
 

@@ -28,11 +28,12 @@ def allocate_kv_caches(cfg: ModelConfig, groups: tuple[KVGroupSpec, ...], dtype:
     """Zero-filled caches for every layer, sized by the group pools. Ring gates are fp32 (pre-softmax)."""
     window = next(g for g in groups if g.kind == WINDOW)
     state = next((g for g in groups if g.kind == STATE), None)
+    slack = state.ring_slack if state is not None else 0
     caches = []
     for layer in range(cfg.num_hidden_layers):
         c = LayerKVCache(window=torch.zeros(window.num_blocks * window.block_size, cfg.head_dim, dtype=dtype,
                                             device=device))
-        lay = layer_cache_layout(cfg, layer)
+        lay = layer_cache_layout(cfg, layer, slack)
         if lay.ratio > 0:
             g = next(g for g in groups if g.kind == COMPRESSED and layer in g.layer_ids)
             slots = g.num_blocks * g.block_size
@@ -57,10 +58,11 @@ def kv_cache_bytes(cfg: ModelConfig, groups: tuple[KVGroupSpec, ...], dtype: tor
     elem = torch.empty((), dtype=dtype).element_size()
     window = next(g for g in groups if g.kind == WINDOW)
     state = next((g for g in groups if g.kind == STATE), None)
+    slack = state.ring_slack if state is not None else 0
     total = 0
     for layer in range(cfg.num_hidden_layers):
         total += window.num_blocks * window.block_size * cfg.head_dim * elem
-        lay = layer_cache_layout(cfg, layer)
+        lay = layer_cache_layout(cfg, layer, slack)
         if lay.ratio > 0:
             g = next(g for g in groups if g.kind == COMPRESSED and layer in g.layer_ids)
             dims = cfg.head_dim + (cfg.index_head_dim if lay.index_keys else 0)

@@ -22,8 +22,7 @@ computed .. computed + q - 1, so its shape is known on the host and only the pos
    its randomness drawn on the device;
 3. the counts advance as the synchronous path's (speculator.py `_verify`): tokens += j + 1; computed = tokens - 1
    when all d = q - a drafts were accepted, else the compressor pair start floor((n0 + j) / R) * R (V4.1), or
-   n0 + j with the rejected positions' compressor ring rows put back from a copy made before the step (V4,
-   `RingSnapshot.save_steps` / `restore_steps`);
+   n0 + j (V4, whose compressor rings keep k + 1 rows of slack: speculator.py);
 4. the drafter proposes the next drafts from the new counts (taps written from device positions; proposers take
    device positions, proposer.py);
 5. one device tensor [R, q + 4] (j, a, new computed, new tokens, then the q tokens from the old `tokens`) is copied
@@ -239,8 +238,6 @@ class PipelinedVerify:
         proposer = sp.proposer
         taps = dict.fromkeys(proposer.tap_layer_ids) if proposer.tap_layer_ids else None
         assert sp.verify_decode is not None
-        if sp.rings is not None:  # V4: the ring rows this step overwrites, for a rejection (speculator.py)
-            sp.rings.save_steps(rows, p0, q)
         hidden = sp.verify_decode.forward(batch, taps)
         if taps is not None and sp.taps is not None:
             sp.taps.write_chunks(torch.cat([taps[i] for i in proposer.tap_layer_ids], dim=-1), rows, p0, q)
@@ -254,8 +251,6 @@ class PipelinedVerify:
         new_computed = torch.where(j < q - known, torch.div(n0 + j, ratio, rounding_mode="floor") * ratio, n0 + j)
         self.tokens[rows] = new_tokens
         self.computed[rows] = new_computed
-        if sp.rings is not None:  # the rejected positions' ring slots get their saved rows back
-            sp.rings.restore_steps(new_computed)
         # 5. (before 4: the proposal may replay a graph whose output the next replay overwrites) the packed results
         emitted = hist[base + (n0[:, None] + cols).clamp(max=L - 1)]
         packed = torch.cat([torch.stack([j, known, new_computed, new_tokens], dim=1), emitted], dim=1)

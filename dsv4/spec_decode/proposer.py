@@ -111,9 +111,10 @@ class DSparkProposer:
 
 class MTPProposer:
     """DeepSeek-V4's MTP layer (its reference `propose`: the layer's context keys are recomputed from the taps each
-    call; `propose_on_device` is what drafter_graphs.py captures), k greedy drafts per request (the layer re-applied), so the verifier's draft distribution is
-    one-hot. Its tap is the target's final streams (`DeepseekV4ForCausalLM.forward`'s tap n = num_hidden_layers);
-    the token after each tapped position comes from the device token history."""
+    call; `propose_on_device` is what drafter_graphs.py captures), k greedy drafts per request (the layer
+    re-applied), so the verifier's draft distribution is one-hot. Its tap is the target's final streams
+    (`DeepseekV4ForCausalLM.forward`'s tap n = num_hidden_layers); the token after each tapped position comes from
+    the device token history."""
 
     def __init__(self, drafter: MTPDrafter, k: int, embed: nn.Module, lm_head: nn.Module,
                  token_history: torch.Tensor) -> None:

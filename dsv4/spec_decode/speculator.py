@@ -22,12 +22,12 @@ drafts included; each kind is position-addressed or recomputed:
   (verifying without committing and re-running the accepted tokens would cost a whole forward per step);
   the rewind never goes below the step's own start (committed >= the step's known tokens) nor below a cached
   prefix unit (units are multiples of 2 tokens), so no freed window block and no shared block is touched.
-- DeepSeek-V4's compressor rings (CSA: 2 * ratio rows, HCA: ratio rows; slot = position % rows) hold the raw rows of
-  the open windows, with overlapping CSA windows reaching a whole ring back: a rewind would recompute up to a ring
-  of accepted tokens, so V4 snapshots instead (`RingSnapshot`): before a step with drafts, the drafting rows' ring
-  slots are saved; after a rejection, the slots the rejected positions wrote get their saved rows back (the rows of
-  the positions one ring earlier, all before the step, since a verify chunk is at most one ring long: k + 1 <= the
-  smallest ring, checked at start-up).
+- DeepSeek-V4's compressor rings hold the raw rows of the open windows (CSA: windows of 2 * ratio positions, HCA:
+  ratio; slot = position % rows), with overlapping CSA windows reaching a whole window back: a rewind would recompute
+  up to a window of accepted tokens. Instead, under speculation each ring keeps k + 1 rows more than its window
+  (dsv4/kv/spec.py `ring_slack`): a step's k + 1 positions then overwrite only the rows of positions more than a
+  window before the step, which no later window reads, and the rejected positions' own rows are recomputed (in the
+  next step's chunk, which reads them from the step, not the ring) before anything reads them. Nothing is restored.
 - scheduler state (num_computed_tokens, KV blocks, prefix units, stop strings and max_tokens): the runner returns
   how many of the step's tokens are not computed after all (`RunnerOutput.num_uncomputed_tokens`); blocks allocated
   for rejected drafts stay with the request for its next drafts; units are cached only over known tokens; tokens are
@@ -42,8 +42,8 @@ its counts and acceptance on the device); this path then runs only after all of 
 With `verify_decode` on, a step in which every request verifies exactly k drafts after its anchor runs as k + 1
 decode rows per request through the model's fixed-shape decode forward instead (verify_decode.py); the rollback
 above holds unchanged (dsv4/models/verify_rows.py: the rings after such a step are the token-row path's). With
-`drafter_cuda_graphs` on, the drafter's proposals replay CUDA graphs (drafter_graphs.py). `phases` (PhaseTimes, opt-in) times the
-step's parts for spec_decode_speed --phase-profile.
+`drafter_cuda_graphs` on, the drafter's proposals replay CUDA graphs (drafter_graphs.py). `phases` (PhaseTimes,
+opt-in) times the step's parts for spec_decode_speed --phase-profile.
 
 `disable_by_batch_size` B (vLLM's): while B or more requests hold a row, no drafts are proposed, and a step with no
 drafts to verify is the runner's plain step (`ModelRunner.launch_plain`: decode CUDA graphs of sizes >= B). Drafts
@@ -63,7 +63,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from dsv4.models.config import ConfigError
 from dsv4.runtime.cudagraphs import default_capture_sizes
 from dsv4.runtime.input_batch import InputBatch
 from dsv4.runtime.sampler import SamplingTensors, needs_output_values
@@ -170,78 +169,6 @@ class PlainSpecOutput:
         return out
 
 
-class RingSnapshot:
-    """DeepSeek-V4's compressor ring rows that a step's drafts overwrite, saved before the step (module docstring)."""
-
-    def __init__(self, runner: "ModelRunner") -> None:
-        caches = runner.kv_caches
-        self.tensors = [t for c in caches for t in (c.ring_kv, c.ring_gate, c.index_ring_kv, c.index_ring_gate)
-                        if t is not None]
-        self.table = runner.block_tables.tables.get("compressor_state")
-        self.capacity = min((t.shape[1] for t in self.tensors), default=0)  # the shortest ring, in positions
-        # a synchronous step's (`save`): per drafting row (offset of its first saved position, that position), and
-        # per saved position its state block and position (device), each ring's saved rows [n, width]
-        self.spans: dict[int, tuple[int, int]] = {}
-        self.blocks = self.positions = torch.zeros(0, dtype=torch.int64)
-        self.saved: list[torch.Tensor] = []
-        # a pipelined step's (`save_steps`): [R, 1] blocks, [R, q] positions, each ring's [R, q, width] rows
-        self.step_blocks = self.step_positions = torch.zeros(0, dtype=torch.int64)
-        self.step_saved: list[torch.Tensor] = []
-
-    def save(self, rows: np.ndarray, first: np.ndarray, end: np.ndarray) -> None:
-        """Before a step: state rows `rows` compute their drafts at positions first .. end - 1 (per row); copy the ring
-        rows those positions will overwrite (one gather per ring tensor, indices copied to the device once)."""
-        self.spans, self.saved = {}, []
-        if not self.tensors or not len(rows):
-            return
-        assert self.table is not None and bool((end - first <= self.capacity).all()), "drafts longer than a ring"
-        lens = end - first
-        offsets = np.cumsum(lens) - lens
-        self.spans = {int(r): (int(o), int(f)) for r, o, f in zip(rows.tolist(), offsets, first)}
-        dev = self.table.device
-        row_of = torch.from_numpy(np.repeat(rows, lens)).to(dev)
-        self.positions = torch.from_numpy(np.concatenate([np.arange(f, e) for f, e in zip(first, end)])).to(dev)
-        self.blocks = self.table[row_of, 0].long()
-        self.saved = [t[self.blocks, self.positions % t.shape[1]] for t in self.tensors]  # advanced indexing: copies
-
-    def restore(self, spans: list[tuple[int, int, int]]) -> None:
-        """Each (row, first, end): positions first .. end - 1 of state row `row` were computed for rejected drafts;
-        their ring slots get the rows saved before the step back. All rows at once: one scatter per ring tensor, the
-        indices copied to the device once (no per-row indexing, which reads a 0-d index on the host: a sync per row
-        and tensor on a GPU)."""
-        if not self.saved or not spans:
-            return
-        flat = []
-        for row, first, end in spans:
-            offset, saved_first = self.spans[row]
-            assert first >= saved_first, "a rejected position that was not saved"
-            flat.append(np.arange(first, end) - saved_first + offset)
-        i = torch.from_numpy(np.concatenate(flat)).to(self.blocks.device)
-        block, pos = self.blocks[i], self.positions[i]
-        for t, saved in zip(self.tensors, self.saved):
-            t[block, pos % t.shape[1]] = saved[i]
-
-    def save_steps(self, rows: torch.Tensor, first: torch.Tensor, q: int) -> None:
-        """A pipelined step's variant (pipelined.py: device counts, no host read): state rows `rows` [R] compute
-        positions first .. first + q - 1 (q <= every ring, so distinct slots); their ring rows are saved."""
-        if not self.tensors:
-            return
-        assert self.table is not None
-        self.step_blocks = self.table[rows, 0].long()[:, None]
-        self.step_positions = first[:, None] + torch.arange(q, device=first.device)
-        self.step_saved = [t[self.step_blocks, self.step_positions % t.shape[1]] for t in self.tensors]
-
-    def restore_steps(self, keep: torch.Tensor) -> None:
-        """After `save_steps`' step: positions >= keep [R] were computed for rejected drafts, so their ring slots
-        get the saved rows back (fixed shapes: the other slots are rewritten with their own values)."""
-        if not self.tensors:
-            return
-        rejected = (self.step_positions >= keep[:, None])[..., None]
-        for t, saved in zip(self.tensors, self.step_saved):
-            at = (self.step_blocks, self.step_positions % t.shape[1])
-            t[at] = torch.where(rejected, saved, t[at])
-
-
 def _static_sampling(sp: SamplingParams, num_outputs: int) -> bool:
     """Sampling params whose tensors stay the same for every later token of a request with `num_outputs` outputs
     (a seed's output count is set on the device, pipelined.py): no penalty, logit bias, logprobs, grammar, or
@@ -272,12 +199,8 @@ class Speculator:
         n = runner.config.scheduler.max_num_seqs
         self.drafts = torch.zeros(n, proposer.block_size, dtype=torch.int64, device=runner.device)
         self.ratio = ring_ratio(runner)
-        # V4's rings are restored, not rewound (module docstring); V4.1's ratio-2 pairs are rewound
-        self.rings = RingSnapshot(runner) if runner.config.model.v41 is None else None
-        if self.rings is not None and self.rings.tensors and self.k + 1 > self.rings.capacity:
-            raise ConfigError(f"speculative config field `num_speculative_tokens`: {self.k} drafts and the anchor "
-                              f"do not fit this model's shortest compressor ring ({self.rings.capacity} positions); "
-                              f"use at most {self.rings.capacity - 1}")
+        # V4's rings keep k + 1 rows of slack (kv.spec.ring_slack), so a rejection restores nothing; V4.1's
+        # ratio-2 pairs are rewound (module docstring)
         self.taps: TapBuffer | None = None
         self.tap_layer_ids = proposer.tap_layer_ids  # the tap ring's layers, in its row layout
         if proposer.tap_layer_ids:
@@ -396,9 +319,6 @@ class Speculator:
             rs.token_history.view(-1)[torch.from_numpy(dst).to(dev)] = self.drafts[
                 torch.from_numpy(src_rows).to(dev), torch.from_numpy(cols).to(dev)]
 
-        if self.rings is not None:
-            d = drafts > 0  # the drafts' positions: known .. end - 1
-            self.rings.save(rows[d], known[d], ends[d])
         batch = InputBatch.prepare(r.buffers, rs.token_history, req_ids, rows, computed, sched, sample)
         image_rows = r._image_rows(batch)
         taps = dict.fromkeys(self.proposer.tap_layer_ids) if self.proposer.tap_layer_ids else None
@@ -464,7 +384,6 @@ class Speculator:
         L = rs.max_model_len
         dst: list[int] = []  # the emitted tokens' places in the token history, written at once after the loop
         emitted: list[int] = []
-        restores: list[tuple[int, int, int]] = []  # V4: (row, first, end) of rejected positions, restored at once
         for i, b in enumerate(sample.tolist()):
             row, d, j, toks = int(srows[i]), int(ds[i]), res.num_accepted[i], res.tokens[i]
             n0 = int(known[b])
@@ -475,8 +394,6 @@ class Speculator:
             for t in toks:
                 r.grammars.accept(row, t)
             if j < d:  # a rejection: rewind to the open compressor window's start (module docstring)
-                if self.rings is not None:  # V4: the rings get the rejected positions' saved rows back
-                    restores.append((row, n0 + j, int(ends[b])))
                 new = (n0 + j) // self.ratio * self.ratio
                 assert new >= computed[b], "a rewind below the step's start"
                 rs.num_computed[row] = new
@@ -484,8 +401,6 @@ class Speculator:
             sampled[b] = toks
             logprobs[b] = res.logprobs[i]
             self.count_acceptance(row, int(dv[i]), j, n0)
-        if self.rings is not None:
-            self.rings.restore(restores)
         hist = rs.token_history
         hist.view(-1)[torch.tensor(dst, dtype=torch.int64).to(hist.device)] = torch.tensor(
             emitted, dtype=torch.int64).to(hist.device)

@@ -414,7 +414,8 @@ def test_pool_verify_rows(dtype: torch.dtype, m: int, overlap: bool, dim: int) -
     from dsv4.ops.compress_pool import pool_decode_triton, pool_verify_torch
 
     g = torch.Generator(device="cuda").manual_seed(m + dim + 1)
-    cap, coff, q, R = (2 * m if overlap else m), (2 if overlap else 1), 6, 32
+    q, R = 6, 32
+    cap, coff = (2 * m if overlap else m) + q, (2 if overlap else 1)  # q rows of slack, as under speculation
     ring_kv = torch.randn(70, cap, coff * dim, device="cuda", generator=g).to(dtype)
     ring_gate = torch.randn(70, cap, coff * dim, device="cuda", generator=g) * 2
     pb = torch.randn(m, coff * dim, device="cuda", generator=g)
