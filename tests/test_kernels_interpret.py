@@ -738,11 +738,13 @@ def test_v4_router_kernel_matches_torch() -> None:
 
 
 def test_compressor_decode_pool_kernel_matches_torch() -> None:
-    """Overlapping (CSA) and plain (HCA) compressors, short and long rings, rows early in their sequence (masked ring
-    rows), bf16 and fp32 streams: within one ulp of the stream dtype of the torch reference, nearly all equal."""
+    """Overlapping (CSA) and plain (HCA) compressors, short and long rings (and rings longer than their window, as
+    under speculation), rows early in their sequence (masked ring rows), bf16 and fp32 streams: within one ulp of
+    the stream dtype of the torch reference, nearly all equal; with the push of new rows; and a verify step's rows
+    (`query_len`)."""
     _interpret("""
         import torch
-        from dsv4.ops.compress_pool import pool_decode_torch, pool_decode_triton
+        from dsv4.ops.compress_pool import pool_decode_torch, pool_decode_triton, pool_verify_torch
         g = torch.Generator().manual_seed(4)
         for dtype in (torch.bfloat16, torch.float32):
             # slack: ring rows past the window (speculation on V4, kv.spec.ring_slack)
@@ -786,45 +788,24 @@ def test_compressor_decode_pool_kernel_matches_torch() -> None:
                 got = pool_decode_triton(*rings[1], blk, pos, pb, m, overlap, dtype, *views)
                 assert torch.equal(rings[0][0], rings[1][0]) and torch.equal(rings[0][1], rings[1][1])
                 assert torch.equal(ref, got)
-        print("ok")
-    """)
-
-
-def test_pool_verify_kernel_matches_torch() -> None:
-    """A verify step's q rows a request (`pool_decode_triton(..., query_len=q)`): each row's window from the step's
-    own rows where it reaches into the step and from the ring before, as `pool_verify_torch`, within one ulp of the
-    stream dtype; the rings are not written; windows that start before position 0, q up to the ring's length, CSA's
-    overlapping halves, new rows as strided views of one product. A window row taken from the wrong side of the
-    step's start (a planted off-by-one) moves most entries by far more than an ulp."""
-    _interpret("""
-        import torch
-        from dsv4.ops.compress_pool import pool_decode_triton, pool_verify_torch
-        g = torch.Generator().manual_seed(6)
-        for dtype in (torch.bfloat16, torch.float32):
-            for m, overlap, dim, q in ((4, True, 48, 3), (8, False, 32, 4), (4, False, 16, 4), (2, True, 24, 4)):
-                # the ring q rows longer than the window, as under speculation (kv.spec.ring_slack)
-                cap, coff, blocks = (2 * m if overlap else m) + q, (2 if overlap else 1), 4
-                ring_kv = torch.randn(blocks, cap, coff * dim, generator=g).to(dtype)
-                ring_gate = torch.randn(blocks, cap, coff * dim, generator=g) * 2
-                pb = torch.randn(m, coff * dim, generator=g)
-                starts, blks = [0, 2, cap - 1, 5 * cap + 3], [3, 1, 0, 2]  # a request's first position, its block
+                # a verify step's q = 3 rows a request (query_len): each window from the step's rows where it reaches
+                # into the step and from the ring before, as pool_verify_torch; the rings only read; the same rows one
+                # position later (every window's step / ring split moves) far from it (catches an off-by-one)
+                q, starts = 3, [0, 2, cap - 1, 5 * cap + 3]
                 pos = torch.tensor([p + j for p in starts for j in range(q)])
-                blk = torch.tensor([b for b in blks for _ in range(q)])
-                W = coff * dim
-                prod = torch.cat([torch.randn(len(pos), W, generator=g) * 3, torch.randn(len(pos), W, generator=g),
-                                  torch.randn(len(pos), 5, generator=g)], dim=1).to(dtype)
-                new_kv, new_gate = prod[:, :W], prod[:, W:2 * W]  # strided views, read in place
+                blk = torch.tensor([b for b in (3, 1, 0, 2) for _ in range(q)])
+                rows = torch.cat([torch.randn(len(pos), 2 * W, generator=g), torch.randn(len(pos), 5, generator=g)],
+                                 dim=1).to(dtype)
+                step_kv, step_gate = rows[:, :W], rows[:, W:2 * W]  # strided views, read in place
                 before = (ring_kv.clone(), ring_gate.clone())
-                ref = pool_verify_torch(ring_kv, ring_gate, blk, pos, pb, m, overlap, dtype, new_kv, new_gate, q)
-                got = pool_decode_triton(ring_kv, ring_gate, blk, pos, pb, m, overlap, dtype, new_kv, new_gate, q)
+                ref = pool_verify_torch(ring_kv, ring_gate, blk, pos, pb, m, overlap, dtype, step_kv, step_gate, q)
+                got = pool_decode_triton(ring_kv, ring_gate, blk, pos, pb, m, overlap, dtype, step_kv, step_gate, q)
                 assert torch.equal(ring_kv, before[0]) and torch.equal(ring_gate, before[1])
-                ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
                 r, o = ref.float(), got.float()
-                scale = max(ring_kv.float().abs().amax(), new_kv.float().abs().amax())
-                assert ((r - o).abs() <= r.abs() * ulp + 3 * scale * 2.0 ** -22).all(), (m, q, (r - o).abs().max())
-                # the same rows one position later (every window's step / ring split moves): far from the reference
-                off = pool_verify_torch(ring_kv, ring_gate, blk, pos + 1, pb, m, overlap, dtype, new_kv, new_gate, q)
-                assert ((off.float() - o).abs() > r.abs() * ulp + 3 * scale * 2.0 ** -22).float().mean() > 0.5
+                tol = r.abs() * ulp + 3 * max(scale, step_kv.float().abs().amax()) * 2.0 ** -22
+                assert ((r - o).abs() <= tol).all(), (m, q, (r - o).abs().max())
+                off = pool_verify_torch(ring_kv, ring_gate, blk, pos + 1, pb, m, overlap, dtype, step_kv, step_gate, q)
+                assert ((off.float() - o).abs() > tol).float().mean() > 0.5
         print("ok")
     """)
 
