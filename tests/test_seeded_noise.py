@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import random
+from typing import Any
 
 import torch
 
@@ -100,3 +101,14 @@ def test_a_seeded_rows_token_depends_on_its_seed_and_count_only() -> None:
     draws = {int(Sampler()(logits[:1], SamplingTensors.build([params[3]], [[]], [[0] * c], V, "cpu"))[0][0])
              for c in range(40)}
     assert len(draws) > 5  # the count moves the draw
+
+
+def test_row_chunks_do_not_change_the_draws(monkeypatch: Any) -> None:
+    """The hash runs over rows in chunks (bounded temporaries); any chunking gives the same uniforms."""
+    from dsv4.runtime import seeded_noise
+
+    seeds, counts = torch.arange(37) * 11, torch.arange(37)
+    whole = seeded_uniform(seeds, counts, 500, NOISE)
+    for chunk in (1, 499, 501, 2000):
+        monkeypatch.setattr(seeded_noise, "CHUNK_ELEMENTS", chunk)
+        assert torch.equal(seeded_uniform(seeds, counts, 500, NOISE), whole)

@@ -52,11 +52,21 @@ def row_keys(seeds: torch.Tensor, counts: torch.Tensor, stream: int) -> torch.Te
     return hash32(k ^ _STREAM_KEYS[stream])
 
 
+CHUNK_ELEMENTS = 1 << 22  # int64 elements hashed at once: ~32 MB a temporary (a vocabulary row is ~130k)
+
+
 def seeded_uniform(seeds: torch.Tensor, counts: torch.Tensor, n: int, stream: int) -> torch.Tensor:
-    """Uniforms [S, n] in (0, 1), float32: element j of row i a function of (seeds[i], counts[i], stream, j) only."""
+    """Uniforms [S, n] in (0, 1), float32: element j of row i a function of (seeds[i], counts[i], stream, j) only.
+    Rows are hashed in chunks of CHUNK_ELEMENTS int64 values, so the temporaries stay small whatever S (a pipelined
+    step's seeded rows are requests x (k + 1)): the sampler's memory is profiled without them."""
     k = row_keys(seeds.long(), counts.long(), stream)
-    bits = hash32(k[:, None] ^ hash32(torch.arange(n, device=k.device, dtype=torch.int64))[None, :])
-    return ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    hj = hash32(torch.arange(n, device=k.device, dtype=torch.int64))[None, :]
+    out = torch.empty(k.shape[0], n, dtype=torch.float32, device=k.device)
+    step = max(1, CHUNK_ELEMENTS // max(n, 1))
+    for a in range(0, k.shape[0], step):
+        bits = hash32(k[a: a + step, None] ^ hj)
+        out[a: a + step] = ((bits >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    return out
 
 
 def seeded_exponential(seeds: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
