@@ -16,12 +16,11 @@ What it measures, on the host clock, per batch-size bucket (request counts 1, 2-
   requests' steps.
 A trial turns speculation on when tokens / t_spec >= (1 + MARGIN) / t_plain for the batch's bucket, and it stays on
 while tokens / t_spec >= (1 - MARGIN) / t_plain (a margin each way, so noise does not flip it; a tie goes to plain
-decoding, the cheaper risk). A bucket without a plain time is first measured: `CALIBRATION_STEPS` plain steps; a trial
-follows. When speculation loses, plain steps run for a backoff of
-`MIN_BACKOFF` steps (doubled after every trial that loses, up to `MAX_BACKOFF`), then a trial of `TRIAL_STEPS`
-speculative steps measures again (the acceptance mean restarts, so the trial judges the drafter as it is now).
-Drafting plain steps keep the drafter's taps fresh (`ModelRunner.launch_plain` writes them), so a trial's drafts are
-as good as if speculation had never stopped.
+decoding, the cheaper risk). A bucket without a plain time is first measured: `CALIBRATION_STEPS` plain steps; a
+trial follows. When speculation loses, plain steps run for a backoff of `MIN_BACKOFF` steps (doubled after every
+trial that loses, up to `MAX_BACKOFF`), then a trial of `TRIAL_STEPS` speculative steps measures again (the
+acceptance mean restarts, so the trial judges the drafter as it is now). Plain steps keep the drafter's taps fresh
+(`ModelRunner.launch_plain` writes them), so a trial's drafts are as good as if speculation had never stopped.
 
 Cost of a drafter that never helps: the trials, one every backoff: with the floor's 1.67x and the longest backoff
 (8 x 1.67 + 512) / 520 = 1.01x a plain step; the first trials cost more (a backoff of 16: 1.22x).
