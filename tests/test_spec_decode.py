@@ -189,6 +189,40 @@ def test_mtp_taps_and_drafts(tiny_v4_dir: str) -> None:
     assert two[0, 0] == head(layer.head_hidden(out[-1:])).argmax(-1)[0]
 
 
+def test_mtp_runs_only_the_last_context_row_through_the_layer(tiny_v4_dir: str) -> None:
+    """`MTPDrafter.propose` takes the keys of every context row but runs attention and MoE for each sequence's last
+    row only: its first draft's hidden state equals a full causal pass over the window (every row through the layer,
+    the last row's output kept), for sequences whose windows start before position 0 (masked rows) and full ones."""
+    e = LLMEngine.from_args(tiny_v4_dir, speculative_config=MTP_SPEC, max_num_seqs=2)
+    model = e.runner.model
+    drafter: MTPDrafter = e.runner.speculator.proposer.drafter
+    layer = drafter.mtp[0]
+    cfg = model.cfg
+    W, hc, D = cfg.sliding_window, cfg.hc_mult, cfg.hidden_size
+    g = torch.Generator().manual_seed(3)
+    B = 3
+    streams = torch.randn(B, W, hc * D, generator=g)
+    nxt = torch.randint(3, 400, (B, W), generator=g)
+    last = torch.tensor([3, 40, 11])  # the first window starts before position 0
+    embed, head = model.model.embed_tokens, model.lm_head
+    seen: list[torch.Tensor] = []
+    hook = layer.hc_head.register_forward_pre_hook(lambda mod, args: seen.append(args[0].clone()))
+    try:
+        drafter.propose(streams, last, nxt, 1, embed, head)
+    finally:
+        hook.remove()
+    with torch.no_grad():  # the full causal pass
+        pos = last[:, None] - (W - 1) + torch.arange(W)
+        valid = pos >= 0
+        h = layer.inputs(streams.reshape(B * W, hc, D), embed(nxt.reshape(-1)))
+        q, kv, cos, sin, mixes = layer.project(h, pos.clamp(min=0).reshape(-1))
+        mask = (torch.ones(W, W, dtype=torch.bool).tril()[None] & valid[:, None, :]).reshape(B * W, W)
+        keys = kv.view(B, W, -1)[torch.arange(B).repeat_interleave(W)]
+        full = layer.finish(h, q, keys, mask, cos, sin, mixes, nxt.reshape(-1)).view(B, W, hc, D)[:, -1]
+    assert len(seen) == 1 and seen[0].shape == full.shape
+    torch.testing.assert_close(seen[0], full, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("k", [3, 8])
 def test_v4_rings_keep_slack_for_the_drafts(tiny_v4_dir: str, k: int) -> None:
     """Under speculation V4's compressor rings keep k + 1 rows past their windows (kv.spec.ring_slack: tiny-v4's

@@ -13,9 +13,10 @@ t + 1 to its own output streams and the draft it just made (as vLLM re-applies i
 `MTPBlock` masks nothing; vLLM zeroes the embedding at position 0 ("not needed by MTP"): this module follows the
 reference.
 
-This is the reference forward: eager, one call per proposal, no paged cache. The layer's keys of the context
-positions (the last `sliding_window` committed positions, the only ones its window attention reads) are recomputed
-from the target's streams each call, then each further draft adds its own key. Parameter names are the target's
+This is the reference forward: one call per proposal, no paged cache (drafter_graphs.py captures it). The layer's
+keys of the context positions (the last `sliding_window` committed positions, the only ones its window attention
+reads) are recomputed from the target's streams each call, then each further draft adds its own key. Only the last
+context position runs the rest of the layer (queries, attention, MoE): the others' outputs are never used. Parameter names are the target's
 (HF) names of a V4 layer under `mtp.{i}.` (`self_attn.q_a_proj.weight`, `attn_hc.fn`, `mlp.experts.gate_up_proj`,
 ...) plus the MTP's own released names (`e_proj`, `h_proj`, `enorm`, `hnorm`, `norm`) and `hc_head.hc_fn` /
 `hc_base` / `hc_scale` for the released `hc_head_fn` / `hc_head_base` / `hc_head_scale`; `loader.route_mtp` maps
@@ -73,15 +74,26 @@ class MTPLayer(DecoderLayer):
         """The attention site up to the keys: mHC mixes of h [R, hc, D], then the queries [R, H, hd] and the
         key/value latents [R, hd] of rows at `positions` [R], as the target's window layer computes them. Returns
         (q, kv, cos, sin, mixes)."""
-        attn: Attention = self.self_attn
+        x, mixes = self.attn_input(h)
+        cos, sin = self.self_attn.rope(positions)
+        return self.queries(x, cos, sin), self.keys(x, cos, sin), cos, sin, mixes
+
+    def attn_input(self, h: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(the attention's input x [R, D], the attention site's mHC mixes) of streams h [R, hc, D]."""
         mixes = self.attn_hc.mixes(h)
-        x = self.input_layernorm(collapse(h, mixes[0]))
-        cos, sin = attn.rope(positions)
+        return self.input_layernorm(collapse(h, mixes[0])), mixes
+
+    def queries(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Roped queries [R, H, hd] of the attention inputs x [R, D]."""
+        attn: Attention = self.self_attn
         qr = attn.q_a_norm(attn.q_a_proj(x))
         q = unweighted_rms_norm(attn.q_b_proj(qr).view(x.shape[0], attn.n_heads, attn.head_dim), attn.eps)
-        q = apply_rope(q, cos, sin)
-        kv = apply_rope(attn.kv_norm(attn.kv_proj(x)), cos, sin)
-        return q, kv, cos, sin, mixes
+        return apply_rope(q, cos, sin)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Roped key/value latents [R, hd] of the attention inputs x [R, D]."""
+        attn: Attention = self.self_attn
+        return apply_rope(attn.kv_norm(attn.kv_proj(x)), cos, sin)
 
     def finish(self, h: torch.Tensor, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, mixes: tuple[torch.Tensor, ...], token_ids: torch.Tensor, fixed: bool = False
@@ -137,14 +149,17 @@ class MTPDrafter(nn.Module):
         safe_pos = pos.clamp(min=0)
         ids = next_tokens.reshape(-1)
         layer = self.mtp[0]
-        # the context rows: one causal pass over the window (row t sees the valid rows t' <= t; all are within W)
+        # The context rows: the layer over the window, of which only each sequence's last row's output is used (a
+        # causal pass would compute every row's attention and MoE to drop all but one). The other rows give their
+        # keys; the last row (position p) sees every valid one (all within W).
         h = layer.inputs(streams.reshape(B * C, hc, D), embed(ids))
-        q, kv, cos, sin, mixes = layer.project(h, safe_pos.reshape(-1))
-        keys = kv.view(B, C, -1)
-        causal = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
-        mask = (causal[None] & valid[:, None, :]).reshape(B * C, C)
-        rows = torch.arange(B, device=dev).repeat_interleave(C)
-        out = layer.finish(h, q, keys[rows], mask, cos, sin, mixes, ids, fixed).view(B, C, hc, D)[:, -1]
+        x, mixes = layer.attn_input(h)
+        cos, sin = layer.self_attn.rope(safe_pos.reshape(-1))
+        keys = layer.keys(x, cos, sin).view(B, C, -1)
+        last = torch.arange(B, device=dev) * C + (C - 1)
+        cos, sin = cos[last], sin[last]
+        out = layer.finish(h[last], layer.queries(x[last], cos, sin), keys, valid, cos, sin,
+                           tuple(m[last] for m in mixes), ids[last], fixed)
         key_pos, key_valid = pos, valid
         drafts = []
         token = self._greedy(layer, out, lm_head)
