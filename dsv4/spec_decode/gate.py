@@ -25,6 +25,12 @@ acceptance mean restarts, so the trial judges the drafter as it is now). Plain s
 Cost of a drafter that never helps: the trials, one every backoff: with the floor's 1.67x and the longest backoff
 (8 x 1.67 + 512) / 520 = 1.01x a plain step; the first trials cost more (a backoff of 16: 1.22x).
 
+Measured on the H200 (benchmarks/results/2026-12-05-h200-spec-pipelined, V4.1-Flash-8l, batch 1): the random drafter
+went from 0.43x to 0.59x plain tokens/s, not the ~1.0x this arithmetic gives. Each trial's first speculative step
+has no drafts yet and runs the eager token-row forward (tens of ms), and leaving pipelining lands the steps in flight
+synchronously. Next: propose drafts from the last plain step before a trial (plain steps already write the taps), so
+a trial starts as a graphed, pipelined verify step.
+
 Greedy output does not depend on the switch (speculation never changes greedy tokens). Sampled requests with a seed
 draw differently in speculative and plain steps, so with the switch their tokens depend on when speculation was on,
 which depends on timing (as with vLLM's disable_by_batch_size, on the other requests running).
