@@ -88,6 +88,17 @@ def run_prompts(model_dir: str, prompts: Sequence[list[int]], params: SamplingPa
     return run_to_completion(e, {str(i): p for i, p in enumerate(prompts)}, params), e
 
 
+def prefix_or_preemption_case(case: str) -> tuple[list[list[int]], dict[str, Any]]:
+    """(prompts, engine kwargs) of the speculative tests' two pressure cases on tiny-v41: "prefix_cache" (prompts
+    sharing a 38-token prefix, one at a time: later ones hit the cache) or "preemption" (4 prompts in a pool too
+    small for all of them)."""
+    if case == "prefix_cache":
+        shared = [0] + [(11 * j) % 450 + 5 for j in range(37)]
+        return [shared + [9, 10], shared + [12, 13, 14], shared + [9, 10]], dict(block_size=4, max_num_seqs=1)
+    prompts = [[0] + [(7 * i + j) % 400 + 3 for j in range(10 + 3 * i)] for i in range(4)]
+    return prompts, dict(block_size=4, num_kv_blocks=20, enable_prefix_caching=False, max_num_seqs=4)
+
+
 def against_plain(model_dir: str, prompts: Sequence[list[int]], params: SamplingParams, spec: dict[str, Any],
                   oracle_block: int, wrong_every: int = 4, **kw: Any
                   ) -> tuple[dict[str, list[int]], dict[str, list[int]], LLMEngine]:

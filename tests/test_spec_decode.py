@@ -379,6 +379,21 @@ def test_stop_strings_stop_tokens_and_max_tokens(family: tuple[str, dict],
 
 
 # ---- sampling: the target's distribution ----------------------------------------------------------------------------
+def pair_chi_square_p(pairs: Counter, p1: dict[int, float], p2: list[dict[int, float]]) -> float:
+    """Chi-square p of sampled (first, second) token pairs against the target: first ~ p1, second ~ p2[i] after
+    the i-th first token in sorted order (the pairs' first tokens must be in p1)."""
+    firsts = sorted({t1 for t1, _ in pairs})
+    assert set(firsts) <= set(p1) and len(p2) == len(firsts)
+    n = sum(pairs.values())
+    observed, expected = [], []
+    for t1, dist in zip(firsts, p2):
+        for t2, q in dist.items():
+            observed.append(pairs.get((t1, t2), 0))
+            expected.append(n * p1[t1] * q)
+    assert sum(observed) == n
+    return _chi_square_p(observed, expected)
+
+
 def _chi_square_p(observed: list[int], expected: list[float]) -> float:
     """Upper tail of Pearson's statistic (Wilson-Hilferty normal approximation of the chi-square quantile); cells
     expected below 5 are pooled into one."""
@@ -438,15 +453,8 @@ def test_speculative_sampling_follows_the_target_softmax(model_dir: str, baselin
     lp_outs, _ = _run(model_dir, [prompt] + [prompt + [t] for t in firsts], lp_params, max_num_seqs=8)
 
     p1 = top_k_probs(lp_outs["0"].logprobs[0], K)
-    assert set(firsts) <= set(p1)
-    observed, expected = [], []
-    for i, t1 in enumerate(firsts):
-        p2 = top_k_probs(lp_outs[str(i + 1)].logprobs[0], K)
-        for t2, q in p2.items():
-            observed.append(pairs.get((t1, t2), 0))
-            expected.append(n * p1[t1] * q)
-    assert sum(observed) == n
-    assert _chi_square_p(observed, expected) > 1e-3
+    p2 = [top_k_probs(lp_outs[str(i + 1)].logprobs[0], K) for i in range(len(firsts))]
+    assert pair_chi_square_p(pairs, p1, p2) > 1e-3
     st = e.spec_decode_stats
     assert st.num_draft_tokens == n and 0 < st.num_accepted_tokens < n  # the test exercised both branches
 

@@ -26,8 +26,9 @@ from dsv4.spec_decode.drafter_graphs import GraphedDSparkProposer, GraphedMTPPro
 from dsv4.spec_decode.pipelined import PipelinedVerify, accept_greedy, verify_on_device
 from dsv4.spec_decode.proposer import OracleProposer
 from dsv4.spec_decode.verify_decode import verify_capture_sizes
-from engine_runs import RerunGraphs, demo_code_prompts, oracle_sequences, run_to_completion, top_k_probs
-from test_spec_decode import _chi_square_p
+from engine_runs import (RerunGraphs, demo_code_prompts, oracle_sequences, prefix_or_preemption_case, run_to_completion,
+                         top_k_probs)
+from test_spec_decode import _chi_square_p, pair_chi_square_p
 
 # lengths 5, 13, 2, 8: the first verify step's anchor at odd and even positions (ratio-2 pairs)
 PROMPTS = [[0, 5, 9, 33, 77], [0, 8, 100, 200, 300, 400, 17, 18, 19, 20, 21, 22, 23], [0, 44],
@@ -384,13 +385,7 @@ def test_prefix_caching_and_preemption(tiny_v41: str, case: str) -> None:
     """Units cached at landings are hits for later requests (outputs unchanged); a pool too small for everyone
     preempts in the synchronous steps, never in a pipelined one."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    if case == "prefix_cache":
-        shared = [0] + [(11 * j) % 450 + 5 for j in range(37)]
-        prompts = [shared + [9, 10], shared + [12, 13, 14], shared + [9, 10]]
-        kw: dict[str, Any] = dict(block_size=4, max_num_seqs=1)
-    else:
-        prompts = [[0] + [(7 * i + j) % 400 + 3 for j in range(10 + 3 * i)] for i in range(4)]
-        kw = dict(block_size=4, num_kv_blocks=20, enable_prefix_caching=False, max_num_seqs=4)
+    prompts, kw = prefix_or_preemption_case(case)
     named = {str(i): p for i, p in enumerate(prompts)}
     base = run_to_completion(_engine(tiny_v41, None, **kw), named, params)
     oracle = oracle_sequences(prompts, [base[str(i)] for i in range(len(prompts))], 4)
@@ -438,20 +433,10 @@ def test_pipelined_sampling_follows_the_target_softmax(tiny_v41: str, baseline: 
     outs: dict[str, list[int]] = {}
     for r in range(rounds):  # a round at a time: nobody waits, so the verify steps are pipelined
         outs.update(run_to_completion(e, {str(r * batch + i): prompt for i in range(batch)}, params))
-    n = len(outs)
     pairs = Counter(tuple(o[:2]) for o in outs.values())
     firsts = sorted({t1 for t1, _ in pairs})
     targets = _top_k_targets(tiny_v41, [prompt] + [prompt + [t] for t in firsts], K)
-    observed, expected = [], []
-    p1 = targets[0]
-    assert set(firsts) <= set(p1)
-    for i, t1 in enumerate(firsts):
-        p2 = targets[i + 1]
-        for t2, q in p2.items():
-            observed.append(pairs.get((t1, t2), 0))
-            expected.append(n * p1[t1] * q)
-    assert sum(observed) == n
-    assert _chi_square_p(observed, expected) > 1e-3
+    assert pair_chi_square_p(pairs, targets[0], targets[1:]) > 1e-3
     st = e.spec_decode_stats
     assert e.runner.speculator.pipeline.num_steps >= rounds and 0 < st.num_accepted_tokens < st.num_draft_tokens
 

@@ -24,8 +24,8 @@ from dsv4.sampling_params import SamplingParams
 from dsv4.spec_decode.config import DrafterSpec, DSparkConfig, SpeculativeConfig, parse_speculative_config
 from dsv4.spec_decode.proposer import OracleProposer
 from dsv4.spec_decode.verify_decode import VerifyDecode, verify_capture_sizes
-from engine_runs import (against_plain, compare_verify_with_eager, oracle_sequences, run_prompts, run_to_completion,
-                         speculative_engine)
+from engine_runs import (against_plain, compare_verify_with_eager, oracle_sequences, prefix_or_preemption_case,
+                         run_prompts, run_to_completion, speculative_engine)
 
 # lengths 5, 13, 2, 8: the first verify step's anchor at odd and even positions (closing a ratio-2 pair with the
 # ring's row, or opening one)
@@ -119,13 +119,7 @@ def test_greedy_equals_plain_with_prefix_caching_and_preemption(tiny_v41: str, c
     """Prefix-cache hits (their replayed rows stay eager; verify rows after them) and preemption (recomputed
     requests): the plain output with a partly rejected oracle (accepted runs and rewinds)."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    if case == "prefix_cache":
-        shared = [0] + [(11 * j) % 450 + 5 for j in range(37)]
-        prompts = [shared + [9, 10], shared + [12, 13, 14], shared + [9, 10]]
-        kw: dict[str, Any] = dict(block_size=4, max_num_seqs=1)
-    else:
-        prompts = [[0] + [(7 * i + j) % 400 + 3 for j in range(10 + 3 * i)] for i in range(4)]
-        kw = dict(block_size=4, num_kv_blocks=20, enable_prefix_caching=False, max_num_seqs=4)
+    prompts, kw = prefix_or_preemption_case(case)
     base, outs, e = against_plain(tiny_v41, prompts, params, _spec(3), 4, **kw)
     assert outs == base
     st = e.spec_decode_stats

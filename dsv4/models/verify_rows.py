@@ -37,15 +37,6 @@ if TYPE_CHECKING:  # type only: deepseek_v41 imports this module
     from dsv4.models.deepseek_v41 import Compressor
 
 
-def verify_windows(ring_kv: torch.Tensor, ring_gate: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor,
-                   dmd: DecodeMetadata, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Raw rows (kv, gate) [P, length, C] of every row's window, positions pos - length + 1 .. pos in order, from
-    the step's own rows kv / gate [P, C] where they lie in it and from the rings (read now, before this step writes
-    them) otherwise; positions before 0: kv 0, gate -inf. Fixed shapes, no host sync (capturable): row b of the step
-    is row b % q of its request (requests have q rows each, padding whole requests)."""
-    return step_windows(ring_kv, ring_gate, kv, gate, dmd.state_blocks, dmd.positions, dmd.query_len, length)
-
-
 def roll_rings(ring_kv: torch.Tensor, ring_gate: torch.Tensor, kv: torch.Tensor, gate: torch.Tensor,
                dmd: DecodeMetadata) -> None:
     """Each request's last `cap` rows (consecutive positions: distinct slots) write their raw rows into its ring;
@@ -66,7 +57,8 @@ def pool_verify_rows(compressor: "Compressor", x: torch.Tensor, dmd: DecodeMetad
     m = compressor.ratio
     assert cache.ring_kv is not None and cache.ring_gate is not None
     kv, gate = compressor.project(x)
-    wkv, wgate = verify_windows(cache.ring_kv, cache.ring_gate, kv, gate, dmd, m)
+    wkv, wgate = step_windows(cache.ring_kv, cache.ring_gate, kv, gate, dmd.state_blocks, dmd.positions, dmd.query_len,
+                              m)
     latent = compressor.pool(wkv, wgate, x.dtype)
     ent = ((dmd.positions + 1) // m - 1).clamp(min=0)
     roll_rings(cache.ring_kv, cache.ring_gate, kv, gate, dmd)
