@@ -502,9 +502,9 @@ def test_cli_speculative_config_errors_exit_2_before_loading(command: list[str],
 @pytest.mark.parametrize("drafter", ["random", "oracle"])
 def test_disable_by_batch_size_decodes_plainly_at_or_above_it(model_dir: str, drafter: str) -> None:
     """disable_by_batch_size 3: while 3 or more requests run, no drafts are proposed and steps without drafts are
-    the runner's plain steps (its decode path); below 3 the batch speculates again. Requests join mid-run (drafts
-    proposed for a batch of 2 are verified in the step the batch grows) and finish at different steps; the greedy
-    output is plain decoding's."""
+    the runner's plain steps (its decode path); below 3 the batch speculates again, from a plain step after which
+    the drafter proposes (`_resume`). Requests join mid-run (drafts proposed for a batch of 2 are verified in the step
+    the batch grows) and finish at different steps; the greedy output is plain decoding's."""
     prompts = [[0] + [(13 * i + 7 * j) % 400 + 3 for j in range(6 + 2 * i)] for i in range(5)]
     lengths = [18, 5, 9, 14, 7]
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
@@ -519,6 +519,8 @@ def test_disable_by_batch_size_decodes_plainly_at_or_above_it(model_dir: str, dr
             if oracle is not None:
                 sp.set_proposer(OracleProposer(oracle, 4))
             propose, plain, decode, verify_ = sp.proposer.propose, runner.launch_plain, runner._decode, sp._verify
+            resume = sp._resume
+            sp._resume = lambda so, now: (seen.append(("resume", runner.req_state.num_active)), resume(so, now))[1]
             sp._verify = lambda *a: (seen.append(("verify", runner.req_state.num_active)), verify_(*a))[1]
             sp.proposer.propose = lambda *a: (seen.append(("propose", runner.req_state.num_active)), propose(*a))[1]
             runner.launch_plain = lambda so: (seen.append(("plain", runner.req_state.num_active)), plain(so))[1]
@@ -540,8 +542,10 @@ def test_disable_by_batch_size_decodes_plainly_at_or_above_it(model_dir: str, dr
     outs, e, seen = run({"method": "dspark", "num_speculative_tokens": 3, "disable_by_batch_size": 3}, oracle)
     assert outs == base
     proposed = [n for what, n in seen if what == "propose"]
-    plain = [n for what, n in seen if what == "plain"]
+    resumed = [n for what, n in seen if what == "resume"]  # each followed by its plain step
+    plain = [n for (what, n), before in zip(seen, [("", 0)] + seen) if what == "plain" and before[0] != "resume"]
     assert proposed and plain and e.runner.speculator.num_plain_steps == len(plain)
+    assert resumed and e.runner.speculator.num_plain_proposals == len(resumed) and max(resumed) < 3
     assert max(proposed) < 3 <= min(plain)
     assert 3 in plain  # the boundary: exactly disable_by_batch_size requests decode plainly
     # step 3: drafts proposed while fewer ran are verified in the step the batch grows past the limit

@@ -169,6 +169,58 @@ def test_engine_speculates_only_while_it_pays(tiny_v41: str, baseline: dict[str,
         assert st.num_accepted_tokens == st.num_draft_tokens > 0
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_trials_start_from_a_plain_step_and_plain_steps_are_pipelined(tiny_v41: str, baseline: dict[str, list[int]],
+                                                                      pipelined: bool) -> None:
+    """With verify_decode (and async scheduling: pipelined) and the checkpoint's random drafter, steps charged as
+    above. Each trial starts with the plain step (its decode forward), after which the drafter proposes: no decode
+    batch runs the token-row forward. Pipelined, every plain step is pipelined too: a synchronous step has a prefill,
+    drafts to verify (a trial's end) or a rewound request's two tokens. Greedy output equals plain decoding."""
+    spec = {"method": "dspark", "num_speculative_tokens": 3, "adaptive": True, "verify_decode": True}
+    e = LLMEngine.from_args(tiny_v41, max_num_seqs=2, max_model_len=512, async_scheduling=pipelined,
+                            speculative_config=spec)
+    sp, sched = e.runner.speculator, e.scheduler
+    clock = _Clock()
+    assert sp.gate is not None
+    sp.gate.clock = clock
+    counts = _charge(e, clock, spec_s=1.7)
+    token_row_decodes, sync_plain = [], []
+    launch, forward, schedule = sp.launch, e.runner.model.forward, sched.schedule
+
+    def watched_launch(so: Any) -> Any:
+        decode = all(n == 1 for n in so.num_scheduled_tokens.values())
+        calls = len(forwards)
+        out = launch(so)
+        if decode and len(forwards) > calls:
+            token_row_decodes.append(so)
+        return out
+
+    forwards: list[int] = []
+
+    def watched_forward(*args: Any, **kw: Any) -> Any:
+        forwards.append(1)
+        return forward(*args, **kw)
+
+    def watched_schedule() -> Any:
+        so = schedule()
+        reqs = [sched.requests[q] for q, n in so.num_scheduled_tokens.items() if n == 1]
+        if (so.num_scheduled_tokens and len(reqs) == len(so.num_scheduled_tokens) and not so.scheduled_new_reqs
+                and not any(r.num_draft_tokens for r in reqs)):
+            sync_plain.append(so)
+        return so
+
+    sp.launch = watched_launch  # type: ignore[method-assign]
+    e.runner.model.forward = watched_forward  # type: ignore[method-assign]
+    sched.schedule = watched_schedule  # type: ignore[method-assign]
+    assert run_to_completion(e, {str(i): p for i, p in enumerate(PROMPTS)}, GREEDY) == baseline
+    assert sp.gate.num_trials >= 3 and sp.num_plain_proposals == sp.gate.num_trials
+    assert not token_row_decodes
+    assert counts["plain"] > 4 * counts["spec"]
+    if pipelined:
+        assert sp.pipeline is not None and sp.pipeline.num_steps > 0
+        assert not sync_plain, f"{len(sync_plain)} plain steps ran synchronously"
+
+
 @pytest.mark.parametrize("model", ["tiny_v41", "tiny_v4"])
 def test_plain_steps_write_the_taps_speculative_steps_would(model: str, request: pytest.FixtureRequest) -> None:
     """One engine with speculation off for every step (disable_by_batch_size 1: plain decode steps, their graphs'

@@ -337,6 +337,39 @@ def test_arrivals_aborts_and_stop_tokens(tiny_v41: str, baseline: dict[str, list
     assert e.runner.speculator.pipeline.num_steps > 0 and not e.scheduler.running
 
 
+def test_plain_steps_above_the_batch_limit_are_pipelined(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
+    """disable_by_batch_size 3 and four requests of 4, 7, 10 and 14 tokens (right drafts but every third): while
+    three or more decode, the plain steps are pipelined (one token a request); when the batch shrinks below 3,
+    speculation resumes with a plain step after which the drafter proposes, and the verify steps are pipelined.
+    No plain step runs synchronously; outputs are plain decoding's, cut at each max_tokens."""
+    e = LLMEngine.from_args(tiny_v41, max_num_seqs=4, async_scheduling=True,
+                            speculative_config=_spec(3, disable_by_batch_size=3))
+    e.runner.speculator.set_proposer(OracleProposer(_oracle(baseline, [0, 1, 2, 3], 3), 4))
+    lengths = [4, 7, 10, 14]
+    for i, n in enumerate(lengths):
+        e.add_request(PROMPTS[i], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True), request_id=str(i))
+    sched, sp = e.scheduler, e.runner.speculator
+    schedule, sync_plain = sched.schedule, []
+
+    def watched_schedule() -> Any:  # a synchronous step of one known token a request and no admission
+        so = schedule()
+        n = so.num_scheduled_tokens
+        if n and not so.scheduled_new_reqs and all(v == 1 and not sched.requests[q].num_draft_tokens
+                                                   for q, v in n.items()):
+            sync_plain.append(so)
+        return so
+
+    sched.schedule = watched_schedule  # type: ignore[method-assign]
+    outs: dict[str, list[int]] = {}
+    while e.has_unfinished_requests():
+        for o in e.step():
+            if o.finished:
+                outs[o.request_id] = list(o.outputs[0].token_ids)
+    assert outs == {str(i): baseline[str(i)][:n] for i, n in enumerate(lengths)}
+    assert sp.num_plain_steps > 0 and sp.num_plain_proposals > 0 and sp.pipeline.num_steps > 0
+    assert not sync_plain
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "fair"])
 def test_queued_requests_wait_while_every_slot_is_taken(tiny_v41: str, baseline: dict[str, list[int]],
                                                          policy: str) -> None:

@@ -410,17 +410,19 @@ class LLMEngine:
         scheduling the step is launched first and the outputs are those of the step before it."""
         sc = self.config.scheduler
         touched: set[str] = set()
-        pipelined = False
+        pipelined, q = False, 0
         if sc.spec_pipeline_tokens:
-            # speculation under async scheduling: only steady verify steps are pipelined; any other step first
-            # lands the one in flight (dsv4/spec_decode/pipelined.py)
+            # speculation under async scheduling: only steady steps are pipelined (verify steps, and plain steps
+            # while speculation is off for the batch); any other step first lands the one in flight
+            # (dsv4/spec_decode/pipelined.py)
             speculator = self.runner.speculator
             assert speculator is not None
-            pipelined = self.scheduler.can_pipeline() and speculator.can_pipeline()
+            q = speculator.pipeline_tokens()
+            pipelined = q > 0 and self.scheduler.can_pipeline(q)
             if not pipelined and self._in_flight is not None:
                 landed, self._in_flight = self._in_flight, None
                 touched = self._apply_output(landed[0], landed[1].result())
-        so = self.scheduler.schedule_pipelined() if pipelined else self.scheduler.schedule()
+        so = self.scheduler.schedule_pipelined(q) if pipelined else self.scheduler.schedule()
         work = bool(so.num_scheduled_tokens or so.finished_req_ids)
         if work and self._channel is not None:
             assert self.parallel.rank == 0, "under follow_rank0 only rank 0 steps; the others call follow()"

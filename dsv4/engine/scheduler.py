@@ -47,12 +47,14 @@ request whose placeholders already reach max_tokens or the length limit is not s
 they land); one that stops on a token computes one more token, which is discarded with the request. A preempted
 request is re-admitted only once its placeholders have landed, so its new row starts from the known tokens.
 
-Pipelined speculation (`SchedulerConfig.spec_pipeline_tokens` q = k + 1 > 0: async scheduling with speculative
-decoding, dsv4/spec_decode/pipelined.py). While the batch is steady (`can_pipeline`: nobody is mid-prefill, nobody
-waits unless every slot is taken and fairness would not preempt for them, every running request verifies q tokens
-next and has room for two more such steps), the engine schedules with `schedule_pipelined` before the previous
-step's acceptance is known: q tokens a request, counted as computed, and q placeholders a request (at most q
-tokens a step can emit) that its landing takes back. The runner
+Pipelined speculation (`SchedulerConfig.spec_pipeline_tokens` > 0: async scheduling with speculative decoding,
+dsv4/spec_decode/pipelined.py). While the batch is steady (`can_pipeline(q)`: nobody is mid-prefill, nobody
+waits unless every slot is taken and fairness would not preempt for them, every running request computes q tokens
+next and has room for two more such steps), the engine schedules with `schedule_pipelined(q)` before the previous
+step's tokens are known: q tokens a request, counted as computed, and q placeholders a request (at most q
+tokens a step can emit) that its landing takes back. q is k + 1 for a verify step, 1 for a plain step while
+speculation is off for the batch (disable_by_batch_size, the adaptive switch): the speculator says which
+(`Speculator.pipeline_tokens`). The runner
 computes each request's real positions on the device. When the step lands, its rejected tokens are subtracted as
 usual; so num_computed_tokens runs q tokens a step in flight ahead of the device, which is never behind it: blocks
 allocated for the counted positions cover the real ones. Units are cached at a landing, up to what the device has
@@ -314,14 +316,14 @@ class Scheduler:
 
     # ---- pipelined speculation -------------------------------------------------------------------------------
 
-    def can_pipeline(self) -> bool:
-        """Whether the next step may be a pipelined speculative one (module docstring): something runs, nobody is
-        mid-prefill or would be admitted, and every running request verifies q tokens next (its drafts land with it,
-        or a pipelined step is in flight for it), has room for two more steps of q within max_len (the counted
-        tokens include the steps in flight; a step writes its drafts and bonus token up to q positions past them,
-        never past max_len) and its blocks for q more tokens are free without preempting anyone."""
-        q = self.config.spec_pipeline_tokens
-        if not q or not self.running or self._prefilling:
+    def can_pipeline(self, q: int) -> bool:
+        """Whether the next step may be a pipelined speculative one of q tokens a request (module docstring):
+        something runs, nobody is mid-prefill or would be admitted, and every running request computes q tokens next
+        (its known tokens and drafts, or a pipelined step is in flight for it, whose tokens the speculator knows the
+        count of), has room for two more steps of q within max_len (the counted tokens include the steps in flight;
+        a step writes its drafts and bonus token up to q positions past them, never past max_len) and its blocks for
+        q more tokens are free without preempting anyone."""
+        if not self.config.spec_pipeline_tokens or not self.running or self._prefilling:
             return False
         # a waiting request would be admitted now, or would take a slot by fairness: a synchronous step
         if self._num_waiting and (len(self.running) < self.config.max_num_seqs
@@ -334,10 +336,9 @@ class Scheduler:
                 return False
         return self.kv_manager.can_grow({r.req_id: r.num_computed_tokens + q for r in self.running})
 
-    def schedule_pipelined(self) -> SchedulerOutput:
-        """A pipelined speculative step (after `can_pipeline`): q tokens for every running request, its blocks
+    def schedule_pipelined(self, q: int) -> SchedulerOutput:
+        """A pipelined speculative step (after `can_pipeline(q)`): q tokens for every running request, its blocks
         allocated, q placeholders added; no admission, no preemption, no prefix caching (that waits for the landing)."""
-        q = self.config.spec_pipeline_tokens
         cached = CachedRequestData()
         num_scheduled: dict[str, int] = {}
         for req in self.running:

@@ -60,6 +60,16 @@ class PendingOutput:
             self._event.record()
         self._tokens, self._lps = tokens, lps
 
+    @property
+    def req_ids(self) -> list[str]:
+        """The step's requests, in its row order."""
+        return self._req_ids
+
+    @property
+    def sample_rows(self) -> np.ndarray:
+        """Indices into `req_ids` of the requests that sample a token in this step."""
+        return self._sample_rows
+
     def result(self) -> RunnerOutput:
         if self._result is not None:
             return self._result

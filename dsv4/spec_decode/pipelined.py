@@ -31,12 +31,15 @@ computed .. computed + q - 1, so its shape is known on the host and only the pos
 
 What stays on the host: the scheduler (dsv4/engine/scheduler.py "Pipelined speculation": q tokens a request, blocks
 for the counted positions, which are never behind the device's), stop checks, detokenization. A step is pipelined
-only while the batch is steady (`Scheduler.can_pipeline`, `Speculator.can_pipeline`): no admission, no prefill, every
-request plain greedy or sampled with static params (temperature, top-k, top-p, min-p, seed; no penalty, logit bias,
-logprobs, grammar or pending min_tokens ban, which need the host's outputs), below disable_by_batch_size, with room
-for two more steps. The engine lands every pipelined step before any other step (`LLMEngine.step`), which
-then runs the synchronous speculative path with exact host counts. A request that stops while a step for it is in
-flight loses that step's tokens (as async scheduling's one discarded token); its row goes at the next step.
+only while the batch is steady (`Scheduler.can_pipeline`, `Speculator.pipeline_tokens`): no admission, no prefill,
+every request plain greedy or sampled with static params (temperature, top-k, top-p, min-p, seed; no penalty, logit
+bias, logprobs, grammar or pending min_tokens ban, which need the host's outputs), with room for two more steps.
+While speculation is off for the batch (disable_by_batch_size, the adaptive switch) the steady steps are plain ones
+of one token a request, pipelined the same way (the runner's plain step: its host counts are exact). The engine
+lands every pipelined step before any other step (`LLMEngine.step`), which then runs the synchronous speculative
+path with exact host counts; so does a verify step's proposals when speculation turns off. A request that stops
+while a step for it is in flight loses that step's tokens (as async scheduling's one discarded token); its row goes
+at the next step.
 
 A seeded request's randomness is a function of (seed, output count) computed on the device (dsv4/runtime/
 seeded_noise.py): a pipelined step sets each row's count from the device counts, so it draws exactly what the
@@ -79,7 +82,7 @@ def verify_on_device(logits: torch.Tensor, ids: torch.Tensor, known: torch.Tenso
                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted drafts [R], the token emitted after them [R]) of q rows a request: logits [R * q, V] raw, ids
     [R, q] the rows' input tokens, known [R] (as `leading_accepts`). `st` (None: every request plain greedy) has
-    one row per logits row, static (no penalty, bias or ban: `Speculator.can_pipeline`; a seeded row's output count
+    one row per logits row, static (no penalty, bias or ban: `Speculator.pipeline_tokens`; a seeded row's output count
     in `st.seed_counts`, that of the position the row verifies). Greedy requests
     follow `accept_greedy` and emit the target's argmax; sampled ones follow dsv4.spec_decode.rejection's rule for
     one-hot drafts (accept draft x at row i when u_i < p_i(x); at the first rejection draw from p_i without x,
@@ -254,7 +257,7 @@ class PipelinedVerify:
         # 5. (before 4: the proposal may replay a graph whose output the next replay overwrites) the packed results
         emitted = hist[base + (n0[:, None] + cols).clamp(max=L - 1)]
         packed = torch.cat([torch.stack([j, known, new_computed, new_tokens], dim=1), emitted], dim=1)
-        # 4. the next drafts (batches this large propose none: can_pipeline keeps them synchronous)
+        # 4. the next drafts (when speculation turns off for the next batch, they are verified synchronously)
         proposed = proposer.propose(req_ids, rows, new_tokens - 2, bonus, sp.taps)
         sp.drafts[rows, : proposer.block_size] = proposed.to(torch.int64)
         self.num_steps += 1

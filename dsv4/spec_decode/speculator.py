@@ -51,6 +51,13 @@ proposed before the batch grew are still verified (one eager step). A plain step
 positions too (`ModelRunner.plain_tap_ids`, beside the hidden states in its graphs' output; not under
 compile_decode), so when speculation resumes the drafter reads fresh ones. `"adaptive": true` (gate.py) also turns
 speculation off and on as it measures whether it pays; its plain steps run at any batch size (graphs of all sizes).
+
+Resuming. When speculation is on again for a batch of decodes that holds no drafts (a trial of the adaptive switch,
+a batch shrunk below disable_by_batch_size), its first step is the plain step (graphs), after which the drafter
+proposes from the taps that step wrote and the token it sampled (on the device, as a verify step's proposal): the
+step after it verifies them. Without fresh taps (compile_decode) the step is the speculative path's token-row
+forward instead. Under async scheduling plain steps are pipelined like verify steps (one token a request:
+`pipeline_tokens`), so speculation being off costs nothing over plain decoding.
 """
 
 from __future__ import annotations
@@ -155,17 +162,17 @@ class SpecOutput:
 
 class PlainSpecOutput:
     """A plain step's output (`ModelRunner.launch_plain`), reported as a speculative step that computed everything
-    and left no drafts: the scheduler then drops the draft counts its requests held (drafts proposed for positions
-    this step decoded past)."""
+    and left `num_drafts` per request (None: none; the scheduler then drops the draft counts its requests held,
+    drafts proposed for positions this step decoded past)."""
 
-    def __init__(self, pending: "PendingOutput") -> None:
-        self._pending = pending
+    def __init__(self, pending: "PendingOutput", num_drafts: list[int] | None = None) -> None:
+        self._pending, self._num_drafts = pending, num_drafts
 
     def result(self) -> RunnerOutput:
         out = self._pending.result()
         if out.num_draft_tokens is None:
             out.num_uncomputed_tokens = [0] * len(out.req_ids)
-            out.num_draft_tokens = [0] * len(out.req_ids)
+            out.num_draft_tokens = self._num_drafts or [0] * len(out.req_ids)
         return out
 
 
@@ -212,6 +219,10 @@ class Speculator:
         self.verify_decode = (VerifyDecode(runner, self.k, proposer.tap_layer_ids, proposer.tap_width)
                               if spec.verify_decode else None)
         self.num_plain_steps = 0  # steps run by ModelRunner.launch_plain (speculation disabled for the batch)
+        self.num_plain_proposals = 0  # plain steps after which the drafter proposed (speculation resuming)
+        # tokens a request the next step computes if the batch stays steady: k + 1 after a step that proposed
+        # drafts, 1 after one that did not (`pipeline_tokens`)
+        self.next_tokens = 0
         # per state row: its drafts are placeholders (a constrained request under verify_decode, `_propose`)
         self.placeholder = np.zeros(n, dtype=bool)
         self.phases: PhaseTimes | None = None  # set to measure the speculative steps' phases (PhaseTimes)
@@ -246,20 +257,29 @@ class Speculator:
         if isinstance(self.proposer, ProposalGraphs):
             self.proposer.dummy_forward()
 
-    def can_pipeline(self) -> bool:
-        """Whether this runner can take the next step pipelined (the scheduler decides the rest): pipelining is on,
-        speculation is not off for the batch, and every active request's acceptance can be decided on the device
-        (pipelined.py): plain greedy, or sampled with params that read neither the outputs nor their count."""
-        if self.pipeline is None or self.disabled():
-            return False
+    def pipeline_tokens(self) -> int:
+        """Tokens a request of the next step if it may be pipelined (the scheduler decides the rest), else 0.
+        Pipelining needs every active request's tokens decidable on the device (pipelined.py): plain greedy, or
+        sampled with params that read neither the outputs nor their count. While speculation is on, the step
+        computes what the last one left (k + 1 after proposals, else 1: a plain step that proposes); while it is
+        off, a plain step (1), except after a pipelined verify step, whose proposals are verified synchronously
+        (its counts are known on the device only)."""
+        if self.pipeline is None:
+            return 0
         rs = self.runner.req_state
         rows = np.array(sorted(rs.req_id_to_row.values()), dtype=np.int64)
         if not len(rows):
-            return False
+            return 0
         if rs.all_plain_greedy(rows):
-            return all(rs.sampling_params[row].structured_outputs is None for row in rows.tolist())
-        return all(_static_sampling(rs.sampling_params[row], int(rs.num_tokens[row] - rs.prompt_len[row]))
-                   for row in rows.tolist())
+            static = all(rs.sampling_params[row].structured_outputs is None for row in rows.tolist())
+        else:
+            static = all(_static_sampling(rs.sampling_params[row], int(rs.num_tokens[row] - rs.prompt_len[row]))
+                         for row in rows.tolist())
+        if not static:
+            return 0
+        if self.disabled():
+            return 0 if self.pipeline.device_ahead else 1
+        return self.next_tokens
 
     def disabled(self) -> bool:
         """Speculation is off for the current batch: disable_by_batch_size or more requests hold a row, or the
@@ -276,27 +296,34 @@ class Speculator:
     def launch(self, so: SchedulerOutput) -> SpecOutput | PlainSpecOutput | PipelinedOutput:
         now = self.gate.clock() if self.gate is not None else 0.0
         if self.pipeline is not None:
-            if so.pipelined:
+            if so.pipelined and so.total_num_scheduled_tokens > len(so.num_scheduled_tokens):  # q = k + 1 a request
                 if self.gate is not None:
                     self.gate.step(now, True, len(so.num_scheduled_tokens), steady=True)
+                self.next_tokens = self.pipeline.q
                 return self.pipeline.launch(so)
-            # a synchronous step starts from exact host counts: every pipelined step has landed
-            assert not self.pipeline.in_flight, "a synchronous speculative step while a pipelined one is in flight"
-            self.pipeline.device_ahead = False
+            if so.pipelined:  # a plain step pipelined: the host counts are exact (no verify step in flight)
+                assert not self.pipeline.device_ahead, "a plain step pipelined after a pipelined verify step"
+            else:  # a synchronous step starts from exact host counts: every pipelined step has landed
+                assert not self.pipeline.in_flight, "a synchronous speculative step while a pipelined one is in flight"
+                self.pipeline.device_ahead = False
         r = self.runner
         if self.phases is not None:
             self.phases.start()
         r._apply_deltas(so)
         rs = r.req_state
-        if self.disabled() and not any(rs.num_computed[rs.req_id_to_row[q]] + n > rs.num_tokens[rs.req_id_to_row[q]]
-                                       for q, n in so.num_scheduled_tokens.items()):
-            # speculation off for the batch and no drafts to verify: the plain step (its decode CUDA graphs; it
-            # writes the drafter's taps, ModelRunner.launch_plain), no drafts
-            self.num_plain_steps += 1
-            if self.gate is not None:
-                self.gate.step(now, False, len(so.num_scheduled_tokens),
-                               steady=all(n == 1 for n in so.num_scheduled_tokens.values()))
-            return PlainSpecOutput(r.launch_plain(so))
+        decode = all(n == 1 for n in so.num_scheduled_tokens.values())
+        if not any(rs.num_computed[rs.req_id_to_row[q]] + n > rs.num_tokens[rs.req_id_to_row[q]]
+                   for q, n in so.num_scheduled_tokens.items()):  # no drafts to verify
+            if self.disabled():
+                # speculation off for the batch: the plain step (its decode CUDA graphs; it writes the drafter's
+                # taps, ModelRunner.launch_plain), no drafts
+                self.num_plain_steps += 1
+                self.next_tokens = 1
+                if self.gate is not None:
+                    self.gate.step(now, False, len(so.num_scheduled_tokens), steady=decode)
+                return PlainSpecOutput(r.launch_plain(so))
+            if decode and (self.taps is None or r.plain_tap_ids):
+                return self._resume(so, now)
         req_ids = sorted(so.num_scheduled_tokens, key=lambda q: (so.num_scheduled_tokens[q] != 1,
                                                                    so.num_scheduled_tokens[q]))
         if not req_ids:
@@ -348,8 +375,25 @@ class Speculator:
         if len(sample):
             self._verify(batch, hidden, rows, sample, drafts, known, computed, ends, sampled, logprobs, uncomputed,
                          num_drafts, req_ids)
+        self.next_tokens = self.k + 1 if any(num_drafts) else 1
         return SpecOutput(RunnerOutput(req_ids, sampled, logprobs, num_uncomputed_tokens=uncomputed,
                                   num_draft_tokens=num_drafts))
+
+    def _resume(self, so: SchedulerOutput, now: float) -> PlainSpecOutput:
+        """Speculation on for a batch of decodes that holds no drafts (module docstring, "Resuming"): the plain step,
+        then the drafter's proposals from its taps and sampled tokens (on the device: nothing waits for them)."""
+        r = self.runner
+        rs = r.req_state
+        if self.gate is not None:  # counted as the trial's first step; its time is neither a plain nor a verify one
+            self.gate.step(now, True, len(so.num_scheduled_tokens), steady=False)
+        pending = r.launch_plain(so)
+        req_ids, sample = pending.req_ids, pending.sample_rows
+        srows = np.array([rs.req_id_to_row[q] for q in req_ids], dtype=np.int64)[sample]
+        num_drafts = [0] * len(req_ids)
+        self._propose(sample, srows, rs.num_tokens[srows] - 2, req_ids, num_drafts)
+        self.num_plain_proposals += 1
+        self.next_tokens = self.k + 1 if any(num_drafts) else 1
+        return PlainSpecOutput(pending, num_drafts)
 
     def _verify(self, batch: InputBatch, hidden: torch.Tensor, rows: np.ndarray, sample: np.ndarray,
                 drafts: np.ndarray, known: np.ndarray, computed: np.ndarray, ends: np.ndarray,
