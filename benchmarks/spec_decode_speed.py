@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tie-margin", type=float,
                    help="plain margin (nats) at or below which a differing first token is a near tie, not a failure "
                         f"(default by dtype: {TIE_MARGIN})")
+    p.add_argument("--batch-invariance", action="store_true",
+                   help="the plain engine also decodes each batch's prompts one at a time: whether plain decoding's "
+                        "tokens depend on the batch (`plain.alone_vs_batched`, with plain's margins), the floor under "
+                        "any speculative-vs-plain comparison at a larger batch")
     p.add_argument("--oracle-passes", type=int, default=3,
                    help="an oracle run whose outputs leave plain's at near ties is repeated (up to this many runs) "
                         "with its own outputs as the oracle, so its drafts are all accepted again (default 3)")
@@ -491,6 +495,14 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
         rows[b] = {"batch_size": b, "plain": stats, "speedup": {}, "step_ratio": {}}
         again, margins[b] = _plain_margins(engine, prompts[b], args.output_len, f"plain-b{b}")
         stats["repeat_matches"] = again == ref[b]  # plain decoding is deterministic: a second run emits the same
+        if args.batch_invariance and b > 1:  # the same prompts one request at a time (batch 1 each)
+            alone = [run_batch(engine, [p], args.output_len, device, f"plain-b{b}-alone-{k}")[1][0]
+                     for k, p in enumerate(prompts[b])]
+            stats["alone_vs_batched"] = _compare(alone, ref[b], margins[b], tie)
+            logger.info("b=%d plain: one at a time %s batched (%d of %d requests differ, first at %s)", b,
+                        "equals" if stats["alone_vs_batched"]["outputs_match"] else "differs from",
+                        len(stats["alone_vs_batched"]["mismatches"]), b,
+                        [m["first_mismatch"] for m in stats["alone_vs_batched"]["mismatches"]])
         if not stats["repeat_matches"]:
             result["failures"].append({"batch_size": b, "mode": "plain", "error": "a second greedy run differs"})
             logger.error("FAILED: batch %d, plain: a second greedy run differs from the first", b)
