@@ -81,6 +81,18 @@ def test_closes_on_a_losing_drafter_and_backs_off() -> None:
     assert cost < 1.03  # a drafter that never helps costs ~1% once backed off
 
 
+@pytest.mark.parametrize("tokens, spec_s, steps", [(1, 1.7, G.EARLY_STEPS), (2, 2.1, G.TRIAL_STEPS)])
+def test_a_clear_loss_ends_a_trial_early(tokens: int, spec_s: float, steps: int) -> None:
+    """A drafter far below the break-even (1 token a step at 1.7x: 0.59 of plain's rate) ends its trials after
+    EARLY_STEPS; one just below it (2 tokens at 2.1x: 0.95) gets whole trials of TRIAL_STEPS before closing."""
+    clock = _Clock()
+    gate = SpeculationGate(clock)
+    modes = _drive(gate, clock, 1000, 1, tokens=tokens, spec_s=spec_s)
+    runs = [len(r) for r in "".join("s" if m else "p" for m in modes).split("p") if r]
+    assert gate.num_trials >= 4 and gate.num_closes == gate.num_trials
+    assert runs == [steps] * gate.num_trials
+
+
 def test_a_won_trial_resets_the_backoff_and_buckets_are_separate() -> None:
     """The drafter turns good after losing for a while: the next trial wins and the backoff restarts at the
     shortest. A batch size of another bucket is measured on its own (calibrated first)."""

@@ -22,14 +22,15 @@ trial that loses, up to `MAX_BACKOFF`), then a trial of `TRIAL_STEPS` speculativ
 acceptance mean restarts, so the trial judges the drafter as it is now). Plain steps keep the drafter's taps fresh
 (`ModelRunner.launch_plain` writes them), so a trial's drafts are as good as if speculation had never stopped.
 
-Cost of a drafter that never helps: the trials, one every backoff: with the floor's 1.67x and the longest backoff
-(8 x 1.67 + 512) / 520 = 1.01x a plain step; the first trials cost more (a backoff of 16: 1.22x).
+Cost of a drafter that never helps: the trials, one every backoff, each ended after EARLY_STEPS steps (a clear loss):
+with the floor's 1.67x and the longest backoff (3 x 1.67 + 512) / 515 = 1.004x a plain step; the first trials cost
+more (a backoff of 16: 1.11x).
 
 Measured on the H200 (benchmarks/results/2026-12-05-h200-spec-pipelined, V4.1-Flash-8l, batch 1): the random drafter
 went from 0.43x to 0.59x plain tokens/s, not the ~1.0x this arithmetic gives. Each trial's first speculative step
-has no drafts yet and runs the eager token-row forward (tens of ms), and leaving pipelining lands the steps in flight
-synchronously. Next: propose drafts from the last plain step before a trial (plain steps already write the taps), so
-a trial starts as a graphed, pipelined verify step.
+had no drafts yet and ran the eager token-row forward (tens of ms), and plain steps ran synchronously under
+pipelining. Now a trial starts with the plain step (its graph) after which the drafter proposes
+(speculator.py "Resuming"), and plain steps are pipelined like verify steps.
 
 Greedy output does not depend on the switch (speculation never changes greedy tokens). Sampled requests with a seed
 draw differently in speculative and plain steps, so with the switch their tokens depend on when speculation was on,
@@ -45,6 +46,9 @@ WINDOW = 64  # requests' verify steps in the acceptance mean
 MARGIN = 0.03  # hysteresis: a trial must win by this share of the plain rate, a running speculation lose by it
 CALIBRATION_STEPS = 4  # plain steps that measure a bucket's plain step time
 TRIAL_STEPS = 8  # speculative steps of a trial
+# a trial that after EARLY_STEPS steps emits less than CLEAR_LOSS times plain's rate ends there: a drafter that never
+# helps (0.4-0.5 on the H200) is not worth 5 more slow steps, while one near the break-even still gets the whole trial
+EARLY_STEPS, CLEAR_LOSS = 3, 0.75
 MIN_BACKOFF, MAX_BACKOFF = 16, 512  # plain steps before the next trial
 EMA = 0.25  # weight of the newest step time in a bucket's mean
 
@@ -95,6 +99,9 @@ class SpeculationGate:
                 self.trial -= 1
                 if self.trial == 0:
                     self._judge(b, trial=True)
+                elif TRIAL_STEPS - self.trial >= EARLY_STEPS and self.pays(b, CLEAR_LOSS) is False:
+                    self.trial = 0
+                    self._close(trial=True)
             else:
                 self._judge(b, trial=False)
         elif self.off_steps > 0:
@@ -115,9 +122,12 @@ class SpeculationGate:
     def _judge(self, b: int, trial: bool) -> None:
         pays = self.pays(b, 1.0 + MARGIN if trial else 1.0 - MARGIN)
         if pays is False:
-            self.off_steps = self.backoff
-            self.num_closes += 1
-            if trial:  # a trial lost: wait longer before the next
-                self.backoff = min(2 * self.backoff, MAX_BACKOFF)
+            self._close(trial)
         elif pays and trial:
             self.backoff = MIN_BACKOFF
+
+    def _close(self, trial: bool) -> None:
+        self.off_steps = self.backoff
+        self.num_closes += 1
+        if trial:  # a trial lost: wait longer before the next
+            self.backoff = min(2 * self.backoff, MAX_BACKOFF)
