@@ -26,6 +26,7 @@ COMPRESSED = "compressed"
 STATE = "state"
 NULL_BLOCK = 0  # block 0 of every pool is never handed out: tables are padded with it
 PAD_SLOT = -1  # slot-mapping value meaning "no KV write for this token"
+TRASH_SLOT = 0  # slot 0 of the null block: writes that must land nowhere (padding rows, no closed group) go here
 
 
 @dataclass(frozen=True)

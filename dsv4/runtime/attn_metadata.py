@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4.kv.spec import PAD_SLOT, KVGroupSpec
+from dsv4.kv.spec import PAD_SLOT, TRASH_SLOT, KVGroupSpec
 from dsv4.ops import decode_metadata
 
 
@@ -121,9 +121,6 @@ def entry_slot_mappings_of(groups: tuple[KVGroupSpec, ...], tables: dict[str, to
         slots = tables[g.name][token_rows, e // bs].long() * bs + e % bs
         out[g.name] = slots if r == 1 else torch.where((positions + 1) % r == 0, slots, PAD_SLOT)
     return out
-
-
-TRASH_SLOT = 0  # slot 0 of the null block: writes that must land nowhere (padding rows, no closed group) go here
 
 
 @dataclass(frozen=True)

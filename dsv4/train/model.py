@@ -22,15 +22,15 @@ DeepSeek-V3's auxiliary-loss-free balancing instead (`ExpertBalancer`, which als
 The Engram tables, which the engine keeps outside the module (`HostTable`), become trainable parameters on the
 device.
 
-Speed (`autograd_mode` also swaps in, for these fresh steps, sync-free forms of the three host-driven pieces of the
+Speed (`autograd_mode` also swaps in, for these fresh steps, sync-free forms of the two host-driven pieces of the
 prefill path; the math of every layer stays the engine's): on a GPU every device-to-host sync (`.item()`, a
 `.tolist()`, a boolean-mask index, a pageable host-to-device copy) drains the queue, so the host's op dispatch and
 the GPU's kernels add up instead of overlapping, and torch.compile breaks its graph at each one. The prefill path
-has ~50 of them a step, all bookkeeping for requests of any length and context: the window-cache write checks for
-padding slots (`write_slots`), the MoE groups rows by expert with a Python loop over host counts (`moe_output`), and
-the compressor plans its windows in numpy and copies the plan over (`Compressor.forward`). In a training step
-every slot is real, every request starts at position 0 and the batch layout never changes, so: the window write
-is one index_put, the MoE takes the engine's own dense expert path (its `fixed` branch: every expert on every token,
+had ~50 of them a step, all bookkeeping for requests of any length and context: the window-cache write checked for
+padding slots (`write_slots`, sync-free in the engine since), the MoE groups rows by expert with a Python loop over
+host counts (`moe_output`), and the compressor plans its windows in numpy and copies the plan over
+(`Compressor.forward`). In a training step every request starts at position 0 and the batch layout never changes,
+so: the MoE takes the engine's own dense expert path (its `fixed` branch: every expert on every token,
 weighted by the routing; 4x the routed FLOPs of top-2 of 8, a few ms at this size), and the compressor's plan is
 built once per metadata on the host (`fresh_compressor_plan`) and reused. tests/test_train_demo.py holds each
 swap equal to the engine's code on a training step.
@@ -58,7 +58,7 @@ from torch import nn
 from tokenizers import Tokenizer
 
 import dsv4.runtime.attn_metadata as attn_metadata
-from dsv4.kv.spec import PAD_SLOT, STATE, KVGroupSpec, make_kv_groups
+from dsv4.kv.spec import STATE, KVGroupSpec, make_kv_groups
 from dsv4.make_model import DEFAULT_SHARD_BYTES, random_weights
 from dsv4.models.build import build_model
 from dsv4.models.config import ModelConfig, parse_config_dict
@@ -69,7 +69,7 @@ from dsv4.models.presets import PRESETS, tensor_shapes, text_config
 from dsv4.ops.router import score
 from dsv4.ops.topk import stable_topk
 from dsv4.quant.released import write_sharded
-from dsv4.runtime.attn_metadata import TRASH_SLOT, AttnMetadata, build_attn_metadata, token_key_slots
+from dsv4.runtime.attn_metadata import AttnMetadata, build_attn_metadata, token_key_slots
 from dsv4.runtime.kv_cache import allocate_kv_caches
 from dsv4.train.fresh_attention import FreshAttention, plan_fresh_attention
 
@@ -196,12 +196,6 @@ def _no_grad(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     return lambda x, *args: fn(x.detach(), *args)
 
 
-def _write_slots_no_sync(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """`write_slots` without its host check for padding: a PAD_SLOT row goes to TRASH_SLOT (slot 0 of the null
-    block, never read unmasked), as the decode path's masked writes do. The rows of real slots land as there."""
-    cache[torch.where(slots == PAD_SLOT, TRASH_SLOT, slots)] = rows.to(cache.dtype)
-
-
 def _moe_output_dense(*args: Any, **kwargs: Any) -> torch.Tensor:
     """`moe_output` on its fixed-shape branch (the captured decode step's): every expert on every token, weighted
     by the routing weights (0 off the top-k), instead of grouping rows by expert through host counts."""
@@ -288,7 +282,6 @@ def autograd_mode() -> Iterator[None]:
     dspark = sys.modules.get("dsv4.spec_decode.dspark")
     if dspark is not None:  # the drafter's context and block keys (window_kv) take the target's straight-through
         swap(dspark, "fp8_fake_quant", _straight_through(dspark.fp8_fake_quant))
-    swap(v41, "write_slots", _write_slots_no_sync)
     swap(v41, "moe_output", _moe_output_dense)
     swap(v41.Compressor, "forward", _fresh_compressor_forward(v41.Compressor.forward))
     # the attention of a fresh step per sequence (dsv4/train/fresh_attention.py): the token rows' key gather has a

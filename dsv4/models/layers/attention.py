@@ -6,16 +6,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dsv4.kv.spec import PAD_SLOT
+from dsv4.kv.spec import PAD_SLOT, TRASH_SLOT
 
 
 def write_slots(cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-    """cache[slot] = row for every slot that is not PAD_SLOT."""
-    keep = slots != PAD_SLOT
-    if bool(keep.all()):
-        cache[slots] = rows.to(cache.dtype)
-    else:
-        cache[slots[keep]] = rows[keep].to(cache.dtype)
+    """cache[slot] = row for every slot that is not PAD_SLOT. A PAD_SLOT row goes to TRASH_SLOT (the null block's
+    slot 0, which nothing reads unmasked), as the decode path's masked writes do: no host check of the slots, which
+    on a GPU is a device sync in every layer of a prefill step."""
+    cache[torch.where(slots == PAD_SLOT, TRASH_SLOT, slots)] = rows.to(cache.dtype)
 
 
 def grouped_projection(out: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
