@@ -25,6 +25,7 @@ from dsv4.models.layers.rope import RotaryTable
 from dsv4.models.verify_rows import roll_rings
 from dsv4.ops.compress_pool import entry_start, pool_decode, pool_rows, write_entries
 from dsv4.ops.decode_attention import TableSource, decode_sink_attention
+from dsv4.ops.host_copy import to_device
 from dsv4.ops.indexer import decode_select, indexer_scores, pick_sources
 from dsv4.ops.norm_rope import rms_norm_rope, write_rms_norm_rope
 from dsv4.ops.rmsnorm import MODE_UNWEIGHTED
@@ -84,7 +85,7 @@ class Compressor(nn.Module):
         ends = [ctx[r] + qsl[r + 1] - qsl[r] for r in range(R)]  # each request's chunk covers [ctx, end)
         n_close = sum(e // m - c // m for c, e in zip(ctx, ends))
         n_keep = sum(min(e - c, cap) for c, e in zip(ctx, ends))
-        span = torch.tensor([ctx[:R], ends], dtype=torch.int64, device=dev)  # [2, R]: one host -> device copy
+        span = to_device([list(ctx[:R]), ends], dev, torch.int64)  # [2, R]: one host -> device copy
         req = torch.repeat_interleave(torch.arange(R, device=dev), span[1] - span[0], output_size=kv_all.shape[0])
         pos, p0, blk = md.positions, span[0][req], state_blocks[req].long()  # per token
 

@@ -30,6 +30,7 @@ from dsv4.models.vision import VisionEncoder
 from dsv4.ops.decode_attention import decode_sink_attention
 from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant
 from dsv4.ops.fp32_linear import fp32_linear
+from dsv4.ops.host_copy import to_device
 from dsv4.ops.indexer import (candidate_blocks_of, candidate_pool, decode_select, indexer_scores, pick_sources,
                               pick_table_sources)
 from dsv4.ops.indexer_prefill import prefill_select, use_prefill_select
@@ -96,7 +97,7 @@ class StepEntries(NamedTuple):
 
 def _pack(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """Host index arrays to the device in one copy (one op however many arrays), split back into views."""
-    flat = torch.from_numpy(np.concatenate(parts).astype(np.int64)).to(device)
+    flat = to_device(np.concatenate(parts).astype(np.int64), device)
     return list(flat.split([len(a) for a in parts]))
 
 
@@ -600,7 +601,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         pre = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32, device=h.device)
         pre[:, 0] = 1.0  # one-hot start: the streams are equal copies here
         step = StepState()
-        qsl = torch.tensor(md.query_start_loc_cpu, dtype=torch.int64, device=h.device)
+        qsl = to_device(md.query_start_loc_cpu, h.device, torch.int64)
         for i, layer in enumerate(self.model.layers):
             if hasattr(layer, "engram"):
                 h = self._engram(i, layer.engram, h, input_ids, is_image, qsl, md.num_reqs, lookback_token_ids)

@@ -39,6 +39,7 @@ import torch
 
 from dsv4.kv.spec import PAD_SLOT, TRASH_SLOT, KVGroupSpec
 from dsv4.ops import decode_metadata
+from dsv4.ops.host_copy import to_device
 
 
 @dataclass
@@ -89,8 +90,8 @@ def build_attn_metadata(
     """Bundle a step's batch description for the model (the entry slot mappings derived from the batch-order
     tables when not given)."""
     if entry_slot_mappings is None:
-        counts = torch.tensor([query_start_loc_cpu[r + 1] - query_start_loc_cpu[r] for r in range(num_reqs)],
-                              device=positions.device)
+        counts = to_device([query_start_loc_cpu[r + 1] - query_start_loc_cpu[r] for r in range(num_reqs)],
+                           positions.device, torch.int64)
         token_req = torch.repeat_interleave(torch.arange(num_reqs, device=positions.device), counts,
                                             output_size=int(positions.shape[0]))
         entry_slot_mappings = entry_slot_mappings_of(groups, block_tables, token_req, positions)
@@ -353,7 +354,7 @@ def token_key_slots(md: AttnMetadata, window: int) -> TokenKeySlots:
 def _build_token_key_slots(md: AttnMetadata, window: int) -> TokenKeySlots:
     qsl, ctx = md.query_start_loc_cpu, md.context_lens_cpu
     dev = md.positions.device
-    counts = torch.tensor([qsl[r + 1] - qsl[r] for r in range(md.num_reqs)], device=dev)
+    counts = to_device([qsl[r + 1] - qsl[r] for r in range(md.num_reqs)], dev, torch.int64)
     req = torch.repeat_interleave(torch.arange(md.num_reqs, device=dev), counts, output_size=md.num_tokens)
     pos = md.positions
     win = md.groups["window"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dsv4.ops.host_copy import to_device
 from dsv4.runtime.sampler import plain_greedy_from
 from dsv4.sampling_params import SamplingParams
 from dsv4.step import NewRequestData
@@ -50,7 +51,7 @@ class RequestState:
         assert len(tokens) <= self.max_model_len
         self.req_id_to_row[new.req_id] = row
         self.row_to_req_id[row] = new.req_id
-        self.token_history[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64).to(self.device)
+        self.token_history[row, : len(tokens)] = to_device(tokens, self.device, torch.int64)
         self.num_tokens[row] = len(tokens)
         self.prompt_len[row] = len(new.prompt_token_ids)
         self.num_computed[row] = new.num_computed_tokens
@@ -98,7 +99,7 @@ class RequestState:
         device (InputBatch.append_index); computed and copied here when None.
         """
         if index is None:
-            index = torch.from_numpy(rows_np * self.max_model_len + self.num_tokens[rows_np]).to(self.device)
+            index = to_device(rows_np * self.max_model_len + self.num_tokens[rows_np], self.device)
         self.token_history.view(-1).index_copy_(0, index, tokens)
         self.num_tokens[rows_np] += 1
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from dsv4.ops.host_copy import to_device
 from dsv4.runtime.seeded_noise import seed_to_int64, seeded_exponential
 from dsv4.sampling_params import SamplingParams
 from dsv4.step import TokenLogprobs
@@ -41,7 +42,7 @@ def _flat_tokens(
     counts = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
     row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), counts)
     tokens = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-    return row_idx.to(device), tokens.to(device)
+    return to_device(row_idx, device), to_device(tokens, device)
 
 
 def needs_output_values(sp: SamplingParams) -> bool:
@@ -185,7 +186,7 @@ class SamplingTensors:
                 seeded.append((i, seed_to_int64(sp.seed), num_out))
 
         # One host->device copy for all per-row floats; the columns are views.
-        f = torch.tensor(floats, dtype=torch.float32).reshape(n, 6).to(device)
+        f = to_device(floats, device, torch.float32).reshape(n, 6)
         any_greedy, all_greedy = any(greedy), all(greedy)
         max_top_k = max((k for k in top_k if k < vocab_size), default=0)
 
@@ -203,15 +204,15 @@ class SamplingTensors:
         def idx(rows: list[int], ids: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
             if not rows:
                 return None
-            return (torch.tensor(rows, dtype=torch.int64).to(device), torch.tensor(ids, dtype=torch.int64).to(device))
+            return to_device(rows, device, torch.int64), to_device(ids, device, torch.int64)
 
         return cls(
             vocab_size=vocab_size,
             temperature=f[:, 0],
-            greedy=torch.tensor(greedy, dtype=torch.bool).to(device),
+            greedy=to_device(greedy, device, torch.bool),
             all_greedy=all_greedy,
             any_greedy=any_greedy,
-            top_k=torch.tensor(top_k, dtype=torch.int64).to(device) if max_top_k else None,
+            top_k=to_device(top_k, device, torch.int64) if max_top_k else None,
             max_top_k=max_top_k,
             top_p=f[:, 1] if any(r[1] < 1.0 for r in floats) else None,
             min_p=f[:, 2] if any(r[2] > 0.0 for r in floats) else None,
@@ -221,11 +222,11 @@ class SamplingTensors:
             presence_penalty=f[:, 5:6] if pen_rows else None,
             output_counts=output_counts,
             bias_index=idx(bias_rows, bias_ids),
-            bias_values=torch.tensor(bias_vals, dtype=torch.float32).to(device) if bias_rows else None,
+            bias_values=to_device(bias_vals, device, torch.float32) if bias_rows else None,
             ban_index=idx(ban_rows, ban_ids),
-            seeded_rows=torch.tensor([s[0] for s in seeded], dtype=torch.int64).to(device) if seeded else None,
-            seeds=torch.tensor([s[1] for s in seeded], dtype=torch.int64).to(device) if seeded else None,
-            seed_counts=torch.tensor([s[2] for s in seeded], dtype=torch.int64).to(device) if seeded else None,
+            seeded_rows=to_device([s[0] for s in seeded], device, torch.int64) if seeded else None,
+            seeds=to_device([s[1] for s in seeded], device, torch.int64) if seeded else None,
+            seed_counts=to_device([s[2] for s in seeded], device, torch.int64) if seeded else None,
             num_logprobs=[sp.logprobs for sp in params],
             constrained=any(sp.structured_outputs is not None for sp in params),
         )
@@ -322,7 +323,7 @@ def compute_logprobs(
     if not rows:
         return None
     ks = [num_logprobs[i] for i in rows]
-    sel = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    sel = to_device(rows, logits.device, torch.int64)
     lp = torch.log_softmax(logits.index_select(0, sel).to(torch.float32), dim=-1)
     tok = sampled.index_select(0, sel)
     tok_lp = lp.gather(1, tok.unsqueeze(1))
