@@ -322,7 +322,7 @@ class Speculator:
                 if self.gate is not None:
                     self.gate.step(now, False, len(so.num_scheduled_tokens), steady=decode)
                 return PlainSpecOutput(r.launch_plain(so))
-            if decode and (self.taps is None or r.plain_tap_ids):
+            if so.num_scheduled_tokens and decode and (self.taps is None or r.plain_tap_ids):
                 return self._resume(so, now)
         req_ids = sorted(so.num_scheduled_tokens, key=lambda q: (so.num_scheduled_tokens[q] != 1,
                                                                    so.num_scheduled_tokens[q]))
