@@ -2,13 +2,16 @@
 of a FULL decode graph (each GPU kernel there costs 1-3 us even when it moves a few bytes).
 
 usage: PYTHONPATH=. python3 benchmarks/decode_ops.py MODEL_DIR [BATCH] [--lines N] [--dtype bfloat16] [--fused-mhc]
+       [--prefill N]
 
 Runs `forward_decode` on all-padding metadata (what graph capture runs) under a dispatch mode that counts non-view
 aten ops. The functions that dispatch to a Triton kernel on CUDA count as ONE op each (their CPU reference inside
 is not counted), so the total approximates the kernels of a CUDA replay without torch.compile. Prints the total,
 the count per op name, and the source lines that launch the most ops. `--fused-mhc`: the mHC sites as a CUDA decode
 step of <= 8 tokens runs them (dsv4.ops.mhc.FUSED_MIXES): the mixes two launches, each sublayer input one (computed
-here by the torch references).
+here by the torch references). `--prefill N`: instead, one whole engine step that prefills BATCH prompts of N tokens
+(metadata, the token-row forward, the sampler: a prefill runs eagerly on a GPU too, so its host time grows with
+these launches).
 """
 
 from __future__ import annotations
@@ -139,7 +142,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32",
                     help="bfloat16 counts the casts a bf16 GPU model makes (in fp32 many are no-ops)")
     ap.add_argument("--fused-mhc", action="store_true", help="the mHC sites as the fused CUDA decode path runs them")
+    ap.add_argument("--prefill", type=int, default=0, help="count one prefill step of BATCH prompts of N tokens")
     args = ap.parse_args()
+    if args.prefill:
+        return prefill_step(args)
     P = args.batch
     eng = LLMEngine.from_args(args.model, dtype=args.dtype, max_model_len=96, max_num_seqs=P, load_tokenizer=False)
     r = eng.runner
@@ -163,6 +169,41 @@ def main() -> None:
     print("most launching lines:")
     for (name, where), n in counter.lines.most_common(args.lines):
         print(f"  {n:5d} {name:28s} {where}")
+
+
+def prefill_step(args: argparse.Namespace) -> None:
+    """The `--prefill N` count: one engine step that prefills `batch` random prompts of N tokens (after one such
+    step and its decode steps uncounted, so lazy buffers are made outside the count)."""
+    from dsv4.sampling_params import SamplingParams
+
+    n, P = args.prefill, args.batch
+    eng = LLMEngine.from_args(args.model, dtype=args.dtype, max_model_len=n + 16, max_num_seqs=P,
+                              max_num_batched_tokens=max(2048, n * P), load_tokenizer=False,
+                              enable_prefix_caching=False)
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    def add(tag: str) -> None:
+        for b in range(P):
+            eng.add_request(torch.randint(3, eng.config.model.vocab_size, (n,), generator=g).tolist(), params,
+                            request_id=f"{tag}-{b}")
+
+    add("warm")
+    while eng.has_unfinished_requests():
+        eng.step()
+    counter = _Counter()
+    _patch(counter)
+    add("counted")
+    with torch.inference_mode(), counter:
+        eng.step()
+    layers = len(eng.runner.model.model.layers)
+    total = sum(counter.ops.values())
+    print(f"{args.model} ({args.dtype}): prefill of {P} x {n} tokens, {layers} layers, {total} kernels in the step "
+          f"({total / layers:.0f} per layer)")
+    print("by op:", ", ".join(f"{k} {v}" for k, v in counter.ops.most_common()))
+    print("most launching lines:")
+    for (name, where), c in counter.lines.most_common(args.lines):
+        print(f"  {c:5d} {name:28s} {where}")
 
 
 if __name__ == "__main__":
