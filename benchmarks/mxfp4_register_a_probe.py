@@ -64,9 +64,51 @@ if triton is not None:
         return (half.to(tl.float32) * scale).to(tl.bfloat16)
 
     @triton.jit
+    def _e2m1_ptx(byte, scale_bf16):
+        """(low, high) nibbles of uint8 `byte` as bf16 times `scale_bf16` (bf16, broadcast to byte's shape): four bytes
+        a call. A nibble s|e e|m shifted to bf16's bits 15 | 8..6 is its e2m1 value times 2^-126 (e = 0: the
+        subnormal 2^-127 for m = 1); times 2^126 (0x7E80) exact, then times the scale (a power of two: exact)."""
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 a, b, t, u, k;
+            mov.b32 k, 0x7E807E80;
+            prmt.b32 a, $4, 0, 0x4140;
+            prmt.b32 b, $4, 0, 0x4342;
+            shl.b32 t, a, 6;
+            and.b32 t, t, 0x01C001C0;
+            shl.b32 u, a, 12;
+            and.b32 u, u, 0x80008000;
+            or.b32 t, t, u;
+            mul.rn.bf16x2 t, t, k;
+            mul.rn.bf16x2 $0, t, $5;
+            shl.b32 t, b, 6;
+            and.b32 t, t, 0x01C001C0;
+            shl.b32 u, b, 12;
+            and.b32 u, u, 0x80008000;
+            or.b32 t, t, u;
+            mul.rn.bf16x2 t, t, k;
+            mul.rn.bf16x2 $1, t, $6;
+            shl.b32 t, a, 2;
+            and.b32 t, t, 0x01C001C0;
+            shl.b32 u, a, 8;
+            and.b32 u, u, 0x80008000;
+            or.b32 t, t, u;
+            mul.rn.bf16x2 t, t, k;
+            mul.rn.bf16x2 $2, t, $5;
+            shl.b32 t, b, 2;
+            and.b32 t, t, 0x01C001C0;
+            shl.b32 u, b, 8;
+            and.b32 u, u, 0x80008000;
+            or.b32 t, t, u;
+            mul.rn.bf16x2 t, t, k;
+            mul.rn.bf16x2 $3, t, $6;
+            }""",
+            "=r,=r,=r,=r,r,r,r", [byte, scale_bf16], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+
+    @triton.jit
     def _grouped_register_a_kernel(x_ptr, w_ptr, s_ptr, order_ptr, counts_ptr, offsets_ptr, block_ends_ptr, out_ptr,
                                    E, N, K, x_div, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                   BLOCK_E: tl.constexpr, INTERPRET: tl.constexpr):
+                                   BLOCK_E: tl.constexpr, PTX: tl.constexpr, INTERPRET: tl.constexpr):
         e_safe, rows, mm, xrows = block_rows(order_ptr, counts_ptr, offsets_ptr, block_ends_ptr, E, x_div, BLOCK_M,
                                              BLOCK_E)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -80,13 +122,20 @@ if triton is not None:
         i16 = tl.arange(0, 16)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, k_end, 32):
-            byte = tl.load(wrow + (k0 // 2 + i16)[None, :], mask=nm[:, None], other=0).to(tl.int16)
+            raw = tl.load(wrow + (k0 // 2 + i16)[None, :], mask=nm[:, None], other=0)
+            byte = raw.to(tl.int16)
             s = tl.load(srow + k0 // 32, mask=nm, other=127).to(tl.int32)
             # 2^(s - 127) * 2^14 as fp32 bits: exponent s + 14 (UE8M0 scales of real weights are far from 241+)
             scale = ((s + 14) << 23).to(tl.float32, bitcast=True)[:, None]
             x_lo = tl.load(x_ptr + xrows[None, :] * K + (k0 + i16)[:, None], mask=mm[None, :], other=0.0)
             x_hi = tl.load(x_ptr + xrows[None, :] * K + (k0 + 16 + i16)[:, None], mask=mm[None, :], other=0.0)
-            if INTERPRET:  # the interpreter multiplies bf16 tiles as raw bits: in fp32 (bf16 products are exact)
+            if PTX:
+                # 2^(s - 127) as bf16 bits (s = 0: the subnormal 2^-127)
+                sb = tl.where(s == 0, 0x40, s << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                w_lo, w_hi = _e2m1_ptx(raw, tl.broadcast_to(sb[:, None], [BLOCK_N, 16]))
+                acc += tl.dot(w_lo, x_lo)
+                acc += tl.dot(w_hi, x_hi)
+            elif INTERPRET:  # the interpreter multiplies bf16 tiles as raw bits: in fp32 (bf16 products are exact)
                 acc += tl.dot(_e2m1(byte & 15, scale).to(tl.float32), x_lo.to(tl.float32), input_precision="ieee")
                 acc += tl.dot(_e2m1(byte >> 4, scale).to(tl.float32), x_hi.to(tl.float32), input_precision="ieee")
             else:
@@ -97,7 +146,7 @@ if triton is not None:
 
 
 def grouped_register_a(x: torch.Tensor, data_perm: torch.Tensor, scale: torch.Tensor, idx: torch.Tensor, x_div: int,
-                       block_n: int = 64, num_warps: int = 4) -> torch.Tensor:
+                       block_n: int = 64, num_warps: int = 4, ptx: bool = False) -> torch.Tensor:
     """`expert_grouped_q_torch(x, w, idx, x_div)` for bf16 x and MXFP4 w (UE8M0 scales, blocks (1, 32)), from w's
     bytes permuted by `permute_groups`."""
     E, N, KB = data_perm.shape
@@ -108,7 +157,8 @@ def grouped_register_a(x: torch.Tensor, data_perm: torch.Tensor, scale: torch.Te
     grid = (triton.cdiv(R, bm) + min(E + 1, R), triton.cdiv(N, block_n))
     _grouped_register_a_kernel[grid](x.contiguous(), data_perm, scale.view(torch.uint8), order, counts, offsets,
                                      block_ends, out, E, N, K, x_div, BLOCK_M=bm, BLOCK_N=block_n,
-                                     BLOCK_E=triton.next_power_of_2(E + 1), INTERPRET=INTERPRET, num_warps=num_warps)
+                                     BLOCK_E=triton.next_power_of_2(E + 1), PTX=ptx and not INTERPRET,
+                                     INTERPRET=INTERPRET, num_warps=num_warps)
     return out
 
 
@@ -129,10 +179,11 @@ def check(device: str) -> None:
         x = torch.randn(T, K, device=device, generator=g).to(torch.bfloat16)
         idx = torch.randint(0, E, (T * k,), device=device, generator=g)
         idx[1] = -1
-        got = grouped_register_a(x, permute_groups(w.data), w.scale, idx, k, block_n=bn)
         ref = expert_grouped_q_torch(x, w, idx, k)
-        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
-        assert (got[1] == 0).all()
+        for ptx in ((False, True) if device == "cuda" else (False,)):
+            got = grouped_register_a(x, permute_groups(w.data), w.scale, idx, k, block_n=bn, ptx=ptx)
+            torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+            assert (got[1] == 0).all()
     print("values ok")
 
 
@@ -147,8 +198,10 @@ def sass() -> None:
     sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "order_ptr": "*i64", "counts_ptr": "*i64",
            "offsets_ptr": "*i64", "block_ends_ptr": "*i64", "out_ptr": "*bf16", "E": "i32", "N": "i32", "K": "i32",
            "x_div": "i32"}
-    for block_m, block_n, warps in ((16, 64, 4), (32, 64, 4), (32, 128, 4), (32, 128, 8)):
-        consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_E=32, INTERPRET=False)
+    for block_m, block_n, warps, ptx in ((16, 64, 4, False), (32, 64, 4, False), (32, 128, 4, False),
+                                         (32, 128, 8, False), (16, 64, 4, True), (32, 64, 4, True),
+                                         (32, 128, 4, True), (32, 128, 8, True)):
+        consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_E=32, PTX=ptx, INTERPRET=False)
         attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in sig if a != "x_div"}
         src = ASTSource(fn=fn, signature={**sig, **{c: "constexpr" for c in consts}}, constexprs=consts, attrs=attrs)
         kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
@@ -156,7 +209,8 @@ def sass() -> None:
         ops = row["loop_ops"]
         per_weight = row["loop_instructions"] / (block_n * 32 / (32 * warps))
         smem = {k: ops.get(k, 0) for k in ("STS", "LDS", "LDSM", "STSM", "BAR", "HGMMA", "HMMA", "WARPGROUP")}
-        print(f"BLOCK_M {block_m} BLOCK_N {block_n} warps {warps}: {row['registers']} registers, stack "
+        print(f"{'PTX' if ptx else 'triton'} decode, BLOCK_M {block_m} BLOCK_N {block_n} warps {warps}: "
+              f"{row['registers']} registers, stack "
               f"{row['stack']}, loop {row['loop_instructions']} instructions ({per_weight:.1f} a weight), {smem}")
         print("   ", " ".join(f"{k} {v}" for k, v in list(ops.items())[:16]))
 
@@ -174,13 +228,13 @@ def bench() -> None:
         floor_us = (w.data.numel() + w.scale.numel()) / 4.8e12 * 1e6
         landed = triton.testing.do_bench_cudagraph(lambda: expert_grouped_q_triton(x, w, idx, k), rep=50) * 1e3
         print(f"{name}: floor {floor_us:.1f} us (every expert, 4.8 TB/s), landed {landed:.1f} us", flush=True)
-        for bn, warps in ((64, 4), (128, 4), (128, 8)):
-            got = grouped_register_a(x, perm, w.scale, idx, k, bn, warps).float()
+        for bn, warps, ptx in ((64, 4, True), (128, 4, True), (128, 8, True), (64, 4, False)):
+            got = grouped_register_a(x, perm, w.scale, idx, k, bn, warps, ptx).float()
             err = (got - ref).abs().max().item()
-            t = triton.testing.do_bench_cudagraph(lambda: grouped_register_a(x, perm, w.scale, idx, k, bn, warps),
-                                                  rep=50) * 1e3
-            print(f"  register-A form, BLOCK_N {bn}, {warps} warps: {t:.1f} us (max |diff| vs landed {err:.3g})",
-                  flush=True)
+            t = triton.testing.do_bench_cudagraph(
+                lambda: grouped_register_a(x, perm, w.scale, idx, k, bn, warps, ptx), rep=50) * 1e3
+            print(f"  register-A form, {'PTX' if ptx else 'triton'} decode, BLOCK_N {bn}, {warps} warps: {t:.1f} us "
+                  f"(max |diff| vs landed {err:.3g})", flush=True)
 
 
 if __name__ == "__main__":
