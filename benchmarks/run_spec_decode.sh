@@ -18,6 +18,7 @@
 #           /tmp/v4-flash-4l-mtp, k = $NUM_SPEC (default 3), instead of V4.1-Flash-8l and DSpark
 #   PHASE_PROFILE=1 (bench, demo): one more run per speculative row, every step's phases synced and timed (phases_ms)
 #   BATCH_INVARIANCE=1 (bench): the plain engine also decodes each batch's prompts one at a time (plain.alone_vs_batched)
+#   MODES=plain,drafter (bench): only these modes (spec_decode_speed.py --modes)
 #   BENCH_LIMIT: seconds for spec_decode_speed.py in the bench part (default 280; up to ~480 when it runs alone)
 #   demo    the built-in trained model with its trained drafter on held-out code (--prompts held-out-code): the
 #           realistic acceptance beside the oracle (~1-2 minutes: a tiny model, eager verify steps)
@@ -84,7 +85,7 @@ part_bench() {
   timeout "${BENCH_LIMIT:-280}" python3 benchmarks/spec_decode_speed.py --model "$dir" --batch-sizes "${BATCHES:-1,2,4,8,16,32}" \
     --input-len 512 --output-len "${OUTPUT_LEN:-128}" ${VERIFY_DECODE:+--verify-decode} \
     ${DRAFTER_GRAPHS:+--drafter-cuda-graphs} ${PIPELINED:+--pipelined} ${ADAPTIVE:+--adaptive} ${PHASE_PROFILE:+--phase-profile} \
-    ${BATCH_INVARIANCE:+--batch-invariance} \
+    ${BATCH_INVARIANCE:+--batch-invariance} ${MODES:+--modes $MODES} \
     ${MTP:+--num-speculative-tokens ${NUM_SPEC:-3}} --output-json "$out/spec_decode_speed.json" > "$log" 2>&1
   local rc=$?
   echo "spec_decode_speed (rc $rc): $((SECONDS - t0)) s"
