@@ -121,14 +121,21 @@ if triton is not None:
         k_end = tl.where(e_safe < E, K, 0)
         i16 = tl.arange(0, 16)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        # pointers advanced each step (not recomputed from k0: fewer integer instructions in the loop)
+        wp = wrow + i16[None, :]
+        sp = srow
+        xp = x_ptr + xrows[None, :] * K + i16[:, None]
         for k0 in range(0, k_end, 32):
-            raw = tl.load(wrow + (k0 // 2 + i16)[None, :], mask=nm[:, None], other=0)
+            raw = tl.load(wp, mask=nm[:, None], other=0)
             byte = raw.to(tl.int16)
-            s = tl.load(srow + k0 // 32, mask=nm, other=127).to(tl.int32)
+            s = tl.load(sp, mask=nm, other=127).to(tl.int32)
             # 2^(s - 127) * 2^14 as fp32 bits: exponent s + 14 (UE8M0 scales of real weights are far from 241+)
             scale = ((s + 14) << 23).to(tl.float32, bitcast=True)[:, None]
-            x_lo = tl.load(x_ptr + xrows[None, :] * K + (k0 + i16)[:, None], mask=mm[None, :], other=0.0)
-            x_hi = tl.load(x_ptr + xrows[None, :] * K + (k0 + 16 + i16)[:, None], mask=mm[None, :], other=0.0)
+            x_lo = tl.load(xp, mask=mm[None, :], other=0.0)
+            x_hi = tl.load(xp + 16, mask=mm[None, :], other=0.0)
+            wp += 16
+            sp += 1
+            xp += 32
             if PTX:
                 # 2^(s - 127) as bf16 bits (s = 0: the subnormal 2^-127)
                 sb = tl.where(s == 0, 0x40, s << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
