@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from dsv4.ops.host_copy import to_device
 from dsv4.runtime.input_batch import InputBatch
 from dsv4.runtime.sampler import SamplingTensors, apply_filters
 from dsv4.spec_decode.rejection import seeded_randomness
@@ -215,8 +216,8 @@ class PipelinedVerify:
         rows_np = np.array([rs.req_id_to_row[i] for i in req_ids], dtype=np.int64)
         rows = self._device_rows(rows_np)
         if not self.device_ahead:  # the host mirrors are exact (everything landed): the device starts from them
-            self.computed[rows] = torch.from_numpy(rs.num_computed[rows_np]).to(rows.device)
-            self.tokens[rows] = torch.from_numpy(rs.num_tokens[rows_np]).to(rows.device)
+            self.computed[rows] = to_device(rs.num_computed[rows_np], rows.device)
+            self.tokens[rows] = to_device(rs.num_tokens[rows_np], rows.device)
             self.device_ahead = True
             self._st_key, self._st, self._prompt_key = None, None, None  # a new run of pipelined steps: rebuilt
         dev = rows.device

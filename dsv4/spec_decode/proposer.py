@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dsv4.ops.host_copy import to_device
 from dsv4.spec_decode.dspark import DSparkDrafter
 from dsv4.spec_decode.mtp import MTPDrafter
 
@@ -43,9 +44,11 @@ class TapBuffer:
         if len(keep) == 0:
             return
         dev = self.values.device
-        rows = torch.from_numpy(token_rows[keep]).to(dev)
-        slots = torch.from_numpy(positions[keep] % self.capacity).to(dev)
-        self.values[rows, slots] = taps[torch.from_numpy(keep).to(dev)].to(self.values.dtype)
+        # (pinned copies: a plain decode step writes its taps here, and a pageable copy would make the host wait for
+        # the step's forward)
+        rows = to_device(token_rows[keep], dev)
+        slots = to_device(positions[keep] % self.capacity, dev)
+        self.values[rows, slots] = taps[to_device(keep, dev)].to(self.values.dtype)
 
     def write_chunks(self, taps: torch.Tensor, rows: torch.Tensor, first: torch.Tensor, q: int) -> None:
         """taps [R * q, width] of a step in which state row rows[i] computed positions first[i] .. + q - 1 (request
@@ -66,7 +69,7 @@ class TapBuffer:
 def as_device(x: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
     """An int array of positions or rows as a device tensor: host arrays are copied, device tensors (pipelined
     speculation computes positions on the device) are used as they are."""
-    return x if isinstance(x, torch.Tensor) else torch.from_numpy(x).to(device)
+    return x if isinstance(x, torch.Tensor) else to_device(x, device)
 
 
 class Proposer(Protocol):
@@ -167,7 +170,7 @@ class OracleProposer:
             for i, (req_id, seq) in enumerate(self.sequences.items()):
                 table[i, : len(seq)] = list(seq)
                 self._index[req_id] = i
-            self._table = torch.from_numpy(table).to(device)
+            self._table = to_device(table, device)
         return self._table
 
     def propose(self, req_ids: Sequence[str], rows: np.ndarray | torch.Tensor,
@@ -179,7 +182,7 @@ class OracleProposer:
             key = tuple(req_ids)
             if key != self._batch_key:  # copied once per batch: a copy from a list waits for the stream
                 idx = [self._index.get(r, table.shape[0] - 1) for r in req_ids]
-                self._batch_key, self._batch_idx = key, torch.tensor(idx, device=anchors.device)
+                self._batch_key, self._batch_idx = key, to_device(idx, anchors.device, torch.int64)
             cols = (last_positions[:, None] + 2 + torch.arange(K, device=anchors.device)).clamp(max=table.shape[1] - 1)
             return table[self._batch_idx[:, None], cols]
         out = np.full((len(req_ids), K), self.fill, dtype=np.int64)
@@ -187,4 +190,4 @@ class OracleProposer:
             seq = self.sequences.get(req_id, ())
             part = list(seq[last + 2: last + 2 + K])
             out[i, : len(part)] = part
-        return torch.from_numpy(out).to(anchors.device)
+        return to_device(out, anchors.device)

@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from dsv4.ops.host_copy import to_device
 from dsv4.runtime.cudagraphs import default_capture_sizes
 from dsv4.runtime.input_batch import InputBatch
 from dsv4.runtime.sampler import SamplingTensors, needs_output_values
@@ -343,8 +344,7 @@ class Speculator:
             cols = np.arange(len(src_rows)) - np.repeat(np.cumsum(drafts) - drafts, drafts)  # 0 .. d-1 per request
             dst = src_rows * rs.max_model_len + np.repeat(known, drafts) + cols
             dev = rs.token_history.device
-            rs.token_history.view(-1)[torch.from_numpy(dst).to(dev)] = self.drafts[
-                torch.from_numpy(src_rows).to(dev), torch.from_numpy(cols).to(dev)]
+            rs.token_history.view(-1)[to_device(dst, dev)] = self.drafts[to_device(src_rows, dev), to_device(cols, dev)]
 
         batch = InputBatch.prepare(r.buffers, rs.token_history, req_ids, rows, computed, sched, sample)
         image_rows = r._image_rows(batch)
@@ -410,13 +410,13 @@ class Speculator:
         # first dv + 1 of them)
         idx = np.concatenate([np.arange(qsl[b + 1] - d - 1, qsl[b + 1] - d + v)
                               for b, d, v in zip(sample.tolist(), ds.tolist(), dv.tolist())])
-        logits = r.model.compute_logits(hidden[torch.from_numpy(idx).to(hidden.device)])
+        logits = r.model.compute_logits(hidden[to_device(idx, hidden.device)])
         cu = np.zeros(len(sample) + 1, dtype=np.int64)
         np.cumsum(dv + 1, out=cu[1:])
-        held = self.drafts[torch.from_numpy(srows).to(self.drafts.device)].cpu().numpy()  # one copy, one sync
+        held = self.drafts[to_device(srows, self.drafts.device)].cpu().numpy()  # one copy, one sync
         draft_lists = [held[i, :v].tolist() for i, v in enumerate(dv.tolist())]
         if r.grammars.constrains(srows):  # constrained rows never draft: their one row is the bonus position
-            last = torch.from_numpy(cu[1:] - 1).to(logits.device)
+            last = to_device(cu[1:] - 1, logits.device)
             sub = logits[last]
             r.grammars.apply(sub, srows)
             logits[last] = sub
@@ -446,8 +446,7 @@ class Speculator:
             logprobs[b] = res.logprobs[i]
             self.count_acceptance(row, int(dv[i]), j, n0)
         hist = rs.token_history
-        hist.view(-1)[torch.tensor(dst, dtype=torch.int64).to(hist.device)] = torch.tensor(
-            emitted, dtype=torch.int64).to(hist.device)
+        hist.view(-1)[to_device(dst, hist.device, torch.int64)] = to_device(emitted, hist.device, torch.int64)
         self._mark("verify")
         self._propose(sample, srows, rs.num_tokens[srows] - 2, req_ids, num_drafts)
         if ds.any():  # a step that verified drafts: its phases count (a prefill's first token does not)
@@ -499,15 +498,16 @@ class Speculator:
         if not drafting.any():
             return
         dev = rs.token_history.device
-        anchors = rs.token_history[torch.from_numpy(srows).to(dev), torch.from_numpy(last_positions + 1).to(dev)]
+        # (pinned copies: after a plain step (`_resume`) nothing here waits for the device)
+        anchors = rs.token_history[to_device(srows, dev), to_device(last_positions + 1, dev)]
         K = self.proposer.block_size
         if free.any():
             ids = [req_ids[b] for b in sample[free].tolist()]
             proposed = self.proposer.propose(ids, srows[free], last_positions[free], anchors[free], self.taps)
-            self.drafts[torch.from_numpy(srows[free]).to(dev), :K] = proposed.to(torch.int64)
+            self.drafts[to_device(srows[free], dev), :K] = proposed.to(torch.int64)
         if not free.all() and self.verify_decode is not None:  # placeholders: any valid id, never accepted
-            held = torch.from_numpy(srows[~free]).to(dev)
-            self.drafts[held, :K] = anchors[torch.from_numpy(~free).to(dev)][:, None].to(torch.int64)
+            held = to_device(srows[~free], dev)
+            self.drafts[held, :K] = anchors[to_device(~free, dev)][:, None].to(torch.int64)
         for b, row in zip(sample[drafting].tolist(), srows[drafting].tolist()):
             num_drafts[b] = self.k
             if self.verify_decode is not None:
