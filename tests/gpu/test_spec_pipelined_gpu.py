@@ -130,3 +130,38 @@ def test_mtp_pipelined_graphs_greedy_equal_plain_without_sync(setup_v4: tuple, m
     else:
         st = e.spec_decode_stats
         assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+
+
+def test_pipelined_plain_and_resume_steps_do_not_sync(setup: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """disable_by_batch_size 3 and four requests of 6, 12, 18 and 24 tokens: while 3 or more run the steps are
+    plain ones of one token a request, pipelined; below 3 speculation resumes with a plain step after which the
+    drafter proposes. Every pipelined one-token launch after the first reads no device value on the host (sync
+    debug mode "error": the plain step's graph, its tap writes, the resume's proposal); outputs are plain
+    decoding's, cut at each max_tokens."""
+    path, prompts, plain = setup
+    e = _engine(path, 3, None, drafter_cuda_graphs=True, disable_by_batch_size=3)
+    sp = e.runner.speculator
+    orig = type(sp).launch
+    seen: list[bool] = []
+
+    def strict(self: Any, so: Any) -> Any:
+        if not (so.pipelined and so.total_num_scheduled_tokens == len(so.num_scheduled_tokens)):
+            return orig(self, so)
+        if not seen:  # the first: one-time set-up (pinned staging blocks, the batch's device rows)
+            seen.append(False)
+            return orig(self, so)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = orig(self, so)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        seen.append(True)
+        return out
+
+    monkeypatch.setattr(type(sp), "launch", strict)
+    lengths = [6, 12, 18, 24]
+    params = {str(i): SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for i, n in enumerate(lengths)}
+    outs = run_to_completion(e, {str(i): p for i, p in enumerate(prompts)}, params)
+    assert outs == {str(i): plain[str(i)][:n] for i, n in enumerate(lengths)}
+    assert sp.num_plain_steps > 2 and sp.num_plain_proposals > 0 and sp.pipeline.num_steps > 0
+    assert sum(seen) > 2
