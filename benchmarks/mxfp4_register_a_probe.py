@@ -63,47 +63,31 @@ if triton is not None:
         half = bits.to(tl.float16, bitcast=True)
         return (half.to(tl.float32) * scale).to(tl.bfloat16)
 
+    def _pair_ptx(src: str, shift_mag: int, shift_sign: int, scale: str, dst: str) -> str:
+        """PTX for two nibbles of `src` (bytes spread into bf16 lanes) -> bf16x2 `dst`: magnitude bits shifted to
+        bf16's 8..6, sign to 15, times 2^126 (k) and the scale pair."""
+        return f"""
+            shl.b32 t, {src}, {shift_mag};
+            and.b32 t, t, 0x01C001C0;
+            shl.b32 u, {src}, {shift_sign};
+            and.b32 u, u, 0x80008000;
+            or.b32 t, t, u;
+            mul.rn.bf16x2 t, t, k;
+            mul.rn.bf16x2 {dst}, t, {scale};"""
+
+    # $4: four bytes; $5, $6: the scale for bytes 0-1 and 2-3; out $0, $1: low nibbles, $2, $3: high nibbles
+    _E2M1_PTX = tl.constexpr("{\n .reg .b32 a, b, t, u, k;\n mov.b32 k, 0x7E807E80;\n"
+                             " prmt.b32 a, $4, 0, 0x4140;\n prmt.b32 b, $4, 0, 0x4342;"
+                             + _pair_ptx("a", 6, 12, "$5", "$0") + _pair_ptx("b", 6, 12, "$6", "$1")
+                             + _pair_ptx("a", 2, 8, "$5", "$2") + _pair_ptx("b", 2, 8, "$6", "$3") + "\n}")
+
     @triton.jit
     def _e2m1_ptx(byte, scale_bf16):
         """(low, high) nibbles of uint8 `byte` as bf16 times `scale_bf16` (bf16, broadcast to byte's shape): four bytes
         a call. A nibble s|e e|m shifted to bf16's bits 15 | 8..6 is its e2m1 value times 2^-126 (e = 0: the
         subnormal 2^-127 for m = 1); times 2^126 (0x7E80) exact, then times the scale (a power of two: exact)."""
-        return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 a, b, t, u, k;
-            mov.b32 k, 0x7E807E80;
-            prmt.b32 a, $4, 0, 0x4140;
-            prmt.b32 b, $4, 0, 0x4342;
-            shl.b32 t, a, 6;
-            and.b32 t, t, 0x01C001C0;
-            shl.b32 u, a, 12;
-            and.b32 u, u, 0x80008000;
-            or.b32 t, t, u;
-            mul.rn.bf16x2 t, t, k;
-            mul.rn.bf16x2 $0, t, $5;
-            shl.b32 t, b, 6;
-            and.b32 t, t, 0x01C001C0;
-            shl.b32 u, b, 12;
-            and.b32 u, u, 0x80008000;
-            or.b32 t, t, u;
-            mul.rn.bf16x2 t, t, k;
-            mul.rn.bf16x2 $1, t, $6;
-            shl.b32 t, a, 2;
-            and.b32 t, t, 0x01C001C0;
-            shl.b32 u, a, 8;
-            and.b32 u, u, 0x80008000;
-            or.b32 t, t, u;
-            mul.rn.bf16x2 t, t, k;
-            mul.rn.bf16x2 $2, t, $5;
-            shl.b32 t, b, 2;
-            and.b32 t, t, 0x01C001C0;
-            shl.b32 u, b, 8;
-            and.b32 u, u, 0x80008000;
-            or.b32 t, t, u;
-            mul.rn.bf16x2 t, t, k;
-            mul.rn.bf16x2 $3, t, $6;
-            }""",
-            "=r,=r,=r,=r,r,r,r", [byte, scale_bf16], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        return tl.inline_asm_elementwise(_E2M1_PTX, "=r,=r,=r,=r,r,r,r", [byte, scale_bf16],
+                                         dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
 
     @triton.jit
     def _grouped_register_a_kernel(x_ptr, w_ptr, s_ptr, order_ptr, counts_ptr, offsets_ptr, block_ends_ptr, out_ptr,
