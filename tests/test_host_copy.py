@@ -1,5 +1,6 @@
 """`dsv4.ops.host_copy.to_device`: the values and dtypes torch.tensor / .to give, from lists, numpy arrays and host
-tensors (the no-sync property is a GPU matter: tests/gpu/test_host_copy_gpu.py)."""
+tensors; `to_device_all`: several integer arrays in one copy, split back (the no-sync property is a GPU matter:
+tests/gpu/test_host_copy_gpu.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from dsv4.ops.host_copy import to_device
+from dsv4.ops.host_copy import to_device, to_device_all
 
 
 @pytest.mark.parametrize("values, dtype", [
@@ -25,3 +26,10 @@ def test_arrays_and_tensors_keep_their_dtype_unless_given() -> None:
     assert to_device(a, "cpu", torch.int64).dtype == torch.int64
     t = torch.tensor([1.5, 2.5], dtype=torch.float64)
     assert to_device(t, "cpu").dtype == torch.float64 and to_device(t, "cpu", torch.float32).tolist() == [1.5, 2.5]
+
+
+def test_several_arrays_in_one_copy() -> None:
+    parts = [np.arange(3), np.array([7, -8], dtype=np.int32), np.zeros(0, dtype=np.int64), np.array([True, False])]
+    got = to_device_all(parts, "cpu")
+    assert [g.dtype for g in got] == [torch.int64] * 4
+    assert [g.tolist() for g in got] == [[0, 1, 2], [7, -8], [], [1, 0]]

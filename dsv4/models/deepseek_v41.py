@@ -30,7 +30,7 @@ from dsv4.models.vision import VisionEncoder
 from dsv4.ops.decode_attention import decode_sink_attention
 from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant
 from dsv4.ops.fp32_linear import fp32_linear
-from dsv4.ops.host_copy import to_device
+from dsv4.ops.host_copy import to_device, to_device_all
 from dsv4.ops.indexer import (candidate_blocks_of, candidate_pool, decode_select, indexer_scores, pick_sources,
                               pick_table_sources)
 from dsv4.ops.indexer_prefill import prefill_select, use_prefill_select
@@ -95,12 +95,6 @@ class StepEntries(NamedTuple):
     latent: torch.Tensor
 
 
-def _pack(parts: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """Host index arrays to the device in one copy (one op however many arrays), split back into views."""
-    flat = to_device(np.concatenate(parts).astype(np.int64), device)
-    return list(flat.split([len(a) for a in parts]))
-
-
 class Compressor(nn.Module):
     """KV-source compressor: ratio 2 = gated softmax pooling of aligned pairs (fp32, no position bias), ratio 1 =
     one projected latent per token. Produces the pre-rope latent of every entry that completes this step."""
@@ -142,7 +136,7 @@ class Compressor(nn.Module):
         # = md.positions, which the runner builds as context length + offset in the chunk
         pos = np.asarray(md.context_lens_cpu, dtype=np.int64)[req] + off
         if m == 1:
-            etok, ent = _pack([np.arange(len(pos), dtype=np.int64), pos], x.device)
+            etok, ent = to_device_all([np.arange(len(pos), dtype=np.int64), pos], x.device)
             return StepEntries(etok, ent, self.latent(x))
         cap = cache.ring_kv.shape[1]
         close = np.flatnonzero((pos + 1) % m == 0)  # tokens that close the window [pos - m + 1, pos]
@@ -155,7 +149,7 @@ class Compressor(nn.Module):
         slot = ((pos[close, None] + back) % cap).reshape(-1)
         roll = np.flatnonzero(off >= n[req] - cap)  # each request's last `cap` tokens: the next step's ring
         N, K = len(close), len(roll)
-        reqs, etok, ent, tok_d, in_chunk_d, slot_d, roll_d, rslot = _pack(
+        reqs, etok, ent, tok_d, in_chunk_d, slot_d, roll_d, rslot = to_device_all(
             [req[np.concatenate([close, roll])], close, (pos[close] + 1) // m - 1, tok, in_chunk, slot, roll,
              pos[roll] % cap], x.device)
         kv, gate = self.project(x)

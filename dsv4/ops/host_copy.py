@@ -26,3 +26,10 @@ def to_device(values: np.ndarray | Sequence[int] | Sequence[float] | Sequence[bo
     if device.type != "cuda" or t.device.type == "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def to_device_all(parts: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
+    """Host integer arrays as int64 device tensors in one copy (one staging block however many arrays), split back
+    into views."""
+    flat = to_device(np.concatenate([np.asarray(a).reshape(-1) for a in parts]).astype(np.int64), device)
+    return list(flat.split([np.asarray(a).size for a in parts]))

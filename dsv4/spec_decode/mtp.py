@@ -16,11 +16,11 @@ reference.
 This is the reference forward: one call per proposal, no paged cache (drafter_graphs.py captures it). The layer's
 keys of the context positions (the last `sliding_window` committed positions, the only ones its window attention
 reads) are recomputed from the target's streams each call, then each further draft adds its own key. Only the last
-context position runs the rest of the layer (queries, attention, MoE): the others' outputs are never used. Parameter names are the target's
-(HF) names of a V4 layer under `mtp.{i}.` (`self_attn.q_a_proj.weight`, `attn_hc.fn`, `mlp.experts.gate_up_proj`,
-...) plus the MTP's own released names (`e_proj`, `h_proj`, `enorm`, `hnorm`, `norm`) and `hc_head.hc_fn` /
-`hc_base` / `hc_scale` for the released `hc_head_fn` / `hc_head_base` / `hc_head_scale`; `loader.route_mtp` maps
-the released names onto them.
+context position runs the rest of the layer (queries, attention, MoE): the others' outputs are never used.
+Parameter names are the target's (HF) names of a V4 layer under `mtp.{i}.` (`self_attn.q_a_proj.weight`,
+`attn_hc.fn`, `mlp.experts.gate_up_proj`, ...) plus the MTP's own released names (`e_proj`, `h_proj`, `enorm`,
+`hnorm`, `norm`) and `hc_head.hc_fn` / `hc_base` / `hc_scale` for the released `hc_head_fn` / `hc_head_base` /
+`hc_head_scale`; `loader.route_mtp` maps the released names onto them.
 """
 
 from __future__ import annotations

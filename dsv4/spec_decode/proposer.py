@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dsv4.ops.host_copy import to_device
+from dsv4.ops.host_copy import to_device, to_device_all
 from dsv4.spec_decode.dspark import DSparkDrafter
 from dsv4.spec_decode.mtp import MTPDrafter
 
@@ -44,11 +44,10 @@ class TapBuffer:
         if len(keep) == 0:
             return
         dev = self.values.device
-        # (pinned copies: a plain decode step writes its taps here, and a pageable copy would make the host wait for
+        # (one pinned copy: a plain decode step writes its taps here, and a pageable copy would make the host wait for
         # the step's forward)
-        rows = to_device(token_rows[keep], dev)
-        slots = to_device(positions[keep] % self.capacity, dev)
-        self.values[rows, slots] = taps[to_device(keep, dev)].to(self.values.dtype)
+        rows, slots, keep_d = to_device_all([token_rows[keep], positions[keep] % self.capacity, keep], dev)
+        self.values[rows, slots] = taps[keep_d].to(self.values.dtype)
 
     def write_chunks(self, taps: torch.Tensor, rows: torch.Tensor, first: torch.Tensor, q: int) -> None:
         """taps [R * q, width] of a step in which state row rows[i] computed positions first[i] .. + q - 1 (request

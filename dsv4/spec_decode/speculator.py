@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from dsv4.ops.host_copy import to_device
+from dsv4.ops.host_copy import to_device, to_device_all
 from dsv4.runtime.cudagraphs import default_capture_sizes
 from dsv4.runtime.input_batch import InputBatch
 from dsv4.runtime.sampler import SamplingTensors, needs_output_values
@@ -344,7 +344,8 @@ class Speculator:
             cols = np.arange(len(src_rows)) - np.repeat(np.cumsum(drafts) - drafts, drafts)  # 0 .. d-1 per request
             dst = src_rows * rs.max_model_len + np.repeat(known, drafts) + cols
             dev = rs.token_history.device
-            rs.token_history.view(-1)[to_device(dst, dev)] = self.drafts[to_device(src_rows, dev), to_device(cols, dev)]
+            dst_d, src_d, cols_d = to_device_all([dst, src_rows, cols], dev)
+            rs.token_history.view(-1)[dst_d] = self.drafts[src_d, cols_d]
 
         batch = InputBatch.prepare(r.buffers, rs.token_history, req_ids, rows, computed, sched, sample)
         image_rows = r._image_rows(batch)
@@ -498,16 +499,18 @@ class Speculator:
         if not drafting.any():
             return
         dev = rs.token_history.device
-        # (pinned copies: after a plain step (`_resume`) nothing here waits for the device)
-        anchors = rs.token_history[to_device(srows, dev), to_device(last_positions + 1, dev)]
+        # (pinned copies, device indices: after a plain step (`_resume`) nothing here waits for the device)
+        rows_d, next_d, free_d, held_d = to_device_all([srows, last_positions + 1, np.flatnonzero(free),
+                                                        np.flatnonzero(~free)], dev)
+        anchors = rs.token_history[rows_d, next_d]
         K = self.proposer.block_size
         if free.any():
             ids = [req_ids[b] for b in sample[free].tolist()]
-            proposed = self.proposer.propose(ids, srows[free], last_positions[free], anchors[free], self.taps)
-            self.drafts[to_device(srows[free], dev), :K] = proposed.to(torch.int64)
+            rows_f, anchors_f = (rows_d, anchors) if free.all() else (rows_d[free_d], anchors[free_d])
+            proposed = self.proposer.propose(ids, srows[free], last_positions[free], anchors_f, self.taps)
+            self.drafts[rows_f, :K] = proposed.to(torch.int64)
         if not free.all() and self.verify_decode is not None:  # placeholders: any valid id, never accepted
-            held = to_device(srows[~free], dev)
-            self.drafts[held, :K] = anchors[to_device(~free, dev)][:, None].to(torch.int64)
+            self.drafts[rows_d[held_d], :K] = anchors[held_d][:, None].to(torch.int64)
         for b, row in zip(sample[drafting].tolist(), srows[drafting].tolist()):
             num_drafts[b] = self.k
             if self.verify_decode is not None:
