@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dsv4.ops.host_copy import to_device
+from dsv4.ops.host_copy import to_device, to_device_all
 from dsv4.runtime.seeded_noise import seed_to_int64, seeded_exponential
 from dsv4.sampling_params import SamplingParams
 from dsv4.step import TokenLogprobs
@@ -42,7 +42,8 @@ def _flat_tokens(
     counts = torch.tensor([p.numel() for p in parts], dtype=torch.int64)
     row_idx = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64), counts)
     tokens = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-    return to_device(row_idx, device), to_device(tokens, device)
+    row_d, tokens_d = to_device_all([row_idx.numpy(), tokens.numpy()], device)
+    return row_d, tokens_d
 
 
 def needs_output_values(sp: SamplingParams) -> bool:
