@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.models.layers.merged import project
+from dsv4.ops import moe_sorted
 from dsv4.ops.moe import GROUPED_BLOCK_M, combine_experts, expert_gemv, expert_grouped, group_rows
 from dsv4.ops.moe_quant import expert_gemv_q, expert_grouped_q, grouped_q_block_m
 from dsv4.quant.weight import QuantWeight
@@ -100,11 +101,13 @@ class MoE(nn.Module):
 
 def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor | QuantWeight,
                down: torch.Tensor | QuantWeight, limit: float, weight_before_down: bool, fixed: bool,
-               shared: torch.Tensor, ep: ExpertShard | None = None) -> torch.Tensor:
+               shared: torch.Tensor, ep: ExpertShard | None = None, missing: bool = False) -> torch.Tensor:
     """The MoE layer's output [T, D] in x's dtype: the routed experts as per-(token, slot) rows, summed over the
     slots with the shared expert's output `shared` [T, D] (`combine_experts` gives the numerics).
 
-    Prefill and mixed steps (not fixed) group the rows by expert (`expert_grouped`: one launch on CUDA).
+    Prefill and mixed steps (not fixed) group the rows by expert (`expert_grouped`: one launch on CUDA), or from
+    `dsv4.ops.moe_sorted.MIN_ROWS` rows of bf16 experts, where switched on, sort them and run torch's grouped GEMM
+    (`experts_sorted`).
     Captured decode steps (fixed) need shapes fixed by (tokens, top_k, experts) and no host sync: when
     tokens*top_k <= experts each (token, slot) row gathers its expert's weights (`expert_gemv`: reads at most what is
     hit); otherwise every expert runs on every token and the routing weights mask the sum (each expert's weights are
@@ -117,18 +120,23 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
     With expert parallelism (`ep`), gate_up / down hold this rank's experts only: the routes to other ranks' experts
     weigh 0 and have id -1 (the matmuls skip them: a decode step reads only this rank's hit experts) and the partial
     outputs are summed over the ranks, with the shared expert's parts when it is split too
-    (else the replicated shared expert is added after the sum).
+    (else the replicated shared expert is added after the sum); `missing` says that routes may be -1.
     """
     if ep is not None:
         w, i = ep.local_routes(weights, idx)
         if ep.shared_split:  # `shared` is this rank's part of the shared expert: one all-reduce sums everything
-            return ep.par.all_reduce_(moe_output(x, w, i, gate_up, down, limit, weight_before_down, fixed, shared))
-        part = moe_output(x, w, i, gate_up, down, limit, weight_before_down, fixed, torch.zeros_like(shared))
+            return ep.par.all_reduce_(moe_output(x, w, i, gate_up, down, limit, weight_before_down, fixed, shared,
+                                                 missing=True))
+        part = moe_output(x, w, i, gate_up, down, limit, weight_before_down, fixed, torch.zeros_like(shared),
+                          missing=True)
         return ep.par.all_reduce_(part) + shared
     T, k = idx.shape
     E = gate_up.shape[0]
     inter = down.shape[2]
     quant = isinstance(gate_up, QuantWeight)
+    if not fixed and not quant and moe_sorted.use_sorted_experts(x, gate_up, down, T * k):
+        routed = moe_sorted.experts_sorted(x, weights, idx, gate_up, down, limit, weight_before_down, missing)
+        return combine_experts(routed, None if weight_before_down else weights.flatten(), shared, k)
     if not fixed or T * k <= E or quant:
         flat = idx.flatten()
         matmul = _routed_matmul(x, flat, E, quant, per_row=fixed and T * k <= E)
