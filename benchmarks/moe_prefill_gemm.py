@@ -3,19 +3,22 @@ order (`moe_output` with dsv4.ops.moe_sorted off, today's default) against rows 
 CUTLASS grouped GEMM (`moe_sorted.experts_sorted`).
 
 usage: PYTHONPATH=. python3 benchmarks/moe_prefill_gemm.py [--tokens 512,4096,16384] [--experts 16,256]
-                                                           [--models v4,v41] [--json PATH]
+                                                           [--models v4,v41] [--formats bf16,mxfp4] [--json PATH]
 
 Each case is one MoE layer's routed part (routing weights and ids given; the shared expert left out): the row plan,
 gate_up, SwiGLU (V4.1: weighted before down, fp32), down and the combine over the slots, for T tokens x top-6 routes
 on random distinct experts. Times are medians of `triton.testing.do_bench` (eager launches, as a prefill runs);
 TFLOP/s counts 2 x routes x (2I x D + D x I). Both outputs are compared (max difference over the output's largest
-magnitude: bf16 rounding is ~4e-3). The first case also runs with torch's profiler, to show where the sorted path's
+magnitude: bf16 rounding is ~4e-3). `mxfp4`: the experts as the released checkpoints store them (random e2m1 bytes,
+UE8M0 scales), the Triton W4A16 grouped kernel against dequantize-then-grouped-GEMM (the dequantization counted in
+the sorted time). The first case also runs with torch's profiler, to show where the sorted path's
 time goes (sort, gather, the two GEMMs, scatter).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 
@@ -25,18 +28,34 @@ import triton.testing
 from dsv4.bench.latency import environment
 from dsv4.models.layers.moe import moe_output
 from dsv4.ops import moe_sorted
+from dsv4.quant.weight import QuantWeight
 
 SHAPES = {"v4": (4096, 2048, False), "v41": (5120, 2304, True)}  # hidden, expert width, weight before down
 TOP_K = 6
 
 
-def _case(model: str, E: int, T: int) -> dict:
+def _mxfp4(E: int, N: int, K: int, g: torch.Generator) -> QuantWeight:
+    """Random released-format experts: uniform e2m1 bytes, UE8M0 scales 2^-9 .. 2^-5 (weights of ~0.01-0.2)."""
+    data = torch.randint(0, 256, (E, N, K // 2), generator=g, device="cuda", dtype=torch.uint8)
+    scale = torch.randint(118, 123, (E, N, K // 32), generator=g, device="cuda", dtype=torch.uint8)
+    return QuantWeight(data, scale, (1, 32))
+
+
+def _experts(model: str, E: int, fmt: str, g: torch.Generator) -> tuple[torch.Tensor | QuantWeight, ...]:
+    D, inter, _ = SHAPES[model]
+    if fmt == "mxfp4":
+        return _mxfp4(E, 2 * inter, D, g), _mxfp4(E, D, inter, g)
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    return (torch.randn(E, 2 * inter, D, generator=g, **bf) * D ** -0.5,
+            torch.randn(E, D, inter, generator=g, **bf) * inter ** -0.5)
+
+
+def _case(model: str, E: int, T: int, fmt: str) -> dict:
     D, inter, before = SHAPES[model]
     g = torch.Generator(device="cuda").manual_seed(T + E)
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(T, D, generator=g, **bf)
-    gate_up = torch.randn(E, 2 * inter, D, generator=g, **bf) * D ** -0.5
-    down = torch.randn(E, D, inter, generator=g, **bf) * inter ** -0.5
+    gate_up, down = _experts(model, E, fmt, g)
     idx = torch.rand(T, E, generator=g, device="cuda").argsort(dim=1)[:, :TOP_K]
     weights = torch.rand(T, TOP_K, generator=g, device="cuda")
     shared = torch.zeros(T, D, **bf)
@@ -48,7 +67,7 @@ def _case(model: str, E: int, T: int) -> dict:
     ref, got = run(False), run(True)
     err = ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
     flops = 2 * T * TOP_K * 3 * inter * D
-    row = {"model": model, "experts": E, "tokens": T, "routes": T * TOP_K, "max_rel_diff": err}
+    row = {"model": model, "format": fmt, "experts": E, "tokens": T, "routes": T * TOP_K, "max_rel_diff": err}
     for name, on in (("triton", False), ("sorted", True)):
         ms = triton.testing.do_bench(lambda: run(on), warmup=50, rep=300)
         row[f"{name}_ms"] = ms
@@ -57,11 +76,11 @@ def _case(model: str, E: int, T: int) -> dict:
     return row
 
 
-def _profile(model: str, E: int, T: int) -> str:
+def _profile(model: str, E: int, T: int, fmt: str) -> str:
     D, inter, before = SHAPES[model]
     bf = dict(device="cuda", dtype=torch.bfloat16)
     x = torch.randn(T, D, **bf)
-    gate_up, down = torch.randn(E, 2 * inter, D, **bf) * 0.02, torch.randn(E, D, inter, **bf) * 0.02
+    gate_up, down = _experts(model, E, fmt, torch.Generator(device="cuda").manual_seed(0))
     idx = torch.rand(T, E, device="cuda").argsort(dim=1)[:, :TOP_K]
     weights, shared = torch.rand(T, TOP_K, device="cuda"), torch.zeros(T, D, **bf)
     out = []
@@ -74,7 +93,7 @@ def _profile(model: str, E: int, T: int) -> str:
                 moe_output(x, weights, idx, gate_up, down, 7.0, weight_before_down=before, fixed=False,
                            shared=shared)
             torch.cuda.synchronize()
-        out.append(f"== {'sorted' if on else 'triton'}: {model}, {E} experts, {T} tokens (5 calls)\n"
+        out.append(f"== {'sorted' if on else 'triton'}: {model} {fmt}, {E} experts, {T} tokens (5 calls)\n"
                    + prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
     return "\n".join(out)
 
@@ -84,21 +103,22 @@ def main() -> None:
     ap.add_argument("--tokens", default="512,4096,16384")
     ap.add_argument("--experts", default="16,256")
     ap.add_argument("--models", default="v4,v41")
+    ap.add_argument("--formats", default="bf16,mxfp4")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     moe_sorted.MIN_ROWS = 1  # the switch decides on nothing but the case here
     rows = []
-    for model in args.models.split(","):
+    for fmt, model in itertools.product(args.formats.split(","), args.models.split(",")):
         for E in (int(e) for e in args.experts.split(",")):
             for T in (int(t) for t in args.tokens.split(",")):
-                row = _case(model, E, T)
+                row = _case(model, E, T, fmt)
                 rows.append(row)
-                print(f"{model} E={E:4d} T={T:6d}: triton {row['triton_ms']:8.3f} ms ({row['triton_tflops']:6.1f} "
+                print(f"{model} {fmt:5s} E={E:4d} T={T:6d}: triton {row['triton_ms']:8.3f} ms ({row['triton_tflops']:6.1f} "
                       f"TFLOP/s)  sorted {row['sorted_ms']:8.3f} ms ({row['sorted_tflops']:6.1f})  "
                       f"x{row['speedup']:.2f}  diff {row['max_rel_diff']:.1e}", flush=True)
                 torch.cuda.empty_cache()
     model, E = args.models.split(",")[0], int(args.experts.split(",")[0])
-    prof = _profile(model, E, int(args.tokens.split(",")[-1]))
+    prof = "\n".join(_profile(model, E, int(args.tokens.split(",")[-1]), fmt) for fmt in args.formats.split(","))
     print(prof)
     if args.json:
         with open(args.json, "w") as f:

@@ -271,3 +271,34 @@ def test_grouped_kernel_matches_reference() -> None:
                         GROUPED_Q_CONFIG["block_m"] = None
         print("ok")
     """)
+
+
+def test_expert_dequant_kernels_are_exact() -> None:
+    """dsv4/ops/expert_dequant.py (the sorted prefill GEMM's weights) gives `QuantWeight.dequantize`'s numbers bit for
+    bit: MXFP4 with every nibble in both positions, scale bytes 0 and 1 (2^-127, 2^-126: subnormal products), 100,
+    150, 254 (overflow to inf) and 255 (NaN), rows and bytes that leave partial tiles; FP8 experts flattened to rows
+    (UE8M0 and float scales, blocks of 128 and 32), and the torch fallback when a block straddles two experts; bf16,
+    fp16 and fp32. (bf16 runs with scale bytes 2 and 3 in place of 0 and 1: the interpreter's fp32 -> bf16 cast
+    flushes bf16 subnormals to zero, the GPU's does not; tests/gpu/test_moe_sorted_gpu.py checks them there.)"""
+    _interpret("""
+        import torch
+        from test_moe_quant import mxfp4_weight, fp8_weight
+        from dsv4.ops.expert_dequant import dequantize_experts_triton
+        from dsv4.quant.weight import QuantWeight
+        g = torch.Generator().manual_seed(9)
+        cases = []
+        for E, N, K in ((3, 20, 64), (2, 8, 320)):
+            w = mxfp4_weight(E, N, K, g)
+            w.scale.view(-1)[5:9] = torch.tensor([0, 254, 255, 1], dtype=torch.uint8)
+            cases.append(w)
+        cases += [fp8_weight(2, 256, 160, (128, 128), True, g), fp8_weight(3, 64, 96, (32, 32), False, g),
+                  fp8_weight(2, 40, 64, (32, 32), True, g)]  # 40 % 32: a block straddles the experts
+        for w in cases:
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):  # bf16 last: it changes w
+                if dtype == torch.bfloat16 and w.fp4:
+                    w = QuantWeight(w.data, torch.where(w.scale < 2, w.scale + 2, w.scale), w.block)
+                got, ref = dequantize_experts_triton(w, dtype), w.dequantize(dtype)
+                assert got.shape == ref.shape and got.dtype == dtype
+                torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
+        print("ok")
+    """)

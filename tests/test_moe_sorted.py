@@ -12,10 +12,14 @@ from dsv4.distributed import ExpertShard, Parallel
 from dsv4.llm import LLM
 from dsv4.models.layers.moe import moe_output
 from dsv4.ops import moe_sorted
+from dsv4.make_model import make_model
 from dsv4.ops.moe import expert_grouped_torch
+from dsv4.ops.moe_quant import expert_grouped_q_torch
 from dsv4.ops.swiglu import swiglu_torch
+from dsv4.quant.weight import QuantWeight
 from dsv4.sampling_params import SamplingParams
 from tests.test_moe_fixed import _reference
+from tests.test_moe_quant import fp8_weight, mxfp4_weight
 
 D, INTER = 32, 16  # multiples of 8: row strides of 16 bytes, as _grouped_mm checks on every device
 
@@ -31,12 +35,15 @@ def _layer(seed: int, T: int, k: int, E: int, dtype: torch.dtype = torch.float32
 
 
 def _route_order(x, weights, idx, gate_up, down, limit, before):
-    """The grouped path's rows in route order: expert_grouped's torch reference, SwiGLU, down."""
+    """The grouped path's rows in route order: expert_grouped's torch reference (quantized experts: its twin on the
+    stored weights), SwiGLU, down."""
     k, flat = idx.shape[1], idx.flatten()
-    gu = expert_grouped_torch(x, gate_up, flat, k)
-    g, u = gu[:, :INTER], gu[:, INTER:]
+    grouped = expert_grouped_q_torch if isinstance(gate_up, QuantWeight) else expert_grouped_torch
+    gu = grouped(x, gate_up, flat, k)
+    inter = gu.shape[1] // 2
+    g, u = gu[:, :inter], gu[:, inter:]
     h = swiglu_torch(g, u, limit, weights.flatten(), fp32=True) if before else swiglu_torch(g, u, limit, fp32=False)
-    return expert_grouped_torch(h, down, flat, 1)
+    return grouped(h, down, flat, 1)
 
 
 @pytest.mark.parametrize("T,k,E", [(1, 1, 4), (3, 2, 8), (8, 3, 6), (37, 6, 16), (40, 2, 3)])
@@ -76,6 +83,32 @@ def test_rows_without_an_expert_are_zero() -> None:
     torch.testing.assert_close(got[~gone], ref[~gone], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("chunk", [None, 1, 3])
+def test_quantized_experts_in_chunks(monkeypatch: pytest.MonkeyPatch, fmt: str, chunk: int | None) -> None:
+    """Quantized experts (the released formats) are dequantized and multiplied: all at once (None) or `chunk` experts
+    at a time (DEQUANT_BYTES cut down), with experts that get no row and, under expert parallelism, -1 routes; the
+    same rows as the stored-weight grouped path's reference."""
+    E, T, k, D_, I_ = 8, 13, 3, 64, 32
+    g = torch.Generator().manual_seed(2 + (chunk or 0))
+    if fmt == "mxfp4":
+        gate_up, down = mxfp4_weight(E, 2 * I_, D_, g, extreme=False), mxfp4_weight(E, D_, I_, g, extreme=False)
+    else:
+        gate_up, down = (fp8_weight(E, 2 * I_, D_, (32, 32), True, g, extreme=False),
+                         fp8_weight(E, D_, I_, (32, 32), False, g, extreme=False))
+    if chunk is not None:
+        monkeypatch.setattr(moe_sorted, "DEQUANT_BYTES", chunk * 2 * I_ * D_ * 4)  # fp32: `chunk` gate_up experts
+        assert moe_sorted.experts_per_chunk(gate_up, torch.float32) == chunk
+    x = torch.randn(T, D_, generator=g) / 64
+    weights = torch.rand(T, k, generator=g)
+    idx = torch.stack([torch.randperm(E - 2, generator=g)[:k] for _ in range(T)])  # experts 6, 7: no rows
+    for missing in (False, True):
+        cut = torch.where(idx == 3, -1, idx) if missing else idx
+        got = moe_sorted.experts_sorted(x, weights, cut, gate_up, down, 1.5, True, missing=missing)
+        ref = _route_order(x, weights, cut, gate_up, down, 1.5, True)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture
 def forced(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sorted path on for every non-fixed step (the CPU would never take it)."""
@@ -113,11 +146,16 @@ def test_the_switch_is_off_by_default_and_needs_the_cutlass_kernel() -> None:
     assert not moe_sorted.use_sorted_experts(x, gate_up, down, 1 << 20)
 
 
-@pytest.mark.parametrize("model", ["tiny_v4", "tiny_v41"])
+@pytest.fixture(scope="module")
+def tiny_v41_released(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_model("tiny-v41", str(tmp_path_factory.mktemp("tiny-v41-rel")), seed=0, quant="released")
+
+
+@pytest.mark.parametrize("model", ["tiny_v4", "tiny_v41", "tiny_v41_released"])
 def test_engine_tokens_with_the_sorted_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
                                             model: str) -> None:
     """Greedy tokens (fp32, CPU) of prompts long enough for several prefill chunks equal the default path's, with
-    the sorted path taken by every MoE layer of every step."""
+    the sorted path taken by every MoE layer of every step (the released checkpoint's MXFP4 experts dequantized)."""
     path = request.getfixturevalue(model)
     prompts = [list(range(5, 5 + n)) for n in (3, 40, 71)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

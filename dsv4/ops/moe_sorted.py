@@ -16,13 +16,18 @@ How. For routes `idx` [T, k] (expert per (token, slot) row r = t * k + j; -1: an
 Rows past the last expert's end (the -1 rows under expert parallelism) are computed by neither GEMM (their memory is
 left as allocated), so their outputs are zeroed before the scatter; without missing rows there are none.
 
+Quantized experts (MXFP4 / FP8 `QuantWeight`, the released checkpoints): each GEMM first dequantizes the experts to
+bf16 (dsv4/ops/expert_dequant.py: one launch, half a byte read and two written per MXFP4 weight), all of them at once
+when they fit `DEQUANT_BYTES`, which keeps the path free of host syncs; larger layers (the full-size models' 256 or
+384 experts) go in pieces of experts, after one host copy of the experts' row ends.
+
 Numerics: fp32 accumulation and one rounding to bf16 per GEMM, as the Triton kernel; only the order of the fp32 sums
 differs, so outputs match it to bf16 rounding, not bit for bit.
 
 Where it runs (`use_sorted_experts`): prefill and mixed steps (not the captured decode steps, which have their own
-fixed-shape paths), unquantized bf16 experts on a GPU whose CUTLASS path torch has (compute capability 9.x / 10.x; on
-others torch falls back to one matmul per expert after a host sync, slower than the Triton kernel), from
-`MIN_ROWS` routed rows. Off by default until measured on the H200 (`DSV4_SORTED_EXPERTS=1` turns it on;
+fixed-shape paths), bf16 activations (experts bf16 or quantized) on a GPU whose CUTLASS path torch has (compute
+capability 9.x / 10.x; on others torch falls back to one matmul per expert after a host sync, slower than the Triton
+kernel), from `MIN_ROWS` routed rows. Off by default until measured on the H200 (`DSV4_SORTED_EXPERTS=1` turns it on;
 benchmarks/moe_prefill_gemm.py compares the two paths). Everywhere torch has `_grouped_mm` (its CPU build included)
 the functions here compute the same thing, which is how the CPU tests check them.
 """
@@ -34,13 +39,19 @@ from typing import NamedTuple
 
 import torch
 
+from dsv4.ops.expert_dequant import dequantize_experts
+from dsv4.ops.host_copy import to_device
 from dsv4.ops.moe import group_rows
 from dsv4.ops.swiglu import swiglu
+from dsv4.quant.weight import QuantWeight
 
 SORTED_EXPERTS = os.environ.get("DSV4_SORTED_EXPERTS", "0") == "1"
 # below this many routed rows a step keeps the Triton kernel (a short prompt is host-bound, and its experts get few
 # rows each); to be set from benchmarks/moe_prefill_gemm.py
 MIN_ROWS = 1024
+# quantized experts: at most this many bytes of them dequantized at once (a V4.1-Flash-8l layer's 16 experts, 0.75 GB
+# of gate_up in bf16, in one piece; the full model's 384, 18 GB, in ~18 pieces with one host sync a layer)
+DEQUANT_BYTES = 1 << 30
 
 
 class SortedRoutes(NamedTuple):
@@ -64,43 +75,76 @@ def sort_routes(flat: torch.Tensor, E: int, missing: bool) -> SortedRoutes:
     return SortedRoutes(plan.order, offs, valid)
 
 
-def sorted_matmul(a: torch.Tensor, w: torch.Tensor, routes: SortedRoutes) -> torch.Tensor:
+def sorted_matmul(a: torch.Tensor, w: torch.Tensor | QuantWeight, routes: SortedRoutes,
+                  ends: list[int] | None = None) -> torch.Tensor:
     """Rows of a [R, K] in sorted order times their experts' weights w [E, N, K] (nn.Linear layout) -> [R, N]; rows
-    past the last expert's end are not computed (left as allocated)."""
-    return torch._grouped_mm(a, w.transpose(1, 2), offs=routes.offs)
+    past the last expert's end are not computed (left as allocated). Quantized experts are dequantized to a's dtype
+    first (dsv4/ops/expert_dequant.py), all at once when they fit `DEQUANT_BYTES`, else `experts_per_chunk` at a
+    time, which needs the experts' row ends on the host (`ends`, a copy of routes.offs)."""
+    if not isinstance(w, QuantWeight):
+        return torch._grouped_mm(a, w.transpose(1, 2), offs=routes.offs)
+    E, N, _ = w.shape
+    step = experts_per_chunk(w, a.dtype)
+    if step >= E:
+        return torch._grouped_mm(a, dequantize_experts(w, 0, E, a.dtype).transpose(1, 2), offs=routes.offs)
+    assert ends is not None, "chunked experts need their row ends on the host"
+    out = a.new_empty(a.shape[0], N)
+    for first in range(0, E, step):
+        end = min(E, first + step)
+        lo, hi = ends[first - 1] if first else 0, ends[end - 1]
+        if hi > lo:  # (no rows: nothing dequantized)
+            offs = to_device([e - lo for e in ends[first:end]], a.device, torch.int32)
+            wc = dequantize_experts(w, first, end, a.dtype)
+            out[lo:hi] = torch._grouped_mm(a[lo:hi], wc.transpose(1, 2), offs=offs)
+    return out
 
 
-def experts_sorted(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor,
-                   down: torch.Tensor, limit: float, weight_before_down: bool, missing: bool) -> torch.Tensor:
+def experts_per_chunk(w: torch.Tensor | QuantWeight, dtype: torch.dtype) -> int:
+    """How many of w's experts are dequantized at once: as many as fit DEQUANT_BYTES (at least one); every expert
+    for unquantized weights."""
+    E, N, K = w.shape
+    if not isinstance(w, QuantWeight):
+        return E
+    return max(1, DEQUANT_BYTES // (N * K * torch.finfo(dtype).bits // 8))
+
+
+def experts_sorted(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor | QuantWeight,
+                   down: torch.Tensor | QuantWeight, limit: float, weight_before_down: bool, missing: bool) -> torch.Tensor:
     """The routed experts' outputs [T * k, D] in route order (row t * k + j: token t's slot j), as
     `dsv4.models.layers.moe.moe_output`'s grouped matmuls give them to `combine_experts`: with the routing weight
     applied before down (V4.1, fp32 SwiGLU) or not at all (V4: combine weighs). -1 routes give rows of zeros."""
     T, k = idx.shape
     E, inter = gate_up.shape[0], down.shape[2]
     routes = sort_routes(idx.flatten(), E, missing)
+    ends = None  # (one host copy when a layer's experts are dequantized in chunks)
+    if min(experts_per_chunk(gate_up, x.dtype), experts_per_chunk(down, x.dtype)) < E:
+        ends = routes.offs.tolist()
     xs = x.index_select(0, routes.order // k)
-    gu = sorted_matmul(xs, gate_up, routes)
+    gu = sorted_matmul(xs, gate_up, routes, ends)
     g, u = gu[:, :inter], gu[:, inter:]
     if weight_before_down:
         h = swiglu(g, u, limit, weights.flatten().index_select(0, routes.order), fp32=True)
     else:
         h = swiglu(g, u, limit, fp32=False)
     del gu, g, u
-    y = sorted_matmul(h, down, routes)
+    y = sorted_matmul(h, down, routes, ends)
     if routes.valid is not None:
         y = torch.where(routes.valid, y, 0)
     return xs.index_copy_(0, routes.order, y)  # (xs has y's shape: [R, D])
 
 
-def grouped_mm_fast(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether torch runs `_grouped_mm` of x [*, K] and w [E, N, K] as its CUTLASS kernel: CUDA, bf16 operands,
-    compute capability 9.x or 10.x, 16-byte row strides."""
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+def grouped_mm_fast(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> bool:
+    """Whether torch runs `_grouped_mm` of x [*, K] and w [E, N, K] (quantized: dequantized to x's dtype) as its
+    CUTLASS kernel: CUDA, bf16 operands, compute capability 9.x or 10.x, 16-byte row strides."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+        return False
+    if not isinstance(w, QuantWeight) and not (w.dtype == torch.bfloat16 and w.is_contiguous()):
         return False
     major, _ = torch.cuda.get_device_capability(x.device)
-    return major in (9, 10) and w.is_contiguous() and w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0
+    return major in (9, 10) and w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0
 
 
-def use_sorted_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: int) -> bool:
+def use_sorted_experts(x: torch.Tensor, gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight,
+                       rows: int) -> bool:
     """The switch `moe_output` asks for a step of `rows` routed rows that is not a captured decode step."""
     return SORTED_EXPERTS and rows >= MIN_ROWS and grouped_mm_fast(x, gate_up) and grouped_mm_fast(x, down)

@@ -1,7 +1,8 @@
 """The sorted-rows routed experts (dsv4/ops/moe_sorted.py: torch's CUTLASS grouped GEMM) on the GPU at Flash expert
 shapes (V4-Flash: hidden 4096, expert width 2048; V4.1-Flash: 5120, 2304; 16 experts, top-6), bf16: against the Triton
 route-order path (`moe_output` with the switch off) to bf16 rounding, with rows of other ranks' experts zero, without
-a host sync; the switch's conditions; a tiny V4.1 engine with the path on."""
+a host sync; released-format experts (MXFP4, FP8) dequantized whole or in pieces against the W4A16 / W8A16 kernel;
+the dequant kernel with subnormal outputs; the switch's conditions; a tiny V4.1 engine with the path on."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import torch
 from dsv4.llm import LLM
 from dsv4.models.layers.moe import moe_output
 from dsv4.ops import moe_sorted
+from dsv4.ops.expert_dequant import dequantize_experts_triton
 from dsv4.sampling_params import SamplingParams
+from test_moe_quant import fp8_weight, mxfp4_weight
 
 SHAPES = {"v4": (4096, 2048), "v41": (5120, 2304)}
 E, TOP_K = 16, 6
@@ -54,6 +57,43 @@ def test_sorted_path_equals_the_triton_path(monkeypatch: pytest.MonkeyPatch, sha
     finally:
         torch.cuda.set_sync_debug_mode("default")
     _close(got, ref)
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "fp8"])
+@pytest.mark.parametrize("chunk", [False, True])
+def test_quantized_experts_equal_the_w4a16_path(monkeypatch: pytest.MonkeyPatch, fmt: str, chunk: bool) -> None:
+    """Released-format experts (V4.1-Flash shapes): dequantized then the grouped GEMM, whole or 5 experts at a
+    time, against the stored-weight Triton kernel (`expert_grouped_q`), to bf16 rounding."""
+    D, inter = SHAPES["v41"]
+    g = torch.Generator(device="cuda").manual_seed(4)
+    if fmt == "mxfp4":
+        gate_up = mxfp4_weight(E, 2 * inter, D, g, scales=(118, 122), extreme=False, device="cuda")
+        down = mxfp4_weight(E, D, inter, g, scales=(118, 122), extreme=False, device="cuda")
+    else:
+        gate_up = fp8_weight(E, 2 * inter, D, (128, 128), True, g, extreme=False, device="cuda")
+        down = fp8_weight(E, D, inter, (128, 128), True, g, extreme=False, device="cuda")
+    x, _, _, idx, weights, shared = _layer("v41", 1024, 8)
+    args = (x, weights, idx, gate_up, down, 7.0)
+    monkeypatch.setattr(moe_sorted, "SORTED_EXPERTS", False)
+    ref = moe_output(*args, weight_before_down=True, fixed=False, shared=shared)
+    monkeypatch.setattr(moe_sorted, "SORTED_EXPERTS", True)
+    monkeypatch.setattr(moe_sorted, "MIN_ROWS", 1)
+    if chunk:
+        monkeypatch.setattr(moe_sorted, "DEQUANT_BYTES", 5 * 2 * inter * D * 2)
+        assert moe_sorted.experts_per_chunk(gate_up, torch.bfloat16) == 5
+    got = moe_output(*args, weight_before_down=True, fixed=False, shared=shared)
+    _close(got, ref)
+
+
+def test_dequant_kernel_keeps_bf16_subnormals() -> None:
+    """The MXFP4 dequant kernel on the GPU equals `QuantWeight.dequantize` bit for bit with scale bytes 0 and 1 too
+    (products below bf16's smallest normal; the CPU interpreter's cast flushes them), and 254 / 255 (inf, NaN)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    w = mxfp4_weight(4, 64, 256, g, device="cuda")
+    w.scale.view(-1)[:8] = torch.tensor([0, 1, 0, 1, 254, 255, 2, 3], dtype=torch.uint8, device="cuda")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        torch.testing.assert_close(dequantize_experts_triton(w, dtype), w.dequantize(dtype), rtol=0, atol=0,
+                                   equal_nan=True)
 
 
 def test_rows_of_other_ranks_experts_are_zero() -> None:

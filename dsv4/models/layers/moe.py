@@ -106,8 +106,8 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
     slots with the shared expert's output `shared` [T, D] (`combine_experts` gives the numerics).
 
     Prefill and mixed steps (not fixed) group the rows by expert (`expert_grouped`: one launch on CUDA), or from
-    `dsv4.ops.moe_sorted.MIN_ROWS` rows of bf16 experts, where switched on, sort them and run torch's grouped GEMM
-    (`experts_sorted`).
+    `dsv4.ops.moe_sorted.MIN_ROWS` rows in bf16, where switched on, sort them and run torch's grouped GEMM
+    (`experts_sorted`; quantized experts dequantized for it).
     Captured decode steps (fixed) need shapes fixed by (tokens, top_k, experts) and no host sync: when
     tokens*top_k <= experts each (token, slot) row gathers its expert's weights (`expert_gemv`: reads at most what is
     hit); otherwise every expert runs on every token and the routing weights mask the sum (each expert's weights are
@@ -134,7 +134,7 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
     E = gate_up.shape[0]
     inter = down.shape[2]
     quant = isinstance(gate_up, QuantWeight)
-    if not fixed and not quant and moe_sorted.use_sorted_experts(x, gate_up, down, T * k):
+    if not fixed and moe_sorted.use_sorted_experts(x, gate_up, down, T * k):
         routed = moe_sorted.experts_sorted(x, weights, idx, gate_up, down, limit, weight_before_down, missing)
         return combine_experts(routed, None if weight_before_down else weights.flatten(), shared, k)
     if not fixed or T * k <= E or quant:
