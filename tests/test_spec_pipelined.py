@@ -97,8 +97,8 @@ def test_device_acceptance_equals_the_host_rule() -> None:
 def test_device_rejection_sampling_keeps_the_target_distribution(known: int) -> None:
     """verify_on_device on fixed logits, many requests, unseeded draws from one generator: the first emitted token
     is distributed as the anchor row's p (temperature and top-k applied), whatever the draft, and the second, given
-    the first draft accepted, as the next row's. A row before the anchor (known = 2, after a rewind) verifies
-    nothing. Fails for an off-by-one between drafts and rows."""
+    the first draft accepted, as the next row's. A row before the anchor (known = 2: two known tokens pending)
+    verifies nothing. Fails for an off-by-one between drafts and rows."""
     V, q, n = 8, 4, 4000
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(q, V, generator=gen) * 1.5
@@ -133,8 +133,8 @@ def test_device_rejection_sampling_keeps_the_target_distribution(known: int) -> 
 @pytest.mark.parametrize("wrong_every", [0, 3, -1], ids=["accept", "reject", "random"])
 def test_greedy_equals_plain_decoding(tiny_v41: str, baseline: dict[str, list[int]], k: int, ids: list[int],
                                       wrong_every: int) -> None:
-    """All drafts accepted, a wrong draft every 3 positions (rewinds to the open pair's start, partial acceptance
-    at every depth) or the checkpoint's random drafter (almost nothing accepted); k + 1 = 2, 3, 4 rows a request.
+    """All drafts accepted, a wrong draft every 3 positions (partial acceptance at every depth, rejected rows in
+    the rings' slack) or the checkpoint's random drafter (almost nothing accepted); k + 1 = 2, 3, 4 rows a request.
     After the prefill step everything is pipelined, and an all-accepting drafter stays all accepted."""
     oracle = None if wrong_every < 0 else _oracle(baseline, ids, wrong_every)
     e = _engine(tiny_v41, k, oracle)
@@ -155,7 +155,7 @@ def test_greedy_equals_plain_decoding(tiny_v41: str, baseline: dict[str, list[in
 def test_mtp_greedy_equals_plain_decoding(tiny_v4: str, baseline_v4: dict[str, list[int]], k: int, ids: list[int],
                                           wrong_every: int) -> None:
     """DeepSeek-V4 with its MTP layer (or the oracle): a rejection needs no restore (its compressor rings keep k + 1
-    rows of slack) and no rewind; every verify step after the prefill is pipelined."""
+    rows of slack); every verify step after the prefill is pipelined."""
     oracle = None if wrong_every < 0 else _oracle(baseline_v4, ids, wrong_every)
     e = _engine(tiny_v4, k, oracle, method="mtp")
     outs = run_to_completion(e, {str(r): PROMPTS[i] for r, i in enumerate(ids)}, GREEDY)

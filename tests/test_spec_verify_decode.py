@@ -1,6 +1,6 @@
 """The multi-row decode verify step (`"verify_decode": true`, dsv4/spec_decode/verify_decode.py): a speculative step
 in which every request verifies exactly k drafts runs as k + 1 decode rows per request through the fixed-shape
-decode forward. Greedy output equals plain decoding (all drafts accepted, some rejected, rewinds; pair boundaries at
+decode forward. Greedy output equals plain decoding (all drafts accepted, some rejected; pair boundaries at
 even and odd positions; batches of 1-3); its logits and taps equal the eager token-row forward's for the same step;
 uniform steps take the new path and all others the eager one.
 """
@@ -76,9 +76,9 @@ def _record_uniform(vd: VerifyDecode) -> list[tuple[bool, list[int], list[int]]]
 @pytest.mark.parametrize("wrong_every", [0, 3], ids=["accept", "reject"])
 def test_greedy_equals_plain_decoding(tiny_v41: str, baseline: dict[str, list[int]], k: int, ids: list[int],
                                       wrong_every: int) -> None:
-    """All drafts accepted, or a wrong draft every 3 positions (partial acceptance at every depth, rewinds to the
-    open pair's start), k + 1 = 3 (the pair boundary moves every step) and 4 rows per request. Every step with
-    drafts is uniform: a rewound request is drafted k - 1, and the last steps verify drafts past max_tokens
+    """All drafts accepted, or a wrong draft every 3 positions (partial acceptance at every depth: rejected rows
+    overwrite ring slots the next steps do not read), k + 1 = 3 (the pair boundary moves every step) and 4 rows per
+    request. Every step with drafts is uniform, and the last steps verify drafts past max_tokens
     (SchedulerConfig.drafts_past_max_tokens), which the counters leave out (all accepted stays all accepted)."""
     prompts = [PROMPTS[i] for i in ids]
     outs, e = _run(tiny_v41, prompts, _spec(k), _oracle(baseline, ids, wrong_every))
@@ -94,8 +94,8 @@ def test_greedy_equals_plain_decoding(tiny_v41: str, baseline: dict[str, list[in
 
 
 def test_random_drafter_equals_plain_decoding(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
-    """The checkpoint's own (random) DSpark drafter: drafts almost always rejected at the first position, so most
-    steps rewind (the request drafted k - 1 after them); every step with drafts is still a uniform decode-row step."""
+    """The checkpoint's own (random) DSpark drafter: drafts almost always rejected at the first position; every
+    step with drafts is still a uniform decode-row step."""
     outs, e = _run(tiny_v41, PROMPTS[:3], _spec(3))
     assert outs == {str(i): baseline[str(i)] for i in range(3)}
     vd = e.runner.speculator.verify_decode
@@ -117,7 +117,7 @@ def test_greedy_equals_plain_decoding_through_the_graph_path(tiny_v41: str, base
 @pytest.mark.parametrize("case", ["prefix_cache", "preemption"])
 def test_greedy_equals_plain_with_prefix_caching_and_preemption(tiny_v41: str, case: str) -> None:
     """Prefix-cache hits (their replayed rows stay eager; verify rows after them) and preemption (recomputed
-    requests): the plain output with a partly rejected oracle (accepted runs and rewinds)."""
+    requests): the plain output with a partly rejected oracle (accepted runs and rejections)."""
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts, kw = prefix_or_preemption_case(case)
     base, outs, e = against_plain(tiny_v41, prompts, params, _spec(3), 4, **kw)
@@ -212,10 +212,10 @@ def test_verify_logits_equal_the_eager_forward(tiny_v41: str, baseline: dict[str
 # ---- which steps take the path --------------------------------------------------------------------------------------
 def test_uniform_steps_take_the_decode_path_others_stay_eager(tiny_v41: str, baseline: dict[str, list[int]]) -> None:
     """Decisions per step: uniform exactly when every request computes k + 1 tokens with at least one draft: its
-    anchor and k drafts, or after a rewind the recomputed token, the anchor and k - 1 drafts (drafted one fewer so
-    the step stays uniform); fewer drafts near max_model_len and the prefill stay eager (max_model_len 20: the
-    requests end by length, their last steps with room for fewer drafts). The counters match the decisions; with
-    the switch off nothing changes (no VerifyDecode), and rewound requests then get k drafts."""
+    anchor and k drafts (a rejection rewinds nothing: the compressor rings keep slack, kv.spec.ring_slack, so every
+    request has its anchor alone pending after a step, rejecting or not); fewer drafts near max_model_len and the
+    prefill stay eager (max_model_len 20: the requests end by length, their last steps with room for fewer drafts).
+    The counters match the decisions; with the switch off (no VerifyDecode) the drafts are the same."""
     k, ids = 3, [0, 3]
     e = LLMEngine.from_args(tiny_v41, speculative_config=_spec(k), max_num_seqs=4, max_model_len=20)
     e.runner.speculator.set_proposer(OracleProposer(_oracle(baseline, ids, wrong_every=3), 4))
@@ -226,9 +226,9 @@ def test_uniform_steps_take_the_decode_path_others_stay_eager(tiny_v41: str, bas
         assert ok == (all(s == k + 1 for s in sched) and all(d >= 1 for d in drafts)), (sched, drafts)
     assert vd.num_decode_steps == sum(ok for ok, _, _ in seen) > 0
     assert vd.num_eager_steps == sum(not ok and any(d) for ok, _, d in seen) > 0
-    # no rewound request with k drafts (k + 2 tokens): one fewer (a 5-token prompt's prefill is k + 2 tokens too)
+    # no request computes a token before its anchor again (k + 2 tokens with k drafts)
     assert not any((s, d) == (k + 2, k) for _, sched, drafts in seen for s, d in zip(sched, drafts))
-    assert any(ok and k - 1 in d for ok, _, d in seen)  # a rewound request's step, uniform
+    assert all(set(d) == {k} for ok, _, d in seen if ok)  # uniform steps verify k drafts a request
     assert any(0 < max(d) < k for ok, _, d in seen if not ok)  # fewer drafts: max_model_len leaves no room
     off = LLMEngine.from_args(tiny_v41, speculative_config=_spec(k, on=False), max_num_seqs=4)
     assert off.runner.speculator.verify_decode is None
@@ -249,9 +249,9 @@ def test_uniform_steps_take_the_decode_path_others_stay_eager(tiny_v41: str, bas
         sp.launch = spy  # type: ignore[method-assign]
     for eng in (e, off):  # the oracle's request ids (the first run's requests are done)
         run_to_completion(eng, {str(r): PROMPTS[i] for r, i in enumerate(ids)}, GREEDY)
-    # a rewound request (2 tokens pending: the recomputed one and the anchor) drafts k - 1 with the switch, k without
-    assert (k - 1, 2) in drafted["on"] and (k, 2) not in drafted["on"]
-    assert (k, 2) in drafted["off"] and (k - 1, 2) not in drafted["off"]
+    # after every step (rejecting ones included) a drafting request has only its anchor pending and drafts k
+    for mode in ("on", "off"):
+        assert set(drafted[mode]) == {(k, 1)}, (mode, set(drafted[mode]))
 
 
 def test_dummy_forward_for_the_memory_profile_writes_nothing_real(tiny_v41: str,

@@ -54,7 +54,7 @@ def _oracle(baseline: dict[str, list[int]], ids: list[int], wrong_every: int = 0
 def test_greedy_equals_plain_decoding(tiny_v4: str, baseline: dict[str, list[int]], k: int, ids: list[int],
                                       wrong_every: int) -> None:
     """All drafts accepted, or a wrong draft every 3 positions (partial acceptance at every depth, the rings
-    restored): every step with drafts is a uniform decode-row step (V4 never rewinds: k drafts after the anchor)."""
+    restored): every step with drafts is a uniform decode-row step (k drafts after the anchor)."""
     outs, e = _run(tiny_v4, [PROMPTS[i] for i in ids], _spec(k), _oracle(baseline, ids, wrong_every))
     assert outs == {str(r): baseline[str(i)] for r, i in enumerate(ids)}
     vd = e.runner.speculator.verify_decode

@@ -175,9 +175,9 @@ class LLMEngine:
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
 
     def _ring_slack(self) -> int:
-        """DeepSeek-V4's compressor rings' rows past their windows under speculation (`kv.spec.ring_slack`)."""
+        """The compressor rings' rows past their windows under speculation (`kv.spec.ring_slack`)."""
         spec = self.config.speculative
-        return ring_slack(self.config.model, spec.num_speculative_tokens if spec is not None else None)
+        return ring_slack(spec.num_speculative_tokens if spec is not None else None)
 
     def _size_kv_pool(self, model: torch.nn.Module, dtype: torch.dtype) -> int:
         """Profile a worst-case step on a minimal pool, then give the KV cache what `gpu_memory_utilization`

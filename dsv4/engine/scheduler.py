@@ -58,7 +58,7 @@ speculation is off for the batch (disable_by_batch_size, the adaptive switch): t
 computes each request's real positions on the device. When the step lands, its rejected tokens are subtracted as
 usual; so num_computed_tokens runs q tokens a step in flight ahead of the device, which is never behind it: blocks
 allocated for the counted positions cover the real ones. Units are cached at a landing, up to what the device has
-computed by then (a rewind never goes below its step's start). Every other step runs after all pipelined steps have
+computed by then. Every other step runs after all pipelined steps have
 landed (the engine drains), with exact counts and no placeholders: the plain async rule is off under speculation.
 
 Prefix caching with replay (runtime.md 2.2; `KVCacheManager.prefix`). A request admitted (first time or after a

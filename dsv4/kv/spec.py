@@ -42,7 +42,7 @@ class KVGroupSpec:
     prefix_cacheable: bool = False  # its blocks may be shared by requests with the same prefix
     prefix_replay_tokens: int = 0  # window group under prefix caching: a hit's last tokens computed again
     sliding_window: int = 0  # window group: a token reads the W tokens up to itself, so older blocks are freed
-    ring_slack: int = 0  # state group: DeepSeek-V4 ring rows past each compressor's window (`ring_slack`)
+    ring_slack: int = 0  # state group: ring rows past each compressor's window (`ring_slack`)
 
     def first_live_block(self, num_computed: int) -> int:
         """Blocks before this one hold only positions no future query reads (those before num_computed - W + 1,
@@ -70,26 +70,25 @@ class LayerCacheLayout:
     index_ring_width: int = 0  # V4 CSA: the indexer's own compressor ring (0: none)
 
 
-def ring_slack(model: ModelConfig, num_speculative_tokens: int | None) -> int:
-    """Rows a DeepSeek-V4 compressor ring keeps past its window under speculation: k + 1. A verify step writes the
-    ring rows of its k + 1 positions (slot = position % rows), rejected drafts' included; with the slack those slots
-    held positions at least one window older than any the next step reads, so nothing has to be restored after a
-    rejection (the rejected positions are recomputed before they are read). V4.1 rewinds to its ratio-2 pair start
-    instead (dsv4/spec_decode/speculator.py): no slack."""
-    return num_speculative_tokens + 1 if num_speculative_tokens and model.v41 is None else 0
+def ring_slack(num_speculative_tokens: int | None) -> int:
+    """Rows a compressor ring keeps past its window under speculation: k + 1. A verify step writes the ring rows of
+    its k + 1 positions (slot = position % rows), rejected drafts' included; with the slack those slots held
+    positions at least one window older than any the next step reads, so nothing has to be restored after a
+    rejection (the rejected positions are recomputed before they are read, dsv4/spec_decode/speculator.py)."""
+    return num_speculative_tokens + 1 if num_speculative_tokens else 0
 
 
 def layer_cache_layout(model: ModelConfig, layer: int, slack: int = 0) -> LayerCacheLayout:
     """V4: every CSA/HCA layer owns its entries (CSA pools two overlapping windows, so its ring holds 2*ratio
-    rows), its ring `slack` rows longer than the window (`ring_slack`). V4.1: only KV-source layers own entries and
-    keys; ratio 2 keeps one open pair, ratio 1 no state."""
+    rows). V4.1: only KV-source layers own entries and keys; ratio 2 keeps one open pair, ratio 1 no state. A ring
+    is `slack` rows longer than its window (`ring_slack`)."""
     r = model.compress_ratios[layer]
     if r == 0:
         return LayerCacheLayout()
     if model.v41 is not None:
         if layer not in model.v41.kv_source_layer_ids:
             return LayerCacheLayout()
-        rows = r if r > 1 else 0
+        rows = r + slack if r > 1 else 0
         return LayerCacheLayout(r, layer in model.v41.index_source_layer_ids, rows, model.head_dim if rows else 0)
     if model.layer_types[layer] == CSA:
         return LayerCacheLayout(r, True, 2 * r + slack, 2 * model.head_dim, 2 * model.index_head_dim)
@@ -109,7 +108,7 @@ def make_kv_groups(model: ModelConfig, block_size: int, num_blocks: int, max_num
                    prefix_replay_tokens: int = 0, slack: int = 0) -> tuple[KVGroupSpec, ...]:
     """The KV groups of a model, with pool sizes derived from the window pool's `num_blocks`.
     `prefix_replay_tokens` > 0 (prefix caching on, see `replay_tokens`) marks V4.1's compressed groups
-    prefix-cacheable and the window group replayed. `slack`: V4's compressor rings' extra rows (`ring_slack`)."""
+    prefix-cacheable and the window group replayed. `slack`: the compressor rings' extra rows (`ring_slack`)."""
     n = model.num_hidden_layers
     layouts = [layer_cache_layout(model, i, slack) for i in range(n)]
     cacheable = prefix_replay_tokens > 0 and model.v41 is not None

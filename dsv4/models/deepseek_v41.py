@@ -302,7 +302,9 @@ class AttentionV41(nn.Module):
         pos, c = dmd.positions, self.compressor
         if self.ratio == 1:
             latent, ent = c.latent(x), pos
-        elif dmd.query_len > 1:  # several rows of a request in one step would collide in the ring: their own room
+        elif dmd.query_len > 1 or cache.ring_kv.shape[1] > self.ratio:
+            # several rows of a request in one step would collide in the ring, and a ring with slack (speculation,
+            # kv.spec.ring_slack) keeps a pair at slots pos % cap: each row's window from the step and the ring
             latent, ent = pool_verify_rows(c, x, dmd, cache)
         else:
             kv, gate = c.project(x)

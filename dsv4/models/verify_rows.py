@@ -10,16 +10,15 @@ it otherwise (read before any write); positions before the sequence start are ma
 each request's last `cap` rows write the ring (distinct slots; the others write the null block, as padding rows
 do), so the ring ends holding the step's newest positions, exactly what the token-row path leaves.
 
-- DeepSeek-V4.1 (ratio-2 pairs, fp32 rings; `pool_verify_rows`): after a rejection the speculator rewinds the
-  request to the start of its open pair (speculator.py), so the next step starts at an even position, which never
-  reads the ring; after full acceptance the ring holds the last two positions, both committed.
+Under speculation a ring keeps q rows more than its window (dsv4/kv/spec.py `ring_slack`), so every row of the step
+writes the ring, overwriting only rows older than any window still to be pooled, and a rejection needs no restore
+(speculator.py).
+- DeepSeek-V4.1 (ratio-2 pairs, fp32 rings; `pool_verify_rows`, also for the plain decode step's one row when the
+  ring has slack: its pair is then at slots pos % cap, not the ring's two rows).
 - DeepSeek-V4 (CSA: 2 * ratio rows, overlapping windows; HCA: ratio rows; rings in the model dtype;
-  `deepseek_v4.Compressor.forward_decode`): the window is the whole ring, as a decode row pools it; the same
-  windows (`ops.compress_pool.step_windows`) are pooled by the decode pool kernel in one launch on CUDA
-  (`pool_decode(..., query_len=q)`, which reads the step's rows where a window reaches into the step), then
-  `roll_rings`. Under speculation a V4 ring keeps q rows more than its window (dsv4/kv/spec.py `ring_slack`), so
-  every row of the step writes the ring, overwriting only rows older than any window still to be pooled, and a
-  rejection needs no restore (speculator.py).
+  `deepseek_v4.Compressor.forward_decode`): the same windows (`ops.compress_pool.step_windows`) are pooled by the
+  decode pool kernel in one launch on CUDA (`pool_decode(..., query_len=q)`, which reads the step's rows where a
+  window reaches into the step), then `roll_rings`.
 """
 
 from __future__ import annotations
@@ -51,9 +50,9 @@ def roll_rings(ring_kv: torch.Tensor, ring_gate: torch.Tensor, kv: torch.Tensor,
 
 def pool_verify_rows(compressor: "Compressor", x: torch.Tensor, dmd: DecodeMetadata,
                      cache: LayerKVCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V4.1's ratio-2 compressor: latents [P, D] and entry ids [P] of every row's window ending at the row
-    (a row whose window does not close at it writes to TRASH_SLOT through `entry_write`, so its latent is never
-    read), and the ring rolled forward."""
+    """DeepSeek-V4.1's ratio-2 compressor on q >= 1 rows a request: latents [P, D] and entry ids [P] of every row's
+    window ending at the row (a row whose window does not close at it writes to TRASH_SLOT through `entry_write`, so
+    its latent is never read), and the ring rolled forward."""
     m = compressor.ratio
     assert cache.ring_kv is not None and cache.ring_gate is not None
     kv, gate = compressor.project(x)

@@ -10,8 +10,7 @@ issue's 3.5x needs a step of at most 1.71x a plain one.
 
 What moves to the device. For a request the device holds `computed` (positions whose KV is written) and `tokens`
 (tokens known: committed outputs), per state row (`PipelinedVerify.computed / .tokens`). Between them lie a = tokens
-- computed known tokens (1, or 2 after a rewind to a compressor pair start, speculator.py), and past `tokens` the
-token history holds the drafts. A steady step is q = k + 1 decode rows a request (verify_decode.py) at positions
+- computed known tokens (the anchor alone: a = 1), and past `tokens` the token history holds the drafts. A steady step is q = k + 1 decode rows a request (verify_decode.py) at positions
 computed .. computed + q - 1, so its shape is known on the host and only the positions are on the device:
 1. drafts (proposed last step, `Speculator.drafts`) go into the token history after `tokens`; input ids are the
    history at the positions; the multi-row decode metadata is built from those device positions (the decode build
@@ -20,9 +19,8 @@ computed .. computed + q - 1, so its shape is known on the host and only the pos
    row i + 1, from row a - 1 (the anchor) on; j accepted drafts, and the target's token at row a - 1 + j is the
    bonus, written into the history after them. A sampled request follows the rejection rule of rejection.py with
    its randomness drawn on the device;
-3. the counts advance as the synchronous path's (speculator.py `_verify`): tokens += j + 1; computed = tokens - 1
-   when all d = q - a drafts were accepted, else the compressor pair start floor((n0 + j) / R) * R (V4.1), or
-   n0 + j (V4, whose compressor rings keep k + 1 rows of slack: speculator.py);
+3. the counts advance as the synchronous path's (speculator.py `_verify`): tokens += j + 1, computed = n0 + j
+   (= tokens - 1: nothing is restored after a rejection, the compressor rings keep k + 1 rows of slack);
 4. the drafter proposes the next drafts from the new counts (taps written from device positions; proposers take
    device positions, proposer.py);
 5. one device tensor [R, q + 4] (j, a, new computed, new tokens, then the q tokens from the old `tokens`) is copied
@@ -251,8 +249,7 @@ class PipelinedVerify:
         hist[rows * L + (n0 + j).clamp(max=L - 1)] = bonus
         # 3. the counts, as the synchronous path's
         new_tokens = n0 + j + 1
-        ratio = sp.ratio
-        new_computed = torch.where(j < q - known, torch.div(n0 + j, ratio, rounding_mode="floor") * ratio, n0 + j)
+        new_computed = n0 + j  # (a rejection restores nothing: the rings keep slack, speculator.py)
         self.tokens[rows] = new_tokens
         self.computed[rows] = new_computed
         # 5. (before 4: the proposal may replay a graph whose output the next replay overwrites) the packed results

@@ -13,21 +13,13 @@ drafts included; each kind is position-addressed or recomputed:
   tokens, and the lookback reads only positions before a chunk, all committed; emitted tokens overwrite them;
 - taps for the drafter: a ring of `window + block + 2` positions per row (`TapBuffer`), so rejected positions never
   overwrite the committed window the drafter reads;
-- V4.1's only recurrent state is the ratio-2 compressors' open pair (its ring of `ratio` rows per request, slot =
-  position % ratio): a rejected position can overwrite the ring row of an accepted one. Instead of snapshotting the
-  ring, a step with a rejection rewinds the request's computed count to the start of its open pair
-  (floor(committed / R) * R, R = 2): the next step recomputes that one accepted token (its window, its pair, the
-  same values) along with its new anchor and drafts. An aligned pair start needs no ring row, so nothing is restored.
-  Cost: one extra token in the next step's chunk on half of the rejecting steps, no copy and no second forward
-  (verifying without committing and re-running the accepted tokens would cost a whole forward per step);
-  the rewind never goes below the step's own start (committed >= the step's known tokens) nor below a cached
-  prefix unit (units are multiples of 2 tokens), so no freed window block and no shared block is touched.
-- DeepSeek-V4's compressor rings hold the raw rows of the open windows (CSA: windows of 2 * ratio positions, HCA:
-  ratio; slot = position % rows), with overlapping CSA windows reaching a whole window back: a rewind would recompute
-  up to a window of accepted tokens. Instead, under speculation each ring keeps k + 1 rows more than its window
+- the compressor rings hold the raw rows of the open windows (V4.1: its ratio-2 pairs; V4: CSA windows of 2 * ratio
+  positions, HCA ratio; slot = position % rows), and a rejected position's row could overwrite an accepted one's.
+  Instead of snapshotting the rings, under speculation each ring keeps k + 1 rows more than its window
   (dsv4/kv/spec.py `ring_slack`): a step's k + 1 positions then overwrite only the rows of positions more than a
   window before the step, which no later window reads, and the rejected positions' own rows are recomputed (in the
-  next step's chunk, which reads them from the step, not the ring) before anything reads them. Nothing is restored.
+  next step's chunk, which reads them from the step, not the ring) before anything reads them. Nothing is restored,
+  and the request's computed count is simply its committed tokens (up to the last accepted draft).
 - scheduler state (num_computed_tokens, KV blocks, prefix units, stop strings and max_tokens): the runner returns
   how many of the step's tokens are not computed after all (`RunnerOutput.num_uncomputed_tokens`); blocks allocated
   for rejected drafts stay with the request for its next drafts; units are cached only over known tokens; tokens are
@@ -185,18 +177,6 @@ def _static_sampling(sp: SamplingParams, num_outputs: int) -> bool:
             and not needs_output_values(sp) and num_outputs >= sp.min_tokens)
 
 
-def ring_ratio(runner: "ModelRunner") -> int:
-    """R: the computed count a rejecting step rewinds to is a multiple of R (1 without compressor ring state)."""
-    cfg = runner.config.model
-    if cfg.v41 is None:
-        return 1
-    ratios = {cfg.compress_ratios[i] for i in cfg.v41.kv_source_layer_ids}
-    ring = max((r for r in ratios if r > 1), default=1)
-    # a rewind to the open window's start is within the step only while windows are at most 2 tokens (V4.1: 1, 2)
-    assert ring <= 2, "rewinding to a window start needs compress ratios <= 2"
-    return ring
-
-
 class Speculator:
     """Drafts per state row, the proposer and its taps, and the speculative step."""
 
@@ -206,9 +186,6 @@ class Speculator:
         assert 1 <= self.k <= proposer.block_size
         n = runner.config.scheduler.max_num_seqs
         self.drafts = torch.zeros(n, proposer.block_size, dtype=torch.int64, device=runner.device)
-        self.ratio = ring_ratio(runner)
-        # V4's rings keep k + 1 rows of slack (kv.spec.ring_slack), so a rejection restores nothing; V4.1's
-        # ratio-2 pairs are rewound (module docstring)
         self.taps: TapBuffer | None = None
         self.tap_layer_ids = proposer.tap_layer_ids  # the tap ring's layers, in its row layout
         if proposer.tap_layer_ids:
@@ -438,11 +415,9 @@ class Speculator:
             rs.output_ids[row].extend(toks)
             for t in toks:
                 r.grammars.accept(row, t)
-            if j < d:  # a rejection: rewind to the open compressor window's start (module docstring)
-                new = (n0 + j) // self.ratio * self.ratio
-                assert new >= computed[b], "a rewind below the step's start"
-                rs.num_computed[row] = new
-                uncomputed[b] = int(ends[b]) - new
+            if j < d:  # a rejection: the positions after the last accepted draft are computed again (docstring)
+                rs.num_computed[row] = n0 + j
+                uncomputed[b] = int(ends[b]) - (n0 + j)
             sampled[b] = toks
             logprobs[b] = res.logprobs[i]
             self.count_acceptance(row, int(dv[i]), j, n0)
@@ -511,14 +486,8 @@ class Speculator:
             self.drafts[rows_f, :K] = proposed.to(torch.int64)
         if not free.all() and self.verify_decode is not None:  # placeholders: any valid id, never accepted
             self.drafts[rows_d[held_d], :K] = anchors[held_d][:, None].to(torch.int64)
-        for b, row in zip(sample[drafting].tolist(), srows[drafting].tolist()):
+        for b in sample[drafting].tolist():
             num_drafts[b] = self.k
-            if self.verify_decode is not None:
-                # a rewound request recomputes one accepted token before its anchor: one draft fewer keeps its
-                # next step at k + 1 tokens, so the batch stays a uniform multi-row decode (verify_decode.py)
-                # instead of falling back to the eager forward; the dropped draft is the least often accepted
-                extra = int(rs.num_tokens[row] - rs.num_computed[row]) - 1
-                num_drafts[b] = max(self.k - extra, 0)
 
     def _sampling_tensors(self, srows: np.ndarray, draft_lists: list[list[int]]) -> SamplingTensors:
         """One Sampler row per verified position: position i of a request samples after its outputs and the drafts

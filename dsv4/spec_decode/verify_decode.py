@@ -95,10 +95,9 @@ class VerifyDecode:
 
     def uniform(self, batch: InputBatch, drafts: np.ndarray, sample: np.ndarray,
                 image_rows: tuple[torch.Tensor, torch.Tensor] | None) -> bool:
-        """Every request verifies drafts in exactly q tokens, all sampled: its anchor and k drafts, or, after a
-        rewind, the recomputed token, the anchor and k - 1 drafts (the speculator drafts one fewer for it); no
-        image span and no prefix-cache replay (its window floor and padded entry writes exist only on the
-        token-row path). At least one draft each: a prefill chunk that happens to be q tokens long stays eager."""
+        """Every request verifies drafts in exactly q tokens, all sampled: its anchor and k drafts; no image span
+        and no prefix-cache replay (its window floor and padded entry writes exist only on the token-row path). At
+        least one draft each: a prefill chunk that happens to be q tokens long stays eager."""
         q = self.q
         return (batch.num_reqs > 0 and len(sample) == batch.num_reqs and bool((batch.num_scheduled_tokens == q).all())
                 and bool((drafts >= 1).all()) and image_rows is None
