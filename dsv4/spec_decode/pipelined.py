@@ -10,8 +10,10 @@ issue's 3.5x needs a step of at most 1.71x a plain one.
 
 What moves to the device. For a request the device holds `computed` (positions whose KV is written) and `tokens`
 (tokens known: committed outputs), per state row (`PipelinedVerify.computed / .tokens`). Between them lie a = tokens
-- computed known tokens (the anchor alone: a = 1), and past `tokens` the token history holds the drafts. A steady step is q = k + 1 decode rows a request (verify_decode.py) at positions
-computed .. computed + q - 1, so its shape is known on the host and only the positions are on the device:
+- computed known tokens (the anchor alone, a = 1, since a rejection recomputes nothing; the functions below take any
+a), and past `tokens` the token history holds the drafts. A steady step is q = k + 1 decode rows a request
+(verify_decode.py) at positions computed .. computed + q - 1, so its shape is known on the host and only the
+positions are on the device:
 1. drafts (proposed last step, `Speculator.drafts`) go into the token history after `tokens`; input ids are the
    history at the positions; the multi-row decode metadata is built from those device positions (the decode build
    takes device positions; a CUDA graph replays the forward);
