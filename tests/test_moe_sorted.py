@@ -18,8 +18,8 @@ from dsv4.ops.moe_quant import expert_grouped_q_torch
 from dsv4.ops.swiglu import swiglu_torch
 from dsv4.quant.weight import QuantWeight
 from dsv4.sampling_params import SamplingParams
-from tests.test_moe_fixed import _reference
-from tests.test_moe_quant import fp8_weight, mxfp4_weight
+from test_moe_fixed import _reference
+from test_moe_quant import fp8_weight, mxfp4_weight
 
 D, INTER = 32, 16  # multiples of 8: row strides of 16 bytes, as _grouped_mm checks on every device
 
