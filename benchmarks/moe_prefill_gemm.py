@@ -113,8 +113,8 @@ def main() -> None:
             for T in (int(t) for t in args.tokens.split(",")):
                 row = _case(model, E, T, fmt)
                 rows.append(row)
-                print(f"{model} {fmt:5s} E={E:4d} T={T:6d}: triton {row['triton_ms']:8.3f} ms ({row['triton_tflops']:6.1f} "
-                      f"TFLOP/s)  sorted {row['sorted_ms']:8.3f} ms ({row['sorted_tflops']:6.1f})  "
+                print(f"{model} {fmt:5s} E={E:4d} T={T:6d}: triton {row['triton_ms']:8.3f} ms "
+                      f"({row['triton_tflops']:6.1f} TFLOP/s)  sorted {row['sorted_ms']:8.3f} ms ({row['sorted_tflops']:6.1f})  "
                       f"x{row['speedup']:.2f}  diff {row['max_rel_diff']:.1e}", flush=True)
                 torch.cuda.empty_cache()
     model, E = args.models.split(",")[0], int(args.experts.split(",")[0])

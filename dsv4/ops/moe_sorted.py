@@ -109,7 +109,8 @@ def experts_per_chunk(w: torch.Tensor | QuantWeight, dtype: torch.dtype) -> int:
 
 
 def experts_sorted(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor | QuantWeight,
-                   down: torch.Tensor | QuantWeight, limit: float, weight_before_down: bool, missing: bool) -> torch.Tensor:
+                   down: torch.Tensor | QuantWeight, limit: float, weight_before_down: bool,
+                   missing: bool) -> torch.Tensor:
     """The routed experts' outputs [T * k, D] in route order (row t * k + j: token t's slot j), as
     `dsv4.models.layers.moe.moe_output`'s grouped matmuls give them to `combine_experts`: with the routing weight
     applied before down (V4.1, fp32 SwiGLU) or not at all (V4: combine weighs). -1 routes give rows of zeros."""
