@@ -302,18 +302,22 @@ class AttentionV41(nn.Module):
         pos, c = dmd.positions, self.compressor
         if self.ratio == 1:
             latent, ent = c.latent(x), pos
-        elif dmd.query_len > 1 or cache.ring_kv.shape[1] > self.ratio:
-            # several rows of a request in one step would collide in the ring, and a ring with slack (speculation,
-            # kv.spec.ring_slack) keeps a pair at slots pos % cap: each row's window from the step and the ring
+        elif dmd.query_len > 1:  # several rows of a request in one step would collide in the ring: their own room
             latent, ent = pool_verify_rows(c, x, dmd, cache)
         else:
             kv, gate = c.project(x)
-            blk, slot = dmd.state_blocks, pos % self.ratio
-            cache.ring_kv[blk, slot] = kv
-            cache.ring_gate[blk, slot] = gate
-            # ring rows are positions in order once the pair closes (slot 0 = even, slot 1 = odd position); every
-            # row pools (fixed shapes), and a row whose pair is still open writes to TRASH_SLOT (entry_write)
-            latent = c.pool(cache.ring_kv[blk], cache.ring_gate[blk], x.dtype)
+            blk, cap = dmd.state_blocks, cache.ring_kv.shape[1]
+            cache.ring_kv[blk, pos % cap] = kv
+            cache.ring_gate[blk, pos % cap] = gate
+            # every row pools (fixed shapes), and a row whose pair is still open writes to TRASH_SLOT (entry_write).
+            # Once the pair closes, a ring of `ratio` rows holds it in position order (slot 0 = even position); a
+            # ring with slack (speculation, kv.spec.ring_slack) holds it at slots pos - 1, pos (mod cap)
+            if cap == self.ratio:
+                wkv, wgate = cache.ring_kv[blk], cache.ring_gate[blk]
+            else:
+                src = (pos[:, None] - self.ratio + 1 + torch.arange(self.ratio, device=pos.device)) % cap
+                wkv, wgate = cache.ring_kv[blk[:, None], src], cache.ring_gate[blk[:, None], src]
+            latent = c.pool(wkv, wgate, x.dtype)
             ent = ((pos + 1) // self.ratio - 1).clamp(min=0)
         self._write_entries(cache, latent, ent, dmd.entry_write[f"compressed_{self.ratio}"])
 

@@ -13,8 +13,7 @@ do), so the ring ends holding the step's newest positions, exactly what the toke
 Under speculation a ring keeps q rows more than its window (dsv4/kv/spec.py `ring_slack`), so every row of the step
 writes the ring, overwriting only rows older than any window still to be pooled, and a rejection needs no restore
 (speculator.py).
-- DeepSeek-V4.1 (ratio-2 pairs, fp32 rings; `pool_verify_rows`, also for the plain decode step's one row when the
-  ring has slack: its pair is then at slots pos % cap, not the ring's two rows).
+- DeepSeek-V4.1 (ratio-2 pairs, fp32 rings; `pool_verify_rows`).
 - DeepSeek-V4 (CSA: 2 * ratio rows, overlapping windows; HCA: ratio rows; rings in the model dtype;
   `deepseek_v4.Compressor.forward_decode`): the same windows (`ops.compress_pool.step_windows`) are pooled by the
   decode pool kernel in one launch on CUDA (`pool_decode(..., query_len=q)`, which reads the step's rows where a
@@ -50,7 +49,7 @@ def roll_rings(ring_kv: torch.Tensor, ring_gate: torch.Tensor, kv: torch.Tensor,
 
 def pool_verify_rows(compressor: "Compressor", x: torch.Tensor, dmd: DecodeMetadata,
                      cache: LayerKVCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V4.1's ratio-2 compressor on q >= 1 rows a request: latents [P, D] and entry ids [P] of every row's
+    """DeepSeek-V4.1's ratio-2 compressor on q rows a request: latents [P, D] and entry ids [P] of every row's
     window ending at the row (a row whose window does not close at it writes to TRASH_SLOT through `entry_write`, so
     its latent is never read), and the ring rolled forward."""
     m = compressor.ratio
