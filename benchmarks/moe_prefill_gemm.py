@@ -4,6 +4,7 @@ CUTLASS grouped GEMM (`moe_sorted.experts_sorted`).
 
 usage: PYTHONPATH=. python3 benchmarks/moe_prefill_gemm.py [--tokens 512,4096,16384] [--experts 16,256]
                                                            [--models v4,v41] [--formats bf16,mxfp4] [--json PATH]
+                                                           [--floor]
 
 Each case is one MoE layer's routed part (routing weights and ids given; the shared expert left out): the row plan,
 gate_up, SwiGLU (V4.1: weighted before down, fp32), down and the combine over the slots, for T tokens x top-6 routes
@@ -12,7 +13,8 @@ TFLOP/s counts 2 x routes x (2I x D + D x I). Both outputs are compared (max dif
 magnitude: bf16 rounding is ~4e-3). `mxfp4`: the experts as the released checkpoints store them (random e2m1 bytes,
 UE8M0 scales), the Triton W4A16 grouped kernel against dequantize-then-grouped-GEMM (the dequantization counted in
 the sorted time). The first case also runs with torch's profiler, to show where the sorted path's
-time goes (sort, gather, the two GEMMs, scatter).
+time goes (sort, gather, the two GEMMs, scatter). `--floor` (no GPU needed): each case's FLOPs and bytes, and the
+least time they take on one H200 (dense bf16 peak; HBM bandwidth for the weights and, MXFP4, their dequantization).
 """
 
 from __future__ import annotations
@@ -98,6 +100,29 @@ def _profile(model: str, E: int, T: int, fmt: str) -> str:
     return "\n".join(out)
 
 
+H200_BF16_FLOPS, H200_BYTES_S = 989.5e12, 4.8e12  # dense bf16 peak (dsv4/bench/flops.py), HBM3e bandwidth
+
+
+def floor_rows(models: list[str], experts: list[int], tokens: list[int], formats: list[str]) -> list[dict]:
+    """FLOPs and bytes of each case and their least time on one H200: the GEMMs at the bf16 peak; the stored bytes
+    (the weights read once: bf16 2 bytes, MXFP4 0.5 + 1/32; x, the intermediate and the output read and written
+    once, 2 bytes each); and what the sorted path moves besides, for MXFP4 the dequantized copy (2 bytes written,
+    2 read back per weight)."""
+    rows = []
+    for fmt, model in itertools.product(formats, models):
+        D, inter, _ = SHAPES[model]
+        for E, T in itertools.product(experts, tokens):
+            R = T * TOP_K
+            flops = 2 * R * 3 * inter * D
+            weights = E * 3 * inter * D
+            stored = weights * (2 if fmt == "bf16" else 0.5 + 1 / 32) + 2 * (2 * R * D + 3 * R * inter)
+            extra = 0 if fmt == "bf16" else 4 * weights
+            rows.append({"model": model, "format": fmt, "experts": E, "tokens": T, "routes": R, "gflop": flops / 1e9,
+                         "compute_ms": flops / H200_BF16_FLOPS * 1e3, "stored_bytes_ms": stored / H200_BYTES_S * 1e3,
+                         "sorted_bytes_ms": (stored + extra) / H200_BYTES_S * 1e3})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="512,4096,16384")
@@ -105,8 +130,16 @@ def main() -> None:
     ap.add_argument("--models", default="v4,v41")
     ap.add_argument("--formats", default="bf16,mxfp4")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--floor", action="store_true", help="print each case's FLOP / byte floor on one H200 and exit")
     args = ap.parse_args()
-    moe_sorted.MIN_ROWS = 1  # the switch decides on nothing but the case here
+    if args.floor:
+        for r in floor_rows(args.models.split(","), [int(e) for e in args.experts.split(",")],
+                            [int(t) for t in args.tokens.split(",")], args.formats.split(",")):
+            print(f"{r['model']} {r['format']:5s} E={r['experts']:4d} T={r['tokens']:6d}: {r['gflop']:7.0f} GFLOP, "
+                  f"compute {r['compute_ms']:6.3f} ms, stored bytes {r['stored_bytes_ms']:6.3f} ms, sorted path's "
+                  f"bytes {r['sorted_bytes_ms']:6.3f} ms")
+        return
+    moe_sorted.MIN_ROWS = moe_sorted.MIN_QUANT_ROWS_PER_EXPERT = 0  # the switch decides on nothing but the case here
     rows = []
     for fmt, model in itertools.product(args.formats.split(","), args.models.split(",")):
         for E in (int(e) for e in args.experts.split(",")):

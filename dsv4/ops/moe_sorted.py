@@ -27,9 +27,10 @@ differs, so outputs match it to bf16 rounding, not bit for bit.
 Where it runs (`use_sorted_experts`): prefill and mixed steps (not the captured decode steps, which have their own
 fixed-shape paths), bf16 activations (experts bf16 or quantized) on a GPU whose CUTLASS path torch has (compute
 capability 9.x / 10.x; on others torch falls back to one matmul per expert after a host sync, slower than the Triton
-kernel), from `MIN_ROWS` routed rows. Off by default until measured on the H200 (`DSV4_SORTED_EXPERTS=1` turns it on;
-benchmarks/moe_prefill_gemm.py compares the two paths). Everywhere torch has `_grouped_mm` (its CPU build included)
-the functions here compute the same thing, which is how the CPU tests check them.
+kernel), from `MIN_ROWS` routed rows (quantized experts: `MIN_QUANT_ROWS_PER_EXPERT` rows a layer's expert). Off
+by default until measured on the H200 (`DSV4_SORTED_EXPERTS=1` turns it on; benchmarks/moe_prefill_gemm.py compares
+the two paths). Everywhere torch has `_grouped_mm` (its CPU build included) the functions here compute the same
+thing, which is how the CPU tests check them.
 """
 
 from __future__ import annotations
@@ -49,6 +50,12 @@ SORTED_EXPERTS = os.environ.get("DSV4_SORTED_EXPERTS", "0") == "1"
 # below this many routed rows a step keeps the Triton kernel (a short prompt is host-bound, and its experts get few
 # rows each); to be set from benchmarks/moe_prefill_gemm.py
 MIN_ROWS = 1024
+# quantized experts only from this many routed rows per expert: dequantizing moves ~4.5 bytes a weight (half a byte
+# read, two written, two read back by the GEMM), about what the faster GEMM saves on ~150 rows (the Triton W4A16
+# kernel at ~200 TFLOP/s against ~550; benchmarks/moe_prefill_gemm.py --floor): the 16-expert presets take it from a
+# 512-token prefill, full-size models (256 / 384 experts) only for steps of many thousand tokens. A prediction, to be
+# replaced by the measured crossover
+MIN_QUANT_ROWS_PER_EXPERT = 192
 # quantized experts: at most this many bytes of them dequantized at once (a V4.1-Flash-8l layer's 16 experts, 0.75 GB
 # of gate_up in bf16, in one piece; the full model's 384, 18 GB, in ~18 pieces with one host sync a layer)
 DEQUANT_BYTES = 1 << 30
@@ -148,4 +155,6 @@ def grouped_mm_fast(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> bool:
 def use_sorted_experts(x: torch.Tensor, gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight,
                        rows: int) -> bool:
     """The switch `moe_output` asks for a step of `rows` routed rows that is not a captured decode step."""
+    if isinstance(gate_up, QuantWeight) and rows < MIN_QUANT_ROWS_PER_EXPERT * gate_up.shape[0]:
+        return False
     return SORTED_EXPERTS and rows >= MIN_ROWS and grouped_mm_fast(x, gate_up) and grouped_mm_fast(x, down)

@@ -78,6 +78,7 @@ def test_quantized_experts_equal_the_w4a16_path(monkeypatch: pytest.MonkeyPatch,
     ref = moe_output(*args, weight_before_down=True, fixed=False, shared=shared)
     monkeypatch.setattr(moe_sorted, "SORTED_EXPERTS", True)
     monkeypatch.setattr(moe_sorted, "MIN_ROWS", 1)
+    monkeypatch.setattr(moe_sorted, "MIN_QUANT_ROWS_PER_EXPERT", 0)
     if chunk:
         monkeypatch.setattr(moe_sorted, "DEQUANT_BYTES", 5 * 2 * inter * D * 2)
         assert moe_sorted.experts_per_chunk(gate_up, torch.bfloat16) == 5
