@@ -32,13 +32,14 @@ from dsv4.ops.indexer_prefill import prefill_select_torch, prefill_select_triton
 SCALE = 0.25
 grid = lambda x: (x * 2).round() / 2
 
-def step(seed, reqs, ratio, H, D, share=0, tie_keys=False, zero_q=0, neg_rows=0):
-    # reqs: (context, new tokens) per request; the rows of a prefill / mixed step as TokenKeySlots has them
+def step(seed, reqs, ratio, H, D, share=0, tie_keys=False, zero_q=0, neg_rows=0, by_request=False):
+    # reqs: (context, new tokens) per request; the rows of a prefill / mixed step, eslots one row per token (masked
+    # past its n), or with `by_request` as TokenKeySlots keeps them: one row per request and rows_of (a 6th item)
     g = torch.Generator().manual_seed(seed)
     E = [(c + l) // ratio for c, l in reqs]
     M, N = max(E), sum(E) + 9
     perm = torch.randperm(N - 1, generator=g) + 1
-    es, ns, at = [], [], 0
+    es, ns, at, by_req = [], [], 0, []
     for i, ((c, l), e) in enumerate(zip(reqs, E)):
         sl = perm[at:at + e].clone()
         at += e
@@ -48,6 +49,7 @@ def step(seed, reqs, ratio, H, D, share=0, tie_keys=False, zero_q=0, neg_rows=0)
         n = (pos + 1) // ratio
         rows = torch.zeros(l, M, dtype=torch.int64)
         rows[:, :e] = sl
+        by_req.append(torch.cat([sl, perm[:M - e]]))  # past its entries, another request's slots (masked by n)
         es.append(rows.masked_fill(torch.arange(M)[None, :] >= n[:, None], 0))
         ns.append(n)
     eslots, n = torch.cat(es), torch.cat(ns)
@@ -61,6 +63,9 @@ def step(seed, reqs, ratio, H, D, share=0, tie_keys=False, zero_q=0, neg_rows=0)
     if neg_rows:  # keys >= 0, queries <= 0: every dot <= 0, scores -0.0 / 0.0 (one key)
         keys = keys.abs()
         q[-neg_rows:] = -q[-neg_rows:].abs()
+    if by_request:
+        rows_of = torch.cat([torch.full((l,), i) for i, (_, l) in enumerate(reqs)])
+        return q, w, keys, torch.stack(by_req), n, rows_of
     return q, w, keys, eslots, n
 
 def pool_of(seed, n_rows, M, CB, C):
@@ -72,8 +77,10 @@ def pool_of(seed, n_rows, M, CB, C):
     return pool
 
 def check(inp, k, pool=None, CB=1, keep=0, **kw):
-    ref = prefill_select_torch(*inp, SCALE, k, pool, CB, keep)
-    got = prefill_select_triton(*inp, SCALE, k, pool, CB, keep, **kw)
+    # inp: step()'s 5 items, or with by_request its 6 (then also equal to the per-token form of the same step)
+    rows_of = inp[5] if len(inp) == 6 else None
+    ref = prefill_select_torch(*inp[:5], SCALE, k, pool, CB, keep, rows_of=rows_of)
+    got = prefill_select_triton(*inp[:5], SCALE, k, pool, CB, keep, rows_of=rows_of, **kw)
     for a, b in zip(ref[:3], got[:3]):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (k, CB, keep, kw, a, b)
     assert (ref[3] is None) == (keep == 0) == (got[3] is None)
@@ -103,6 +110,13 @@ def test_prefill_select_plain_candidate_pooled() -> None:
         assert (ref[0] == -1).any() and (ref[0] >= 0).all(dim=1).any()
         check(inp, 4, None, 2, 3, block_m=16, block_n=32, sub_n=16, splits=3)
         check(inp, 4, pool_of(2, n.shape[0], inp[3].shape[1], 2, 6), 2, 0, block_m=16, block_n=16, splits=2)
+        # one eslots row per request (TokenKeySlots' form) read through rows_of: the per-token form's results
+        byr = step(1, [(0, 11), (30, 9), (70, 4)], 2, 2, 16, share=2, zero_q=2, neg_rows=2, by_request=True)
+        assert byr[3].shape[0] == 3 and torch.equal(byr[4], n)
+        for args, kw in (((4,), dict(block_m=16, block_n=16, splits=1)),
+                         ((4, None, 2, 3), dict(block_m=16, block_n=32, sub_n=16, splits=3))):
+            a, b = check(inp, *args, **kw), check(byr, *args, **kw)
+            assert all(torch.equal(x, y) for x, y in zip(a[:3], b[:3])) and (a[3] is None or torch.equal(a[3], b[3]))
         print("ok")
     """)
 
@@ -170,7 +184,9 @@ def test_model_selects_step_rows_in_one_call(monkeypatch: pytest.MonkeyPatch) ->
     calls = []
 
     def spy(*args, **kwargs):
-        calls.append(args[3].shape[0])
+        calls.append(args[0].shape[0])
+        # one eslots row per request, read through rows_of (no [rows, entries] slot matrix)
+        assert kwargs["rows_of"].shape[0] == args[0].shape[0] and args[3].shape[0] == int(kwargs["rows_of"].max()) + 1
         return indexer_prefill.prefill_select_torch(*args, **kwargs)
 
     monkeypatch.setattr(deepseek_v41, "use_prefill_select", lambda q, cb: True)
@@ -190,9 +206,9 @@ def test_model_on_the_fused_kernel_interpreted() -> None:
         from dsv4.ops.indexer_prefill import prefill_select_triton
         from test_indexer_prefill import _greedy_golden
         calls = []
-        def fused(*args):
+        def fused(*args, **kwargs):
             calls.append(1)
-            return prefill_select_triton(*args)
+            return prefill_select_triton(*args, **kwargs)
         deepseek_v41.use_prefill_select = lambda q, cb: True
         deepseek_v41.prefill_select = fused
         got = _greedy_golden()

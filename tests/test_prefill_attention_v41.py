@@ -204,7 +204,7 @@ def _install_check(monkeypatch: pytest.MonkeyPatch, rec: Recorder) -> None:
         rec.mid_prompt_long |= any(qsl[r + 1] - qsl[r] > AttentionV41.CHUNK and md.context_lens_cpu[r] > 0
                                    for r in range(md.num_reqs))
         if self.ratio > 0:
-            rec.no_entries |= step.keys.entry_slots[f"compressed_{self.ratio}"].shape[1] == 0
+            rec.no_entries |= step.keys.width(f"compressed_{self.ratio}") == 0
             rec.multi_chunk_picks |= not self.is_index_source and T > AttentionV41.CHUNK
         return got
 

@@ -113,8 +113,8 @@ def test_replayed_tokens_write_only_the_window_and_see_clamped_windows(monkeypat
     wpos = md.positions[:, None] - torch.arange(W - 1, -1, -1)
     assert torch.equal(keys.window_mask, (wpos >= 0) & (wpos >= md.window_floor[:, None]))
     assert not torch.equal(keys.window_mask, free.window_mask)
-    for name in keys.entry_slots:
-        assert torch.equal(keys.entry_slots[name], free.entry_slots[name])
+    for name in keys.request_entry_slots:
+        assert torch.equal(keys.entry_slots(name), free.entry_slots(name))
         assert torch.equal(keys.n_entries[name], free.n_entries[name])
     # later steps of "b" (its tail is done; decodes) carry no replay at all
     while eng.has_unfinished_requests():

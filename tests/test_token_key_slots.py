@@ -29,6 +29,9 @@ def test_token_key_slots_match_per_request_slots() -> None:
             tables = {grp.name: torch.randint(1, 199, (R, 400), generator=g, dtype=torch.int32) for grp in groups}
             md = build_attn_metadata(R, qsl, ctx, positions, tuple(groups), tables, positions)
             ts = token_key_slots(md, W)
+            per_token = {f"compressed_{ratio}": ts.entry_slots(f"compressed_{ratio}") for ratio, _ in comp}
+            for name, slots in ts.request_entry_slots.items():  # one row per request, not per token
+                assert slots.shape == (R, ts.width(name)) and ts.token_request.shape == positions.shape
             for r in range(R):
                 for t in range(qsl[r], qsl[r + 1]):
                     p = int(positions[t])
@@ -40,11 +43,13 @@ def test_token_key_slots_match_per_request_slots() -> None:
                         name = f"compressed_{ratio}"
                         n = (p + 1) // ratio
                         assert int(ts.n_entries[name][t]) == n
-                        got = ts.entry_slots[name][t]
+                        got = per_token[name][t]
                         assert got.shape[0] >= n and torch.equal(got[:n], slots_of(tables[name][r], torch.arange(n), bs))
                         assert (got[n:] == 0).all()
             sub = ts.rows(1, 3)
             assert torch.equal(sub.window_slots, ts.window_slots[1:3]) and sub.positions.shape[0] == min(2, len(positions) - 1)
+            for name in per_token:  # a chunk's per-token matrix is the step's rows
+                assert torch.equal(sub.entry_slots(name), per_token[name][1:3])
 
 
 def test_row_chunks_cover_rows_within_both_limits() -> None:

@@ -252,14 +252,15 @@ class Attention(nn.Module):
         # keeps them invisible to earlier tokens. Chunks bound the gathered keys ([rows, W + M, D] on the
         # torch path, CSA's indexer keys [rows, M, index_head_dim]); one chunk needs no concatenation.
         ts = token_key_slots(md, self.window)
-        width = ts.entry_slots[f"compressed_{self.ratio}"].shape[1] if self.compressor is not None else 0
+        group = f"compressed_{self.ratio}"
+        width = ts.width(group) if self.compressor is not None else 0
         per_row = (self.window + width) * self.head_dim + (width * self.cfg.index_head_dim if qi is not None else 0)
         outs = []
         for a, b in row_chunks(T, CHUNK, per_row):
             rows = ts.rows(a, b)
+            eslots = {group: rows.entry_slots(group)} if self.compressor is not None else {}
             outs.append(self._attend_rows(q[a:b], None if qi is None else qi[a:b], None if iw is None else iw[a:b],
-                                          rows.window_slots, rows.window_mask, rows.entry_slots, rows.n_entries,
-                                          cache))
+                                          rows.window_slots, rows.window_mask, eslots, rows.n_entries, cache))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         out = apply_rope(out, cos, sin, inverse=True)  # V carried rope: undo it at the query position
         return self._output(out)

@@ -274,7 +274,7 @@ class AttentionV41(nn.Module):
         topk: list[torch.Tensor | None] = []
         cands: list[torch.Tensor | None] = []
         # chunks see the picks of the earlier layers by row range; this layer's are published after the loop
-        width = step.keys.entry_slots[f"compressed_{self.ratio}"].shape[1] if self.ratio > 0 else 0
+        width = step.keys.width(f"compressed_{self.ratio}") if self.ratio > 0 else 0
         # CUDA: the selection of all the step's rows in one fused call (no [rows, entries] scores), sliced per chunk
         sel = None
         if qi is not None and width > 0 and use_prefill_select(qi, self.cfg.v41.candidate_block_size):
@@ -387,7 +387,7 @@ class AttentionV41(nn.Module):
             sources.append((src.compressed, cslots, cmask))
         elif self.ratio > 0:
             group = f"compressed_{self.ratio}"
-            eslots, n = keys.entry_slots[group], keys.n_entries[group]  # [R, M], [R]
+            eslots, n = keys.entry_slots(group), keys.n_entries[group]  # [R, M], [R]
             if eslots.shape[1] == 0:
                 # no sequence of the step has a whole group yet (decode rows always have M > 0): the window alone;
                 # an index source publishes no picks, as the later layers of its group have no entry either
@@ -429,8 +429,9 @@ class AttentionV41(nn.Module):
         sched, group = self.cfg.v41, f"compressed_{self.ratio}"
         keep = sched.candidate_topk_blocks if self.is_candidate else 0
         picks, slots, mask, cands = prefill_select(
-            qi, iw, ikeys, keys.entry_slots[group], keys.n_entries[group], self.indexer.head_dim ** -0.5,
-            self.indexer.topk, candidates if self.uses_candidates else None, sched.candidate_block_size, keep)
+            qi, iw, ikeys, keys.request_entry_slots[group], keys.n_entries[group], self.indexer.head_dim ** -0.5,
+            self.indexer.topk, candidates if self.uses_candidates else None, sched.candidate_block_size, keep,
+            rows_of=keys.token_request)
         return picks, slots, mask, (cands if self.is_candidate else candidates)
 
     def _select_decode(self, qi: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor, ent: EntryTable,

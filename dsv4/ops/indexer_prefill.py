@@ -4,8 +4,10 @@ matrix: what `AttentionV41._select` + `pick_sources` compute on the torch path (
 exactly those functions), in two launches.
 
 Inputs (a step's token rows, dsv4.runtime.attn_metadata.TokenKeySlots): indexer queries q [R, H, d] (roped, FP4),
-head weights w [R, H], the index-key cache keys [N, d], the rows' entry slots eslots [R, M] of which row r sees
-entries e < n[r]; score[r, e] = sum_h w[r, h] * relu(q[r, h] . keys[eslots[r, e]]) * scale (model.md 5).
+head weights w [R, H], the index-key cache keys [N, d], the entry slots eslots [Rq, M] with each row's eslots row
+rows_of[r] (its request's: TokenKeySlots keeps one row per request, so no [R, M] matrix grows as tokens x context;
+rows_of None: one eslots row per query row), of which row r sees entries e < n[r];
+score[r, e] = sum_h w[r, h] * relu(q[r, h] . keys[eslots[rows_of[r], e]]) * scale (model.md 5).
 
 Design (`_prefill_split_kernel`, then `_prefill_merge_kernel`):
   * A program takes BLOCK_M consecutive rows and a range of entry tiles of BLOCK_N entries, up to the block's
@@ -18,12 +20,12 @@ Design (`_prefill_split_kernel`, then `_prefill_merge_kernel`):
     tile (L2), from which the keys are made SUB_N entries at a time: the key work's registers stay small.
   * Key sharing: the tile's keys are read once, through the slots of the block's row with the most visible
     entries (its "leader"). Rows of one request see a prefix of the same entries (their eslots rows agree on every
-    visible entry: TokenKeySlots zeroes only the invisible tail), so for them the leader's keys are theirs. Rows of
+    visible entry), so for them the leader's keys are theirs. Rows of
     another request in the same block (a block straddling two requests, or a mixed step's decode rows) are found by
     comparing each row's own visible slots with the leader's (one [BLOCK_M, BLOCK_N] slot load per tile: eslots is
     read once in all), and only those rows are re-scored with their own keys (one k [BLOCK_N, d] @ q_r^T [d, H]
-    product per row). So no request ids are needed and any eslots is handled exactly; the common case (blocks
-    inside one request) pays the slot comparison only.
+    product per row). So any eslots is handled exactly (two requests that share prefix-cached blocks share those
+    slots and keys too); the common case (blocks inside one request) pays the slot comparison only.
   * Per row, a running top-k in global scratch: the packed int64 keys of `dsv4.ops.indexer._order_keys` (score
     order, ties to the lowest entry id: `stable_topk`'s order) of the entries that beat the row's threshold (the
     L-th best key kept so far, -1 before L are held) are appended to a 2L-key buffer (a cumsum compaction); a
@@ -42,7 +44,8 @@ Design (`_prefill_split_kernel`, then `_prefill_merge_kernel`):
     splits each block's entry range over up to MAX_SPLITS programs (about two programs per SM in all); the merge
     kernel then joins the splits' buffers per row with the same threshold-and-cut scheme.
   * The merge kernel (one program per row) sorts the row's kept keys once and writes picks [R, K] (K = min(k, M);
-    -1 = none), slots (eslots[r, pick], eslots[r, 0] for none, as `pick_sources`), mask, and the kept blocks.
+    -1 = none), slots (the row's slot of the pick; for none its entry 0's, or 0 when it sees no entry, as
+    `pick_sources` on a per-row eslots), mask, and the kept blocks.
 Scratch: rows x splits x min(2L, entries per split) keys (L = next_pow2(k) >= SUB_N), and for the candidate
 source rows x splits x min(2 next_pow2(keep), blocks per split): about 8 KB + 16 KB per row at 16K tokens.
 The model (`AttentionV41.forward` on CUDA) selects all of a step's rows in one call, so long prompts give many row
@@ -73,11 +76,15 @@ Selection = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None
 
 def prefill_select_torch(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, eslots: torch.Tensor,
                          n: torch.Tensor, scale: float, k: int, pool: torch.Tensor | None = None,
-                         cand_block: int = 1, keep_blocks: int = 0) -> Selection:
+                         cand_block: int = 1, keep_blocks: int = 0, *, rows_of: torch.Tensor | None = None
+                         ) -> Selection:
     """Reference: `AttentionV41._select` + `pick_sources` of token rows, op by op. Picks [R, min(k, M)] (entry ids,
     -1 = none), their slots and mask, and (keep_blocks > 0, the candidate source) the kept candidate blocks
     [R, keep_blocks] of the unrestricted scores (-1 = none); `pool` [R, C] (a later index source's candidate
-    blocks): only entries of those blocks of cand_block entries may be picked."""
+    blocks): only entries of those blocks of cand_block entries may be picked. `rows_of` [R]: row r's entries are
+    eslots[rows_of[r]] (one eslots row per request); None: eslots has a row per query row."""
+    if rows_of is not None:
+        eslots = per_row_slots(eslots, rows_of, n)
     s = indexer_scores_torch(q, w, keys, eslots, n, scale)
     cands = candidate_blocks_of(s, n - 1, cand_block, keep_blocks) if keep_blocks > 0 else None
     if pool is not None:
@@ -128,7 +135,7 @@ if triton is not None:
         return cnt + tl.sum(oki, axis=1), thr
 
     @triton.jit
-    def _prefill_split_kernel(q_ptr, w_ptr, k_ptr, es_ptr, es_stride, n_ptr, mark_ptr, mark_stride,
+    def _prefill_split_kernel(q_ptr, w_ptr, k_ptr, es_ptr, es_stride, req_ptr, n_ptr, mark_ptr, mark_stride,
                               buf_ptr, cnt_ptr, ESTR, bbuf_ptr, bcnt_ptr, BSTR, tile_ptr, R, M, S, scale,
                               H: tl.constexpr, D: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,
                               CB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SUB_N: tl.constexpr,
@@ -147,6 +154,7 @@ if triton is not None:
         rows = blk * BLOCK_M + ar
         rm = rows < R
         n = tl.minimum(tl.load(n_ptr + rows, mask=rm, other=0).to(tl.int64), M)
+        req = tl.load(req_ptr + rows, mask=rm, other=0).to(tl.int64)  # each row's eslots row (its request's)
         nmax = tl.max(n, axis=0)
         lead = blk * BLOCK_M + tl.argmax(n, axis=0)  # the row that sees every entry any row of the block sees
         chunk = tl.cdiv(tl.cdiv(nmax, S), BLOCK_N) * BLOCK_N
@@ -178,7 +186,7 @@ if triton is not None:
             if tl.max(todo, axis=0) > 0:
                 # the leader's keys, shared by every row of its request
                 lv = e < nmax
-                slot = tl.load(es_ptr + lead * es_stride + e, mask=lv, other=0).to(tl.int64)
+                slot = tl.load(es_ptr + tl.load(req_ptr + lead) * es_stride + e, mask=lv, other=0).to(tl.int64)
                 kt = tl.load(k_ptr + slot[:, None] * D + d[None, :], mask=lv[:, None] & dm[None, :], other=0.0)
                 acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
                 for h in range(H):
@@ -190,14 +198,14 @@ if triton is not None:
                     acc = tl.fma(tl.maximum(_score_dot(qh, tl.trans(kt), BF16), 0.0), wh[:, None], acc)
                 tl.store(tile + ar[:, None] * BLOCK_N + jn[None, :], acc)
                 # rows whose own visible slots differ from the leader's (another request): their own keys
-                own = tl.load(es_ptr + rows[:, None] * es_stride + e[None, :], mask=vis, other=0).to(tl.int64)
+                own = tl.load(es_ptr + req[:, None] * es_stride + e[None, :], mask=vis, other=0).to(tl.int64)
                 bad = (tl.max((vis & (own != slot[None, :])).to(tl.int32), axis=1) > 0) & (todo > 0)
                 i = tl.min(tl.where(bad, ar, BLOCK_M), axis=0)
                 tl.debug_barrier()  # the tile's stores land before a row's rewrite
                 while i < BLOCK_M:
                     r = blk * BLOCK_M + i
                     vr = e < tl.minimum(tl.load(n_ptr + r).to(tl.int64), M)
-                    sr = tl.load(es_ptr + r * es_stride + e, mask=vr, other=0).to(tl.int64)
+                    sr = tl.load(es_ptr + tl.load(req_ptr + r) * es_stride + e, mask=vr, other=0).to(tl.int64)
                     kr = tl.load(k_ptr + sr[:, None] * D + d[None, :], mask=vr[:, None] & dm[None, :], other=0.0)
                     qr = tl.load(q_ptr + r * (H * D) + hh[:, None] * D + d[None, :], mask=hm[:, None] & dm[None, :],
                                  other=0.0)
@@ -278,11 +286,13 @@ if triton is not None:
 
     @triton.jit
     def _prefill_merge_kernel(buf_ptr, cnt_ptr, ESTR, acc_ptr, bbuf_ptr, bcnt_ptr, BSTR, bacc_ptr, S,
-                              es_ptr, es_stride, picks_ptr, slots_ptr, mask_ptr, K, cands_ptr, KEEP,
+                              es_ptr, es_stride, req_ptr, n_ptr, M, picks_ptr, slots_ptr, mask_ptr, K, cands_ptr,
+                              KEEP,
                               L: tl.constexpr, LB: tl.constexpr, KP: tl.constexpr, KEEPP: tl.constexpr,
                               BLOCKS: tl.constexpr):
-        """Per row: the top K keys of its splits -> picks, their slots (eslots[r, 0] for none), mask; BLOCKS: the
-        top KEEP block keys -> the kept candidate blocks."""
+        """Per row: the top K keys of its splits -> picks, their slots (entry 0's for none, 0 when the row sees no
+        entry: as a per-row eslots gives them), mask; BLOCKS: the top KEEP block keys -> the kept candidate
+        blocks."""
         r = tl.program_id(0).to(tl.int64)
         top, cap = _row_top(buf_ptr, cnt_ptr, ESTR, acc_ptr, r, S, L)
         j = tl.arange(0, KP)
@@ -290,7 +300,8 @@ if triton is not None:
         key = tl.load(top + j, mask=jm & (j < cap), other=-1)
         ok = key >= 0
         e = tl.where(ok, 2147483647 - (key % 2147483648), 0)
-        slot = tl.load(es_ptr + r * es_stride + e, mask=jm, other=0)
+        nr = tl.minimum(tl.load(n_ptr + r).to(tl.int64), M)
+        slot = tl.load(es_ptr + tl.load(req_ptr + r).to(tl.int64) * es_stride + e, mask=jm & (e < nr), other=0)
         tl.store(picks_ptr + r * K + j, tl.where(ok, e, -1), mask=jm)
         tl.store(slots_ptr + r * K + j, slot, mask=jm)
         tl.store(mask_ptr + r * K + j, ok, mask=jm)
@@ -300,6 +311,13 @@ if triton is not None:
             jbm = jb < KEEP
             bkey = tl.load(btop + jb, mask=jbm & (jb < bcap), other=-1)
             tl.store(cands_ptr + r * KEEP + jb, tl.where(bkey >= 0, 2147483647 - (bkey % 2147483648), -1), mask=jbm)
+
+
+def per_row_slots(eslots: torch.Tensor, rows_of: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """[R, M] slots of each query row from one row per request (eslots[rows_of[r]]), 0 where e >= n[r] (as a
+    per-row eslots has them)."""
+    slots = eslots[rows_of]
+    return slots.masked_fill(torch.arange(slots.shape[1], device=slots.device)[None, :] >= n[:, None], 0)
 
 
 def prefill_splits(row_blocks: int, entry_tiles: int, device: torch.device) -> int:
@@ -313,11 +331,12 @@ def prefill_splits(row_blocks: int, entry_tiles: int, device: torch.device) -> i
 
 def prefill_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, eslots: torch.Tensor,
                           n: torch.Tensor, scale: float, k: int, pool: torch.Tensor | None = None,
-                          cand_block: int = 1, keep_blocks: int = 0, *, splits: int | None = None,
-                          block_m: int = 64, block_n: int = 128, sub_n: int = 32, num_warps: int = 8
-                          ) -> Selection:
+                          cand_block: int = 1, keep_blocks: int = 0, *, rows_of: torch.Tensor | None = None,
+                          splits: int | None = None, block_m: int = 64, block_n: int = 128, sub_n: int = 32,
+                          num_warps: int = 8) -> Selection:
     """`prefill_select_torch` in two launches (module docstring). q and keys must be exact in bf16 (the model's
-    FP4-quantized ones are); cand_block a power of two. `splits` overrides the shape-derived split count and
+    FP4-quantized ones are); cand_block a power of two. `rows_of` as the reference's: the kernels read eslots
+    through it, so no [R, M] slot matrix is made. `splits` overrides the shape-derived split count and
     block_m / block_n / sub_n / num_warps the tiling (tests, tuning; powers of two)."""
     assert triton is not None, "triton is not installed"
     assert cand_block & (cand_block - 1) == 0, cand_block  # the block max reshapes a tile into [*, cand_block]
@@ -356,19 +375,20 @@ def prefill_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
     else:
         mark = cnt
     es = eslots if eslots.stride(1) == 1 else eslots.contiguous()
+    req = (torch.arange(R, device=dev) if rows_of is None else rows_of).to(torch.int64).contiguous()
     tiles = torch.empty(nblk * S * block_m * BN, dtype=torch.float32, device=dev)  # one score tile per program
     qb = torch.zeros(nblk * block_m, H, D, dtype=torch.bfloat16, device=dev)  # whole row blocks, bf16 (exact)
     qb[:R] = q
     wb = torch.zeros(nblk * block_m, H, dtype=torch.float32, device=dev)
     wb[:R] = w
     _prefill_split_kernel[(nblk, S)](
-        qb, wb, keys.contiguous(), es, es.stride(0), n.contiguous(), mark, mark.stride(0) if pool is not None else 0,
-        buf, cnt, estr, bbuf, bcnt, bstr, tiles, R, M, S, float(scale), H=H, D=D, L=L, LB=LB, CB=cand_block,
+        qb, wb, keys.contiguous(), es, es.stride(0), req, n.contiguous(), mark,
+        mark.stride(0) if pool is not None else 0, buf, cnt, estr, bbuf, bcnt, bstr, tiles, R, M, S, float(scale), H=H, D=D, L=L, LB=LB, CB=cand_block,
         BLOCK_M=block_m, BLOCK_N=BN, SUB_N=SUB, BLOCK_H=max(16, triton.next_power_of_2(H)),
         BLOCK_D=max(16, triton.next_power_of_2(D)), POOL=pool is not None, BLOCKS=blocks, BF16=not _INTERPRET,
         num_warps=num_warps)
     _prefill_merge_kernel[(R,)](
-        buf, cnt, estr, acc, bbuf, bcnt, bstr, bacc, S, es, es.stride(0), picks, slots, mask, K,
+        buf, cnt, estr, acc, bbuf, bcnt, bstr, bacc, S, es, es.stride(0), req, n.contiguous(), M, picks, slots, mask, K,
         cands if blocks else picks, keep_blocks, L=L, LB=LB, KP=triton.next_power_of_2(max(K, 1)),
         KEEPP=triton.next_power_of_2(max(keep_blocks, 1)), BLOCKS=blocks, num_warps=4)
     return picks, slots, mask, cands
@@ -382,8 +402,8 @@ def use_prefill_select(q: torch.Tensor, cand_block: int) -> bool:
 
 def prefill_select(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, eslots: torch.Tensor, n: torch.Tensor,
                    scale: float, k: int, pool: torch.Tensor | None = None, cand_block: int = 1,
-                   keep_blocks: int = 0) -> Selection:
+                   keep_blocks: int = 0, *, rows_of: torch.Tensor | None = None) -> Selection:
     """Triton on CUDA (`use_prefill_select`), torch elsewhere."""
     if use_prefill_select(q, cand_block):
-        return prefill_select_triton(q, w, keys, eslots, n, scale, k, pool, cand_block, keep_blocks)
-    return prefill_select_torch(q, w, keys, eslots, n, scale, k, pool, cand_block, keep_blocks)
+        return prefill_select_triton(q, w, keys, eslots, n, scale, k, pool, cand_block, keep_blocks, rows_of=rows_of)
+    return prefill_select_torch(q, w, keys, eslots, n, scale, k, pool, cand_block, keep_blocks, rows_of=rows_of)

@@ -312,22 +312,37 @@ class TokenKeySlots:
     loop over requests and query blocks.
 
     Token t at position p sees window keys (p - W, p] (`window_slots` [T, W], masked where the position is < 0)
-    and, per compressed group g, entries e < n_g[t] = (p + 1) div ratio (`entry_slots[g]` [T, M_g] with M_g the
-    largest n_g of the step, masked beyond each token's n_g). Keys written by this step at later positions are in
-    the cache already but never visible to earlier tokens.
+    and, per compressed group g, entries e < n_g[t] = (p + 1) div ratio. The entries' slots are kept per request
+    (`request_entry_slots[g]` [R, M_g], M_g the largest n_g of the step; `token_request` [T] maps a token to its
+    request's row), because the tokens of one request see prefixes of the same entries: a [T, M_g] matrix would
+    grow as tokens x context (2 GB of int64 for a 2,048-token chunk at 131,072 entries), the per-request one as
+    requests x context. `entry_slots(g)` gives the per-token matrix (masked beyond each token's n_g) for a chunk of
+    rows, where a torch path or a per-row kernel wants it. Keys written by this step at later positions are in the
+    cache already but never visible to earlier tokens.
     """
 
     positions: torch.Tensor  # [T] int64
     window_slots: torch.Tensor  # [T, W] int64 (TRASH_SLOT where masked)
     window_mask: torch.Tensor  # [T, W] bool
-    entry_slots: dict[str, torch.Tensor]  # [T, M_g] int64 (0 beyond n)
+    token_request: torch.Tensor  # [T] int64: the token's row of request_entry_slots
+    request_entry_slots: dict[str, torch.Tensor]  # [R, M_g] int64 (beyond a request's own entries: masked by n)
     n_entries: dict[str, torch.Tensor]  # [T] int64
 
     def rows(self, a: int, b: int) -> "TokenKeySlots":
         """Tokens [a, b): row chunks bound the memory of the keys gathered per token."""
         return TokenKeySlots(self.positions[a:b], self.window_slots[a:b], self.window_mask[a:b],
-                             {k: v[a:b] for k, v in self.entry_slots.items()},
+                             self.token_request[a:b], self.request_entry_slots,
                              {k: v[a:b] for k, v in self.n_entries.items()})
+
+    def width(self, group: str) -> int:
+        """M_g: the most entries of `group` a token of the step sees."""
+        return self.request_entry_slots[group].shape[1]
+
+    def entry_slots(self, group: str) -> torch.Tensor:
+        """[T, M_g] int64: token t's entry e in slot ..., 0 (a valid slot) for e >= n_g[t]."""
+        slots = self.request_entry_slots[group][self.token_request]
+        e = torch.arange(slots.shape[1], device=slots.device)
+        return slots.masked_fill(e[None, :] >= self.n_entries[group][:, None], 0)
 
 
 # What the keys gathered for one chunk of token rows may take, in elements (256 MB in fp32): the torch path gathers
@@ -361,18 +376,16 @@ def _build_token_key_slots(md: AttnMetadata, window: int) -> TokenKeySlots:
     wpos = pos[:, None] - torch.arange(window - 1, -1, -1, device=dev)  # pos-W+1 .. pos
     ok = wpos >= 0 if md.window_floor is None else wpos >= md.window_floor[:, None]  # (floors are >= 0)
     wslots = _token_table_slots(md.block_tables[win.name], req, wpos.clamp(min=0), win.block_size)
-    entry_slots, n_entries = {}, {}
+    request_slots, n_entries = {}, {}
     for g in md.groups.values():
         if g.kind != "compressed":
             continue
         r = g.tokens_per_row
         width = max([(ctx[i] + qsl[i + 1] - qsl[i]) // r for i in range(md.num_reqs)], default=0)
-        n = (pos + 1) // r
-        e = torch.arange(width, device=dev).expand(md.num_tokens, -1)
-        slots = _token_table_slots(md.block_tables[g.name], req, e, g.block_size)
-        entry_slots[g.name] = slots.masked_fill(e >= n[:, None], 0)
-        n_entries[g.name] = n
-    return TokenKeySlots(pos, wslots.masked_fill(~ok, TRASH_SLOT), ok, entry_slots, n_entries)
+        e = torch.arange(width, device=dev).expand(md.num_reqs, -1)
+        request_slots[g.name] = _table_slots(md.block_tables[g.name], e, g.block_size)
+        n_entries[g.name] = (pos + 1) // r
+    return TokenKeySlots(pos, wslots.masked_fill(~ok, TRASH_SLOT), ok, req, request_slots, n_entries)
 
 
 def _token_table_slots(tables: torch.Tensor, req: torch.Tensor, rows: torch.Tensor, block_size: int) -> torch.Tensor:
