@@ -331,7 +331,8 @@ def test_indexer_scores_kernel_matches_torch() -> None:
 
 def test_pick_sources_kernel_equals_torch() -> None:
     """Picks -> attention source: with and without the scores (picks of a -inf score become -1), picks already -1
-    (a later layer reusing them), K not a power of two, K = M."""
+    (a later layer reusing them), K not a power of two, K = M; and slots kept one row per request (`rows_of`,
+    TokenKeySlots' form), which give each row its request's slots (the per-row form's, masked slots aside)."""
     _interpret("""
         import torch
         from dsv4.ops.indexer import pick_sources_torch, pick_sources_triton
@@ -350,6 +351,14 @@ def test_pick_sources_kernel_equals_torch() -> None:
                     assert a.dtype == b.dtype and torch.equal(a, b), (R, M, K, sc is None)
                 if sc is not None:
                     assert (ref[0] == -1).any() == (R > 1)  # the -1 path is exercised (rows with n < K)
+            rows_of = torch.arange(R) % 2  # two requests' slot rows shared by the R rows
+            for sc in (scores, None):
+                ref = pick_sources_torch(picks, eslots[:2], sc, rows_of)
+                got = pick_sources_triton(picks, eslots[:2], sc, rows_of)
+                for a, b in zip(ref, got):
+                    assert a.dtype == b.dtype and torch.equal(a, b), (R, M, K, sc is None, "rows_of")
+                per_row = pick_sources_torch(picks, eslots[:2][rows_of], sc)
+                assert torch.equal(ref[0], per_row[0]) and torch.equal(ref[1], per_row[1])
         print("ok")
     """)
 

@@ -186,6 +186,18 @@ class Indexer(Compressor):
         return stable_topk(scores, min(self.topk, slots.shape[1])), scores
 
 
+def row_elems(window: int, width: int, head_dim: int, index_head_dim: int, csa: bool, gathers: bool) -> int:
+    """Elements a prefill token row of an attention layer holds while it attends (`row_chunks` sizes its chunks
+    with it): the torch path (`gathers`, the CPU) gathers its W + M keys [W + M, D] and CSA's M indexer keys
+    [M, index_head_dim]; the CUDA kernels read the keys in place, and a row holds its slots and masks (window
+    and the M entries, from TokenKeySlots.entry_slots) and CSA's scores and top-k sort over M: a few values per
+    entry (8 counted). Counting the gathered keys on CUDA made chunks of ~3 rows at 131,072 tokens of context
+    (M = 32,768 at ratio 4): hundreds of chunks, each ~10 launches, per layer and step."""
+    if gathers:
+        return (window + width) * head_dim + (width * index_head_dim if csa else 0)
+    return 8 * (window + width)
+
+
 class Attention(nn.Module):
     """Shared-KV MQA with sinks, partial interleaved rope, grouped output projection; sliding window plus,
     for CSA/HCA layers, the compressed entries (top-k for CSA, all visible for HCA) in one softmax."""
@@ -249,12 +261,13 @@ class Attention(nn.Module):
         T = x.shape[0]
         q, qi, iw, cos, sin = self.project_and_write(x, md, cache)
         # Keys this step writes at later positions are in the cache already; each row's window / entry mask
-        # keeps them invisible to earlier tokens. Chunks bound the gathered keys ([rows, W + M, D] on the
-        # torch path, CSA's indexer keys [rows, M, index_head_dim]); one chunk needs no concatenation.
+        # keeps them invisible to earlier tokens. Chunks bound each row's memory (`row_elems`); one chunk needs
+        # no concatenation.
         ts = token_key_slots(md, self.window)
         group = f"compressed_{self.ratio}"
         width = ts.width(group) if self.compressor is not None else 0
-        per_row = (self.window + width) * self.head_dim + (width * self.cfg.index_head_dim if qi is not None else 0)
+        per_row = row_elems(self.window, width, self.head_dim, self.cfg.index_head_dim, qi is not None,
+                            gathers=not x.is_cuda)
         outs = []
         for a, b in row_chunks(T, CHUNK, per_row):
             rows = ts.rows(a, b)

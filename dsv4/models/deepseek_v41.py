@@ -387,20 +387,21 @@ class AttentionV41(nn.Module):
             sources.append((src.compressed, cslots, cmask))
         elif self.ratio > 0:
             group = f"compressed_{self.ratio}"
-            eslots, n = keys.entry_slots(group), keys.n_entries[group]  # [R, M], [R]
-            if eslots.shape[1] == 0:
+            if keys.width(group) == 0:
                 # no sequence of the step has a whole group yet (decode rows always have M > 0): the window alone;
                 # an index source publishes no picks, as the later layers of its group have no entry either
                 topk = candidates = None
             else:
                 src = caches[self.kv_source]
-                scores = None
                 if sel is not None:
                     topk, cslots, cmask, candidates = sel
-                else:
-                    if self.is_index_source:
-                        topk, scores, candidates = self._select(qi, iw, src.index_keys, eslots, n, candidates)
+                elif self.is_index_source:  # (the torch path) every visible entry's slot, per row
+                    eslots, n = keys.entry_slots(group), keys.n_entries[group]  # [R, M], [R]
+                    topk, scores, candidates = self._select(qi, iw, src.index_keys, eslots, n, candidates)
                     topk, cslots, cmask = pick_sources(topk, eslots, scores)  # -1 for picks of a -inf score
+                else:  # the picks of the group's index source: their slots through the requests' rows
+                    topk, cslots, cmask = pick_sources(topk, keys.request_entry_slots[group],
+                                                       rows_of=keys.token_request)
                 sources.append((src.compressed, cslots, cmask))
         out = decode_sink_attention(q, sources, self.attn_sink, self.head_dim ** -0.5)
         return out, topk, candidates

@@ -112,22 +112,28 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: 
 
 
 # ---- picks -> attention source ------------------------------------------------------------------------------------
-def pick_sources_torch(picks: torch.Tensor, eslots: torch.Tensor, scores: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pick_sources_torch(picks: torch.Tensor, eslots: torch.Tensor, scores: torch.Tensor | None = None,
+                       rows_of: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The compressed-entry source of the sink attention from top-k picks [R, K] (entry ids; -1 = none) over the
     rows' entry slots [R, M]: (picks, slots [R, K], mask [R, K]). With the scores [R, M] the picks were taken from,
-    a pick whose score is -inf (fewer visible entries than K) becomes -1 first."""
+    a pick whose score is -inf (fewer visible entries than K) becomes -1 first. `rows_of` [R]: row r's slots are
+    eslots[rows_of[r]] (one row per request, dsv4.runtime.attn_metadata.TokenKeySlots); a -1 pick then takes its
+    request's entry 0's slot (masked either way)."""
     if scores is not None:
         picks = torch.where(scores.gather(1, picks) > float("-inf"), picks, torch.full_like(picks, -1))
+    if rows_of is not None:
+        return picks, eslots[rows_of[:, None], picks.clamp(min=0)], picks >= 0
     return picks, eslots.gather(1, picks.clamp(min=0)), picks >= 0
 
 
 if triton is not None:
 
     @triton.jit
-    def _pick_sources_kernel(picks_ptr, eslots_ptr, scores_ptr, picks_out_ptr, slots_out_ptr, mask_out_ptr, K, M,
-                             HAS_SCORES: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _pick_sources_kernel(picks_ptr, eslots_ptr, rows_ptr, scores_ptr, picks_out_ptr, slots_out_ptr,
+                             mask_out_ptr, K, M, HAS_SCORES: tl.constexpr, ROWS: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
+        er = tl.load(rows_ptr + r).to(tl.int64) if ROWS else r  # the row's eslots row
         j = tl.arange(0, BLOCK_K)
         jm = j < K
         p = tl.load(picks_ptr + r * K + j, mask=jm, other=-1).to(tl.int64)
@@ -135,14 +141,14 @@ if triton is not None:
         if HAS_SCORES:
             s = tl.load(scores_ptr + r * M + safe, mask=jm, other=float("-inf"))
             p = tl.where(s > float("-inf"), p, -1)
-        slot = tl.load(eslots_ptr + r * M + tl.maximum(p, 0), mask=jm, other=0)
+        slot = tl.load(eslots_ptr + er * M + tl.maximum(p, 0), mask=jm, other=0)
         tl.store(picks_out_ptr + r * K + j, p, mask=jm)
         tl.store(slots_out_ptr + r * K + j, slot, mask=jm)
         tl.store(mask_out_ptr + r * K + j, p >= 0, mask=jm)
 
 
-def pick_sources_triton(picks: torch.Tensor, eslots: torch.Tensor, scores: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pick_sources_triton(picks: torch.Tensor, eslots: torch.Tensor, scores: torch.Tensor | None = None,
+                        rows_of: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same in one launch (instead of 3, or 7 with the scores)."""
     assert triton is not None, "triton is not installed"
     R, K = picks.shape
@@ -151,18 +157,19 @@ def pick_sources_triton(picks: torch.Tensor, eslots: torch.Tensor, scores: torch
     mask_out = torch.empty(R, K, dtype=torch.bool, device=picks.device)
     if R and K:
         sc = scores.contiguous() if scores is not None else picks
-        _pick_sources_kernel[(R,)](picks, eslots, sc, picks_out, slots_out, mask_out, K,
-                                   eslots.shape[1], HAS_SCORES=scores is not None,
+        rows = rows_of.contiguous() if rows_of is not None else picks
+        _pick_sources_kernel[(R,)](picks, eslots, rows, sc, picks_out, slots_out, mask_out, K,
+                                   eslots.shape[1], HAS_SCORES=scores is not None, ROWS=rows_of is not None,
                                    BLOCK_K=triton.next_power_of_2(K))
     return picks_out, slots_out, mask_out
 
 
-def pick_sources(picks: torch.Tensor, eslots: torch.Tensor, scores: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pick_sources(picks: torch.Tensor, eslots: torch.Tensor, scores: torch.Tensor | None = None,
+                 rows_of: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton on CUDA, torch elsewhere."""
     if picks.is_cuda and triton is not None:
-        return pick_sources_triton(picks, eslots, scores)
-    return pick_sources_torch(picks, eslots, scores)
+        return pick_sources_triton(picks, eslots, scores, rows_of)
+    return pick_sources_torch(picks, eslots, scores, rows_of)
 
 
 # ---- decode: selection through the block table, looping to each row's visible entries ---------------------------
