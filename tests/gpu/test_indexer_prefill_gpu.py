@@ -56,6 +56,14 @@ def _step(reqs: list[tuple[int, int]], ratio: int, seed: int
     return q, w, keys, eslots, n
 
 
+def _by_request(reqs: list[tuple[int, int]], eslots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same step's slots one row per request (TokenKeySlots' form: a request's last token sees all its
+    entries) and each token row's request."""
+    lens = torch.tensor([l for _, l in reqs], device="cuda")
+    last = torch.cumsum(lens, 0) - 1
+    return eslots[last], torch.repeat_interleave(torch.arange(len(reqs), device="cuda"), lens)
+
+
 def _reference(q, w, keys, eslots, n, pool=None, keep=0, rows: torch.Tensor | None = None, chunk: int = 32):
     """prefill_select_torch on row chunks (of the given rows only, when given)."""
     idx = torch.arange(q.shape[0], device="cuda") if rows is None else rows
@@ -87,13 +95,16 @@ def _assert_equal(ref, got, rows: torch.Tensor | None = None) -> None:
 ], ids=["one-request", "chunk-splits", "mixed-step"])
 def test_prefill_select_equals_reference(name: str, reqs: list, ratio: int) -> None:
     """Plain, the candidate source (keep 2048 blocks of 8) and the pooled index source (pooled by the candidate
-    source's blocks), against the reference."""
+    source's blocks), against the reference; the same with the slots one row per request (`rows_of`, as the model
+    passes them)."""
     q, w, keys, eslots, n = _step(reqs, ratio, seed=len(reqs) + ratio)
+    req_slots, rows_of = _by_request(reqs, eslots)
     for pool, keep in ((None, 0), (None, KEEP), ("cands", 0)):
         if pool == "cands":
             pool = prefill_select_triton(q, w, keys, eslots, n, SCALE, K, None, CB, KEEP)[3]
         got = prefill_select_triton(q, w, keys, eslots, n, SCALE, K, pool, CB, keep)
         _assert_equal(_reference(q, w, keys, eslots, n, pool, keep), got)
+        _assert_equal(got, prefill_select_triton(q, w, keys, req_slots, n, SCALE, K, pool, CB, keep, rows_of=rows_of))
 
 
 def test_prefill_select_long_context_chunk() -> None:
