@@ -339,7 +339,7 @@ class TokenKeySlots:
         return self.request_entry_slots[group].shape[1]
 
     def entry_slots(self, group: str) -> torch.Tensor:
-        """[T, M_g] int64: token t's entry e in slot ..., 0 (a valid slot) for e >= n_g[t]."""
+        """[T, M_g] int64: the slot of token t's entry e, 0 (a valid slot) for e >= n_g[t]."""
         slots = self.request_entry_slots[group][self.token_request]
         e = torch.arange(slots.shape[1], device=slots.device)
         return slots.masked_fill(e[None, :] >= self.n_entries[group][:, None], 0)
