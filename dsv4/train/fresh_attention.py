@@ -68,11 +68,12 @@ def plan_fresh_attention(md: AttnMetadata, window: int) -> FreshAttentionPlan | 
         wpos[wu.flatten()] = torch.arange(L, device=dev).repeat(B)
         last = torch.tensor(qsl[1:], device=dev) - 1  # each sequence's last token sees all of its entries
         eu, epos = {}, {}
-        for name, slots in keys.entry_slots.items():
+        for name, slots in keys.request_entry_slots.items():  # [B, M]: one row per sequence
             g = md.groups[name]
-            u, n = slots[last], keys.n_entries[name][last]  # [B, M], [B]
-            M = u.shape[1]
+            n = keys.n_entries[name][last]  # [B]
+            M = slots.shape[1]
             valid = torch.arange(M, device=dev)[None, :] < n[:, None]
+            u = slots.masked_fill(~valid, 0)  # (0 past n, as the last token's row of the per-token slots)
             pos = torch.full((g.num_blocks * g.block_size,), -1, dtype=torch.int64, device=dev)
             pos[u[valid]] = torch.arange(M, device=dev).expand(B, -1)[valid]
             eu[name], epos[name] = u, pos
