@@ -340,7 +340,7 @@ def test_tiny_presets_keep_the_single_file_writer(tmp_path: Path) -> None:
 
 # ---- the commands ---------------------------------------------------------------------------------------------
 LATENCY_FIELDS = {"benchmark", "model", "model_type", "date", "device", "device_name", "torch", "triton", "cuda",
-                  "python", "command", "dtype", "batch_size", "input_len", "output_len", "num_iters",
+                  "python", "command", "switches", "dtype", "batch_size", "input_len", "output_len", "num_iters",
                   "num_iters_warmup", "enforce_eager", "engine_kwargs", "ignored_engine_kwargs", "decode_step_s",
                   "decode_steps", "decode_step_times_s", "decode_tokens_per_s", "prefill_s", "e2e_s", "floor_bytes",
                   "floor", "copy_bytes", "copy_bandwidth_Bps", "floor_time_s", "fraction_of_floor", "achieved_Bps",
@@ -349,6 +349,18 @@ LATENCY_FIELDS = {"benchmark", "model", "model_type", "date", "device", "device_
                   "json_schema", "memory", "weight_plan", "spec_decode", "prefill_time_s", "prefill_cached_tokens",
                   "prefill_tokens", "prefill_tokens_per_s", "prefill_flops", "prefill_flops_by_component",
                   "prefill_tflops_per_s", "peak_tflops_per_s", "peak_source", "prefill_fraction_of_peak"}
+
+
+def test_results_record_the_dsv4_switches_but_no_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A results file says which DSV4_* switches were set (they change what was measured), never the API key."""
+    from dsv4.bench.latency import switches
+
+    monkeypatch.setenv("DSV4_SORTED_EXPERTS", "1")
+    monkeypatch.setenv("DSV4_API_KEY", "secret")
+    monkeypatch.setenv("NOT_DSV4_SORTED", "1")
+    got = switches()
+    assert got.get("DSV4_SORTED_EXPERTS") == "1" and "DSV4_API_KEY" not in got and "NOT_DSV4_SORTED" not in got
+    assert "secret" not in json.dumps(got)
 
 
 @pytest.mark.parametrize("which", ["tiny-v4", "tiny-v41"])

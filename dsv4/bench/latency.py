@@ -33,6 +33,7 @@ import inspect
 import json
 import logging
 import math
+import os
 import platform
 import random
 import statistics
@@ -246,8 +247,14 @@ def command_line(args: argparse.Namespace) -> str:
     return " ".join(words)
 
 
+def switches() -> dict[str, str]:
+    """The DSV4_* environment switches of this process (e.g. DSV4_SORTED_EXPERTS), which change what a run measures;
+    names holding a secret (DSV4_API_KEY) are left out."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("DSV4_") and "KEY" not in k}
+
+
 def environment(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """Versions, the machine and the command, for the results file."""
+    """Versions, the machine, the command and the DSV4_* switches, for the results file."""
     try:
         import triton
 
@@ -256,7 +263,8 @@ def environment(args: argparse.Namespace, device: torch.device) -> dict[str, Any
         triton_version = None
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": str(device),
             "device_name": device_name(device), "torch": torch.__version__, "triton": triton_version,
-            "cuda": torch.version.cuda, "python": platform.python_version(), "command": command_line(args)}
+            "cuda": torch.version.cuda, "python": platform.python_version(), "command": command_line(args),
+            "switches": switches()}
 
 
 # ---- shared with `bench throughput` --------------------------------------------------------------------------
