@@ -29,17 +29,15 @@ except ImportError:  # CPU-only installs use QuantWeight.dequantize
 BLOCK_R, BLOCK_B = 16, 128  # a program: 16 rows x 128 bytes (256 values, 8 scales a row)
 
 if triton is not None:
+    from dsv4.ops.moe_quant import _e4m3
     from dsv4.ops.rmsnorm import INTERPRET, cast_rne
 
     @triton.jit
     def _e2m1(n):
         """e2m1 codes (int32 0..15: sign | 2 exponent bits | 1 mantissa bit) -> fp32 0, 0.5, 1, 1.5, 2, 3, 4, 6 and
-        their negatives (8 is -0)."""
-        e = (n >> 1) & 3
-        m = (n & 1).to(tl.float32)
-        pow2 = ((tl.maximum(e, 1) - 2 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e-2), e >= 1
-        mag = tl.where(e == 0, m * 0.5, (2.0 + m) * pow2)
-        return tl.where((n & 8) != 0, -mag, mag)
+        their negatives (8 is -0), as the expert kernels decode them (moe_quant `_planes`): the nibble s|e e|m as
+        the e4m3 byte s 0 0 e e m 0 0, the same value times 2^-6."""
+        return _e4m3(((n & 8) << 4) | ((n & 7) << 2)) * 64.0
 
     @triton.jit
     def _dequant_mxfp4_kernel(w_ptr, s_ptr, out_ptr, R, KB, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,

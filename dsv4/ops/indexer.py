@@ -112,6 +112,13 @@ def indexer_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: 
 
 
 # ---- picks -> attention source ------------------------------------------------------------------------------------
+def per_row_slots(eslots: torch.Tensor, rows_of: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """[R, M] entry slots of each query row from one row per request (eslots[rows_of[r]], the form
+    dsv4.runtime.attn_metadata.TokenKeySlots keeps), 0 (a valid slot) where e >= n[r]."""
+    slots = eslots[rows_of]
+    return slots.masked_fill(torch.arange(slots.shape[1], device=slots.device)[None, :] >= n[:, None], 0)
+
+
 def pick_sources_torch(picks: torch.Tensor, eslots: torch.Tensor, scores: torch.Tensor | None = None,
                        rows_of: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The compressed-entry source of the sink attention from top-k picks [R, K] (entry ids; -1 = none) over the

@@ -61,7 +61,7 @@ from __future__ import annotations
 import torch
 
 from dsv4.ops.indexer import (_INTERPRET, candidate_blocks_of, candidate_pool, indexer_scores_torch,
-                              pick_sources_torch, triton)
+                              per_row_slots, pick_sources_torch, triton)
 from dsv4.ops.topk import stable_topk
 
 if triton is not None:
@@ -311,13 +311,6 @@ if triton is not None:
             jbm = jb < KEEP
             bkey = tl.load(btop + jb, mask=jbm & (jb < bcap), other=-1)
             tl.store(cands_ptr + r * KEEP + jb, tl.where(bkey >= 0, 2147483647 - (bkey % 2147483648), -1), mask=jbm)
-
-
-def per_row_slots(eslots: torch.Tensor, rows_of: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """[R, M] slots of each query row from one row per request (eslots[rows_of[r]]), 0 where e >= n[r] (as a
-    per-row eslots has them)."""
-    slots = eslots[rows_of]
-    return slots.masked_fill(torch.arange(slots.shape[1], device=slots.device)[None, :] >= n[:, None], 0)
 
 
 def prefill_splits(row_blocks: int, entry_tiles: int, device: torch.device) -> int:

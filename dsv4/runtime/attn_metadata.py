@@ -40,6 +40,7 @@ import torch
 from dsv4.kv.spec import PAD_SLOT, TRASH_SLOT, KVGroupSpec
 from dsv4.ops import decode_metadata
 from dsv4.ops.host_copy import to_device
+from dsv4.ops.indexer import per_row_slots
 
 
 @dataclass
@@ -340,9 +341,7 @@ class TokenKeySlots:
 
     def entry_slots(self, group: str) -> torch.Tensor:
         """[T, M_g] int64: the slot of token t's entry e, 0 (a valid slot) for e >= n_g[t]."""
-        slots = self.request_entry_slots[group][self.token_request]
-        e = torch.arange(slots.shape[1], device=slots.device)
-        return slots.masked_fill(e[None, :] >= self.n_entries[group][:, None], 0)
+        return per_row_slots(self.request_entry_slots[group], self.token_request, self.n_entries[group])
 
 
 # What the keys gathered for one chunk of token rows may take, in elements (256 MB in fp32): the torch path gathers
