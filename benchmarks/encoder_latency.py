@@ -17,11 +17,12 @@ span embeddings on the device, `torch.cuda.synchronize()` before and after, wall
   image, the aligner and the span assembly per image);
 - graphs: `EncoderCudaGraphManager.encode` (sorted greedy packing, one replay per batch, one gather per batch; images
   larger than every budget run eagerly, reported as misses).
-Budgets follow the engine's limits (`--max-num-batched-tokens`, `--max-model-len`). The graph attention is the
-Triton varlen flash-attention kernel: O(sum of len^2) per image, nothing for the budget's unused (padding) rows
-since 2026-11-30 (before, they were attended as one sequence, O(padding^2)); the rest of the tower still runs over
-every row of the budget, so graphs pay for up to 2x the linear work of the eager path: the results show where that
-outweighs the saved launches. `--device cpu` smoke-tests the script (no graphs: the
+Budgets follow the engine's limits (`--max-num-batched-tokens`, `--max-model-len`) and `--budget-steps` per octave
+(1: the powers of two measured until 2026-12-05). The graph attention is `--graph-attention`: the Triton varlen
+kernel (O(sum of len^2) per image, nothing for the budget's unused rows) or FlashAttention's varlen forward (the
+kernel eager SDPA runs per image); the rest of the tower runs over every row of the budget, so graphs pay for up to
+(1 + 1 / steps) x the linear work of the eager path: the results show where that outweighs the saved launches.
+`--profile` prints the top kernels of one eager and one graphs call of each case. `--device cpu` smoke-tests the script (no graphs: the
 uncaptured stand-in).
 """
 
@@ -39,7 +40,10 @@ import torch
 
 from dsv4.models.image_processor import plan_image
 from dsv4.models.vision import VisionConfig, VisionEncoder, vision_param_dtype
-from dsv4.runtime.encoder_cudagraphs import EncoderCudaGraphManager, llm_grid_of, plan_batches, span_tokens
+from dsv4.ops import varlen_attention as varlen_ops
+from dsv4.runtime.encoder_cudagraphs import (BUDGET_STEPS, EncoderCudaGraphManager, budget_range,
+                                             default_max_batch_size, llm_grid_of, plan_batches, span_tokens,
+                                             token_budgets)
 
 VISIONS: dict[str, tuple[VisionConfig, int, list[str]]] = {
     # (tower config, text hidden size, default pixel sizes)
@@ -88,6 +92,51 @@ def time_calls(fn: Callable[[], Any], sync: Callable[[], None], warmup: int, ite
             "p90": times[min(len(times) - 1, int(0.9 * len(times)))], "min": times[0]}
 
 
+def kernel_table(fn: Callable[[], Any], sync: Callable[[], None], rows: int = 15) -> str:
+    """The `rows` CUDA kernels of one call of `fn` with the most device time (torch.profiler), as a table."""
+    from torch.profiler import ProfilerActivity, profile
+    with torch.inference_mode():
+        fn()
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            sync()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
+
+
+def plan_table(args: argparse.Namespace) -> dict[str, Any]:
+    """The work of every case under the budget ladder, from shapes alone: real ViT rows against the rows the graphs
+    run (the budget's), and the tower's TFLOP (linear layers over the rows a path runs; attention over the images'
+    own rows, which both paths do)."""
+    cfg = VISIONS[args.vision][0]
+    budgets = token_budgets(*budget_range(args.max_num_batched_tokens, args.max_model_len), steps=args.budget_steps)
+    mbs = default_max_batch_size(budgets)  # the manager's default
+    d, f, n_layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    linear_per_row = 2 * n_layers * (d * 3 * d + d * d + d * 2 * f + f * d)  # wqkv, wo, w1 (gate | up), w2
+    rows_out = []
+    print(f"budgets ({args.budget_steps} a octave): {budgets}; max batch {mbs}")
+    print("| size | images | batches (budget x images) | real rows | graph rows | x | linear TFLOP eager / graphs "
+          "| attention TFLOP |")
+    print("|---|---|---|---|---|---|---|---|")
+    for size in args.sizes or VISIONS[args.vision][2]:
+        grid = image_grid(size, cfg)
+        tokens = span_tokens(*llm_grid_of(grid, cfg.downsample_ratio))
+        for count in args.counts:
+            batches = plan_batches([tokens] * count, budgets, mbs)
+            real = count * grid[0] * grid[1]
+            graph_rows = sum(cfg.downsample_ratio ** 2 * b.budget if b.budget else grid[0] * grid[1] * len(b.indices)
+                             for b in batches)
+            attention = 4 * n_layers * count * (grid[0] * grid[1]) ** 2 * d
+            row = {"size": size, "images": count, "batches": [(b.budget, len(b.indices)) for b in batches],
+                   "real_rows": real, "graph_rows": graph_rows, "linear_tflop": linear_per_row * real / 1e12,
+                   "graph_linear_tflop": linear_per_row * graph_rows / 1e12, "attention_tflop": attention / 1e12}
+            rows_out.append(row)
+            plan = ", ".join(f"{b or 'eager'}x{n}" for b, n in row["batches"])
+            print(f"| {size} | {count} | {plan} | {real} | {graph_rows} | {graph_rows / real:.2f} "
+                  f"| {row['linear_tflop']:.2f} / {row['graph_linear_tflop']:.2f} | {row['attention_tflop']:.2f} |")
+    return {"budgets": budgets, "plan": rows_out}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vision", choices=sorted(VISIONS), default="released")
@@ -99,8 +148,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--graph-attention", choices=varlen_ops.GRAPH_ATTENTIONS, default=varlen_ops.GRAPH_ATTENTION,
+                    help="the graphs' attention kernel (DSV4_ENCODER_GRAPH_ATTENTION)")
+    ap.add_argument("--budget-steps", type=int, default=BUDGET_STEPS,
+                    help="budgets per octave of the graph ladder (1: powers of two)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the top CUDA kernels of one eager call and one graphs call per case")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="print each case's batches, real and budget ViT rows and TFLOP; build and time nothing")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
+    varlen_ops.GRAPH_ATTENTION = args.graph_attention
+    if args.plan_only:
+        return plan_table(args)
 
     cfg, hidden, default_sizes = VISIONS[args.vision]
     device = torch.device(args.device)
@@ -109,7 +169,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cuda = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     enc = build_encoder(cfg, hidden, DTYPES[args.dtype], device)
-    mgr = EncoderCudaGraphManager.from_limits(enc, args.max_num_batched_tokens, args.max_model_len, device)
+    budgets = token_budgets(*budget_range(args.max_num_batched_tokens, args.max_model_len), steps=args.budget_steps)
+    mgr = EncoderCudaGraphManager(enc, budgets, device=device)
     capture_s, graph_bytes = 0.0, 0
     if cuda:
         sync()
@@ -145,12 +206,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "max_abs_diff": diff,
             })
             print(f"{size} x{count}: eager {eager['median']:.3f} ms, graphs {graphs['median']:.3f} ms", flush=True)
+            if args.profile and cuda:
+                for name, fn in (("eager", lambda: enc(torch.cat(patches), grids)),
+                                 ("graphs", lambda: mgr.encode(patches, grids))):
+                    print(f"-- {size} x{count} {name}: top kernels of one call", flush=True)
+                    print(kernel_table(fn, sync), flush=True)
 
     report = {
         "benchmark": "encoder_latency", "vision": args.vision, "vision_config": dataclasses.asdict(cfg),
         "text_hidden": hidden, "dtype": args.dtype,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
+        "graph_attention": args.graph_attention, "budget_steps": args.budget_steps,
         "budgets": mgr.budgets, "max_batch_size": mgr.max_batch_size, "graphs_captured": sorted(mgr.graphs),
         "capture_s": capture_s, "graph_memory_reserved_bytes": graph_bytes, "warmup": args.warmup,
         "iters": args.iters, "results": results,

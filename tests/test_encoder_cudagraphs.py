@@ -67,9 +67,19 @@ def enc() -> VisionEncoder:
 def test_budgets_and_batch_size() -> None:
     assert budget_range(2048, 4096) == (64, 2048) and budget_range(8192, 1000) == (64, 1000)
     assert budget_range(32, 4096) == (32, 32)  # below the minimum: one budget
-    assert token_budgets(64, 2048) == [64, 128, 256, 512, 1024, 2048]
-    assert token_budgets(64, 3000) == [64, 128, 256, 512, 1024, 2048, 3000]  # the max is always included
+    # one step per octave: vLLM's powers of two
+    assert token_budgets(64, 2048, steps=1) == [64, 128, 256, 512, 1024, 2048]
+    assert token_budgets(64, 3000, steps=1) == [64, 128, 256, 512, 1024, 2048, 3000]  # the max is always included
     assert token_budgets(64, 64) == [64] and token_budgets(5, 5) == [5]
+    assert token_budgets(64, 512, steps=4) == [64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+    assert token_budgets(64, 700, steps=2) == [64, 96, 128, 192, 256, 384, 512, 700]
+    with pytest.raises(EncoderGraphError, match="steps"):
+        token_budgets(64, 512, steps=0)
+    for steps in (1, 2, 3, 4, 8):  # neighbours never more than (1 + 1 / steps) apart: the padding bound
+        budgets = token_budgets(64, 2048, steps)
+        assert budgets[0] == 64 and budgets[-1] == 2048 and budgets == sorted(set(budgets))
+        assert max(b / a for a, b in zip(budgets, budgets[1:])) <= 1 + 1 / steps
+        assert len(budgets) == 5 * steps + 1
     for hi in (1, 4, 37, 64, 65, 200, 2048, 4096, 100000):
         budgets = token_budgets(*budget_range(hi, 10 ** 6))
         mbs = default_max_batch_size(budgets)
@@ -182,7 +192,7 @@ def attention(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 def test_replay_equivalent_equals_per_image_eager(enc: VisionEncoder, attention: str, name: str,
                                                   grids: list[tuple[int, int]]) -> None:
     m = EncoderCudaGraphManager.from_limits(enc, 256, 4096)
-    assert m.budgets == [64, 128, 256] and m.max_batch_size == 4
+    assert m.budgets == [64, 80, 96, 112, 128, 160, 192, 224, 256] and m.max_batch_size == 4
     patches = _patches(grids, 1)
     out = m.encode(patches, grids)
     oversize = [g for g in grids if span_tokens(*llm_grid_of(g, R)) > 256]

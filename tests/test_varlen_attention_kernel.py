@@ -84,3 +84,35 @@ def test_varlen_kernel_other_blocks_and_scale() -> None:
         print("ok")
     """)
 
+
+
+def test_flash_wrapper_boundaries_and_padding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`varlen_attention_flash` around a CPU stand-in of FlashAttention's varlen forward (the op is CUDA-only; the
+    real one runs in tests/gpu/test_varlen_attention_gpu.py): it must get int32 boundaries and max_seqlen = rows
+    (a bound that needs no host read), and the rows past cu_seqlens[-1], which FlashAttention leaves unwritten,
+    must come out 0 whatever the op left there."""
+    from dsv4.models.vision import per_image_attention
+    from dsv4.ops import varlen_attention as ops
+    calls = []
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale=None):
+        assert cu_q.dtype == torch.int32 and cu_q is cu_k and max_q == max_k == q.shape[0]
+        assert dropout == 0.0 and not causal and not debug
+        calls.append(scale)
+        out = torch.full_like(q, float("nan"))  # unwritten rows: garbage
+        bounds = cu_q.tolist()
+        real = per_image_attention(q.double(), k.double(), v.double(), bounds).to(q.dtype)
+        out[: bounds[-1]] = real[: bounds[-1]]
+        return out, None, None, None, None
+
+    monkeypatch.setattr(ops, "_flash_forward", lambda: stand_in)
+    g = torch.Generator().manual_seed(3)
+    for cu, rows in CASES:
+        q, k, v = (torch.randn(rows, 2, 16, generator=g) for _ in range(3))
+        got = ops.varlen_attention_flash(q, k, v, torch.tensor(cu, dtype=torch.int64), scale=0.2)
+        ref = per_image_attention(q.double(), k.double(), v.double(), cu)
+        assert not got.isnan().any(), cu
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+        assert not got[cu[-1]:].any()
+    assert calls == [0.2] * len(CASES)
+    assert ops.varlen_attention_flash(*(torch.zeros(0, 2, 16) for _ in range(3)), torch.zeros(1)).shape == (0, 2, 16)

@@ -8,8 +8,8 @@ exactly model.md 10.2's: `vision.*` (the ViT, `VisionTower`), `aligner.*` (`Alig
 Several images run as one packed sequence (rows concatenated, `cu_seqlens` marking image boundaries); attention
 never crosses images. With the boundaries as host values attention runs one SDPA call per image. With `cu_seqlens`
 on the device (the CUDA-graph path: no host read, so it can be captured) it runs the Triton varlen flash-attention
-kernel (dsv4/ops/varlen_attention.py, O(sum of len^2) work, O(rows) memory) on CUDA, and elsewhere one
-block-diagonal masked SDPA, the exact torch reference (O(rows^2) mask and score memory).
+kernel or FlashAttention's varlen forward (dsv4/ops/varlen_attention.py, O(sum of len^2) work, O(rows) memory) on
+CUDA, and elsewhere one block-diagonal masked SDPA, the exact torch reference (O(rows^2) mask and score memory).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from torch import nn
 
 from dsv4.models.config import ConfigError
 from dsv4.models.layers.norm import RMSNorm
-from dsv4.ops.varlen_attention import HAS_TRITON, varlen_attention_triton
+from dsv4.ops import varlen_attention as varlen_ops
+from dsv4.ops.varlen_attention import HAS_TRITON, flash_supported, varlen_attention_flash, varlen_attention_triton
 
 Grid = tuple[int, int]  # (rows, cols) of ViT patches of one image
 
@@ -231,10 +232,13 @@ def block_diagonal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Attention within each packed image, none across images: per image when `cu_seqlens` is a host (CPU)
-    tensor; with it on the device (graph capture: no host read allowed), the Triton varlen kernel on CUDA, else
-    the block-diagonal masked SDPA (the reference; O(rows^2), so only for small inputs off CUDA)."""
+    tensor; with it on the device (graph capture: no host read allowed), on CUDA the kernel
+    `DSV4_ENCODER_GRAPH_ATTENTION` names (FlashAttention's varlen forward where it takes q, else the Triton varlen
+    kernel), else the block-diagonal masked SDPA (the reference; O(rows^2), so only for small inputs off CUDA)."""
     if cu_seqlens.device.type == "cpu":
         return per_image_attention(q, k, v, cu_seqlens.tolist())
+    if cu_seqlens.is_cuda and varlen_ops.GRAPH_ATTENTION == "flash" and flash_supported(q):
+        return varlen_attention_flash(q, k, v, cu_seqlens)
     if cu_seqlens.is_cuda and q.is_cuda and HAS_TRITON:
         return varlen_attention_triton(q, k, v, cu_seqlens)
     return block_diagonal_attention(q, k, v, cu_seqlens)

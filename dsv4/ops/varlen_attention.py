@@ -160,3 +160,42 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         D=dh, BLOCK_D=max(16, triton.next_power_of_2(dh)), BLOCK_M=block_m, BLOCK_N=block_n, LOWP=lowp,
         UPCAST=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
     return out
+
+
+# ---- FlashAttention's varlen forward (the backend vLLM captures in its encoder graphs) ---------------------------
+# Which kernel the encoder graphs use for device cu_seqlens: "triton" (the kernel above: grid sized by rows, padding
+# free) or "flash" (torch's bundled FlashAttention-2 varlen forward, the kernel eager SDPA runs per image; its grid
+# is cdiv(max_q, 128) x sequence slots x heads, so the slots and rows a graph's buffers hold cost empty blocks).
+# Read once at import, like every DSV4_* switch; benchmarks/encoder_latency.py sets GRAPH_ATTENTION directly.
+GRAPH_ATTENTIONS = ("triton", "flash")
+GRAPH_ATTENTION = os.environ.get("DSV4_ENCODER_GRAPH_ATTENTION", "triton")
+if GRAPH_ATTENTION not in GRAPH_ATTENTIONS:
+    raise ValueError(f"DSV4_ENCODER_GRAPH_ATTENTION must be one of {GRAPH_ATTENTIONS}, got {GRAPH_ATTENTION!r}")
+
+
+def flash_supported(q: torch.Tensor) -> bool:
+    """Whether torch's FlashAttention varlen forward takes q: CUDA, fp16/bf16 (it has no fp32 kernel), head_dim a
+    multiple of 8 up to 256."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 256 and hasattr(torch.ops.aten, "_flash_attention_forward"))
+
+
+def _flash_forward():  # looked up per call, so a test can stand in for the CUDA-only op
+    return torch.ops.aten._flash_attention_forward
+
+
+def varlen_attention_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                           scale: float | None = None) -> torch.Tensor:
+    """The same attention as `varlen_attention_triton` through FlashAttention-2's varlen forward
+    (`aten._flash_attention_forward`, the positional form torch has kept since 2.1). Nothing is read on the host:
+    max_seqlen is q's row count, a bound every sequence of the buffer satisfies, so it can be captured with the
+    boundaries changing between replays. FlashAttention leaves the rows past cu_seqlens[-1] unwritten (the output
+    is allocated empty: garbage, NaN possibly); they are set to 0 here, the padding rule of the Triton kernel."""
+    rows, heads, dh = q.shape
+    if rows == 0:
+        return torch.empty_like(q)
+    cu = cu_seqlens.to(torch.int32).contiguous()  # FlashAttention takes int32 boundaries only
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = _flash_forward()(q, k.to(q.dtype), v.to(q.dtype), cu, cu, rows, rows, 0.0, False, False, scale=scale)[0]
+    padding = torch.arange(rows, dtype=torch.int32, device=q.device) >= cu[-1]
+    return out.masked_fill(padding[:, None, None], 0)

@@ -2,7 +2,8 @@
 
 What a budget counts: LLM-side span tokens, `lh*(lw+1)+2` per image (the prompt positions the image takes: its aligner
 rows, a NEW_LINE per row, START and END). A batch of images fits budget B when its span tokens sum to at most B.
-Budgets are the powers of two in [64, min(max_num_batched_tokens, max_model_len)], the maximum always included.
+Budgets are the powers of two in [64, min(max_num_batched_tokens, max_model_len)] and `BUDGET_STEPS` - 1 evenly
+spaced budgets inside every octave (vLLM's default is the powers of two alone), the maximum always included.
 
 Every graph runs the same function (`EncoderCudaGraphManager.forward_buffers`) over persistent input buffers sized
 for its budget: B aligner rows and r^2 * B ViT patches (any batch of at most B span tokens has fewer rows, since
@@ -21,18 +22,21 @@ encoder (`VisionEncoder.forward`); such images count as misses, replayed images 
 Cost: the graph-safe attention is the Triton varlen flash-attention kernel (dsv4/ops/varlen_attention.py): work
 O(sum of len^2) over the images, plus a little for query blocks straddling an image boundary, nothing for the
 padding rows; memory O(rows). The rest of the tower (projections, MLPs) runs over all r^2 * B rows of the budget,
-padding included: at most twice the real rows, as budgets are powers of two. (Until 2026-11-30 the padding rows
-formed one attention sequence, O(padding^2), and the graphs were slower than eager encoding for several images.) Off CUDA (or without
-triton) the device path falls back to the block-diagonal masked SDPA reference, O(rows^2). Graphs pay off where
-launch overhead dominates; benchmarks/encoder_latency.py measures both.
+padding included: at most (1 + 1 / BUDGET_STEPS) x the real rows, plus the span's NEW_LINE / START / END tokens
+(span tokens exceed aligner rows by lh + 2). (Until 2026-11-30 the padding rows formed one attention sequence,
+O(padding^2), and the graphs were slower than eager encoding for several images.) With
+`DSV4_ENCODER_GRAPH_ATTENTION=flash` the graphs run FlashAttention's varlen forward instead (vLLM's choice; the
+kernel eager SDPA runs per image), with max_seqlen = the budget's rows. Off CUDA (or without triton) the device path
+falls back to the block-diagonal masked SDPA reference, O(rows^2). benchmarks/encoder_latency.py measures graphs
+against eager.
 Graph memory (buffers, the pool) is not part of the KV-cache sizing profile.
 
 Refused configurations (`EncoderGraphError`): a device other than CUDA, a ViT attention module other than dsv4's
 `VisionAttention` (graphs need the attention to take cu_seqlens on the device and read nothing on the host; dsv4's
-does, through its Triton varlen kernel that loads the boundaries on the device, while a varlen kernel that takes
-`max_seqlen` or the boundaries as host values cannot be captured), and float8 tensors in the encoder (dsv4 has no static FP8 scales for the ViT, and
-dynamic scaling keeps host-side amax state; the loader dequantizes FP8 ViT weights, so this only guards hand-built
-towers). A host read that still slips into the capture is reported with the same advice.
+does: both of its kernels load the boundaries on the device (FlashAttention's max_seqlen is the buffer's rows),
+while a backend that reads `max_seqlen` or the boundaries on the host cannot be captured), and float8 tensors in the
+encoder (dsv4 has no static FP8 scales for the ViT, and dynamic scaling keeps host-side amax state; the loader
+dequantizes FP8 ViT weights, so this only guards hand-built towers). A host read that still slips into the capture is reported with the same advice.
 """
 
 from __future__ import annotations
@@ -49,6 +53,11 @@ from dsv4.models.vision import Grid, VisionAttention, VisionEncoder, merge_index
 logger = logging.getLogger(__name__)
 
 MIN_BUDGET = 64  # comfortably above the smallest span (4 tokens, a 1x1 grid)
+# Budgets per octave. The tower's linear layers run over every row of a budget, so a batch pays up to (next budget /
+# its tokens) x the linear work of the eager encoder: with powers of two that is up to 2x (one 544x544 image: 184
+# span tokens in budget 256, 1.51x the rows), with 4 steps up to 1.25x (budget 192: 1.14x). Graphs share one memory
+# pool and the input buffers, so a step costs capture time (~0.25 s a graph at the released shapes, 2026-11-30).
+BUDGET_STEPS = 4
 
 
 class EncoderGraphError(ValueError):
@@ -75,12 +84,14 @@ def budget_range(max_num_batched_tokens: int, max_model_len: int, min_budget: in
     return min(min_budget, hi), hi
 
 
-def token_budgets(lo: int, hi: int) -> list[int]:
-    """The powers of two in [lo, hi], and hi itself (so the largest batch a step allows has a graph); ascending."""
+def token_budgets(lo: int, hi: int, steps: int = BUDGET_STEPS) -> list[int]:
+    """The budgets p * (1 + i / steps) for every power of two p and i < steps that lie in [lo, hi] (steps 1: the
+    powers of two, vLLM's default), and hi itself (so the largest batch a step allows has a graph); ascending."""
+    if steps < 1:
+        raise EncoderGraphError(f"budget steps per octave must be >= 1, got {steps}")
     out, p = {hi}, 1
     while p <= hi:
-        if p >= lo:
-            out.add(p)
+        out.update(b for b in (p + p * i // steps for i in range(steps)) if lo <= b <= hi)
         p *= 2
     return sorted(out)
 

@@ -2,9 +2,11 @@
 eager encoder (rtol/atol 2e-2 in bf16) for one image, odd grids including 1x1, a packed batch, more images than the
 batch size, an image larger than every budget (eager fallback, counted as a miss) and a mixed batch; results survive
 later replays; a replayed batch never waits for the device; the engine uses the graphs on CUDA and matches
-enforce_eager."""
+enforce_eager. The graph tests run once per attention backend of the graphs (Triton varlen kernel, FlashAttention)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from dsv4 import LLM, SamplingParams
 from dsv4.engine.multimodal import IMAGE_PLACEHOLDER
 from dsv4.make_model import make_model
 from dsv4.models.vision import VisionConfig, VisionEncoder, vision_param_dtype
+from dsv4.ops import varlen_attention as varlen_ops
 from dsv4.runtime.encoder_cudagraphs import EncoderCudaGraphManager, llm_grid_of, span_tokens
 
 # head_dim 16, text hidden 48 != vision hidden 64
@@ -52,17 +55,25 @@ def _patches(grids: list[tuple[int, int]], seed: int) -> list[torch.Tensor]:
     return [torch.rand(h * w, CFG.patch_dim, generator=gen) * 2 - 1 for h, w in grids]
 
 
-@pytest.fixture(scope="module")
-def captured() -> tuple[VisionEncoder, EncoderCudaGraphManager]:
-    enc = _encoder(torch.bfloat16)
-    m = EncoderCudaGraphManager.from_limits(enc, 256, 4096, torch.device("cuda", torch.cuda.current_device()))
-    m.capture()
-    return enc, m
+@pytest.fixture(scope="module", params=["triton", "flash"])
+def captured(request: pytest.FixtureRequest) -> Iterator[tuple[VisionEncoder, EncoderCudaGraphManager]]:
+    """Graphs captured with either attention backend (DSV4_ENCODER_GRAPH_ATTENTION), kept switched on while the
+    tests use them (the eager stand-in of a budget runs the same dispatcher)."""
+    before = varlen_ops.GRAPH_ATTENTION
+    varlen_ops.GRAPH_ATTENTION = request.param
+    try:
+        enc = _encoder(torch.bfloat16)
+        m = EncoderCudaGraphManager.from_limits(enc, 256, 4096, torch.device("cuda", torch.cuda.current_device()))
+        m.capture()
+        yield enc, m
+    finally:
+        varlen_ops.GRAPH_ATTENTION = before
 
 
 def test_one_graph_per_budget(captured: tuple[VisionEncoder, EncoderCudaGraphManager]) -> None:
     _, m = captured
-    assert m.budgets == [64, 128, 256] and sorted(m.graphs) == m.budgets and m.max_batch_size == 4
+    assert m.budgets == [64, 80, 96, 112, 128, 160, 192, 224, 256] and sorted(m.graphs) == m.budgets \
+        and m.max_batch_size == 4
 
 
 @pytest.mark.parametrize("name,grids", CASES, ids=[c[0] for c in CASES])

@@ -1,14 +1,18 @@
 """The packed varlen attention kernel at the released ViT shapes (16 heads, head_dim 64, up to 9 * 2048 rows) against
 per-image attention in fp32, eager and under CUDA graph capture (the vision encoder's graphs replay it with new
-boundaries written into the same cu_seqlens buffer)."""
+boundaries written into the same cu_seqlens buffer); the same for FlashAttention's varlen forward, the graphs'
+other backend."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from dsv4.models.vision import per_image_attention, varlen_attention
-from dsv4.ops.varlen_attention import varlen_attention_triton
+from dsv4.ops import varlen_attention as varlen_ops
+from dsv4.ops.varlen_attention import flash_supported, varlen_attention_flash, varlen_attention_triton
 
 H, D = 16, 64
 
@@ -48,7 +52,28 @@ def test_varlen_attention_matches_per_image(case: int, dtype: torch.dtype, tol: 
     assert torch.equal(varlen_attention(q, k, v, cu_dev), got)
 
 
-def test_varlen_attention_in_cuda_graph() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_flash_varlen_matches_per_image(case: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlashAttention's varlen forward (DSV4_ENCODER_GRAPH_ATTENTION=flash): the same attention, padding rows 0
+    (FlashAttention leaves them unwritten), and the dispatcher takes it when switched on."""
+    cu, rows = CASES[case]
+    q, k, v = _inputs(rows, dtype, 10 + case)
+    assert flash_supported(q)
+    cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    got = varlen_attention_flash(q, k, v, cu_dev)
+    assert got.dtype == dtype and got.shape == (rows, H, D)
+    torch.testing.assert_close(got.float(), _reference(q, k, v, cu, rows), rtol=2e-2, atol=2e-2)
+    assert not got[cu[-1]:].any()
+    monkeypatch.setattr(varlen_ops, "GRAPH_ATTENTION", "flash")
+    assert torch.equal(varlen_attention(q, k, v, cu_dev), got)
+    # fp32 has no FlashAttention kernel: the dispatcher keeps the Triton kernel
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    assert torch.equal(varlen_attention(q32, k32, v32, cu_dev), varlen_attention_triton(q32, k32, v32, cu_dev))
+
+
+@pytest.mark.parametrize("kernel", [varlen_attention_triton, varlen_attention_flash], ids=["triton", "flash"])
+def test_varlen_attention_in_cuda_graph(kernel: Callable[..., torch.Tensor]) -> None:
     rows = 18432
     first, second = [0, 4070, 4071, 6071, 6071], [0, 2048, 9000, 9001, rows]  # same slots, new boundaries
     q, k, v = (t.contiguous() for t in _inputs(rows, torch.bfloat16, 7))
@@ -56,11 +81,11 @@ def test_varlen_attention_in_cuda_graph() -> None:
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up outside the capture: triton compiles on the first launch
-        varlen_attention_triton(q, k, v, cu)
+        kernel(q, k, v, cu)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = varlen_attention_triton(q, k, v, cu)
+        out = kernel(q, k, v, cu)
     for bounds, seed in ((first, 8), (second, 9)):
         nq, nk, nv = _inputs(rows, torch.bfloat16, seed)
         q.copy_(nq)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Vision-encoder CUDA graphs against eager encoding on one H200: which attention kernel and which budget ladder make
+# the graphs pay at every size and count. From the repo root, PYTHONPATH=.:
+#   benchmarks/run_encoder_graphs.sh OUTDIR PART [PART ...]
+#   tests    tests/gpu/test_varlen_attention_gpu.py and test_encoder_cudagraphs_gpu.py (both graph backends)
+#   attn     benchmarks/varlen_attention_bench.py: the attention alone, SDPA per image vs FlashAttention varlen vs the
+#            Triton kernel at several tile configurations, at the released ViT shapes
+#   latency  benchmarks/encoder_latency.py --vision released, 1 / 4 / 16 images: budgets powers of two + Triton (the
+#            11-30 configuration), 4 steps per octave + Triton, 4 steps + FlashAttention (with --profile)
+. "$(dirname "$0")/device_lib.sh"
+
+part_tests() {
+  gpu_pytest 300 gpu_tests.log tests/gpu/test_varlen_attention_gpu.py tests/gpu/test_encoder_cudagraphs_gpu.py
+}
+
+part_attn() {
+  timeout 240 python3 benchmarks/varlen_attention_bench.py --json "$out/varlen_attention.json" \
+    > "$out/varlen_attention.log" 2>&1
+  echo "varlen_attention_bench (rc $?):"; grep -E "^(544|1024|1536)" "$out/varlen_attention.log" | sed 's/: .*; best/: best/'
+}
+
+part_latency() {
+  local tag steps attn extra
+  for cfg in "pow2-triton 1 triton" "steps4-triton 4 triton" "steps4-flash 4 flash"; do
+    set -- $cfg
+    tag=$1 steps=$2 attn=$3 extra=""
+    [ "$tag" = steps4-flash ] && extra="--profile"
+    timeout 300 python3 benchmarks/encoder_latency.py --vision released --iters 10 --warmup 2 --budget-steps "$steps" \
+      --graph-attention "$attn" $extra --output-json "$out/encoder-latency-$tag.json" > "$out/encoder-latency-$tag.log" 2>&1
+    echo "encoder_latency $tag (rc $?):"; grep -E "^\| [0-9]" "$out/encoder-latency-$tag.log"
+  done
+}
+
+run_parts "$@"
