@@ -53,8 +53,8 @@ def compile_variant(block_m: int, prefetch_x: bool) -> tuple[bytes, int, int]:
     return kernel.asm["cubin"], block_n * block_k, 32 * warps
 
 
-def analyse(cubin: bytes) -> dict:
-    """Registers, stack and the K loop's opcode counts of one cubin."""
+def _dump(cubin: bytes) -> tuple[str, str]:
+    """(resource usage, SASS) of a cubin, through Triton's own cuobjdump."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -62,21 +62,31 @@ def analyse(cubin: bytes) -> dict:
                                check=True).stdout
         sass = subprocess.run([_tool("cuobjdump"), "--dump-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
-    regs = int(re.search(r"REG:(\d+)", usage).group(1))
-    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    return usage, sass
+
+
+def loops(sass: str) -> list[tuple[int, dict[str, int]]]:
+    """Every loop of the SASS (a backward branch's body), in code order: (instructions, opcode counts)."""
     ins = [(int(m.group(1), 16), m.group(2).strip())
            for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     index = {a: i for i, (a, _) in enumerate(ins)}
-    best = (0, 0)
+    out = []
     for i, (a, text) in enumerate(ins):
         m = re.search(r"BRA\s+0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < a and int(m.group(1), 16) in index:
-            start = index[int(m.group(1), 16)]
-            best = max(best, (i + 1 - start, start))
-    length, start = best
-    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
-                              for _, t in ins[start:start + length])
-    return dict(registers=regs, stack=stack, loop_instructions=length, loop_ops=dict(ops.most_common()))
+            body = ins[index[int(m.group(1), 16)]:i + 1]
+            ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for _, t in body)
+            out.append((len(body), dict(ops.most_common())))
+    return out
+
+
+def analyse(cubin: bytes) -> dict:
+    """Registers, stack and the longest loop's (the K loop's) opcode counts of one cubin."""
+    usage, sass = _dump(cubin)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    length, ops = max(loops(sass), default=(0, {}), key=lambda lo: lo[0])
+    return dict(registers=regs, stack=stack, loop_instructions=length, loop_ops=ops)
 
 
 def main() -> None:

@@ -20,6 +20,8 @@ CASES = [
     ([0, 20, 33, 33], 45),  # the graph layout with padding: rows 33..44, a block straddling real and padding rows
     ([0, 5, 16], 48),  # padding from a block boundary on: whole blocks of padding rows
     ([0], 9),  # no sequence at all: every row is padding
+    ([0, 40], 48),  # padding rows in a block whose key tiles every real row sees whole (no mask): still 0
+    ([0, 3, 70, 71], 90),  # a long sequence's blocks walk unmasked tiles; blocks straddle short ones at both ends
 ]
 
 
