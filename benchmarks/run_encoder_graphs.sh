@@ -6,7 +6,8 @@
 #   attn     benchmarks/varlen_attention_bench.py: the attention alone, SDPA per image vs FlashAttention varlen vs the
 #            Triton kernel at several tile configurations, at the released ViT shapes
 #   latency  benchmarks/encoder_latency.py --vision released, 1 / 4 / 16 images: budgets powers of two + Triton (the
-#            11-30 configuration), 4 steps per octave + Triton, 4 steps + FlashAttention (with --profile)
+#            11-30 configuration), 4 steps per octave + Triton, 4 steps + FlashAttention (CONFIGS picks some,
+#            PROFILE=1 adds the kernel tables, ITERS / LIMIT per run)
 . "$(dirname "$0")/device_lib.sh"
 
 part_tests() {
@@ -21,11 +22,14 @@ part_attn() {
 
 part_latency() {
   local tag steps attn extra
-  for cfg in "pow2-triton 1 triton" "steps4-triton 4 triton" "steps4-flash 4 flash"; do
+  # CONFIGS: "TAG STEPS ATTENTION" triples, ";"-separated (default: all three); PROFILE=1 adds --profile
+  local IFS_SAVE=$IFS
+  IFS=";"; set -- ${CONFIGS:-pow2-triton 1 triton;steps4-triton 4 triton;steps4-flash 4 flash}; IFS=$IFS_SAVE
+  for cfg in "$@"; do
     set -- $cfg
     tag=$1 steps=$2 attn=$3 extra=""
-    [ "$tag" = steps4-flash ] && extra="--profile"
-    timeout 300 python3 benchmarks/encoder_latency.py --vision released --iters 10 --warmup 2 --budget-steps "$steps" \
+    [ "${PROFILE:-0}" = 1 ] && extra="--profile"
+    timeout "${LIMIT:-300}" python3 benchmarks/encoder_latency.py --vision released --iters "${ITERS:-10}" --warmup 2 --budget-steps "$steps" \
       --graph-attention "$attn" $extra --output-json "$out/encoder-latency-$tag.json" > "$out/encoder-latency-$tag.log" 2>&1
     echo "encoder_latency $tag (rc $?):"; grep -E "^\| [0-9]" "$out/encoder-latency-$tag.log"
   done
