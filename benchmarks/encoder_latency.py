@@ -22,8 +22,8 @@ Budgets follow the engine's limits (`--max-num-batched-tokens`, `--max-model-len
 kernel (O(sum of len^2) per image, nothing for the budget's unused rows) or FlashAttention's varlen forward (the
 kernel eager SDPA runs per image); the rest of the tower runs over every row of the budget, so graphs pay for up to
 (1 + 1 / steps) x the linear work of the eager path: the results show where that outweighs the saved launches.
-`--profile` prints the top kernels of one eager and one graphs call of each case. `--device cpu` smoke-tests the script (no graphs: the
-uncaptured stand-in).
+`--profile` prints the top kernels of one eager and one graphs call of each case. `--device cpu` smoke-tests the
+script (no graphs: the uncaptured stand-in); `--plan-only` prints each case's rows and TFLOP from the shapes.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ part_tests() {
 part_attn() {
   timeout 240 python3 benchmarks/varlen_attention_bench.py --json "$out/varlen_attention.json" \
     > "$out/varlen_attention.log" 2>&1
-  echo "varlen_attention_bench (rc $?):"; grep -E "^(544|1024|1536)" "$out/varlen_attention.log" | sed 's/: .*; best/: best/'
+  echo "varlen_attention_bench (rc $?):"
+  grep -E "^(544|1024|1536)" "$out/varlen_attention.log" | sed 's/: .*; best/: best/'
 }
 
 part_latency() {
@@ -29,8 +30,9 @@ part_latency() {
     set -- $cfg
     tag=$1 steps=$2 attn=$3 extra=""
     [ "${PROFILE:-0}" = 1 ] && extra="--profile"
-    timeout "${LIMIT:-300}" python3 benchmarks/encoder_latency.py --vision released --iters "${ITERS:-10}" --warmup 2 --budget-steps "$steps" \
-      --graph-attention "$attn" $extra --output-json "$out/encoder-latency-$tag.json" > "$out/encoder-latency-$tag.log" 2>&1
+    timeout "${LIMIT:-300}" python3 benchmarks/encoder_latency.py --vision released --iters "${ITERS:-10}" --warmup 2 \
+      --budget-steps "$steps" --graph-attention "$attn" $extra --output-json "$out/encoder-latency-$tag.json" \
+      > "$out/encoder-latency-$tag.log" 2>&1
     echo "encoder_latency $tag (rc $?):"; grep -E "^\| [0-9]" "$out/encoder-latency-$tag.log"
   done
 }

@@ -10,9 +10,9 @@ for its budget: B aligner rows and r^2 * B ViT patches (any batch of at most B s
 a span holds more tokens than aligner rows), and `max_batch_size + 1` cu_seqlens slots. A batch is written into the
 buffers zero-padded; cu_seqlens repeats the real rows' end in its unused slots, so its last entry is the number of
 real rows and the rows past it are padding, which the attention skips (they come out 0 and never mix with the
-images; dsv4/ops/varlen_attention.py). The graph's output is [aligner rows of the budget; START; NEW_LINE; END]; the spans of all
-images of a batch are assembled by ONE gather out of it, whose index is built on the host from the llm grids (no
-device value is read) and copied asynchronously. That gather allocates outside the graph's pool, so its result is a
+images; dsv4/ops/varlen_attention.py). The graph's output is [aligner rows of the budget; START; NEW_LINE; END];
+the spans of all images of a batch are assembled by ONE gather out of it, whose index is built on the host from the
+llm grids (no device value is read) and copied asynchronously. That gather allocates outside the graph's pool, so its result is a
 fresh tensor that later replays cannot clobber.
 
 Images are sorted by span tokens and packed greedily into batches of at most `max_batch_size` images and the largest
@@ -36,7 +36,8 @@ Refused configurations (`EncoderGraphError`): a device other than CUDA, a ViT at
 does: both of its kernels load the boundaries on the device (FlashAttention's max_seqlen is the buffer's rows),
 while a backend that reads `max_seqlen` or the boundaries on the host cannot be captured), and float8 tensors in the
 encoder (dsv4 has no static FP8 scales for the ViT, and dynamic scaling keeps host-side amax state; the loader
-dequantizes FP8 ViT weights, so this only guards hand-built towers). A host read that still slips into the capture is reported with the same advice.
+dequantizes FP8 ViT weights, so this only guards hand-built towers). A host read that still slips into the capture
+is reported with the same advice.
 """
 
 from __future__ import annotations
