@@ -12,8 +12,8 @@ buffers zero-padded; cu_seqlens repeats the real rows' end in its unused slots, 
 real rows and the rows past it are padding, which the attention skips (they come out 0 and never mix with the
 images; dsv4/ops/varlen_attention.py). The graph's output is [aligner rows of the budget; START; NEW_LINE; END];
 the spans of all images of a batch are assembled by ONE gather out of it, whose index is built on the host from the
-llm grids (no device value is read) and copied asynchronously. That gather allocates outside the graph's pool, so its result is a
-fresh tensor that later replays cannot clobber.
+llm grids (no device value is read) and copied asynchronously. That gather allocates outside the graph's pool, so its
+result is a fresh tensor that later replays cannot clobber.
 
 Images are sorted by span tokens and packed greedily into batches of at most `max_batch_size` images and the largest
 budget; the smallest budget holding a batch is replayed. An image larger than every budget runs through the eager
