@@ -40,12 +40,13 @@ except ImportError:  # CPU-only installs use the torch reference (dsv4.models.vi
 
 HAS_TRITON = triton is not None  # for dispatchers that take the torch reference without it
 
-# Tile sizes for the GPU (Dh = 64 at the released shapes): 128 query rows share every K/V tile they load, and the
-# [BLOCK_M, BLOCK_N] fp32 scores of 8 warps stay in registers. Not tuned on hardware yet; callers may override.
-BLOCK_M = 128
+# Tile sizes for the GPU (Dh = 64 at the released shapes), the fastest of benchmarks/varlen_attention_bench.py's 7 on
+# an H200 at 5 of the encoder table's 6 sequence mixes (1536x1536: 0.80 ms a layer against 0.95 for 128 x 64 with
+# 8 warps and 0.83 for SDPA per image; ../benchmarks/results/2026-12-05-h200-encoder-graphs). Callers may override.
+BLOCK_M = 64
 BLOCK_N = 64
-NUM_WARPS = 8
-NUM_STAGES = 2
+NUM_WARPS = 4
+NUM_STAGES = 3
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when kernels are defined, as triton does
 
