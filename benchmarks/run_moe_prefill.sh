@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # A prefill step's routed experts through torch's grouped GEMM on rows sorted by expert (dsv4/ops/moe_sorted.py,
-# DSV4_SORTED_EXPERTS=1) against the Triton grouped kernel (the default), on one H200. From the repo root, PYTHONPATH=.:
+# DSV4_SORTED_EXPERTS=1, the default) against the Triton grouped kernel (DSV4_SORTED_EXPERTS=0), on one H200. From
+# the repo root, PYTHONPATH=.:
 #   benchmarks/run_moe_prefill.sh OUTDIR PART [PART ...]
 #   tests    tests/gpu/test_moe_sorted_gpu.py (the sorted path against the Triton path at Flash shapes, no host sync,
 #            the engine's prefill through it)

@@ -139,23 +139,29 @@ def test_expert_parallel_parts_through_the_sorted_path(forced: None, before: boo
     assert torch.allclose(total, ref, atol=1e-4), (total - ref).abs().max()
 
 
-def test_the_switch_is_off_by_default_and_needs_the_cutlass_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Off by default, never on the CPU; on (a GPU stand-in) from MIN_ROWS rows, quantized experts only from
-    MIN_QUANT_ROWS_PER_EXPERT rows per expert (dequantizing them costs what the GEMM saves on fewer)."""
+def test_the_switch_is_on_by_default_and_needs_the_cutlass_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On by default (unless DSV4_SORTED_EXPERTS=0), never on the CPU; on (a GPU stand-in) from MIN_ROWS rows and
+    MIN_ROWS_PER_EXPERT rows per expert, quantized experts from MIN_QUANT_ROWS_PER_EXPERT (dequantizing them costs
+    what the GEMM saves on fewer)."""
     x, gate_up, down, *_ = _layer(0, 4096, 1, 4, torch.bfloat16)
-    assert not moe_sorted.SORTED_EXPERTS
+    assert moe_sorted.SORTED_EXPERTS
     assert not moe_sorted.grouped_mm_fast(x, gate_up)  # CPU
     assert not moe_sorted.use_sorted_experts(x, gate_up, down, 1 << 20)
-    monkeypatch.setattr(moe_sorted, "SORTED_EXPERTS", True)
     monkeypatch.setattr(moe_sorted, "grouped_mm_fast", lambda x, w: True)
+    # 4 experts: MIN_ROWS decides
     assert moe_sorted.use_sorted_experts(x, gate_up, down, moe_sorted.MIN_ROWS)
     assert not moe_sorted.use_sorted_experts(x, gate_up, down, moe_sorted.MIN_ROWS - 1)
     g = torch.Generator().manual_seed(0)
     E = 256
+    wide_up, wide_down = (torch.zeros(E, 8, 8, dtype=torch.bfloat16) for _ in range(2))
     q_up, q_down = mxfp4_weight(E, 64, 32, g), mxfp4_weight(E, 32, 32, g)
-    per_expert = moe_sorted.MIN_QUANT_ROWS_PER_EXPERT
-    assert moe_sorted.use_sorted_experts(x, q_up, q_down, per_expert * E)
-    assert not moe_sorted.use_sorted_experts(x, q_up, q_down, per_expert * E - 1)
+    for up, dn, per_expert in ((wide_up, wide_down, moe_sorted.MIN_ROWS_PER_EXPERT),
+                               (q_up, q_down, moe_sorted.MIN_QUANT_ROWS_PER_EXPERT)):
+        assert per_expert * E > moe_sorted.MIN_ROWS  # the per-expert rule decides at 256 experts
+        assert moe_sorted.use_sorted_experts(x, up, dn, per_expert * E)
+        assert not moe_sorted.use_sorted_experts(x, up, dn, per_expert * E - 1)
+    monkeypatch.setattr(moe_sorted, "SORTED_EXPERTS", False)  # DSV4_SORTED_EXPERTS=0
+    assert not moe_sorted.use_sorted_experts(x, gate_up, down, 1 << 20)
 
 
 @pytest.fixture(scope="module")

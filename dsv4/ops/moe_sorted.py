@@ -27,10 +27,11 @@ differs, so outputs match it to bf16 rounding, not bit for bit.
 Where it runs (`use_sorted_experts`): prefill and mixed steps (not the captured decode steps, which have their own
 fixed-shape paths), bf16 activations (experts bf16 or quantized) on a GPU whose CUTLASS path torch has (compute
 capability 9.x / 10.x; on others torch falls back to one matmul per expert after a host sync, slower than the Triton
-kernel), from `MIN_ROWS` routed rows (quantized experts: `MIN_QUANT_ROWS_PER_EXPERT` rows a layer's expert). Off
-by default until measured on the H200 (`DSV4_SORTED_EXPERTS=1` turns it on; benchmarks/moe_prefill_gemm.py compares
-the two paths). Everywhere torch has `_grouped_mm` (its CPU build included) the functions here compute the same
-thing, which is how the CPU tests check them.
+kernel), from `MIN_ROWS` routed rows and enough rows an expert (the thresholds below, measured). On by default
+(`DSV4_SORTED_EXPERTS=0` keeps the Triton kernel; benchmarks/moe_prefill_gemm.py compares the two paths). On an H200
+it took V4.1-Flash-8l's 16,384-token prefill from 676 to 542 ms and its 32 x 512 prefill from 27.9k to 36.1k
+tokens/s. Everywhere torch has `_grouped_mm` (its CPU build included) the functions here compute the same thing,
+which is how the CPU tests check them.
 """
 
 from __future__ import annotations
@@ -46,16 +47,19 @@ from dsv4.ops.moe import group_rows
 from dsv4.ops.swiglu import swiglu
 from dsv4.quant.weight import QuantWeight
 
-SORTED_EXPERTS = os.environ.get("DSV4_SORTED_EXPERTS", "0") == "1"
-# below this many routed rows a step keeps the Triton kernel (a short prompt is host-bound, and its experts get few
-# rows each); to be set from benchmarks/moe_prefill_gemm.py
+SORTED_EXPERTS = os.environ.get("DSV4_SORTED_EXPERTS", "1") == "1"
+# Where the sorted path wins, measured on an H200 (benchmarks/results/2026-12-05-h200-moe-prefill-sorted,
+# `moe_prefill_gemm.py`: one layer's routed experts, V4 / V4.1 Flash expert shapes, top-6). What decides is the rows
+# each expert gets: the grouped GEMM's tiles need rows to fill, and every quantized expert is dequantized whole.
+# - bf16: 1.36-1.39x the Triton kernel at 192 rows an expert (16 experts, 512 tokens), 1.6-1.7x at 96 (256 experts,
+#   4,096 tokens), 1.9-2.1x from 1,536; 0.82x at 12 (256 experts, 512 tokens). MIN_ROWS_PER_EXPERT lies between the
+#   loss and the win measured.
+# - MXFP4: 0.89-0.97x at 192 rows an expert, 0.94-1.08x at 96 (256 experts: the dequantization's bytes), 1.3-1.6x at
+#   384 (256 experts, 16,384 tokens), 1.6-2.1x from 1,536. MIN_QUANT_ROWS_PER_EXPERT lies between 192 and 384.
+# MIN_ROWS keeps short steps (host-bound anyway) on the Triton kernel.
 MIN_ROWS = 1024
-# quantized experts only from this many routed rows per expert: dequantizing moves ~4.5 bytes a weight (half a byte
-# read, two written, two read back by the GEMM), about what the faster GEMM saves on ~150 rows (the Triton W4A16
-# kernel at ~200 TFLOP/s against ~550; benchmarks/moe_prefill_gemm.py --floor): the 16-expert presets take it from a
-# 512-token prefill, full-size models (256 / 384 experts) only for steps of many thousand tokens. A prediction, to be
-# replaced by the measured crossover
-MIN_QUANT_ROWS_PER_EXPERT = 192
+MIN_ROWS_PER_EXPERT = 48
+MIN_QUANT_ROWS_PER_EXPERT = 256
 # quantized experts: at most this many bytes of them dequantized at once (a V4.1-Flash-8l layer's 16 experts, 0.75 GB
 # of gate_up in bf16, in one piece; the full model's 384, 18 GB, in ~18 pieces with one host sync a layer)
 DEQUANT_BYTES = 1 << 30
@@ -154,7 +158,10 @@ def grouped_mm_fast(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> bool:
 
 def use_sorted_experts(x: torch.Tensor, gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight,
                        rows: int) -> bool:
-    """The switch `moe_output` asks for a step of `rows` routed rows that is not a captured decode step."""
-    if isinstance(gate_up, QuantWeight) and rows < MIN_QUANT_ROWS_PER_EXPERT * gate_up.shape[0]:
+    """The switch `moe_output` asks for a step of `rows` routed rows that is not a captured decode step: on, at
+    least MIN_ROWS rows and, per expert of the layer, MIN_ROWS_PER_EXPERT (MIN_QUANT_ROWS_PER_EXPERT for quantized
+    experts), and torch's CUTLASS kernel for both matmuls."""
+    per_expert = MIN_QUANT_ROWS_PER_EXPERT if isinstance(gate_up, QuantWeight) else MIN_ROWS_PER_EXPERT
+    if not SORTED_EXPERTS or rows < max(MIN_ROWS, per_expert * gate_up.shape[0]):
         return False
-    return SORTED_EXPERTS and rows >= MIN_ROWS and grouped_mm_fast(x, gate_up) and grouped_mm_fast(x, down)
+    return grouped_mm_fast(x, gate_up) and grouped_mm_fast(x, down)
