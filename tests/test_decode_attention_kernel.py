@@ -127,6 +127,52 @@ def test_table_source_loops_to_each_rows_n() -> None:
     """)
 
 
+def test_rows_kernel_matches_reference() -> None:
+    """The rows kernel (prefill: one program per row, head block and value half, finished with the sink in place)
+    equals the reference and the split kernel: head counts under and over a block (8, 20), head dims with the value
+    columns halved (64, 128) and whole (32), one source and two, rows with no visible key or no window key; and
+    through a block table with each row's n from 0 to the width (NaN past n and in unread cache rows)."""
+    _interpret(_SETUP + """
+    from dsv4.ops.decode_attention import TableSource, decode_sink_attention_torch, use_rows_kernel
+    g = torch.Generator().manual_seed(4)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for R, H, D, W, L2 in ((3, 8, 64, 40, 33), (3, 20, 32, 8, 0), (2, 4, 128, 70, 5)):
+            q, sources, sinks, mask, ref = case(g, R, H, D, W, L2, dtype, two=L2 > 0)
+            got = decode_sink_attention_triton(q, sources, sinks, D ** -0.5, rows=True)
+            assert got.shape == ref.shape and got.dtype == ref.dtype
+            assert torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol), (R, H, D, (got - ref).abs().max())
+            assert torch.equal(got[~mask.any(1)], torch.zeros_like(got[~mask.any(1)]))
+            split = decode_sink_attention_triton(q, sources, sinks, D ** -0.5, rows=False)
+            assert torch.allclose(got.float(), split.float(), rtol=tol, atol=tol)
+        R, H, D, BS, width = 4, 4, 64, 4, 24
+        window = torch.randn(40, D, generator=g).to(dtype)
+        q = (torch.randn(R, H, D, generator=g) * 3).to(dtype)
+        sinks = torch.randn(H, generator=g)
+        ws, wm = torch.randint(0, 40, (R, 8), generator=g), torch.rand(R, 8, generator=g) < 0.7
+        n = torch.tensor([0, 3, 9, width])
+        table = torch.full((R, width // BS), 10 ** 6, dtype=torch.int32)  # far out of range past each row's n
+        comp = torch.full((R * width + BS, D), float("nan")).to(dtype)
+        for r in range(R):
+            used = -(-int(n[r]) // BS)
+            blocks = torch.randperm(R * width // BS, generator=g)[:used] + 1
+            table[r, :used] = blocks.int()
+            for b in blocks.tolist():
+                comp[b * BS:(b + 1) * BS] = (torch.randn(BS, D, generator=g) * 2).to(dtype)
+        src = TableSource(comp, table, n, BS, width)
+        _, slots, vis = src.as_slots()
+        clean = torch.nan_to_num(comp)
+        ref = decode_sink_attention_torch(q, [(window, ws, wm), (clean, slots.clamp(max=clean.shape[0] - 1), vis)],
+                                          sinks, D ** -0.5)
+        got = decode_sink_attention_triton(q, [(window, ws, wm), src], sinks, D ** -0.5, rows=True)
+        assert not torch.isnan(got).any()
+        assert torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol), (got.float() - ref.float()).abs().max()
+    # the default: the rows kernel once rows x head blocks reach 4 programs an SM (132 SMs, 64 heads: 528 rows)
+    assert not use_rows_kernel(32, 64, 132) and not use_rows_kernel(527, 64, 132)
+    assert use_rows_kernel(528, 64, 132) and use_rows_kernel(264, 128, 132)
+    print("ok")
+    """)
+
+
 def test_dispatch_uses_torch_on_cpu() -> None:
     """On CPU tensors the entry point is the reference exactly (the model's CPU decode path is unchanged)."""
     import torch

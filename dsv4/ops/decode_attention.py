@@ -72,6 +72,16 @@ PROGRAMS_PER_SM = 2  # splits are added until (rows x head blocks x splits) reac
 # difference (the slot-indexed loads are not pipelined). BLOCK_H 64 spills: its fp32 accumulator is 128 KB.
 SPLIT_WARPS = 8
 SPLIT_STAGES = 2
+# The rows kernel (many rows: prefill): 64 heads of a row in one program (a warp group's MMA height), so a key
+# tile is loaded twice per row (once per half of the value columns), not four times (once per 16 heads). Warps:
+# Triton lays the warps of chained dots (logits -> probabilities -> values) along the heads only, so more than one
+# warp group for 64 heads would each compute the same logits; one warp group holds a [64, 256] fp32 half of the
+# accumulator in 128 registers a thread
+ROWS_BLOCK_H = 64
+ROWS_BLOCK_N = 32
+ROWS_WARPS = 4
+ROWS_MIN_HALF_D = 32  # value columns are halved from D 64 on (a dot's K is at least 16; tests use small D)
+ROWS_MIN_PROGRAMS_PER_SM = 4  # rows x head blocks from which the rows kernel runs (splits would not be needed)
 
 
 def decode_sink_attention_torch(q: torch.Tensor, sources: Sequence[AnySource], sinks: torch.Tensor,
@@ -90,27 +100,26 @@ def decode_sink_attention_torch(q: torch.Tensor, sources: Sequence[AnySource], s
 if triton is not None:
 
     @triton.jit
-    def _bf16_dot(a, b, UPCAST: tl.constexpr):
-        """a @ b of bf16 tiles with fp32 accumulation. The CPU interpreter multiplies bf16 tiles as their raw
+    def _bf16_dot(a, b, acc, UPCAST: tl.constexpr):
+        """acc + a @ b of bf16 tiles with fp32 accumulation. The CPU interpreter multiplies bf16 tiles as their raw
         uint16 bits, so there (UPCAST) the tiles go through fp32 first: the same numbers, as bf16 x bf16 products
         are exact in fp32."""
         if UPCAST:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
-            return tl.dot(a, b)
+            return tl.dot(a, b, acc)
 
     @triton.jit
-    def _source_partial(q, cache_ptr, c_stride, slots_ptr, vis_ptr, L, start, chunk, scale, d, dm, BS,
-                        BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr,
-                        UPCAST: tl.constexpr, TABLE: tl.constexpr):
-        """Online softmax over keys [start, min(start + chunk, L)) of one row of one source: running max m,
-        sum l and unnormalised values acc of BLOCK_H heads. Masked keys are never loaded (their slots may be
-        anything) and get logit -inf, like the reference's masked_fill. TABLE: `slots_ptr` is the row's block
-        table and `vis_ptr` its visible count n: keys e < n, in slot table[e // BS] * BS + e % BS, and the loop
-        stops at n."""
-        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    def _source_partial(q, q_other, m_i, l_i, acc, cache_ptr, c_stride, slots_ptr, vis_ptr, L, start, chunk, scale,
+                        d, dm, d_other, dm_other, BS, BLOCK_N: tl.constexpr, TC: tl.constexpr, UPCAST: tl.constexpr,
+                        TABLE: tl.constexpr, OTHER: tl.constexpr):
+        """Online softmax over keys [start, min(start + chunk, L)) of one row of one source, continuing a running
+        max m, sum l and unnormalised values acc of the program's heads (from -inf, 0, 0 for a fresh split).
+        Masked keys are never loaded (their slots may be anything) and get logit -inf, like the reference's
+        masked_fill. TABLE: `slots_ptr` is the row's block table and `vis_ptr` its visible count n: keys e < n, in
+        slot table[e // BS] * BS + e % BS, and the loop stops at n.
+        acc holds the value columns d; the logits take q's columns d and, when OTHER, q_other's columns d_other
+        too (a program that accumulates half the columns still needs every column's product)."""
         end = tl.minimum(start + chunk, L)
         if TABLE:
             end = tl.minimum(end, tl.load(vis_ptr).to(tl.int32))
@@ -122,13 +131,20 @@ if triton is not None:
             else:
                 vis = tl.load(vis_ptr + n, mask=n < end, other=0) != 0
                 slot = tl.load(slots_ptr + n, mask=vis, other=0).to(tl.int64)
-            k = tl.load(cache_ptr + slot[:, None] * c_stride + d[None, :], mask=vis[:, None] & dm[None, :],
-                        other=0.0)
+            row = cache_ptr + slot[:, None] * c_stride
+            k = tl.load(row + d[None, :], mask=vis[:, None] & dm[None, :], other=0.0)
+            s = tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32)
+            if OTHER:
+                k_other = tl.load(row + d_other[None, :], mask=vis[:, None] & dm_other[None, :], other=0.0)
+                if TC:
+                    s = _bf16_dot(q_other, tl.trans(k_other), s, UPCAST)
+                else:
+                    s = tl.dot(q_other, tl.trans(k_other.to(tl.float32)), s, input_precision="ieee")
             if TC:
                 # bf16 x bf16 products are exact in fp32 and accumulate in fp32: the reference's fp32 logits
-                s = _bf16_dot(q, tl.trans(k), UPCAST)
+                s = _bf16_dot(q, tl.trans(k), s, UPCAST)
             else:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), s, input_precision="ieee")
             s = tl.where(vis[None, :], s * scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # nothing visible yet: subtract 0, not -inf (-inf - -inf is nan); every p is then exp(-inf) = 0
@@ -138,13 +154,13 @@ if triton is not None:
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if TC:
                 # p in two bf16 halves (hi + residual): ~16 mantissa bits, near the reference's fp32 probabilities
-                # at tensor-core speed; one bf16 p alone would round every weight to 8 significant bits
+                # at tensor-core speed; one bf16 p alone would round every weight to 8 significant bits. Both
+                # products accumulate into acc itself (no third register tile and no layout conversion)
                 p_hi = p.to(tl.bfloat16)
                 p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
-                pv = _bf16_dot(p_hi, k, UPCAST) + _bf16_dot(p_lo, k, UPCAST)
+                acc = _bf16_dot(p_lo, k, _bf16_dot(p_hi, k, acc * alpha[:, None], UPCAST), UPCAST)
             else:
-                pv = tl.dot(p, k.to(tl.float32), input_precision="ieee")
-            acc = acc * alpha[:, None] + pv
+                acc = tl.dot(p, k.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
             m_i = m_new
         return m_i, l_i, acc
 
@@ -166,15 +182,18 @@ if triton is not None:
             q = q.to(tl.bfloat16)
         else:
             q = q.to(tl.float32)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
         # one call per branch (not a pointer picked per branch): the two caches may differ in dtype
         if split < S1:
-            m_i, l_i, acc = _source_partial(q, c1_ptr, c1_stride, s1_ptr + r * s1_stride, v1_ptr + r * v1_stride,
-                                            L1, split * chunk, chunk, scale, d, dm, 1, BLOCK_H, BLOCK_D, BLOCK_N, TC,
-                                            UPCAST, False)
+            m_i, l_i, acc = _source_partial(q, q, m_i, l_i, acc, c1_ptr, c1_stride, s1_ptr + r * s1_stride,
+                                            v1_ptr + r * v1_stride, L1, split * chunk, chunk, scale, d, dm, d, dm, 1,
+                                            BLOCK_N, TC, UPCAST, False, False)
         else:
-            m_i, l_i, acc = _source_partial(q, c2_ptr, c2_stride, s2_ptr + r * s2_stride, v2_ptr + r * v2_stride,
-                                            L2, (split - S1) * chunk, chunk, scale, d, dm, BS2, BLOCK_H, BLOCK_D,
-                                            BLOCK_N, TC, UPCAST, TABLE2)
+            m_i, l_i, acc = _source_partial(q, q, m_i, l_i, acc, c2_ptr, c2_stride, s2_ptr + r * s2_stride,
+                                            v2_ptr + r * v2_stride, L2, (split - S1) * chunk, chunk, scale, d, dm, d,
+                                            dm, BS2, BLOCK_N, TC, UPCAST, TABLE2, False)
         base = (r * S + split) * H + heads
         tl.store(ws_m + base, m_i, mask=hm)
         tl.store(ws_l + base, l_i, mask=hm)
@@ -201,6 +220,51 @@ if triton is not None:
         tl.store(out_ptr + r * so_r + h * so_h + d, (acc / denom).to(out_ptr.dtype.element_ty), mask=dm)
 
 
+    @triton.jit
+    def _rows_kernel(q_ptr, sq_r, sq_h, c1_ptr, c1_stride, s1_ptr, s1_stride, v1_ptr, v1_stride, L1,
+                     c2_ptr, c2_stride, s2_ptr, s2_stride, v2_ptr, v2_stride, L2, BS2, H, scale, sinks_ptr,
+                     out_ptr, so_r, so_h, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     BLOCK_N: tl.constexpr, TC: tl.constexpr, UPCAST: tl.constexpr, TABLE2: tl.constexpr,
+                     HALVES: tl.constexpr):
+        """One program per (row, block of heads, half of the value columns when HALVES) over both sources' whole
+        key ranges, finished with the sink in place: no split, no workspace, no merge launch. For many rows
+        (prefill), where the rows alone fill the GPU and every key tile loaded serves all the heads of a program.
+        A half of the columns keeps the [heads, columns] fp32 accumulator in a warp group's registers; the
+        logits need every column, so each half loads the other half's key columns too and recomputes them."""
+        r = tl.program_id(0)
+        scale = tl.cast(scale, tl.float32)
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = heads < H
+        d = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        d_other = (1 - tl.program_id(2)) * BLOCK_DV + tl.arange(0, BLOCK_DV)  # unused unless HALVES
+        dm, dm_other = d < D, d_other < D
+        q_row = q_ptr + r * sq_r + heads[:, None] * sq_h
+        q = tl.load(q_row + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
+        if HALVES:
+            q_other = tl.load(q_row + d_other[None, :], mask=hm[:, None] & dm_other[None, :], other=0.0)
+        else:
+            q_other = q
+        if TC:
+            q, q_other = q.to(tl.bfloat16), q_other.to(tl.bfloat16)
+        else:
+            q, q_other = q.to(tl.float32), q_other.to(tl.float32)
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+        m_i, l_i, acc = _source_partial(q, q_other, m_i, l_i, acc, c1_ptr, c1_stride, s1_ptr + r * s1_stride,
+                                        v1_ptr + r * v1_stride, L1, 0, L1, scale, d, dm, d_other, dm_other, 1,
+                                        BLOCK_N, TC, UPCAST, False, HALVES)
+        m_i, l_i, acc = _source_partial(q, q_other, m_i, l_i, acc, c2_ptr, c2_stride, s2_ptr + r * s2_stride,
+                                        v2_ptr + r * v2_stride, L2, 0, L2, scale, d, dm, d_other, dm_other, BS2,
+                                        BLOCK_N, TC, UPCAST, TABLE2, HALVES)
+        sink = tl.load(sinks_ptr + heads, mask=hm, other=0.0).to(tl.float32)
+        big = tl.maximum(m_i, sink)  # finite: the sink's logit; no visible key (m -inf) gives alpha 0, output 0
+        alpha = tl.exp(m_i - big)
+        w = alpha / (l_i * alpha + tl.exp(sink - big))
+        tl.store(out_ptr + r * so_r + heads[:, None] * so_h + d[None, :],
+                 (acc * w[:, None]).to(out_ptr.dtype.element_ty), mask=hm[:, None] & dm[None, :])
+
+
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when kernels are defined, as triton does
 
 
@@ -225,9 +289,17 @@ def decode_splits(R: int, H: int, lengths: Sequence[int], sm_count: int,
     return chunk, splits
 
 
+def use_rows_kernel(R: int, H: int, sm_count: int) -> bool:
+    """Whether R rows alone fill the GPU with one program per (row, head block): the rows kernel then needs no
+    split and no merge (a shape-only rule: the decode step is captured in a CUDA graph)."""
+    return R * triton.cdiv(H, ROWS_BLOCK_H) >= ROWS_MIN_PROGRAMS_PER_SM * sm_count
+
+
 def decode_sink_attention_triton(q: torch.Tensor, sources: Sequence[AnySource], sinks: torch.Tensor, scale: float,
-                                 chunk: int | None = None) -> torch.Tensor:
-    """The same in two launches: split partials into an fp32 workspace, then the merge with the sink."""
+                                 chunk: int | None = None, rows: bool | None = None) -> torch.Tensor:
+    """The same on the GPU. Few rows (decode): split partials into an fp32 workspace, then the merge with the sink
+    (two launches). Many rows (prefill; `use_rows_kernel`): one launch of the rows kernel. `rows` / `chunk` force
+    the kernel / the split size (tests, benchmarks)."""
     assert triton is not None, "triton is not installed"
     assert 1 <= len(sources) <= 2, len(sources)
     assert not isinstance(sources[0], TableSource), "a TableSource is the second source"
@@ -255,15 +327,27 @@ def decode_sink_attention_triton(q: torch.Tensor, sources: Sequence[AnySource], 
     if len(srcs) == 1:  # the second source: the first again, with no keys and no splits
         srcs.append(srcs[0])
         lengths.append(0)
+    (c1, s1, v1), (c2, s2, v2) = srcs
+    tc = q.dtype == torch.bfloat16 and c1.dtype == torch.bfloat16 and c2.dtype == torch.bfloat16
+    block_d = max(16, triton.next_power_of_2(D))
     sm = _sm_count(q.device) if q.is_cuda else 4
+    if rows is None:
+        rows = chunk is None and use_rows_kernel(R, H, sm)
+    if rows:
+        block_h = max(16, min(ROWS_BLOCK_H, triton.next_power_of_2(H)))
+        halves = block_d >= 2 * ROWS_MIN_HALF_D
+        _rows_kernel[(R, triton.cdiv(H, block_h), 2 if halves else 1)](
+            q, q.stride(0), q.stride(1), c1, c1.stride(0), s1, s1.stride(0), v1, v1.stride(0), lengths[0],
+            c2, c2.stride(0), s2, s2.stride(0), v2, v2.stride(0) if v2.dim() > 1 else 1, lengths[1], bs2, H,
+            float(scale), sinks.contiguous(), out, out.stride(0), out.stride(1), D=D, BLOCK_H=block_h,
+            BLOCK_DV=block_d // 2 if halves else block_d, BLOCK_N=ROWS_BLOCK_N, TC=tc, UPCAST=_INTERPRET,
+            TABLE2=table2, HALVES=halves, num_warps=ROWS_WARPS, num_stages=SPLIT_STAGES)
+        return out
     chunk, (S1, S2) = decode_splits(R, H, lengths, sm, chunk)
     S = S1 + S2
     ws_m = torch.empty(R, S, H, dtype=torch.float32, device=q.device)
     ws_l = torch.empty_like(ws_m)
     ws_acc = torch.empty(R, S, H, D, dtype=torch.float32, device=q.device)
-    (c1, s1, v1), (c2, s2, v2) = srcs
-    tc = q.dtype == torch.bfloat16 and c1.dtype == torch.bfloat16 and c2.dtype == torch.bfloat16
-    block_d = max(16, triton.next_power_of_2(D))
     warps = SPLIT_WARPS if block_d >= 256 else 4  # the [BLOCK_H, BLOCK_D] fp32 accumulator lives in registers
     _split_kernel[(R, triton.cdiv(H, BLOCK_H), S)](
         q, q.stride(0), q.stride(1), c1, c1.stride(0), s1, s1.stride(0), v1, v1.stride(0), lengths[0],

@@ -1,5 +1,6 @@
-"""The flash-decoding sink attention kernel at real decode shapes (64 heads, head dim 512, window 128, top-k 512)
-against the torch reference, in fp64 and in the model's own fp32 form, eager and under CUDA graph capture."""
+"""The sink attention kernels at real shapes (64 heads, head dim 512, window 128, top-k 512) against the torch
+reference, in fp64 and in the model's own fp32 form: the flash-decoding split kernel (decode batches, eager and under
+CUDA graph capture) and the rows kernel (prefill-sized row counts)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from dsv4.models.layers.attention import sink_attention_rows
-from dsv4.ops.decode_attention import decode_sink_attention, decode_sink_attention_triton
+from dsv4.ops.decode_attention import _sm_count, decode_sink_attention, decode_sink_attention_triton, use_rows_kernel
 
 H, D, W = 64, 512, 128
 
@@ -127,3 +128,44 @@ def test_table_source_at_v4_hca_shapes(R: int) -> None:
         times[name] = start.elapsed_time(end) / 50
     print({k: round(v * 1000, 1) for k, v in times.items()}, "us")
     assert times["8192"] <= 1.5 * times["64"] + 0.02, times
+
+
+@pytest.mark.parametrize("R,L2", [(1, 512), (37, 8), (1500, 512), (1500, 0)])
+def test_rows_kernel_matches_fp64(R: int, L2: int) -> None:
+    """The rows kernel (one program per row and value half, all 64 heads) as accurate as the split kernel and the
+    fp32 reference, forced at decode sizes and chosen by shape at prefill sizes; a padding row outputs 0."""
+    q, sources, sinks = _case(R, L2, torch.bfloat16, 31 * R + L2)
+    srcs = sources if L2 else sources[:1]
+    ref64 = _reference(q, srcs, sinks, torch.float64)
+    keys = torch.cat([c[s] for c, s, _ in srcs], dim=1)
+    ref32 = sink_attention_rows(q, keys, torch.cat([m for _, _, m in srcs], 1), sinks, D ** -0.5)
+    got = decode_sink_attention_triton(q, srcs, sinks, D ** -0.5, rows=True)
+    assert torch.allclose(got.double(), ref64, rtol=1e-2, atol=1e-2), (got.double() - ref64).abs().max()
+    err, err32 = (got.double() - ref64).abs().mean(), (ref32.double() - ref64).abs().mean()
+    assert err <= 1.5 * err32 + 1e-6, (err, err32)
+    split = decode_sink_attention_triton(q, srcs, sinks, D ** -0.5, rows=False)
+    assert (got.double() - ref64).abs().mean() <= 1.1 * (split.double() - ref64).abs().mean() + 1e-6
+    if R > 2:
+        assert torch.equal(got[1], torch.zeros_like(got[1]))
+    if use_rows_kernel(R, H, _sm_count(q.device)):  # what the model gets by default at this size
+        assert torch.equal(decode_sink_attention(q, srcs, sinks, D ** -0.5), got)
+
+
+def test_rows_kernel_table_source_and_fp32() -> None:
+    """The rows kernel through a block table (V4's HCA entries; n from 0 to the width) and with fp32 caches."""
+    from dsv4.ops.decode_attention import TableSource, decode_sink_attention_torch
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    R, BS, nc, width = 700, 64, 16384, 256
+    q, sources, sinks = _case(R, 8, torch.bfloat16, 3)
+    comp = (torch.randn(nc, D, device="cuda", generator=g) * 1.5).to(torch.bfloat16)
+    n = torch.randint(0, width + 1, (R,), device="cuda", generator=g)
+    n[0], n[2] = 0, width
+    table = torch.randint(0, nc // BS, (R, width // BS), device="cuda", generator=g, dtype=torch.int32)
+    src = TableSource(comp, table, n, BS, width)
+    ref = decode_sink_attention_torch(q, [sources[0], src], sinks, D ** -0.5)
+    got = decode_sink_attention_triton(q, [sources[0], src], sinks, D ** -0.5, rows=True)
+    assert torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2), (got.float() - ref.float()).abs().max()
+    q, sources, sinks = _case(300, 512, torch.float32, 4)
+    got = decode_sink_attention_triton(q, sources, sinks, D ** -0.5, rows=True)
+    assert torch.allclose(got.double(), _reference(q, sources, sinks, torch.float64), rtol=1e-4, atol=1e-5)
