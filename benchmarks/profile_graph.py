@@ -2,9 +2,10 @@
 around it, and the kernels inside the graph.
 
 usage: PYTHONPATH=. python3 benchmarks/profile_graph.py MODEL_DIR [BATCH] [STEPS] [--compile] [--load-format=dummy]
+                                                        [--context=TOKENS]
        PYTHONPATH=. torchrun --nproc-per-node N benchmarks/profile_graph.py MODEL_DIR [BATCH] [STEPS] --tp=N
 
-One capture size (BATCH). With --tp=N (under torchrun): tensor + expert parallelism over N ranks; every rank runs
+One capture size (BATCH); prompts of --context tokens (default 512; a long one is prefilled in 16K chunks). With --tp=N (under torchrun): tensor + expert parallelism over N ranks; every rank runs
 the same steps (their collectives meet), rank 0 prints.
 
 Prints (median over STEPS):
@@ -65,18 +66,22 @@ def main() -> None:
     compile_decode = "--compile" in sys.argv
     tp = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--tp=")), 1)
     load_format = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--load-format=")), "auto")
+    context = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--context=")), 512)
     t0 = time.perf_counter()
-    eng = LLMEngine.from_args(model, dtype="bfloat16", device="cuda", max_model_len=1024, max_num_seqs=batch,
-                              max_num_batched_tokens=max(2048, 512 * batch), load_tokenizer=False,
+    eng = LLMEngine.from_args(model, dtype="bfloat16", device="cuda", max_model_len=max(1024, context + 4 * steps + 128),
+                              max_num_seqs=batch, max_num_batched_tokens=min(16384, max(2048, context * batch)),
+                              load_tokenizer=False,
                               cudagraph_capture_sizes=(batch,), compile_decode=compile_decode,
                               tensor_parallel_size=tp, expert_parallel=tp > 1, load_format=load_format)
     out = print if eng.parallel.rank == 0 else (lambda *a, **k: None)
     out(f"engine start-up {time.perf_counter() - t0:.1f} s (compile_decode={compile_decode})")
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
-        ids = torch.randint(10, eng.config.model.vocab_size, (512,), generator=g).tolist()
+        ids = torch.randint(10, eng.config.model.vocab_size, (context,), generator=g).tolist()
         eng.add_request(ids, SamplingParams(temperature=0, max_tokens=4 * steps + 64, ignore_eos=True),
                         request_id=str(i))
+    while any(r.num_computed_tokens < context for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()  # the prompts' prefill (chunked for long contexts), then a few decode steps
     for _ in range(4):
         eng.step()
     runner = eng.runner

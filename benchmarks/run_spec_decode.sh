@@ -19,6 +19,8 @@
 #   PHASE_PROFILE=1 (bench, demo): one more run per speculative row, every step's phases synced and timed (phases_ms)
 #   BATCH_INVARIANCE=1 (bench): the plain engine also decodes each batch's prompts one at a time (plain.alone_vs_batched)
 #   MODES=plain,drafter (bench): only these modes (spec_decode_speed.py --modes)
+#   DTYPE=float32 (bench): the engine's dtype (default bf16); fp32 keeps the oracle's recorded tokens exact when
+#           plain and verify steps compute a token (the adaptive switch mixes them; bf16 near ties then differ)
 #   BENCH_LIMIT: seconds for spec_decode_speed.py in the bench part (default 280; up to ~480 when it runs alone)
 #   demo    the built-in trained model with its trained drafter on held-out code (--prompts held-out-code): the
 #           realistic acceptance beside the oracle (~1-2 minutes: a tiny model, eager verify steps)
@@ -86,7 +88,8 @@ part_bench() {
     --input-len 512 --output-len "${OUTPUT_LEN:-128}" ${VERIFY_DECODE:+--verify-decode} \
     ${DRAFTER_GRAPHS:+--drafter-cuda-graphs} ${PIPELINED:+--pipelined} ${ADAPTIVE:+--adaptive} ${PHASE_PROFILE:+--phase-profile} \
     ${BATCH_INVARIANCE:+--batch-invariance} ${MODES:+--modes $MODES} \
-    ${MTP:+--num-speculative-tokens ${NUM_SPEC:-3}} --output-json "$out/spec_decode_speed.json" > "$log" 2>&1
+    ${MTP:+--num-speculative-tokens ${NUM_SPEC:-3}} ${DTYPE:+--dtype $DTYPE} --output-json "$out/spec_decode_speed.json" \
+    > "$log" 2>&1
   local rc=$?
   echo "spec_decode_speed (rc $rc): $((SECONDS - t0)) s"
   sed -n '/^spec_decode_speed: /,$p' "$log"  # the table and the verdicts

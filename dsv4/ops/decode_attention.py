@@ -82,6 +82,7 @@ ROWS_BLOCK_N = 32
 ROWS_WARPS = 4
 ROWS_MIN_HALF_D = 32  # value columns are halved from D 64 on (a dot's K is at least 16; tests use small D)
 ROWS_MIN_PROGRAMS_PER_SM = 4  # rows x head blocks from which the rows kernel runs (splits would not be needed)
+ROWS_KERNEL = os.environ.get("DSV4_ROWS_ATTENTION", "1") == "1"  # 0: the split kernel at every size (comparisons)
 
 
 def decode_sink_attention_torch(q: torch.Tensor, sources: Sequence[AnySource], sinks: torch.Tensor,
@@ -292,7 +293,7 @@ def decode_splits(R: int, H: int, lengths: Sequence[int], sm_count: int,
 def use_rows_kernel(R: int, H: int, sm_count: int) -> bool:
     """Whether R rows alone fill the GPU with one program per (row, head block): the rows kernel then needs no
     split and no merge (a shape-only rule: the decode step is captured in a CUDA graph)."""
-    return R * triton.cdiv(H, ROWS_BLOCK_H) >= ROWS_MIN_PROGRAMS_PER_SM * sm_count
+    return ROWS_KERNEL and R * triton.cdiv(H, ROWS_BLOCK_H) >= ROWS_MIN_PROGRAMS_PER_SM * sm_count
 
 
 def decode_sink_attention_triton(q: torch.Tensor, sources: Sequence[AnySource], sinks: torch.Tensor, scale: float,
