@@ -5,7 +5,7 @@ per row and value half, all 64 heads), from decode batches to a 16K-token prefil
 Cases: H 64, D 512, bf16 caches: a sliding layer (128 window keys), a CSA layer (window + 512 selected entries) and
 an HCA layer (window + 128 entries through a block table: a 16K prompt at ratio 128). Rows see every key (the
 prefill rows of a long prompt do). The FLOP model counts the useful work, 4 * R * H * D * keys (logits and values);
-the fraction is of the dense bf16 peak given by --peak-tflops (H200 / H100 SXM: 989). Times: CUDA-graph replays
+the fraction (of the best rows time) is of the dense bf16 peak given by --peak-tflops (H200 / H100 SXM: 989). Times: CUDA-graph replays
 below 1024 rows, triton.testing.do_bench above; outputs checked against each other.
 
 usage: PYTHONPATH=. python3 benchmarks/rows_attention_bench.py [--rows 32,128,...] [--json PATH]
@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.testing
 
+from dsv4.ops import decode_attention
 from dsv4.ops.decode_attention import TableSource, _sm_count, decode_sink_attention_triton, use_rows_kernel
 
 H, D, W = 64, 512, 128
@@ -50,12 +51,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="16,32,64,128,256,512,1024,4096,16384")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
+    ap.add_argument("--block-n", default="16,32", help="key tiles of the rows kernel to time (ROWS_BLOCK_N)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     sm = _sm_count(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}, {sm} SMs, torch {torch.__version__}, triton {triton.__version__}")
-    print(f"{'case':11s} {'R':>6s} {'split us':>10s} {'rows us':>10s} {'speed-up':>8s} {'rows %peak':>10s} default")
+    block_ns = [int(b) for b in args.block_n.split(",")]
+    default_bn = decode_attention.ROWS_BLOCK_N
+    print(f"{'case':11s} {'R':>6s} {'split us':>10s} " + " ".join(f"{f'rows n{b} us':>12s}" for b in block_ns)
+          + f" {'speed-up':>8s} {'rows %peak':>10s} default (rows: BLOCK_N {default_bn})")
     out = []
     for case in ("window", "window+512", "window+hca128"):
         keys = W + {"window": 0, "window+512": 512, "window+hca128": 128}[case]
@@ -64,18 +69,22 @@ def main() -> None:
             q = torch.randn(R, H, D, device="cuda", generator=g).to(torch.bfloat16)
             sinks = torch.randn(H, device="cuda", generator=g)
             split = decode_sink_attention_triton(q, sources, sinks, D ** -0.5, rows=False).float()
-            rows = decode_sink_attention_triton(q, sources, sinks, D ** -0.5, rows=True).float()
-            diff = (split - rows).abs().max().item()
-            assert diff < 3e-2, (case, R, diff)
             t_split = _time_us(lambda: decode_sink_attention_triton(q, sources, sinks, D ** -0.5, rows=False), R)
-            t_rows = _time_us(lambda: decode_sink_attention_triton(q, sources, sinks, D ** -0.5, rows=True), R)
-            flops = 4 * R * H * D * keys
-            frac = flops / (t_rows * 1e-6) / (args.peak_tflops * 1e12)
+            t_rows, diff = {}, 0.0
+            for bn in block_ns:
+                decode_attention.ROWS_BLOCK_N = bn
+                rows = decode_sink_attention_triton(q, sources, sinks, D ** -0.5, rows=True).float()
+                diff = max(diff, (split - rows).abs().max().item())
+                assert diff < 3e-2, (case, R, bn, diff)
+                t_rows[bn] = _time_us(lambda: decode_sink_attention_triton(q, sources, sinks, D ** -0.5, rows=True), R)
+            decode_attention.ROWS_BLOCK_N = default_bn
+            best = min(t_rows.values())
+            frac = 4 * R * H * D * keys / (best * 1e-6) / (args.peak_tflops * 1e12)
             default = "rows" if use_rows_kernel(R, H, sm) else "split"
-            print(f"{case:11s} {R:6d} {t_split:10.1f} {t_rows:10.1f} {t_split / t_rows:7.2f}x {100 * frac:9.1f}% "
-                  f"{default}", flush=True)
+            print(f"{case:11s} {R:6d} {t_split:10.1f} " + " ".join(f"{t_rows[b]:12.1f}" for b in block_ns)
+                  + f" {t_split / best:7.2f}x {100 * frac:9.1f}% {default}", flush=True)
             out.append(dict(case=case, rows=R, keys=keys, split_us=t_split, rows_us=t_rows, max_diff=diff,
-                            rows_peak_fraction=frac, default=default))
+                            best_rows_peak_fraction=frac, default=default))
             del sources, q
     if args.json:
         with open(args.json, "w") as f:

@@ -38,15 +38,17 @@ def _signature(fn: triton.JITFunction, pointers: dict[str, str]) -> dict[str, st
     return sig
 
 
-def compile_kernel(fn: triton.JITFunction, consts: dict, pointers: dict[str, str], warps: int) -> bytes:
+def compile_kernel(fn: triton.JITFunction, consts: dict, pointers: dict[str, str], warps: int,
+                   stages: int = decode_attention.SPLIT_STAGES) -> tuple[bytes, int]:
+    """(cubin, shared memory bytes a program) of one configuration."""
     sig = {**_signature(fn, pointers), **{k: "constexpr" for k in consts}}
     # what the launch specializes on at these shapes: 16-byte aligned pointers, strides multiples of 16
     aligned = list(pointers) + [a for a in fn.arg_names if a.endswith("stride") or a in ("sq_r", "sq_h", "so_r", "so_h")]
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in aligned}
     src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=warps, num_stages=decode_attention.SPLIT_STAGES))
-    return kernel.asm["cubin"]
+                            options=dict(num_warps=warps, num_stages=stages))
+    return kernel.asm["cubin"], kernel.metadata.shared
 
 
 def main() -> None:
@@ -64,14 +66,15 @@ def main() -> None:
                       {**POINTERS, "sinks_ptr": "*fp32", "out_ptr": "*bf16"}, warps))
     rows = []
     for name, fn, consts, pointers, warps in cases:
+        cubin, shared = compile_kernel(fn, consts, pointers, warps)
         row = dict(kernel=name, block_h=consts["BLOCK_H"], block_dv=consts.get("BLOCK_DV", 512),
-                   block_n=consts["BLOCK_N"], warps=warps,
-                   **analyse(compile_kernel(fn, consts, pointers, warps)))
+                   block_n=consts["BLOCK_N"], warps=warps, shared=shared, **analyse(cubin))
         rows.append(row)
         top = " ".join(f"{k} {v}" for k, v in list(row["loop_ops"].items())[:10])
         print(f"{name:5s} BLOCK_H {row['block_h']:3d} BLOCK_DV {row['block_dv']:3d} BLOCK_N {row['block_n']:3d} "
               f"{warps:2d} warps: "
-              f"{row['registers']} registers, stack {row['stack']:5d} B, loop {row['loop_instructions']:5d} "
+              f"{row['registers']} registers, stack {row['stack']:5d} B, shared {shared // 1024:3d} KB, "
+              f"loop {row['loop_instructions']:5d} "
               f"instructions: {top}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
