@@ -31,7 +31,7 @@ from dsv4.ops.norm_rope import rms_norm_rope, write_rms_norm_rope
 from dsv4.ops.rmsnorm import MODE_UNWEIGHTED
 from dsv4.ops.rope import apply_rope
 from dsv4.ops.topk import stable_topk
-from dsv4.runtime.attn_metadata import AttnMetadata, DecodeMetadata, row_chunks, token_key_slots
+from dsv4.runtime.attn_metadata import CUDA_ROW_CHUNK, AttnMetadata, DecodeMetadata, row_chunks, token_key_slots
 from dsv4.runtime.kv_cache import LayerKVCache
 
 if TYPE_CHECKING:
@@ -269,7 +269,7 @@ class Attention(nn.Module):
         per_row = row_elems(self.window, width, self.head_dim, self.cfg.index_head_dim, qi is not None,
                             gathers=not x.is_cuda)
         outs = []
-        for a, b in row_chunks(T, CHUNK, per_row):
+        for a, b in row_chunks(T, CUDA_ROW_CHUNK if x.is_cuda else CHUNK, per_row):
             rows = ts.rows(a, b)
             eslots = {group: rows.entry_slots(group)} if self.compressor is not None else {}
             outs.append(self._attend_rows(q[a:b], None if qi is None else qi[a:b], None if iw is None else iw[a:b],

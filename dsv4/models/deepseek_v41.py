@@ -42,8 +42,8 @@ from dsv4.ops.router import fp32_reciprocal, route
 from dsv4.ops.swiglu import swiglu
 from dsv4.ops.topk import stable_topk
 from dsv4.ops.window_kv import write_window_kv
-from dsv4.runtime.attn_metadata import (TRASH_SLOT, AttnMetadata, DecodeMetadata, EntryTable, TokenKeySlots,
-                                        row_chunks, token_key_slots)
+from dsv4.runtime.attn_metadata import (CUDA_ROW_CHUNK, TRASH_SLOT, AttnMetadata, DecodeMetadata, EntryTable,
+                                        TokenKeySlots, row_chunks, token_key_slots)
 from dsv4.runtime.kv_cache import LayerKVCache
 
 if TYPE_CHECKING:  # type only: the runner builds the manager and sets `encoder_graphs`; shard_experts sets `ep`
@@ -279,10 +279,12 @@ class AttentionV41(nn.Module):
         sel = None
         if qi is not None and width > 0 and use_prefill_select(qi, self.cfg.v41.candidate_block_size):
             sel = self._select_rows(qi, iw, caches[self.kv_source].index_keys, step.keys, step.candidates)
-        # gathered per row: window + picked keys, and on an index source every entry's indexer key (torch path)
-        per_row = (self.window + (self.cfg.index_topk if self.ratio > 0 else 0)) * self.head_dim
+        # held per row: the torch path gathers window + picked keys (CUDA: only their slots and masks, the kernel
+        # reads the keys in place), and an index source without the fused selection every entry's indexer key
+        picked = self.window + (self.cfg.index_topk if self.ratio > 0 else 0)
+        per_row = 8 * picked if x.is_cuda else picked * self.head_dim
         per_row += width * self.cfg.index_head_dim if self.is_index_source and sel is None else 0
-        for a, b in row_chunks(T, self.CHUNK, per_row):
+        for a, b in row_chunks(T, CUDA_ROW_CHUNK if x.is_cuda else self.CHUNK, per_row):
             o, t, c = self._attend_rows(q[a:b], self._row_slice(qi, a, b), self._row_slice(iw, a, b), caches,
                                         step.keys.rows(a, b), self._row_slice(step.topk, a, b),
                                         self._row_slice(step.candidates, a, b),

@@ -78,10 +78,13 @@ SPLIT_STAGES = 2
 # warp group for 64 heads would each compute the same logits; one warp group holds a [64, 256] fp32 half of the
 # accumulator in 128 registers a thread
 ROWS_BLOCK_H = 64
-ROWS_BLOCK_N = 32
+ROWS_BLOCK_N = 16  # H100: 0.64-0.76x the time of 32 from 128 rows on (2 programs an SM fit in shared memory, not 1)
 ROWS_WARPS = 4
 ROWS_MIN_HALF_D = 32  # value columns are halved from D 64 on (a dot's K is at least 16; tests use small D)
-ROWS_MIN_PROGRAMS_PER_SM = 4  # rows x head blocks from which the rows kernel runs (splits would not be needed)
+# The rows kernel runs from rows x head blocks >= 3/8 of the SMs (50 rows of 64 heads on 132 SMs). H100, graph
+# replays, H 64, D 512 (benchmarks/rows_attention_bench.py, results/2026-12-05-h100-rows-attention): at 64 rows it
+# takes 0.47-0.67x the split kernel's time (window; window + 512; window + 128 table entries), at 32 rows 0.83-1.28x
+ROWS_MIN_ROWS_PER_SM = 3 / 8
 ROWS_KERNEL = os.environ.get("DSV4_ROWS_ATTENTION", "1") == "1"  # 0: the split kernel at every size (comparisons)
 
 
@@ -293,7 +296,7 @@ def decode_splits(R: int, H: int, lengths: Sequence[int], sm_count: int,
 def use_rows_kernel(R: int, H: int, sm_count: int) -> bool:
     """Whether R rows alone fill the GPU with one program per (row, head block): the rows kernel then needs no
     split and no merge (a shape-only rule: the decode step is captured in a CUDA graph)."""
-    return ROWS_KERNEL and R * triton.cdiv(H, ROWS_BLOCK_H) >= ROWS_MIN_PROGRAMS_PER_SM * sm_count
+    return ROWS_KERNEL and R * triton.cdiv(H, ROWS_BLOCK_H) >= ROWS_MIN_ROWS_PER_SM * sm_count
 
 
 def decode_sink_attention_triton(q: torch.Tensor, sources: Sequence[AnySource], sinks: torch.Tensor, scale: float,

@@ -348,6 +348,11 @@ class TokenKeySlots:
 # [rows, W + M, head_dim] keys and an index source [rows, M, index_head_dim] indexer keys, M growing with the
 # context (at 128K tokens and ratio 4, M = 32K: 16 rows per chunk instead of a 2 GB gather at 256 rows).
 ROW_CHUNK_ELEMS = 1 << 26
+# Rows a prefill attention chunk may take on CUDA, where the kernels read the keys in place and a row holds only its
+# slots, masks and selection (the element bound above then allows thousands of rows). The 256 of the torch path
+# made a 16,384-token prefill ~80 attention launches a layer of ~200 rows each, too few rows for the rows kernel
+# (dsv4/ops/decode_attention.py) to fill the GPU.
+CUDA_ROW_CHUNK = 1 << 14
 
 
 def row_chunks(num_rows: int, max_rows: int, elems_per_row: int) -> list[tuple[int, int]]:

@@ -166,6 +166,11 @@ def test_rows_kernel_table_source_and_fp32() -> None:
     ref = decode_sink_attention_torch(q, [sources[0], src], sinks, D ** -0.5)
     got = decode_sink_attention_triton(q, [sources[0], src], sinks, D ** -0.5, rows=True)
     assert torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2), (got.float() - ref.float()).abs().max()
+    # fp32: as close to fp64 as the split kernel on the same inputs (an MMA in TF32 would be ~100x further)
     q, sources, sinks = _case(300, 512, torch.float32, 4)
-    got = decode_sink_attention_triton(q, sources, sinks, D ** -0.5, rows=True)
-    assert torch.allclose(got.double(), _reference(q, sources, sinks, torch.float64), rtol=1e-4, atol=1e-5)
+    ref64 = _reference(q, sources, sinks, torch.float64)
+    err = (decode_sink_attention_triton(q, sources, sinks, D ** -0.5, rows=True).double() - ref64).abs()
+    err_split = (decode_sink_attention_triton(q, sources, sinks, D ** -0.5, rows=False).double() - ref64).abs()
+    print("fp32 rows / split error: max", err.max().item(), err_split.max().item(), "mean", err.mean().item(),
+          err_split.mean().item())
+    assert err.max() <= 2 * err_split.max() + 1e-7 and err.mean() <= 1.5 * err_split.mean() + 1e-9
