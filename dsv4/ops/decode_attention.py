@@ -15,7 +15,9 @@ to fp32 and needs a cat, two einsums and a softmax: several launches and three c
 kernel runs over (row, head block, split of one source's key range): batch 1 must still fill the GPU, so the key
 range is split and each split leaves its partial max / sum / weighted values in an fp32 workspace; a second small
 kernel merges the splits with the sink. Split counts come from tensor shapes only (no host sync: the decode step
-is captured in a CUDA graph).
+is captured in a CUDA graph). From ~50 rows on (prefill token rows, large decode batches: `use_rows_kernel`) the
+rows kernel runs instead: one program per (row, 64 heads, half of the value columns) over both sources, the sink
+applied in place, one launch and no workspace (H100: 0.30-0.67x the split kernel's time from 64 rows on).
 """
 
 from __future__ import annotations
