@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The sink attention's rows kernel (dsv4/ops/decode_attention.py: prefill-sized row counts and decode batches of
+# 50+ rows) on one GPU. From the repo root, PYTHONPATH=.:
+#   benchmarks/run_rows_attention.sh OUTDIR PART [PART ...]
+#   tests    the kernels against fp64 (test_decode_attention_gpu), then the paths that now take the rows kernel:
+#            the engine on CUDA, decode graphs (batches >= 50 rows), the fused prefill selection beside it
+#   kernels  split against rows kernel by row count (benchmarks/rows_attention_bench.py)
+#   prefill  V4.1-Flash-8l: one 16,384-token prompt, one 32,768-token prompt and 32 x 512 tokens, each with the rows
+#            kernel (default) and with DSV4_ROWS_ATTENTION=0 (the split kernel; the baseline on the same card).
+#            Targets (issue 23, H200): 16K <= 0.4 s, 32K <= 1.0 s, 32 x 512 >= 40,000 tokens/s
+#   profile  the kernels of one $LEN-token (default 16384) prefill by family (benchmarks/profile_prefill.py)
+. "$(dirname "$0")/device_lib.sh"
+p=v41-flash-8l
+
+part_tests() {
+  gpu_pytest 150 gpu_tests_attention.log tests/gpu/test_decode_attention_gpu.py -s
+  grep "fp32 rows" "$out/gpu_tests_attention.log"
+  gpu_pytest 300 gpu_tests_engine.log tests/gpu/test_engine_cuda.py tests/gpu/test_cudagraphs.py \
+    tests/gpu/test_indexer_prefill_gpu.py
+}
+
+part_kernels() {
+  timeout 240 python3 benchmarks/rows_attention_bench.py --json "$out/rows_attention_bench.json" \
+    > "$out/rows_attention_bench.log" 2>&1
+  echo "rows_attention_bench (rc $?):"; tail -28 "$out/rows_attention_bench.log"
+}
+
+part_prefill() {
+  make_preset $p
+  local rows shape tag args
+  for shape in ${SHAPES:-"1 16384" "1 32768" "32 512"}; do
+    for rows in 1 0; do
+      set -- $shape
+      tag="$p-b$1-in$2-rows$rows"
+      args="bench latency --model /tmp/$p --batch-size $1 --input-len $2 --output-len 2 --num-iters 2"
+      args="$args --max-model-len $(($2 + 64)) --max-num-batched-tokens $(($1 * $2 > 16384 ? $1 * $2 : 16384))"
+      DSV4_ROWS_ATTENTION=$rows timeout 300 python3 -m dsv4.cli $args --output-json "$out/$tag.json" \
+        > "$out/$tag.log" 2>&1
+      summary "$tag" $? "$out/$tag.log" 'prefill, synced|prefill tokens/s|Error'
+    done
+  done
+}
+
+part_profile() {
+  make_preset $p
+  timeout 300 python3 benchmarks/profile_prefill.py /tmp/$p "${LEN:-16384}" 30 > "$out/profile_prefill.log" 2>&1
+  echo "profile_prefill (rc $?):"; sed -n '1,14p' "$out/profile_prefill.log"
+}
+
+run_parts "$@"
