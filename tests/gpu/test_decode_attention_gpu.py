@@ -76,15 +76,18 @@ def test_single_source_and_splits(R: int) -> None:
         assert torch.allclose(got.double(), ref, rtol=1e-2, atol=1e-2), chunk
 
 
-def test_cuda_graph_replay() -> None:
-    """Captured once, replayed on new slots, masks and queries written in place: the same as eager."""
-    q, sources, sinks = _case(8, 512, torch.bfloat16, 5)
+@pytest.mark.parametrize("R", [8, 64])
+def test_cuda_graph_replay(R: int) -> None:
+    """Captured once, replayed on new slots, masks and queries written in place: the same as eager (8 rows: the
+    split kernel; 64: the rows kernel, as a decode graph of 64 requests takes it)."""
+    q, sources, sinks = _case(R, 512, torch.bfloat16, 5)
+    assert use_rows_kernel(R, H, _sm_count(q.device)) == (R == 64)  # an H100 / H200 (132 SMs)
     decode_sink_attention(q, sources, sinks, D ** -0.5)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = decode_sink_attention(q, sources, sinks, D ** -0.5)
-    q2, sources2, _ = _case(8, 512, torch.bfloat16, 6)
+    q2, sources2, _ = _case(R, 512, torch.bfloat16, 6)
     q.copy_(q2)
     for (_, s, m), (_, s2, m2) in zip(sources, sources2):
         s.copy_(s2)
