@@ -75,13 +75,17 @@ def test_token_key_slots_built_once_per_step() -> None:
 def test_v4_prefill_rows_per_chunk_by_path() -> None:
     """DeepSeek-V4's prefill attention chunks (`row_elems` through `row_chunks`): the torch path counts the keys it
     gathers, so a CSA layer at 131,072 tokens of context (M = 32,768 entries at ratio 4) takes a few rows a chunk;
-    the CUDA kernels gather nothing, so the same step's 2,048 rows go in chunks of about the CHUNK cap."""
+    the CUDA kernels gather nothing, so the same step's 2,048 rows go in chunks of 255 rows (the element bound), and
+    a 16,384-token prompt's first step (M = 0) in one chunk under the CUDA cap (CUDA_ROW_CHUNK, not the torch
+    path's CHUNK: the rows attention kernel needs many rows a launch)."""
     from dsv4.models.deepseek_v4 import CHUNK, row_elems
-    from dsv4.runtime.attn_metadata import ROW_CHUNK_ELEMS, row_chunks
+    from dsv4.runtime.attn_metadata import CUDA_ROW_CHUNK, ROW_CHUNK_ELEMS, row_chunks
 
     W, M, D, ID = 128, 131072 // 4, 512, 128
     torch_rows = row_chunks(2048, CHUNK, row_elems(W, M, D, ID, True, gathers=True))
-    cuda_rows = row_chunks(2048, CHUNK, row_elems(W, M, D, ID, True, gathers=False))
+    cuda_rows = row_chunks(2048, CUDA_ROW_CHUNK, row_elems(W, M, D, ID, True, gathers=False))
     assert torch_rows[0][1] - torch_rows[0][0] == ROW_CHUNK_ELEMS // ((W + M) * D + M * ID) == 3
-    assert len(cuda_rows) <= 2048 // CHUNK + 1  # 255 rows a chunk: 8 chunks of the cap's 256 but one
+    assert cuda_rows[0] == (0, 255) and len(cuda_rows) == 9  # 8 * (W + M) elements a row: 255 rows a chunk
+    assert row_chunks(16384, CUDA_ROW_CHUNK, row_elems(W, 0, D, ID, True, gathers=False)) == [(0, 16384)]
+    assert len(row_chunks(16384, CHUNK, row_elems(W, 0, D, ID, True, gathers=True))) == 64  # the torch path
     assert row_elems(W, 0, D, ID, False, gathers=True) == W * D  # a window-only layer
