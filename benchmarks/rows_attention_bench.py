@@ -52,15 +52,19 @@ def main() -> None:
     ap.add_argument("--rows", default="16,32,64,128,256,512,1024,4096,16384")
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--block-n", default="16,32", help="key tiles of the rows kernel to time (ROWS_BLOCK_N)")
+    ap.add_argument("--stages", type=int, default=None, help="ROWS_STAGES for every rows-kernel timing")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     sm = _sm_count(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}, {sm} SMs, torch {torch.__version__}, triton {triton.__version__}")
     block_ns = [int(b) for b in args.block_n.split(",")]
+    if args.stages is not None:
+        decode_attention.ROWS_STAGES = args.stages
     default_bn = decode_attention.ROWS_BLOCK_N
     print(f"{'case':11s} {'R':>6s} {'split us':>10s} " + " ".join(f"{f'rows n{b} us':>12s}" for b in block_ns)
-          + f" {'speed-up':>8s} {'rows %peak':>10s} default (rows: BLOCK_N {default_bn})")
+          + f" {'speed-up':>8s} {'rows %peak':>10s} default (rows: BLOCK_N {default_bn}, "
+          f"stages {decode_attention.ROWS_STAGES})")
     out = []
     for case in ("window", "window+512", "window+hca128"):
         keys = W + {"window": 0, "window+512": 512, "window+hca128": 128}[case]
@@ -89,7 +93,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "rows": out}, f, indent=1)
+                       "triton": triton.__version__, "stages": decode_attention.ROWS_STAGES, "rows": out}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,8 @@ from grouped_q_sass import analyse
 
 POINTERS = {"q_ptr": "*bf16", "c1_ptr": "*bf16", "s1_ptr": "*i64", "v1_ptr": "*i1", "c2_ptr": "*bf16",
             "s2_ptr": "*i64", "v2_ptr": "*i1"}
-ROWS_CONFIGS = [(64, 256, 32, 4), (64, 256, 16, 4), (64, 256, 64, 4), (64, 256, 32, 8)]  # BLOCK_H, BLOCK_DV, BLOCK_N, warps
+# BLOCK_H, BLOCK_DV, BLOCK_N, warps, stages
+ROWS_CONFIGS = [(64, 256, 32, 4, 2), (64, 256, 16, 4, 2), (64, 256, 16, 4, 3), (64, 256, 64, 4, 2), (64, 256, 32, 8, 2)]
 
 
 def _signature(fn: triton.JITFunction, pointers: dict[str, str]) -> dict[str, str]:
@@ -59,23 +60,22 @@ def main() -> None:
     common = dict(D=512, BLOCK_D=512, TC=True, UPCAST=False)
     cases = [("split", decode_attention._split_kernel,
               dict(common, BLOCK_H=decode_attention.BLOCK_H, BLOCK_N=decode_attention.BLOCK_N, TABLE2=False),
-              {**POINTERS, "ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32"}, decode_attention.SPLIT_WARPS)]
-    for bh, dv, bn, warps in ROWS_CONFIGS:
+              {**POINTERS, "ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32"}, decode_attention.SPLIT_WARPS,
+              decode_attention.SPLIT_STAGES)]
+    for bh, dv, bn, warps, stages in ROWS_CONFIGS:
         consts = dict(D=512, BLOCK_DV=dv, HALVES=dv < 512, TC=True, UPCAST=False, BLOCK_H=bh, BLOCK_N=bn, TABLE2=False)
         cases.append(("rows", decode_attention._rows_kernel, consts,
-                      {**POINTERS, "sinks_ptr": "*fp32", "out_ptr": "*bf16"}, warps))
+                      {**POINTERS, "sinks_ptr": "*fp32", "out_ptr": "*bf16"}, warps, stages))
     rows = []
-    for name, fn, consts, pointers, warps in cases:
-        cubin, shared = compile_kernel(fn, consts, pointers, warps)
+    for name, fn, consts, pointers, warps, stages in cases:
+        cubin, shared = compile_kernel(fn, consts, pointers, warps, stages)
         row = dict(kernel=name, block_h=consts["BLOCK_H"], block_dv=consts.get("BLOCK_DV", 512),
-                   block_n=consts["BLOCK_N"], warps=warps, shared=shared, **analyse(cubin))
+                   block_n=consts["BLOCK_N"], warps=warps, stages=stages, shared=shared, **analyse(cubin))
         rows.append(row)
         top = " ".join(f"{k} {v}" for k, v in list(row["loop_ops"].items())[:10])
         print(f"{name:5s} BLOCK_H {row['block_h']:3d} BLOCK_DV {row['block_dv']:3d} BLOCK_N {row['block_n']:3d} "
-              f"{warps:2d} warps: "
-              f"{row['registers']} registers, stack {row['stack']:5d} B, shared {shared // 1024:3d} KB, "
-              f"loop {row['loop_instructions']:5d} "
-              f"instructions: {top}", flush=True)
+              f"{warps:2d} warps {stages} stages: {row['registers']} registers, stack {row['stack']:5d} B, "
+              f"shared {shared // 1024:3d} KB, loop {row['loop_instructions']:5d} instructions: {top}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"triton": triton.__version__, "rows": rows}, f, indent=1)

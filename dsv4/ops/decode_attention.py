@@ -82,6 +82,7 @@ SPLIT_STAGES = 2
 ROWS_BLOCK_H = 64
 ROWS_BLOCK_N = 16  # H100: 0.64-0.76x the time of 32 from 128 rows on (2 programs an SM fit in shared memory, not 1)
 ROWS_WARPS = 4
+ROWS_STAGES = 2  # key-tile loads in flight (cp.async); 3 fits 2 programs an SM too (not yet measured)
 ROWS_MIN_HALF_D = 32  # value columns are halved from D 64 on (a dot's K is at least 16; tests use small D)
 # The rows kernel runs from rows x head blocks >= 3/8 of the SMs (50 rows of 64 heads on 132 SMs). H100, graph
 # replays, H 64, D 512 (benchmarks/rows_attention_bench.py, results/2026-12-05-h100-rows-attention): at 64 rows it
@@ -347,7 +348,7 @@ def decode_sink_attention_triton(q: torch.Tensor, sources: Sequence[AnySource], 
             c2, c2.stride(0), s2, s2.stride(0), v2, v2.stride(0) if v2.dim() > 1 else 1, lengths[1], bs2, H,
             float(scale), sinks.contiguous(), out, out.stride(0), out.stride(1), D=D, BLOCK_H=block_h,
             BLOCK_DV=block_d // 2 if halves else block_d, BLOCK_N=ROWS_BLOCK_N, TC=tc, UPCAST=_INTERPRET,
-            TABLE2=table2, HALVES=halves, num_warps=ROWS_WARPS, num_stages=SPLIT_STAGES)
+            TABLE2=table2, HALVES=halves, num_warps=ROWS_WARPS, num_stages=ROWS_STAGES)
         return out
     chunk, (S1, S2) = decode_splits(R, H, lengths, sm, chunk)
     S = S1 + S2
