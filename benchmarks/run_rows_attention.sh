@@ -41,10 +41,7 @@ part_prefill() {
   done
 }
 
-part_profile() {
-  make_preset $p
-  timeout 300 python3 benchmarks/profile_prefill.py /tmp/$p "${LEN:-16384}" 30 > "$out/profile_prefill.log" 2>&1
-  echo "profile_prefill (rc $?):"; sed -n '1,14p' "$out/profile_prefill.log"
-}
+# the same profile as run_prefill_indexer.sh's (LEN tokens, default 16384)
+part_profile() { bash "$(dirname "$0")/run_prefill_indexer.sh" "$out" profile; }
 
 run_parts "$@"
