@@ -32,6 +32,16 @@ summary() {
   echo "$1 (rc $2): $(grep -E "$4" "$3" | tr -s ' ' | tr '\n' ' ')"
 }
 
+# prefill_latency TAG BATCH INPUT_LEN BUDGET: one `dsv4 bench latency` prefill of /tmp/$p (2 output tokens, 2
+# iterations, BUDGET tokens a step) into $out/TAG.{json,log}, one summary line; DSV4_* switches set before the call
+# (`DSV4_X=0 prefill_latency ...`) reach the run
+prefill_latency() {
+  local args="bench latency --model /tmp/$p --batch-size $2 --input-len $3 --output-len 2 --num-iters 2"
+  args="$args --max-model-len $(($3 + 64)) --max-num-batched-tokens $4"
+  timeout 300 python3 -m dsv4.cli $args --output-json "$out/$1.json" > "$out/$1.log" 2>&1
+  summary "$1" $? "$out/$1.log" 'prefill, synced|prefill tokens/s|Error'
+}
+
 # run_parts OUTDIR PART...: run part_PART for each PART, in order, with $out set to OUTDIR (created)
 run_parts() {
   out=$1; shift; mkdir -p "$out"

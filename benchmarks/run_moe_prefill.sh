@@ -24,16 +24,11 @@ part_kernels() {
 
 part_engine() {
   make_preset $p
-  local on tag args
+  local on shape
   for on in 0 1; do
     for shape in "1 16384" "32 512"; do
       set -- $shape
-      tag="$p-b$1-in$2-sorted$on"
-      args="bench latency --model /tmp/$p --batch-size $1 --input-len $2 --output-len 2 --num-iters 2"
-      args="$args --max-model-len $(($2 + 64)) --max-num-batched-tokens $(($1 * $2))"
-      DSV4_SORTED_EXPERTS=$on timeout 300 python3 -m dsv4.cli $args --output-json "$out/$tag.json" \
-        > "$out/$tag.log" 2>&1
-      summary "$tag" $? "$out/$tag.log" 'prefill, synced|prefill tokens/s|Error'
+      DSV4_SORTED_EXPERTS=$on prefill_latency "$p-b$1-in$2-sorted$on" $1 $2 $(($1 * $2))
     done
   done
 }

@@ -7,7 +7,8 @@
 #   kernels  split against rows kernel by row count (benchmarks/rows_attention_bench.py)
 #   prefill  V4.1-Flash-8l: one 16,384-token prompt, one 32,768-token prompt and 32 x 512 tokens, each with the rows
 #            kernel (default) and with DSV4_ROWS_ATTENTION=0 (the split kernel; the baseline on the same card).
-#            Targets (issue 23, H200): 16K <= 0.4 s, 32K <= 1.0 s, 32 x 512 >= 40,000 tokens/s
+#            Targets (issue 23, H200): 16K <= 0.4 s, 32K <= 1.0 s, 32 x 512 >= 40,000 tokens/s.
+#            SHAPES="BATCH:LEN ..." other shapes (default "1:16384 1:32768 32:512")
 #   profile  the kernels of one $LEN-token (default 16384) prefill by family (benchmarks/profile_prefill.py)
 . "$(dirname "$0")/device_lib.sh"
 p=v41-flash-8l
@@ -27,16 +28,11 @@ part_kernels() {
 
 part_prefill() {
   make_preset $p
-  local rows shape tag args
-  for shape in ${SHAPES:-"1 16384" "1 32768" "32 512"}; do
+  local rows shape b len
+  for shape in ${SHAPES:-1:16384 1:32768 32:512}; do
+    b=${shape%%:*} len=${shape##*:}
     for rows in 1 0; do
-      set -- $shape
-      tag="$p-b$1-in$2-rows$rows"
-      args="bench latency --model /tmp/$p --batch-size $1 --input-len $2 --output-len 2 --num-iters 2"
-      args="$args --max-model-len $(($2 + 64)) --max-num-batched-tokens $(($1 * $2 > 16384 ? $1 * $2 : 16384))"
-      DSV4_ROWS_ATTENTION=$rows timeout 300 python3 -m dsv4.cli $args --output-json "$out/$tag.json" \
-        > "$out/$tag.log" 2>&1
-      summary "$tag" $? "$out/$tag.log" 'prefill, synced|prefill tokens/s|Error'
+      DSV4_ROWS_ATTENTION=$rows prefill_latency "$p-b$b-in$len-rows$rows" $b $len $((b * len > 16384 ? b * len : 16384))
     done
   done
 }
