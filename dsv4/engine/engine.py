@@ -33,6 +33,7 @@ from dsv4.models.layers import merged
 from dsv4.quant.config import load_quant_config
 from dsv4.quant.online import load_dir as online_quantized_dir
 from dsv4.outputs import CompletionOutput, Logprob, RequestOutput
+from dsv4.runtime import compile_log
 from dsv4.runtime.kv_cache import kv_cache_bytes
 from dsv4.runtime.runner import ModelRunner, PendingOutput
 from dsv4.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError, is_valid_unicode
@@ -118,6 +119,7 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, tokenizer: Tokenizer | None) -> None:
         config.validate()
+        compiles = compile_log.install_from_env()  # DSV4_LOG_COMPILES=1: a line per Triton compile from here on
         self.config, self.tokenizer = config, tokenizer
         eos = set(config.model.eos_token_ids)  # the model's stop tokens and the tokenizer's
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -173,6 +175,9 @@ class LLMEngine:
         self._ids = itertools.count()
         # async scheduling: the launched step whose tokens are still on their way (its SchedulerOutput with them)
         self._in_flight: tuple[SchedulerOutput, PendingOutput] | None = None
+        if compiles is not None:  # what start-up compiled; any compile logged after this line is a request's wait
+            n, secs = len(compiles.records), sum(r.seconds for r in compiles.records)
+            logger.info("start-up compiled %d Triton kernel variants in %.1f s; later compiles delay requests", n, secs)
 
     def _ring_slack(self) -> int:
         """The compressor rings' rows past their windows under speculation (`kv.spec.ring_slack`)."""
