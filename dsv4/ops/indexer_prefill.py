@@ -103,15 +103,17 @@ if triton is not None:
         return tl.where(key >= 0, bits.to(tl.float32, bitcast=True), float("-inf"))
 
     @triton.jit
-    def _cut(ptr, c, L: tl.constexpr):
-        """The first c keys at ptr (a 2L-key buffer) sorted descending, the top L kept in place; returns the
-        L-th (the new threshold: later keys must beat it)."""
+    def _cut(ptr, c, cap, L: tl.constexpr):
+        """The first c (<= 2L) keys at ptr sorted descending, the top min(L, cap) kept in place (-1 past c: a
+        buffer of cap < L places holds them all); returns the L-th (the new threshold: later keys must beat it;
+        -1 when cap < L). Every sort of both kernels is a call of this one function: a 2L-key int64 sort is most
+        of their compile time (tens of seconds for 2L = 4096), so no other sort site is compiled."""
         tl.debug_barrier()  # the buffer's stores (by other threads) are visible
         j = tl.arange(0, 2 * L)
         x = tl.sort(tl.load(ptr + j, mask=j < c, other=-1), descending=True)
-        tl.store(ptr + j, x, mask=j < L)
+        tl.store(ptr + j, x, mask=(j < L) & (j < cap))
         tl.debug_barrier()
-        return tl.load(ptr + (L - 1))
+        return tl.load(ptr + (L - 1), mask=tl.zeros([], tl.int32) + cap >= L, other=-1)  # cap may be a constexpr
 
     @triton.jit
     def _push(buf_ptr, off, cnt, thr, keys, ar, L: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -123,7 +125,7 @@ if triton is not None:
         i = tl.min(tl.where(over, ar, BLOCK_M), axis=0)
         while i < BLOCK_M:  # rows to cut, one at a time (a cut keeps L keys: then W more fit)
             sel = ar == i
-            t = _cut(buf_ptr + tl.sum(tl.where(sel, off, 0), axis=0), tl.sum(tl.where(sel, cnt, 0), axis=0), L)
+            t = _cut(buf_ptr + tl.sum(tl.where(sel, off, 0), axis=0), tl.sum(tl.where(sel, cnt, 0), axis=0), L, L)
             thr = tl.where(sel, t, thr)
             cnt = tl.where(sel, L, cnt)
             over = over & (ar != i)
@@ -134,7 +136,10 @@ if triton is not None:
         tl.store(buf_ptr + off[:, None] + pos, keys, mask=ok)
         return cnt + tl.sum(oki, axis=1), thr
 
-    @triton.jit
+    # Integer arguments that change from step to step (row and entry counts, buffer widths, the split count) stay
+    # out of Triton's specialization (== 1, divisible by 16): each new pattern would be a new compile in the middle
+    # of a serving step, and these kernels take tens of seconds to compile (the merge's 2L-key sorts most).
+    @triton.jit(do_not_specialize=["es_stride", "mark_stride", "ESTR", "BSTR", "R", "M", "S"])
     def _prefill_split_kernel(q_ptr, w_ptr, k_ptr, es_ptr, es_stride, req_ptr, n_ptr, mark_ptr, mark_stride,
                               buf_ptr, cnt_ptr, ESTR, bbuf_ptr, bcnt_ptr, BSTR, tile_ptr, R, M, S, scale,
                               H: tl.constexpr, D: tl.constexpr, L: tl.constexpr, LB: tl.constexpr,
@@ -241,50 +246,40 @@ if triton is not None:
             tl.store(bcnt_ptr + rows * S + split, bcnt, mask=rm)
 
     @triton.jit
-    def _sort_top(ptr, c, cap, L: tl.constexpr):
-        """The first c (<= 2L) keys at ptr sorted descending; the top min(L, cap) stored back (-1 past c)."""
-        tl.debug_barrier()
-        if c <= L:
-            j = tl.arange(0, L)
-            x = tl.sort(tl.load(ptr + j, mask=j < c, other=-1), descending=True)
-            tl.store(ptr + j, x, mask=j < cap)
-        else:
-            j2 = tl.arange(0, 2 * L)
-            x2 = tl.sort(tl.load(ptr + j2, mask=j2 < c, other=-1), descending=True)
-            tl.store(ptr + j2, x2, mask=(j2 < L) & (j2 < cap))
-        tl.debug_barrier()
-
-    @triton.jit
     def _row_top(buf_ptr, cnt_ptr, STR, acc_ptr, r, S, L: tl.constexpr):
         """The row's top L keys over its S split buffers (stride STR), sorted: in place in its buffer (S = 1), else
-        joined in acc (2L keys per row) by threshold and cut. Returns (pointer, valid places)."""
+        joined in acc (2L keys per row) by threshold and cut. Returns (pointer, valid places). One `_cut` call
+        site: the pass after the last split (or the only pass, S = 1) appends nothing and forces the final cut."""
         if S == 1:
             dst = buf_ptr + r * STR
             c = tl.load(cnt_ptr + r)
             cap = tl.minimum(tl.zeros([], tl.int32) + STR, L)
+            splits = 0
         else:
             dst = acc_ptr + r * (2 * L)
             c = tl.zeros([], tl.int32)
             cap = tl.zeros([], tl.int32) + L
-            thr = tl.zeros([], tl.int64) - 1
-            j = tl.arange(0, L)
-            for s in range(S):
-                src = buf_ptr + (r * S + s) * STR
-                cs = tl.load(cnt_ptr + r * S + s)
-                for w0 in range(0, cs, L):
-                    x = tl.load(src + w0 + j, mask=w0 + j < cs, other=-1)
+            splits = S
+        thr = tl.zeros([], tl.int64) - 1
+        j = tl.arange(0, L)
+        for s in range(splits + 1):
+            live = tl.zeros([], tl.int32) + s < splits  # a tensor (also under the interpreter, where s is an int)
+            src = buf_ptr + (r * S + s) * STR
+            cs = tl.load(cnt_ptr + r * S + s, mask=live, other=1)  # the last pass: one window of nothing
+            lim = tl.where(live, cs, 0)
+            for w0 in range(0, cs, L):
+                x = tl.load(src + w0 + j, mask=w0 + j < lim, other=-1)
+                ok = x > thr
+                if (not live) | (c + tl.sum(ok.to(tl.int32), axis=0) > 2 * L):
+                    thr = _cut(dst, c, cap, L)
+                    c = tl.minimum(c, cap)
                     ok = x > thr
-                    if c + tl.sum(ok.to(tl.int32), axis=0) > 2 * L:
-                        thr = _cut(dst, c, L)
-                        c = tl.zeros([], tl.int32) + L
-                        ok = x > thr
-                    oki = ok.to(tl.int32)
-                    tl.store(dst + c + tl.cumsum(oki, axis=0) - 1, x, mask=ok)
-                    c += tl.sum(oki, axis=0)
-        _sort_top(dst, c, cap, L)
+                oki = ok.to(tl.int32)
+                tl.store(dst + c + tl.cumsum(oki, axis=0) - 1, x, mask=ok)
+                c += tl.sum(oki, axis=0)
         return dst, cap
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["ESTR", "BSTR", "S", "es_stride", "M", "K", "KEEP"])
     def _prefill_merge_kernel(buf_ptr, cnt_ptr, ESTR, acc_ptr, bbuf_ptr, bcnt_ptr, BSTR, bacc_ptr, S,
                               es_ptr, es_stride, req_ptr, n_ptr, M, picks_ptr, slots_ptr, mask_ptr, K, cands_ptr,
                               KEEP,
