@@ -266,6 +266,19 @@ if triton is not None:
         return ordered * 2147483648 + (2147483647 - ids)
 
     @triton.jit
+    def _cut(ptr, c, cap, L: tl.constexpr):
+        """The first c (<= 2L) keys at ptr sorted descending, the top min(L, cap) kept in place (-1 past c: a
+        buffer of cap < L places holds them all); returns the L-th (the new threshold: later keys must beat it;
+        -1 when cap < L). The merge kernels (decode and prefill) sort only through one call of this each: a 2L-key
+        int64 sort is most of their compile time (tens of seconds for 2L = 4096), paid once per call site."""
+        tl.debug_barrier()  # the buffer's stores (by other threads) are visible
+        j = tl.arange(0, 2 * L)
+        x = tl.sort(tl.load(ptr + j, mask=j < c, other=-1), descending=True)
+        tl.store(ptr + j, x, mask=(j < L) & (j < cap))
+        tl.debug_barrier()
+        return tl.load(ptr + (L - 1), mask=tl.zeros([], tl.int32) + cap >= L, other=-1)  # cap may be a constexpr
+
+    @triton.jit
     def _merge_top(list_ptr, tile_ptr, L: tl.constexpr):
         """list[0:L) := the L largest keys of list[0:L) and tile[0:L), sorted descending; returns the new
         smallest kept key. Both live in global scratch (L2-resident), so the tile can be filled piecewise."""
@@ -372,30 +385,35 @@ if triton is not None:
                         tl.debug_barrier()
 
     @triton.jit
-    def _merge_lists(row, n_keys, acc, win, L: tl.constexpr):
-        """acc[0:L) := the top L keys of row[0:n_keys), L-wide windows (each copied to `win` first, as _merge_top
-        reads its tile there) skipped when their best does not beat the kept worst. The first window is sorted
-        alone (a merge with the empty list would sort twice the keys: the whole merge when n_keys <= L, as for
-        every row of a context up to L * ratio tokens)."""
+    def _top_of(row, n_keys, acc, L: tl.constexpr):
+        """acc[0:L) := the top L keys of row[0:n_keys) (-1 = none), sorted; acc has 2L places. The keys above the
+        running threshold (the L-th kept, -1 until L are held) are appended; a buffer that would pass 2L is cut
+        (sorted, top L kept); the pass after the last window forces the final cut. Only keys that beat the
+        threshold cost sort work: the splits' sorted lists are mostly -1 past their valid keys (the candidate
+        source's block lists at 131K: 256 valid of 2,048 places each), and after the first L keys few others pass."""
+        c = tl.zeros([], tl.int32)
+        thr = tl.zeros([], tl.int64) - 1
         j = tl.arange(0, L)
-        x = tl.load(row + j, mask=j < n_keys, other=-1)
-        tl.store(acc + j, tl.sort(x, descending=True))
-        tl.debug_barrier()  # the stores (by other threads) are visible
-        thr = tl.load(acc + (L - 1))
-        for w0 in range(L, n_keys, L):
+        for w0 in range(0, n_keys + L, L):
+            live = w0 < n_keys
             x = tl.load(row + w0 + j, mask=w0 + j < n_keys, other=-1)
-            if tl.max(x, axis=0) > thr:
-                tl.store(win + j, x)
-                thr = _merge_top(acc, win, L)
+            ok = x > thr
+            if (not live) | (c + tl.sum(ok.to(tl.int32), axis=0) > 2 * L):
+                thr = _cut(acc, c, L, L)
+                c = tl.minimum(c, L)
+                ok = x > thr
+            oki = ok.to(tl.int32)
+            tl.store(acc + c + tl.cumsum(oki, axis=0) - 1, x, mask=ok)
+            c += tl.sum(oki, axis=0)
 
     @triton.jit
-    def _select_merge_kernel(n_ptr, C, row_ptr, tile_ptr, brow_ptr, btile_ptr, acc_ptr, bacc_ptr, S,
+    def _select_merge_kernel(n_ptr, C, row_ptr, brow_ptr, acc_ptr, bacc_ptr, S,
                              table_ptr, t_stride, BS, picks_ptr, slots_ptr, mask_ptr, K, cands_ptr, KEEP,
                              L: tl.constexpr, LB: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr,
                              KP: tl.constexpr, KEEPP: tl.constexpr, POOL: tl.constexpr, BLOCKS: tl.constexpr):
         """Per row: the top K of every split's keys (raw keys at row[u], or one list per split), then the picks,
-        their slots through the table and the mask; BLOCKS: the kept candidate blocks. Split 0's tile is free
-        now: it holds each window being merged."""
+        their slots through the table and the mask; BLOCKS: the kept candidate blocks. acc / bacc: 2L / 2LB
+        places a row."""
         r = tl.program_id(0).to(tl.int64)
         n = tl.load(n_ptr + r)
         if POOL:
@@ -404,8 +422,8 @@ if triton is not None:
             U = n
         chunk = tl.maximum(tl.cdiv(tl.cdiv(U, S), SUB), 1) * SUB
         raw = chunk <= L
-        acc = acc_ptr + r * L
-        _merge_lists(row_ptr + r * S * L, tl.where(raw, U, S * L), acc, tile_ptr + r * S * L, L)
+        acc = acc_ptr + r * (2 * L)
+        _top_of(row_ptr + r * S * L, tl.where(raw, U, S * L), acc, L)
         j = tl.arange(0, KP)
         jm = j < K
         key = tl.load(acc + j, mask=jm, other=-1)
@@ -416,9 +434,9 @@ if triton is not None:
         tl.store(slots_ptr + r * K + j, blk * BS + e % BS, mask=jm)
         tl.store(mask_ptr + r * K + j, ok, mask=jm)
         if BLOCKS:
-            bacc = bacc_ptr + r * LB
+            bacc = bacc_ptr + r * (2 * LB)
             nb = tl.where(raw, tl.cdiv(U, CB), S * LB)
-            _merge_lists(brow_ptr + r * S * LB, nb, bacc, btile_ptr + r * S * LB, LB)
+            _top_of(brow_ptr + r * S * LB, nb, bacc, LB)
             jb = tl.arange(0, KEEPP)
             jbm = jb < KEEP
             bkey = tl.load(bacc + jb, mask=jbm & (jb < LB), other=-1)
@@ -465,10 +483,10 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
     S = splits or select_splits(R, dev)
     row = torch.empty(R, S * L, dtype=torch.int64, device=dev)
     tile = torch.empty(R, S * L, dtype=torch.int64, device=dev)
-    acc = torch.empty(R, L, dtype=torch.int64, device=dev)
+    acc = torch.empty(R, 2 * L, dtype=torch.int64, device=dev)
     brow = torch.empty(R, S * LB, dtype=torch.int64, device=dev) if blocks else row
     btile = torch.empty(R, S * LB, dtype=torch.int64, device=dev) if blocks else tile
-    bacc = torch.empty(R, LB, dtype=torch.int64, device=dev) if blocks else acc
+    bacc = torch.empty(R, 2 * LB, dtype=torch.int64, device=dev) if blocks else acc
     table = table if table.stride(1) == 1 else table.contiguous()
     cand = pool.contiguous() if pool is not None else picks
     C = pool.shape[1] if pool is not None else 0
@@ -479,7 +497,7 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
         float(scale), L=L, LB=LB, CB=cand_block, SUB=SUB, BLOCK_H=max(16, triton.next_power_of_2(H)),
         BLOCK_D=max(16, triton.next_power_of_2(D)), POOL=pool is not None, BLOCKS=blocks, BF16=bf16, num_warps=4)
     _select_merge_kernel[(R,)](
-        n.contiguous(), C, row, tile, brow, btile, acc, bacc, S, table, table.stride(0), block_size, picks, slots,
+        n.contiguous(), C, row, brow, acc, bacc, S, table, table.stride(0), block_size, picks, slots,
         mask, k, cands if cands is not None else picks, keep_blocks, L=L, LB=LB, CB=cand_block, SUB=SUB,
         KP=triton.next_power_of_2(k), KEEPP=triton.next_power_of_2(max(keep_blocks, 1)), POOL=pool is not None,
         BLOCKS=blocks, num_warps=4)

@@ -67,7 +67,7 @@ from dsv4.ops.topk import stable_topk
 if triton is not None:
     import triton.language as tl
 
-    from dsv4.ops.indexer import _order_keys, _score_dot, _sm_count
+    from dsv4.ops.indexer import _cut, _order_keys, _score_dot, _sm_count
 
 MAX_SPLITS = 16  # programs per row block when there are few row blocks (see `prefill_splits`)
 
@@ -101,19 +101,6 @@ if triton is not None:
         ob = ((key >> 31) - 2147483648).to(tl.int32)
         bits = tl.where(ob >= 0, ob, ob ^ 0x7FFFFFFF)
         return tl.where(key >= 0, bits.to(tl.float32, bitcast=True), float("-inf"))
-
-    @triton.jit
-    def _cut(ptr, c, cap, L: tl.constexpr):
-        """The first c (<= 2L) keys at ptr sorted descending, the top min(L, cap) kept in place (-1 past c: a
-        buffer of cap < L places holds them all); returns the L-th (the new threshold: later keys must beat it;
-        -1 when cap < L). Every sort of both kernels is a call of this one function: a 2L-key int64 sort is most
-        of their compile time (tens of seconds for 2L = 4096), so no other sort site is compiled."""
-        tl.debug_barrier()  # the buffer's stores (by other threads) are visible
-        j = tl.arange(0, 2 * L)
-        x = tl.sort(tl.load(ptr + j, mask=j < c, other=-1), descending=True)
-        tl.store(ptr + j, x, mask=(j < L) & (j < cap))
-        tl.debug_barrier()
-        return tl.load(ptr + (L - 1), mask=tl.zeros([], tl.int32) + cap >= L, other=-1)  # cap may be a constexpr
 
     @triton.jit
     def _push(buf_ptr, off, cnt, thr, keys, ar, L: tl.constexpr, BLOCK_M: tl.constexpr):
