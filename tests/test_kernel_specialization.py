@@ -39,3 +39,32 @@ def test_merge_sorts_through_one_call_site() -> None:
     assert len(re.findall(r"\b_cut\(", _source(ip._row_top))) == 1
     assert _source(ip._cut).count("tl.sort(") == 1
     assert not hasattr(ip, "_sort_top")  # the second sort site it was
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: `kernel[grid](*args, **kw)` records the keyword (constexpr) arguments."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def __getitem__(self, grid: object):  # noqa: ANN204
+        return lambda *args, **kw: self.calls.append(kw)
+
+
+@pytest.mark.parametrize("keep", [0, 6])
+def test_constexprs_do_not_follow_the_step_entry_count(monkeypatch: pytest.MonkeyPatch, keep: int) -> None:
+    """A step of short prompts (fewer entries than k) launches the same kernel variants as a long one: the key
+    buffers are sized by k, not by min(k, entries)."""
+    import torch
+    split, merge = _Recorder(), _Recorder()
+    monkeypatch.setattr(ip, "_prefill_split_kernel", split)
+    monkeypatch.setattr(ip, "_prefill_merge_kernel", merge)
+    monkeypatch.setattr(ip, "_sm_count", lambda device: 132)
+    R, H, D, k = 8, 4, 32, 64
+    for M in (5, 40, 3000):
+        q, w = torch.zeros(R, H, D), torch.zeros(R, H)
+        keys = torch.zeros(4 * M, D)
+        eslots, n = torch.zeros(1, M, dtype=torch.int64), torch.full((R,), M)
+        ip.prefill_select_triton(q, w, keys, eslots, n, 1.0, k, None, 4, keep, rows_of=torch.zeros(R, dtype=torch.int64))
+    for rec in (split, merge):
+        assert len(rec.calls) == 3 and rec.calls[0] == rec.calls[1] == rec.calls[2], rec.calls

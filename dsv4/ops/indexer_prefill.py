@@ -330,7 +330,9 @@ def prefill_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
     cands = torch.empty(R, keep_blocks, dtype=torch.int64, device=dev) if blocks else None
     BN = max(block_n, cand_block, 16)
     SUB = min(max(sub_n, cand_block), BN)  # keys made per step: whole candidate blocks, a divisor of the tile
-    L = max(triton.next_power_of_2(max(K, 1)), SUB)
+    # sized by k, not by K = min(k, M): L and KP are constexprs, and a step's entry count must not pick a new
+    # kernel variant (a first serving step of short prompts would wait for its compile)
+    L = max(triton.next_power_of_2(max(k, 1)), SUB)
     LB = max(triton.next_power_of_2(keep_blocks), SUB // cand_block) if blocks else 1
     nblk = triton.cdiv(R, block_m)
     S = splits or prefill_splits(nblk, triton.cdiv(M, BN), dev)
@@ -364,7 +366,7 @@ def prefill_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
         num_warps=num_warps)
     _prefill_merge_kernel[(R,)](
         buf, cnt, estr, acc, bbuf, bcnt, bstr, bacc, S, es, es.stride(0), req, n.contiguous(), M, picks, slots, mask, K,
-        cands if blocks else picks, keep_blocks, L=L, LB=LB, KP=triton.next_power_of_2(max(K, 1)),
+        cands if blocks else picks, keep_blocks, L=L, LB=LB, KP=triton.next_power_of_2(max(k, 1)),
         KEEPP=triton.next_power_of_2(max(keep_blocks, 1)), BLOCKS=blocks, num_warps=4)
     return picks, slots, mask, cands
 
