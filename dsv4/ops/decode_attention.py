@@ -227,7 +227,10 @@ if triton is not None:
         tl.store(out_ptr + r * so_r + h * so_h + d, (acc / denom).to(out_ptr.dtype.element_ty), mask=dm)
 
 
-    @triton.jit
+    # The sources' widths and row strides change from one prefill step to the next (and the row stride of q with
+    # the projection it is a view of): kept out of Triton's specialization (== 1, divisible by 16), so a serving
+    # step reuses the variants start-up compiled instead of compiling one mid-request.
+    @triton.jit(do_not_specialize=["sq_r", "s1_stride", "v1_stride", "L1", "s2_stride", "v2_stride", "L2"])
     def _rows_kernel(q_ptr, sq_r, sq_h, c1_ptr, c1_stride, s1_ptr, s1_stride, v1_ptr, v1_stride, L1,
                      c2_ptr, c2_stride, s2_ptr, s2_stride, v2_ptr, v2_stride, L2, BS2, H, scale, sinks_ptr,
                      out_ptr, so_r, so_h, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
