@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 import time
@@ -48,6 +49,7 @@ def main() -> None:
                     help="comma-separated decode graph sizes (default: the engine's); fewer start faster")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")  # the compile lines too
 
     t0 = time.perf_counter()
     engine = LLMEngine.from_args(

@@ -5,6 +5,9 @@
 #   bench   V4.1-Flash-8l decode at batch $BATCHES (default "1 32"), 512 tokens in / 32 out, max_model_len 4096 and
 #           1,048,576 with the same KV pool (--num-kv-blocks 4096) and step budget (--max-num-batched-tokens 16384):
 #           acceptance: the 1M decode step within 3% of the 4096 one
+#   profile131k  batch-1 decode after a 131,072-token prompt, its graph's kernels (benchmarks/profile_graph.py
+#           --context): the indexer selection was 3.5 of 7.0 ms a replay on an H100 (2026-12-05); target >= 50% of
+#           the floor
 . "$(dirname "$0")/device_lib.sh"
 p=v41-flash-8l
 
@@ -24,6 +27,12 @@ part_bench() {
       summary "$p b$b max_model_len $len" $? "$out/$p-b$b-len$len.log" 'decode step|Error'
     done
   done
+}
+
+part_profile131k() {
+  make_preset $p
+  timeout 300 python3 benchmarks/profile_graph.py /tmp/$p 1 20 --context=131072 > "$out/decode131k.log" 2>&1
+  echo "profile 131K (rc $?):"; grep -E "step|replay|_select_" "$out/decode131k.log" | cut -c1-160 | head -14
 }
 
 run_parts "$@"

@@ -5,6 +5,7 @@
 # `dsv4 bench serve` (vLLM's random dataset: 1024 tokens in / 128 out, concurrency 64, $NUM_PROMPTS prompts, default
 # 320 = five turnovers), writes OUTDIR/mixed-PART.json (bench serve's --save-result) and the logs, and stops the
 # server. About 2-4 minutes a part (start-up and CUDA graph capture included); run a few parts per device call.
+# The server logs every Triton compile (DSV4_LOG_COMPILES=1): those after "start-up compiled" made requests wait.
 #   base      the defaults: no chunk cap, decodes first (measured before this work: TPOT median 36 ms, while a pure
 #             decode step at batch 64 takes < 7 ms)
 #   t512      --long-prefill-token-threshold 512  --max-num-partial-prefills 2 --max-long-partial-prefills 2
@@ -13,6 +14,9 @@
 #             (163 tokens at the default 4096)
 #   t256l1    --long-prefill-token-threshold 256  --max-num-partial-prefills 4 --max-long-partial-prefills 1: here
 #             every prompt is long, so one prefill at a time (the starving extreme, for contrast)
+#   first     not a server: benchmarks/first_steps.py, a fresh engine's first steps under one wave of 64 x 1024-token
+#             prompts with the Triton compiles each step waited for (run it first on a fresh machine: a cold
+#             Triton cache is what a new server meets)
 # Compare TPOT / ITL (step length) against TTFT and throughput (prefill spread over more steps) across the parts.
 . "$(dirname "$0")/device_lib.sh"
 use_wheels || exit 1  # the server's fastapi / uvicorn (call with carry [".whl"])
@@ -25,7 +29,8 @@ port=${PORT:-8123}
 serve_and_bench() {
   local name=$1; shift
   make_preset $p
-  timeout 900 python3 -m dsv4.cli serve --model /tmp/$p --port "$port" --max-num-seqs "${CONCURRENCY:-64}" "$@" \
+  DSV4_LOG_COMPILES=1 timeout 900 python3 -m dsv4.cli serve --model /tmp/$p --port "$port" \
+    --max-num-seqs "${CONCURRENCY:-64}" "$@" \
     > "$out/mixed-$name-server.log" 2>&1 &
   local pid=$! ready=0 i
   for i in $(seq 1 300); do
@@ -57,6 +62,12 @@ part_t256() {
 part_derived() { serve_and_bench derived --max-num-partial-prefills 4 --max-long-partial-prefills 4; }
 part_t256l1() {
   serve_and_bench t256l1 --long-prefill-token-threshold 256 --max-num-partial-prefills 4 --max-long-partial-prefills 1
+}
+
+part_first() {
+  make_preset $p
+  timeout 400 python3 benchmarks/first_steps.py /tmp/$p --json "$out/first_steps.json" > "$out/first_steps.log" 2>&1
+  echo "first_steps (rc $?):"; grep -E "engine ready|all [0-9]+ prompts|variants" "$out/first_steps.log" | head -12
 }
 
 run_parts "$@"
