@@ -4,8 +4,9 @@ would otherwise wait a minute for (benchmarks/results/2026-12-05-h100-mixed-load
 - the integer arguments that change from step to step stay out of Triton's specialization, so a serving step's
   new row / entry counts reuse the variants start-up compiled (the same for the rows attention kernel's source
   widths and strides);
-- every int64 sort of the merge goes through the one `_cut` call in `_row_top` (each inlined 2L-key sort site costs
-  tens of seconds of compile at the candidate source's 2L = 4,096)."""
+- every int64 sort of the merges goes through one call site per width: `_cut` (2L keys), and in the decode merge
+  also `_sort_head` (L keys, short contexts). Each inlined sort site costs tens of seconds of compile at the
+  candidate source's 2L = 4,096."""
 from __future__ import annotations
 
 import importlib
@@ -36,12 +37,15 @@ def _source(jit_fn: object) -> str:
     return inspect.getsource(getattr(jit_fn, "fn", jit_fn))
 
 
-def test_merge_sorts_through_one_call_site() -> None:
-    assert "tl.sort(" not in _source(ip._prefill_merge_kernel)
-    assert "tl.sort(" not in _source(ip._row_top)
-    assert len(re.findall(r"\b_cut\(", _source(ip._row_top))) == 1
-    assert _source(ip._cut).count("tl.sort(") == 1
-    assert not hasattr(ip, "_sort_top")  # the second sort site it was
+def test_merges_sort_through_one_call_site_per_width() -> None:
+    from dsv4.ops import indexer
+    for merge, top, head in ((ip._prefill_merge_kernel, ip._row_top, 0),
+                             (indexer._select_merge_kernel, indexer._top_of, 1)):
+        assert "tl.sort(" not in _source(merge) and "tl.sort(" not in _source(top)
+        assert len(re.findall(r"\b_cut\(", _source(top))) == 1  # 2L wide
+        assert len(re.findall(r"\b_sort_head\(", _source(top))) == head  # L wide: decode's short contexts
+    assert _source(indexer._cut).count("tl.sort(") == 1 and _source(indexer._sort_head).count("tl.sort(") == 1
+    assert not hasattr(ip, "_sort_top")  # the third site it was
 
 
 class _Recorder:

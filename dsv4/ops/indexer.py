@@ -279,6 +279,16 @@ if triton is not None:
         return tl.load(ptr + (L - 1), mask=tl.zeros([], tl.int32) + cap >= L, other=-1)  # cap may be a constexpr
 
     @triton.jit
+    def _sort_head(ptr, c, cap, L: tl.constexpr):
+        """The first c (<= L) keys at ptr sorted descending in place (min(L, cap) places stored, -1 past c): the
+        final sort of a merge that never held more than L keys (every short context's), at half `_cut`'s width."""
+        tl.debug_barrier()
+        j = tl.arange(0, L)
+        x = tl.sort(tl.load(ptr + j, mask=j < c, other=-1), descending=True)
+        tl.store(ptr + j, x, mask=j < cap)
+        tl.debug_barrier()
+
+    @triton.jit
     def _merge_top(list_ptr, tile_ptr, L: tl.constexpr):
         """list[0:L) := the L largest keys of list[0:L) and tile[0:L), sorted descending; returns the new
         smallest kept key. Both live in global scratch (L2-resident), so the tile can be filled piecewise."""
@@ -388,7 +398,8 @@ if triton is not None:
     def _top_of(row, n_keys, acc, L: tl.constexpr):
         """acc[0:L) := the top L keys of row[0:n_keys) (-1 = none), sorted; acc has 2L places. The keys above the
         running threshold (the L-th kept, -1 until L are held) are appended; a buffer that would pass 2L is cut
-        (sorted, top L kept); the pass after the last window forces the final cut. Only keys that beat the
+        (sorted, top L kept); the pass after the last window sorts what is held (L wide when at most L keys are,
+        as for every short context; else the final cut). One call site per sort width. Only keys that beat the
         threshold cost sort work: the splits' sorted lists are mostly -1 past their valid keys (the candidate
         source's block lists at 131K: 256 valid of 2,048 places each), and after the first L keys few others pass."""
         c = tl.zeros([], tl.int32)
@@ -398,7 +409,9 @@ if triton is not None:
             live = w0 < n_keys
             x = tl.load(row + w0 + j, mask=w0 + j < n_keys, other=-1)
             ok = x > thr
-            if (not live) | (c + tl.sum(ok.to(tl.int32), axis=0) > 2 * L):
+            if (not live) & (c <= L):
+                _sort_head(acc, c, L, L)
+            elif (not live) | (c + tl.sum(ok.to(tl.int32), axis=0) > 2 * L):
                 thr = _cut(acc, c, L, L)
                 c = tl.minimum(c, L)
                 ok = x > thr

@@ -236,7 +236,9 @@ if triton is not None:
     def _row_top(buf_ptr, cnt_ptr, STR, acc_ptr, r, S, L: tl.constexpr):
         """The row's top L keys over its S split buffers (stride STR), sorted: in place in its buffer (S = 1), else
         joined in acc (2L keys per row) by threshold and cut. Returns (pointer, valid places). One `_cut` call
-        site: the pass after the last split (or the only pass, S = 1) appends nothing and forces the final cut."""
+        site: the pass after the last split (or the only pass, S = 1) appends nothing and forces the final cut. (The
+        decode merge adds an L-wide final sort for short contexts; here that would cost ~40 s more of compile for
+        the candidate source, once per process, to save a few microseconds a prefill step.)"""
         if S == 1:
             dst = buf_ptr + r * STR
             c = tl.load(cnt_ptr + r)
