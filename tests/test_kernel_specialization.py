@@ -39,11 +39,12 @@ def _source(jit_fn: object) -> str:
 
 def test_merges_sort_through_one_call_site_per_width() -> None:
     from dsv4.ops import indexer
-    for merge, top, head in ((ip._prefill_merge_kernel, ip._row_top, 0),
-                             (indexer._select_merge_kernel, indexer._top_of, 1)):
+    for merge, top in ((ip._prefill_merge_kernel, ip._row_top), (indexer._select_merge_kernel, indexer._top_of)):
         assert "tl.sort(" not in _source(merge) and "tl.sort(" not in _source(top)
-        assert len(re.findall(r"\b_cut\(", _source(top))) == 1  # 2L wide
-        assert len(re.findall(r"\b_sort_head\(", _source(top))) == head  # L wide: decode's short contexts
+        assert "_cut(" not in _source(top) and len(re.findall(r"\b_take\(", _source(top))) == 1
+        assert len(re.findall(r"\b_top_of\(|\b_row_top\(", _source(merge))) == 2  # entries, blocks
+    take = _source(indexer._take)
+    assert len(re.findall(r"\b_cut\(", take)) == 1 and len(re.findall(r"\b_sort_head\(", take)) == 1
     assert _source(indexer._cut).count("tl.sort(") == 1 and _source(indexer._sort_head).count("tl.sort(") == 1
     assert not hasattr(ip, "_sort_top")  # the third site it was
 

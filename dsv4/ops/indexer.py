@@ -395,29 +395,40 @@ if triton is not None:
                         tl.debug_barrier()
 
     @triton.jit
+    def _take(dst, c, thr, x, live, cap, L: tl.constexpr, HEAD: tl.constexpr):
+        """One window x [L] of keys (-1 = none) into a running top-L at dst (2L places, c held): the keys above the
+        threshold thr (the L-th kept, -1 until L are held) are appended; a buffer that would pass 2L is cut first
+        (sorted, top min(L, cap) kept). `live` false (the pass after the last window, x all -1) sorts what is held:
+        the final cut, or with HEAD an L-wide sort when at most L keys are held. Returns (c, thr). Each merge calls
+        this once per list kind, so each sort width is one call site (an inlined 2L = 4,096-key int64 sort is tens
+        of seconds of compile)."""
+        ok = x > thr
+        head = False  # a constant unless HEAD: without it the L-wide sort is not even generated
+        if HEAD:
+            head = (not live) & (c <= L)
+        if head:
+            _sort_head(dst, c, cap, L)
+        elif (not live) | (c + tl.sum(ok.to(tl.int32), axis=0) > 2 * L):
+            thr = _cut(dst, c, cap, L)
+            c = tl.minimum(c, cap)
+            ok = x > thr
+        oki = ok.to(tl.int32)
+        tl.store(dst + c + tl.cumsum(oki, axis=0) - 1, x, mask=ok)
+        return c + tl.sum(oki, axis=0), thr
+
+    @triton.jit
     def _top_of(row, n_keys, acc, L: tl.constexpr):
-        """acc[0:L) := the top L keys of row[0:n_keys) (-1 = none), sorted; acc has 2L places. The keys above the
-        running threshold (the L-th kept, -1 until L are held) are appended; a buffer that would pass 2L is cut
-        (sorted, top L kept); the pass after the last window sorts what is held (L wide when at most L keys are,
-        as for every short context; else the final cut). One call site per sort width. Only keys that beat the
-        threshold cost sort work: the splits' sorted lists are mostly -1 past their valid keys (the candidate
-        source's block lists at 131K: 256 valid of 2,048 places each), and after the first L keys few others pass."""
+        """acc[0:L) := the top L keys of row[0:n_keys) (-1 = none), sorted; acc has 2L places; L-wide windows
+        through `_take`, with its short-context sort (decode compiles once, and every step pays its sort). Only
+        keys that beat the threshold cost sort work: the splits' sorted lists are mostly -1 past their valid keys
+        (the candidate source's block lists at 131K: 256 valid of 2,048 places each), and after the first L keys
+        few others pass."""
         c = tl.zeros([], tl.int32)
         thr = tl.zeros([], tl.int64) - 1
         j = tl.arange(0, L)
         for w0 in range(0, n_keys + L, L):
-            live = w0 < n_keys
             x = tl.load(row + w0 + j, mask=w0 + j < n_keys, other=-1)
-            ok = x > thr
-            if (not live) & (c <= L):
-                _sort_head(acc, c, L, L)
-            elif (not live) | (c + tl.sum(ok.to(tl.int32), axis=0) > 2 * L):
-                thr = _cut(acc, c, L, L)
-                c = tl.minimum(c, L)
-                ok = x > thr
-            oki = ok.to(tl.int32)
-            tl.store(acc + c + tl.cumsum(oki, axis=0) - 1, x, mask=ok)
-            c += tl.sum(oki, axis=0)
+            c, thr = _take(acc, c, thr, x, w0 < n_keys, L, L, True)
 
     @triton.jit
     def _select_merge_kernel(n_ptr, C, row_ptr, brow_ptr, acc_ptr, bacc_ptr, S,

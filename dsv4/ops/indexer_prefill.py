@@ -67,7 +67,7 @@ from dsv4.ops.topk import stable_topk
 if triton is not None:
     import triton.language as tl
 
-    from dsv4.ops.indexer import _cut, _order_keys, _score_dot, _sm_count
+    from dsv4.ops.indexer import _cut, _order_keys, _score_dot, _sm_count, _take
 
 MAX_SPLITS = 16  # programs per row block when there are few row blocks (see `prefill_splits`)
 
@@ -235,10 +235,9 @@ if triton is not None:
     @triton.jit
     def _row_top(buf_ptr, cnt_ptr, STR, acc_ptr, r, S, L: tl.constexpr):
         """The row's top L keys over its S split buffers (stride STR), sorted: in place in its buffer (S = 1), else
-        joined in acc (2L keys per row) by threshold and cut. Returns (pointer, valid places). One `_cut` call
-        site: the pass after the last split (or the only pass, S = 1) appends nothing and forces the final cut. (The
-        decode merge adds an L-wide final sort for short contexts; here that would cost ~40 s more of compile for
-        the candidate source, once per process, to save a few microseconds a prefill step.)"""
+        joined in acc (2L keys per row) through `_take`; the pass after the last split (or the only pass, S = 1)
+        appends nothing and makes the final cut. Without `_take`'s L-wide short-context sort (HEAD false): for the
+        candidate source it would cost ~40 s more of compile, once per process, to save microseconds a step."""
         if S == 1:
             dst = buf_ptr + r * STR
             c = tl.load(cnt_ptr + r)
@@ -258,14 +257,7 @@ if triton is not None:
             lim = tl.where(live, cs, 0)
             for w0 in range(0, cs, L):
                 x = tl.load(src + w0 + j, mask=w0 + j < lim, other=-1)
-                ok = x > thr
-                if (not live) | (c + tl.sum(ok.to(tl.int32), axis=0) > 2 * L):
-                    thr = _cut(dst, c, cap, L)
-                    c = tl.minimum(c, cap)
-                    ok = x > thr
-                oki = ok.to(tl.int32)
-                tl.store(dst + c + tl.cumsum(oki, axis=0) - 1, x, mask=ok)
-                c += tl.sum(oki, axis=0)
+                c, thr = _take(dst, c, thr, x, live, cap, L, False)
         return dst, cap
 
     @triton.jit(do_not_specialize=["ESTR", "BSTR", "S", "es_stride", "M", "K", "KEEP"])
