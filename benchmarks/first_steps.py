@@ -91,15 +91,10 @@ def main() -> None:
         print(f"step {row['step']:3d}  {row['wall_ms']:9.1f} ms  t={now:7.2f} s  first tokens {len(first_token_s):3d}"
               f"  compiles {len(new)}{': ' + kernels if kernels else ''}", flush=True)
     later = log.records[startup_compiles:]
-    summary: dict[str, list[float]] = {}
-    for r in later:
-        s = summary.setdefault(r.kernel, [0, 0.0])
-        s[0] += 1
-        s[1] += r.seconds
     print(f"all {args.num_prompts} prompts had a first token after {max(first_token_s.values()):.2f} s; "
           f"{len(later)} compiles after start-up, {sum(r.seconds for r in later):.1f} s:")
-    for k, (n, secs) in sorted(summary.items(), key=lambda kv: -kv[1][1]):
-        print(f"  {k:40s} {int(n):3d} variants {secs:7.1f} s")
+    for k, (n, secs) in log.summary(since=startup_compiles).items():
+        print(f"  {k:40s} {n:3d} variants {secs:7.1f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "startup_s": startup_s, "startup_compiles": startup_compiles,

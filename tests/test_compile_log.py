@@ -37,6 +37,7 @@ def test_records_kernel_signature_and_time(caplog: pytest.LogCaptureFixture) -> 
     summary = log.summary()
     assert summary["_rows_kernel"][0] == 2 and summary["_split_kernel"][0] == 1
     assert list(summary)[0] in ("_rows_kernel", "_split_kernel")
+    assert log.summary(since=1) == {"_split_kernel": (1, log.records[1].seconds), "_rows_kernel": (1, 0.0)}
 
 
 def test_install_chains_existing_hooks_and_env_switch(monkeypatch: pytest.MonkeyPatch) -> None:

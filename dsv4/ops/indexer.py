@@ -269,8 +269,9 @@ if triton is not None:
     def _cut(ptr, c, cap, L: tl.constexpr):
         """The first c (<= 2L) keys at ptr sorted descending, the top min(L, cap) kept in place (-1 past c: a
         buffer of cap < L places holds them all); returns the L-th (the new threshold: later keys must beat it;
-        -1 when cap < L). The merge kernels (decode and prefill) sort only through one call of this each: a 2L-key
-        int64 sort is most of their compile time (tens of seconds for 2L = 4096), paid once per call site."""
+        -1 when cap < L). The selection kernels sort through this (2L wide) and `_sort_head` (L wide), each called
+        from one place per list kind: a 2L-key int64 sort is most of their compile time (tens of seconds for
+        2L = 4096), paid once per inlined call site."""
         tl.debug_barrier()  # the buffer's stores (by other threads) are visible
         j = tl.arange(0, 2 * L)
         x = tl.sort(tl.load(ptr + j, mask=j < c, other=-1), descending=True)

@@ -53,10 +53,10 @@ class CompileLog:
             self.records.append(rec)
         logger.info("triton compile: %s %.2f s %s", rec.kernel, rec.seconds, rec.signature)
 
-    def summary(self) -> dict[str, tuple[int, float]]:
-        """Kernel -> (compiles, seconds), most expensive first."""
+    def summary(self, since: int = 0) -> dict[str, tuple[int, float]]:
+        """Kernel -> (compiles, seconds) of the records from index `since` on, most expensive first."""
         out: dict[str, list[float]] = {}
-        for r in self.records:
+        for r in self.records[since:]:
             c = out.setdefault(r.kernel, [0, 0.0])
             c[0] += 1
             c[1] += r.seconds
