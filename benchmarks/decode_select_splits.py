@@ -1,26 +1,46 @@
 """The decode step's indexer selection (dsv4.ops.indexer.decode_select_triton: scores of a row's visible compressed
-entries, top-k, slots) at DeepSeek-V4-Flash's shapes (64 index heads of 128, top-k 512, bf16 keys), on one GPU, by
-visible entries and split count. A batch-1 step of V4-Flash-4l spent 26.4 + 6.0 us in its two kernels for ~136
-entries (H200 profile, benchmarks/results/2026-12-04-h200-decode-launches): this says whether that is the split
-layout (16 programs a row, most of them empty at short contexts) or the scoring itself.
+entries, top-k, slots, and for DeepSeek-V4.1 the candidate blocks) on one GPU, by visible entries and split count,
+at 64 index heads of 128, top-k 512, bf16 keys. The first use: a batch-1 step of V4-Flash-4l spent 26.4 + 6.0 us
+in its two kernels for ~136 entries (H200, benchmarks/results/2026-12-04-h200-decode-launches). The second: after
+a 131,072-token prompt the selection took 3.5 of a 7.0 ms V4.1-Flash-8l step on an H100 (32,768 entries a ratio-4
+layer; 2026-12-05-h100-rows-attention-prefill), with the default 16 splits a row; this says which split count
+(MAX_SPLITS) long rows want, per kind of index layer.
 
-usage: PYTHONPATH=. python3 benchmarks/decode_select_splits.py
+usage: PYTHONPATH=. python3 benchmarks/decode_select_splits.py [--mode plain|candidate|pooled] [--batches 1 32]
+           [--lens 136 512 2048 8192] [--splits 1 2 4 8 16]
+   V4.1 at long context: --mode candidate --lens 2048 8192 32768 --splits 16 32 64 (then --mode pooled)
+
+Modes: plain (V4's index layers, and V4.1's without candidates); candidate (V4.1's candidate source: also the top
+2,048 of the entries' 8-entry blocks); pooled (a later V4.1 index layer: only entries of 2,048 candidate blocks of
+8). Each time is the whole selection (both kernels) replayed in a CUDA graph, in microseconds; every split count's
+slots are checked against the default's.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 import triton.testing
 
 from dsv4.ops.indexer import decode_select_triton, select_splits
 
+H, D, K, BS = 64, 128, 512, 16
+CAND_BLOCK, KEEP_BLOCKS = 8, 2048  # V4.1-Flash's candidate_block_size, candidate_topk_blocks
+
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", choices=["plain", "candidate", "pooled"], default="plain")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--lens", type=int, nargs="+", default=[136, 512, 2048, 8192])
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    H, D, K, BS = 64, 128, 512, 16
-    print(f"{'R':>3s} {'n':>6s} {'default S':>12s} " + " ".join(f"{f'S={s}':>8s}" for s in (1, 2, 4, 8, 16)))
-    for R in (1, 32):
-        for n in (136, 512, 2048, 8192):
+    print(f"mode {args.mode}; us for the whole selection")
+    print(f"{'R':>3s} {'n':>6s} {'default S':>12s} " + " ".join(f"{f'S={s}':>8s}" for s in args.splits))
+    for R in args.batches:
+        for n in args.lens:
             blocks = -(-n // BS)
             keys = torch.randn(R * blocks * BS, D, device="cuda", generator=g).to(torch.bfloat16)
             table = torch.randperm(R * blocks, device="cuda", generator=g).view(R, blocks).to(torch.int32)
@@ -28,14 +48,25 @@ def main() -> None:
             q = torch.randn(R, H, D, device="cuda", generator=g).to(torch.bfloat16)
             w = torch.randn(R, H, device="cuda", generator=g)
             k = min(K, n)
+            pool, cb, keep = None, 1, 0
+            if args.mode == "candidate":
+                cb, keep = CAND_BLOCK, KEEP_BLOCKS
+            elif args.mode == "pooled":
+                nb = -(-n // CAND_BLOCK)
+                cb = CAND_BLOCK
+                pool = torch.stack([torch.randperm(nb, device="cuda", generator=g)[:KEEP_BLOCKS] for _ in range(R)])
+                if pool.shape[1] < KEEP_BLOCKS:  # fewer blocks than kept: the rest -1, as the candidate source gives
+                    pool = torch.nn.functional.pad(pool, (0, KEEP_BLOCKS - pool.shape[1]), value=-1)
 
-            def run(s: int | None = None):
-                return decode_select_triton(q, w, keys, table, BS, nn, n, D ** -0.5, k, splits=s)
+            def run(s: int | None = None):  # noqa: ANN202
+                return decode_select_triton(q, w, keys, table, BS, nn, n, D ** -0.5, k, pool, cb, keep, splits=s)
 
-            ref = run()[1]
+            ref = run()
             times = [f"{triton.testing.do_bench_cudagraph(run, rep=20) * 1e3:6.1f} S{select_splits(R, q.device)}"]
-            for s in (1, 2, 4, 8, 16):
-                assert torch.equal(run(s)[1].sort(dim=1).values, ref.sort(dim=1).values), s
+            for s in args.splits:
+                got = run(s)
+                assert torch.equal(got[1].sort(dim=1).values, ref[1].sort(dim=1).values), s
+                assert keep == 0 or torch.equal(got[3], ref[3]), s
                 times.append(f"{triton.testing.do_bench_cudagraph(lambda s=s: run(s), rep=20) * 1e3:8.1f}")
             print(f"{R:3d} {n:6d} {times[0]:>12s} " + " ".join(times[1:]), flush=True)
 
