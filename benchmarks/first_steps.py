@@ -7,8 +7,8 @@ for: what a server's first requests pay after it reports ready.
 Sets DSV4_LOG_COMPILES=1 (dsv4/runtime/compile_log.py) before the engine starts, so the start-up's compiles and each
 step's are counted apart. Prints one line per step as it finishes (wall ms, seconds since the prompts came, how
 many have their first token, the compiles in the step with their seconds), then the totals: time until every
-prompt had its first token, and the kernels compiled after start-up, most expensive first. A step's compiles are the ones its forward triggered
-(async scheduling: the launched step's, in the step that launched it).
+prompt had its first token, and the kernels compiled after start-up, most expensive first. A step's compiles
+are the ones its forward triggered (async scheduling: the launched step's, in the step that launched it).
 """
 from __future__ import annotations
 
