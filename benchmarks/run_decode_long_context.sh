@@ -6,7 +6,7 @@
 #           1,048,576 with the same KV pool (--num-kv-blocks 4096) and step budget (--max-num-batched-tokens 16384):
 #           acceptance: the 1M decode step within 3% of the 4096 one
 #   splits  the decode selection alone by split count (16 / 32 / 64 a row) at 2K-32K entries, batch 1 and 8, for the
-#           three kinds of V4.1 index layer: MAX_SPLITS (16) from this
+#           three kinds of V4.1 index layer (MAX_SPLITS = 64 came from this)
 #   profile131k  batch-1 decode after a 131,072-token prompt, its graph's kernels (benchmarks/profile_graph.py
 #           --context): the indexer selection was 3.5 of 7.0 ms a replay on an H100 (2026-12-05); target >= 50% of
 #           the floor

@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 
 def _interpret(code: str) -> None:
@@ -405,15 +406,25 @@ def test_decode_select_kernels_equal_torch() -> None:
                 pool = torch.stack([torch.randperm(nb + 2, generator=g)[:C] for _ in range(R)])
                 pool[:, C - 2:] = -1
             ref = decode_select_torch(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep)
-            for S in (1, 3):
+            for S in (1, 3, 64) if M >= 300 else (1, 3):  # 64 = MAX_SPLITS: most splits past a short row's end
                 got = decode_select_triton(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep, splits=S)
                 for a, b in zip(ref[:3], got[:3]):
                     assert a.dtype == b.dtype and torch.equal(a, b), (R, M, k, C, keep, S, a, b)
                 assert (ref[3] is None) == (keep == 0) and (keep == 0 or torch.equal(ref[3], got[3])), (ref[3], got)
                 checked += 1
-        assert checked == 18
+        assert checked == 20
         print("ok")
     """)
+
+
+def test_select_splits_fill_the_gpu_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode selection's split count: rows x splits >= twice the SMs, at most MAX_SPLITS (64: the batch-1 long
+    rows measured fastest there), at least one."""
+    idx = pytest.importorskip("dsv4.ops.indexer")
+    monkeypatch.setattr(idx, "_sm_count", lambda device: 132)
+    dev = torch.device("cpu")
+    assert idx.MAX_SPLITS == 64
+    assert [idx.select_splits(R, dev) for R in (1, 4, 5, 8, 33, 64, 264, 1000)] == [64, 64, 53, 33, 8, 5, 1, 1]
 
 
 def test_pick_table_sources_kernel_equals_torch() -> None:

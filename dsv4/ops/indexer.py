@@ -254,7 +254,10 @@ def pick_table_sources_torch(picks: torch.Tensor, table: torch.Tensor, block_siz
 # reference's stable_topk order (score descending, ties to the lowest id): bits 62..31 = the fp32 score mapped to
 # an unsigned order (+ 2^31), bits 30..0 = 2^31 - 1 - id. Every real key is >= 0; -1 marks an empty place.
 EMPTY_KEY = -1
-MAX_SPLITS = 16  # programs per row of the scoring kernel (from shapes only: the decode step is captured)
+# Programs per row of the scoring kernel (from shapes only: the decode step is captured). 64: at batch 1 every
+# split count measured gains up to 64 (a 32,768-entry candidate row 462 -> 273 us from 16 to 64 splits on an H100,
+# benchmarks/results/2026-12-05-h100-decode-select-splits); from batch 8 the 2x-SM rule below picks ~32.
+MAX_SPLITS = 64
 
 if triton is not None:
 
