@@ -6,8 +6,12 @@ DeepSeek-V4.1 computes its router logits and its ratio-2 compressor's kv / gate 
 bytes), then runs cuBLAS's fp32 GEMV over the copy (two more kernels at one row: a dot and a reduce), and converts x:
 four launches and ~5x the weight's bytes, per layer. At decode sizes (up to DECODE_ROWS rows) the Triton path reads
 the stored weight once, widening each element in registers: every product is the reference's exact fp32 product,
-only the order of the fp32 sums differs (as between any two GEMM implementations). Larger inputs (prefill) keep the
-torch expression, where cuBLAS's GEMM amortizes the copy.
+only the order of the fp32 sums differs (as between any two GEMM implementations). Larger inputs (prefill) with
+bf16 / fp16 operands go to one cuBLAS GEMM on the tensor cores with fp32 output (`torch.mm(..., out_dtype=fp32)`):
+a product of two bf16 (or fp16) values is exact in fp32 and the tensor cores accumulate in fp32, so it is the same
+math again, where the fp32 expression ran on the CUDA cores at a fraction of the speed (24 such GEMMs took 13.5 ms of
+a 16K-token V4.1-Flash-8l prefill on an H100, benchmarks/results/2026-12-05-h100-rows-attention-prefill). fp32 inputs
+(an fp32 model) keep the torch expression.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ except ImportError:  # CPU-only installs use the torch reference
     triton = None
 
 DECODE_ROWS = 64  # up to this many rows the Triton path; it re-reads the weight per row (from L2 after the first)
+HALF_DTYPES = (torch.bfloat16, torch.float16)  # operands whose products fp32 holds exactly
 
 
 def fp32_linear_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -66,8 +71,19 @@ def fp32_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return out.view(*lead, N)
 
 
+def fp32_linear_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The same for 16-bit x and w of one dtype on CUDA: one tensor-core GEMM writing fp32 (exact products, fp32
+    sums)."""
+    assert x.dtype == w.dtype and x.dtype in HALF_DTYPES and x.is_cuda, (x.dtype, w.dtype, x.device)
+    K = w.shape[1]
+    return torch.mm(x.reshape(-1, K), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
+
+
 def fp32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Triton on CUDA at decode sizes (up to DECODE_ROWS rows), torch elsewhere."""
+    """On CUDA: Triton at decode sizes (up to DECODE_ROWS rows), the fp32-output tensor-core GEMM beyond for 16-bit
+    operands; torch elsewhere."""
     if x.is_cuda and triton is not None and x.numel() <= DECODE_ROWS * x.shape[-1]:
         return fp32_linear_triton(x, w)
+    if x.is_cuda and x.dtype == w.dtype and x.dtype in HALF_DTYPES:
+        return fp32_linear_mm(x, w)
     return fp32_linear_torch(x, w)

@@ -1,7 +1,8 @@
 """fp32 math on a stored narrower weight (dsv4/ops/fp32_linear.py) on CUDA, at DeepSeek-V4.1-Flash's shapes (the
 router [384, 5120] and the ratio-2 compressor's kv / gate [512, 5120]) and the 8-layer preset's router [16, 5120]:
 within the reordering of fp32 sums of the reference's exact products, eagerly and under CUDA-graph replay; the
-dispatch takes the kernel up to DECODE_ROWS rows and the torch expression beyond."""
+dispatch takes the kernel up to DECODE_ROWS rows and, beyond, the fp32-output tensor-core GEMM for 16-bit operands
+and the torch expression for fp32 ones."""
 
 from __future__ import annotations
 
@@ -14,14 +15,14 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 @pytest.mark.parametrize("N,K", [(384, 5120), (512, 5120), (16, 5120), (4096, 4096)])
-@pytest.mark.parametrize("rows", [1, 4, 32, 64])
+@pytest.mark.parametrize("rows", [1, 4, 32, 64, 65, 1000])
 def test_fp32_linear_at_released_shapes(N: int, K: int, rows: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(N + rows)
     x = torch.randn(rows, K, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16)
     ref = x.double() @ w.double().t()  # the exact sum of the exact products
     s = x.double().abs() @ w.double().abs().t()
-    for got in (fl.fp32_linear_triton(x, w), fl.fp32_linear(x, w), fl.fp32_linear_torch(x, w)):
+    for got in (fl.fp32_linear_triton(x, w), fl.fp32_linear(x, w), fl.fp32_linear_torch(x, w), fl.fp32_linear_mm(x, w)):
         assert got.dtype == torch.float32
         # fp32 accumulation of K exact products: within K * 2^-24 * S of the exact sum (cuBLAS may reduce split-K
         # partials in another order, as may the kernel: the same bound for both)
@@ -45,8 +46,17 @@ def test_fp32_linear_graph_replay() -> None:
 
 def test_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    monkeypatch.setattr(fl, "fp32_linear_triton", lambda x, w: calls.append(x.shape[0]) or fl.fp32_linear_torch(x, w))
-    w = torch.randn(16, 64, device="cuda")
-    for rows in (1, fl.DECODE_ROWS, fl.DECODE_ROWS + 1):
-        fl.fp32_linear(torch.randn(rows, 64, device="cuda"), w)
-    assert calls == [1, fl.DECODE_ROWS]
+    for name in ("fp32_linear_triton", "fp32_linear_mm", "fp32_linear_torch"):
+        monkeypatch.setattr(fl, name, lambda x, w, f=getattr(fl, name), name=name: calls.append((name, x.shape[0])) or
+                            f(x, w))
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(16, 64, device="cuda").to(dtype)
+        for rows in (1, fl.DECODE_ROWS, fl.DECODE_ROWS + 1):
+            fl.fp32_linear(torch.randn(rows, 64, device="cuda").to(dtype), w)
+    big = fl.DECODE_ROWS + 1
+    assert calls == [("fp32_linear_triton", 1), ("fp32_linear_triton", fl.DECODE_ROWS), ("fp32_linear_torch", big),
+                     ("fp32_linear_triton", 1), ("fp32_linear_triton", fl.DECODE_ROWS), ("fp32_linear_mm", big)]
+    # mixed dtypes (a bf16 activation on an fp32 weight) keep the torch expression
+    calls.clear()
+    fl.fp32_linear(torch.randn(big, 64, device="cuda").bfloat16(), torch.randn(16, 64, device="cuda"))
+    assert calls == [("fp32_linear_torch", big)]
