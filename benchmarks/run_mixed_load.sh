@@ -14,6 +14,11 @@
 #             (163 tokens at the default 4096)
 #   t256l1    --long-prefill-token-threshold 256  --max-num-partial-prefills 4 --max-long-partial-prefills 1: here
 #             every prompt is long, so one prefill at a time (the starving extreme, for contrast)
+#   b576      --max-num-batched-tokens 576: 64 decodes + a 512-token prefill chunk in every step. base (2,048) puts
+#             the prefill work in ~1/4 of the steps (~45 ms each beside ~8.4 ms decode-only steps), and its TPOT
+#             (17.0 ms on an H100) is about (prefill time + decode-only steps) / 127: spreading the same prefill over
+#             every step removes the decode-only steps, if a 576-row step costs <= ~15 ms (unmeasured)
+#   b1088     --max-num-batched-tokens 1088: between the two
 #   first     not a server: benchmarks/first_steps.py, a fresh engine's first steps under one wave of 64 x 1024-token
 #             prompts with the Triton compiles each step waited for (run it first on a fresh machine: a cold
 #             Triton cache is what a new server meets)
@@ -63,6 +68,9 @@ part_derived() { serve_and_bench derived --max-num-partial-prefills 4 --max-long
 part_t256l1() {
   serve_and_bench t256l1 --long-prefill-token-threshold 256 --max-num-partial-prefills 4 --max-long-partial-prefills 1
 }
+
+part_b576() { serve_and_bench b576 --max-num-batched-tokens 576; }
+part_b1088() { serve_and_bench b1088 --max-num-batched-tokens 1088; }
 
 part_first() {
   make_preset $p
