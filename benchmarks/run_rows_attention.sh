@@ -8,7 +8,9 @@
 #   prefill  V4.1-Flash-8l: one 16,384-token prompt, one 32,768-token prompt and 32 x 512 tokens, each with the rows
 #            kernel (default) and with DSV4_ROWS_ATTENTION=0 (the split kernel; the baseline on the same card).
 #            Targets (issue 23, H200): 16K <= 0.4 s, 32K <= 1.0 s, 32 x 512 >= 40,000 tokens/s.
-#            SHAPES="BATCH:LEN ..." other shapes (default "1:16384 1:32768 32:512")
+#            SHAPES="BATCH:LEN ..." other shapes (default "1:16384 1:32768 32:512"); SWITCH=NAME another on / off
+#            switch than DSV4_ROWS_ATTENTION, e.g. SWITCH=DSV4_FP32_LINEAR_MM (the fp32 router / compressor GEMMs of
+#            prefill on the tensor cores, 1, or as fp32 GEMMs, 0)
 #   profile  the kernels of one $LEN-token (default 16384) prefill by family (benchmarks/profile_prefill.py)
 . "$(dirname "$0")/device_lib.sh"
 p=v41-flash-8l
@@ -28,11 +30,12 @@ part_kernels() {
 
 part_prefill() {
   make_preset $p
-  local rows shape b len
+  local on shape b len switch=${SWITCH:-DSV4_ROWS_ATTENTION} tag
+  case $switch in DSV4_ROWS_ATTENTION) tag=rows ;; *) tag=$switch ;; esac
   for shape in ${SHAPES:-1:16384 1:32768 32:512}; do
     b=${shape%%:*} len=${shape##*:}
-    for rows in 1 0; do
-      DSV4_ROWS_ATTENTION=$rows prefill_latency "$p-b$b-in$len-rows$rows" $b $len $((b * len > 16384 ? b * len : 16384))
+    for on in 1 0; do
+      (export "$switch=$on"; prefill_latency "$p-b$b-in$len-$tag$on" $b $len $((b * len > 16384 ? b * len : 16384)))
     done
   done
 }

@@ -16,6 +16,8 @@ a 16K-token V4.1-Flash-8l prefill on an H100, benchmarks/results/2026-12-05-h100
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +29,7 @@ except ImportError:  # CPU-only installs use the torch reference
 
 DECODE_ROWS = 64  # up to this many rows the Triton path; it re-reads the weight per row (from L2 after the first)
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # operands whose products fp32 holds exactly
+MM_PREFILL = os.environ.get("DSV4_FP32_LINEAR_MM", "1") == "1"  # 0: the fp32 expression at prefill sizes (comparisons)
 
 
 def fp32_linear_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -84,6 +87,6 @@ def fp32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     operands; torch elsewhere."""
     if x.is_cuda and triton is not None and x.numel() <= DECODE_ROWS * x.shape[-1]:
         return fp32_linear_triton(x, w)
-    if x.is_cuda and x.dtype == w.dtype and x.dtype in HALF_DTYPES:
+    if MM_PREFILL and x.is_cuda and x.dtype == w.dtype and x.dtype in HALF_DTYPES:
         return fp32_linear_mm(x, w)
     return fp32_linear_torch(x, w)

@@ -60,3 +60,8 @@ def test_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     calls.clear()
     fl.fp32_linear(torch.randn(big, 64, device="cuda").bfloat16(), torch.randn(16, 64, device="cuda"))
     assert calls == [("fp32_linear_torch", big)]
+    # DSV4_FP32_LINEAR_MM=0 (MM_PREFILL off, for comparisons): the fp32 expression at prefill sizes
+    calls.clear()
+    monkeypatch.setattr(fl, "MM_PREFILL", False)
+    fl.fp32_linear(torch.randn(big, 64, device="cuda").bfloat16(), torch.randn(16, 64, device="cuda").bfloat16())
+    assert calls == [("fp32_linear_torch", big)]
