@@ -29,7 +29,9 @@ except ImportError:  # CPU-only installs use the torch reference
 
 DECODE_ROWS = 64  # up to this many rows the Triton path; it re-reads the weight per row (from L2 after the first)
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # operands whose products fp32 holds exactly
-MM_PREFILL = os.environ.get("DSV4_FP32_LINEAR_MM", "1") == "1"  # 0: the fp32 expression at prefill sizes (comparisons)
+# the tensor-core path needs torch's `mm.dtype` overload (torch >= 2.8); DSV4_FP32_LINEAR_MM=0 keeps the fp32
+# expression at prefill sizes (comparisons)
+MM_PREFILL = os.environ.get("DSV4_FP32_LINEAR_MM", "1") == "1" and "dtype" in torch.ops.aten.mm.overloads()
 
 
 def fp32_linear_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
