@@ -1,14 +1,17 @@
 """The decode step's indexer selection (dsv4.ops.indexer.decode_select_triton: scores of a row's visible compressed
 entries, top-k, slots, and for DeepSeek-V4.1 the candidate blocks) on one GPU, by visible entries and split count,
-at 64 index heads of 128, top-k 512, bf16 keys. The first use: a batch-1 step of V4-Flash-4l spent 26.4 + 6.0 us
+at 64 index heads of 128 (V4's; `--heads 32` for V4.1's), top-k 512, bf16 keys. The first use: a batch-1 step of V4-Flash-4l spent 26.4 + 6.0 us
 in its two kernels for ~136 entries (H200, benchmarks/results/2026-12-04-h200-decode-launches). The second: after
-a 131,072-token prompt the selection took 3.5 of a 7.0 ms V4.1-Flash-8l step on an H100 (32,768 entries a ratio-4
-layer; 2026-12-05-h100-rows-attention-prefill), with the default 16 splits a row; this says which split count
-(MAX_SPLITS) long rows want, per kind of index layer.
+a 131,072-token prompt the selection took 3.5 of a 7.0 ms V4.1-Flash-8l step on an H100
+(2026-12-05-h100-rows-attention-prefill), with 16 splits a row; this says which split count (MAX_SPLITS) long rows
+want, per kind of index layer. V4.1's index layers at 131,072 tokens: a ratio-2 layer scores 65,536 entries (plain),
+the ratio-1 candidate source 131,072 (candidate), a later ratio-1 layer the 16,384 entries of its 2,048 candidate
+blocks (pooled, --lens 131072).
 
 usage: PYTHONPATH=. python3 benchmarks/decode_select_splits.py [--mode plain|candidate|pooled] [--batches 1 32]
            [--lens 136 512 2048 8192] [--splits 1 2 4 8 16]
-   V4.1 at long context: --mode candidate --lens 2048 8192 32768 --splits 16 32 64 (then --mode pooled)
+   V4.1 at long context: --heads 32 --mode candidate --lens 8192 32768 131072 --splits 16 32 64 (then pooled,
+   plain)
 
 Modes: plain (V4's index layers, and V4.1's without candidates); candidate (V4.1's candidate source: also the top
 2,048 of the entries' 8-entry blocks); pooled (a later V4.1 index layer: only entries of 2,048 candidate blocks of
@@ -25,7 +28,7 @@ import triton.testing
 
 from dsv4.ops.indexer import decode_select_triton, select_splits
 
-H, D, K, BS = 64, 128, 512, 16
+D, K, BS = 128, 512, 16
 CAND_BLOCK, KEEP_BLOCKS = 8, 2048  # V4.1-Flash's candidate_block_size, candidate_topk_blocks
 
 
@@ -35,6 +38,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--lens", type=int, nargs="+", default=[136, 512, 2048, 8192])
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument("--heads", type=int, default=64, help="index heads (V4-Flash 64, V4.1-Flash 32)")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"mode {args.mode}; us for the whole selection")
@@ -45,8 +49,8 @@ def main() -> None:
             keys = torch.randn(R * blocks * BS, D, device="cuda", generator=g).to(torch.bfloat16)
             table = torch.randperm(R * blocks, device="cuda", generator=g).view(R, blocks).to(torch.int32)
             nn = torch.full((R,), n, dtype=torch.int64, device="cuda")
-            q = torch.randn(R, H, D, device="cuda", generator=g).to(torch.bfloat16)
-            w = torch.randn(R, H, device="cuda", generator=g)
+            q = torch.randn(R, args.heads, D, device="cuda", generator=g).to(torch.bfloat16)
+            w = torch.randn(R, args.heads, device="cuda", generator=g)
             k = min(K, n)
             pool, cb, keep = None, 1, 0
             if args.mode == "candidate":

@@ -5,8 +5,9 @@
 #   bench   V4.1-Flash-8l decode at batch $BATCHES (default "1 32"), 512 tokens in / 32 out, max_model_len 4096 and
 #           1,048,576 with the same KV pool (--num-kv-blocks 4096) and step budget (--max-num-batched-tokens 16384):
 #           acceptance: the 1M decode step within 3% of the 4096 one
-#   splits  the decode selection alone by split count (16 / 32 / 64 a row) at 2K-32K entries, batch 1 and 8, for the
-#           three kinds of V4.1 index layer (MAX_SPLITS = 64 came from this)
+#   splits  the decode selection alone by split count (16 / 32 / 64 a row) at 8K-131K entries, batch 1 and 8, for the
+#           three kinds of V4.1 index layer at V4.1's 32 index heads (MAX_SPLITS = 64 came from a first run at 64
+#           heads and 2K-32K entries)
 #   profile131k  batch-1 decode after a 131,072-token prompt, its graph's kernels (benchmarks/profile_graph.py
 #           --context): the indexer selection was 3.5 of 7.0 ms a replay on an H100 (2026-12-05); target >= 50% of
 #           the floor
@@ -35,8 +36,8 @@ part_bench() {
 part_splits() {
   local m
   for m in candidate pooled plain; do
-    timeout 150 python3 benchmarks/decode_select_splits.py --mode $m --batches 1 8 --lens 2048 8192 32768 \
-      --splits 16 32 64 > "$out/decode_select_splits-$m.log" 2>&1
+    timeout 240 python3 benchmarks/decode_select_splits.py --mode $m --heads 32 --batches 1 8 \
+      --lens 8192 32768 65536 131072 --splits 16 32 64 > "$out/decode_select_splits-$m.log" 2>&1
     echo "decode_select_splits $m (rc $?):"; tail -7 "$out/decode_select_splits-$m.log"
   done
 }
