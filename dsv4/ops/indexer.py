@@ -256,7 +256,8 @@ def pick_table_sources_torch(picks: torch.Tensor, table: torch.Tensor, block_siz
 EMPTY_KEY = -1
 # Programs per row of the scoring kernel (from shapes only: the decode step is captured). 64: at batch 1 every
 # split count measured gains up to 64 (a 32,768-entry candidate row 462 -> 273 us from 16 to 64 splits on an H100,
-# benchmarks/results/2026-12-05-h100-decode-select-splits); from batch 8 the 2x-SM rule below picks ~32.
+# 64 heads, benchmarks/results/2026-12-05-h100-decode-select-splits; V4.1's 131K rows are 65K-131K entries at 32
+# heads, not yet measured); from batch 8 the 2x-SM rule below picks ~32.
 MAX_SPLITS = 64
 
 if triton is not None:
