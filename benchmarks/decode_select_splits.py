@@ -2,11 +2,11 @@
 entries, top-k, slots, and for DeepSeek-V4.1 the candidate blocks) on one GPU, by visible entries and split count,
 at 64 index heads of 128 (V4's; `--heads 32` for V4.1's), top-k 512, bf16 keys. The first use: a batch-1 step of
 V4-Flash-4l spent 26.4 + 6.0 us in its two kernels for ~136 entries (H200,
-benchmarks/results/2026-12-04-h200-decode-launches). The second: after a 131,072-token prompt the selection took
-3.5 of a 7.0 ms V4.1-Flash-8l step on an H100 (2026-12-05-h100-rows-attention-prefill), with 16 splits a row; this
-says which split count (MAX_SPLITS) long rows want, per kind of index layer. V4.1's index layers at 131,072 tokens: a ratio-2 layer scores 65,536 entries (plain),
-the ratio-1 candidate source 131,072 (candidate), a later ratio-1 layer the 16,384 entries of its 2,048 candidate
-blocks (pooled, --lens 131072).
+benchmarks/results/2026-12-04-h200-decode-launches). The second: after a 131,072-token prompt the selection took 3.5
+of a 7.0 ms V4.1-Flash-8l step on an H100 (2026-12-05-h100-rows-attention-prefill), with 16 splits a row; this says
+which split count (MAX_SPLITS) long rows want, per kind of index layer. V4.1's index layers at 131,072 tokens: a
+ratio-2 layer scores 65,536 entries (plain), the ratio-1 candidate source 131,072 (candidate), a later ratio-1 layer
+the 16,384 entries of its 2,048 candidate blocks (pooled, --lens 131072).
 
 usage: PYTHONPATH=. python3 benchmarks/decode_select_splits.py [--mode plain|candidate|pooled] [--batches 1 32]
            [--lens 136 512 2048 8192] [--splits 1 2 4 8 16]
