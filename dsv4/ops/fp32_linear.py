@@ -9,9 +9,9 @@ the stored weight once, widening each element in registers: every product is the
 only the order of the fp32 sums differs (as between any two GEMM implementations). Larger inputs (prefill) with
 bf16 / fp16 operands go to one cuBLAS GEMM on the tensor cores with fp32 output (`torch.mm(..., out_dtype=fp32)`):
 a product of two bf16 (or fp16) values is exact in fp32 and the tensor cores accumulate in fp32, so it is the same
-math again, where the fp32 expression ran on the CUDA cores at a fraction of the speed (24 such GEMMs took 13.5 ms of
-a 16K-token V4.1-Flash-8l prefill on an H100, benchmarks/results/2026-12-05-h100-rows-attention-prefill). fp32 inputs
-(an fp32 model) keep the torch expression.
+math again, where the fp32 expression ran on the CUDA cores at a fraction of the speed (a 16K-token V4.1-Flash-8l
+prefill 412.6 -> 408.8 ms on an H100, benchmarks/results/2026-12-05-h100-fp32-linear-prefill). fp32 inputs (an fp32
+model) keep the torch expression.
 """
 
 from __future__ import annotations
