@@ -386,6 +386,9 @@ def test_decode_select_kernels_equal_torch() -> None:
             (3, 4, 32, 4, 40, 8, 6, 4, 0, False), (3, 4, 16, 4, 400, 8, 40, 4, 0, False),
             (2, 3, 16, 2, 5, 3, 0, 4, 0, False), (3, 4, 16, 4, 60, 8, 0, 4, 0, True),
             (4, 64, 128, 8, 100, 24, 0, 8, 6, False),
+            # 3 splits: 16, 16 and 6 blocks, under the block lists' 64 places (the merge reads 16 of each); all 38
+            # blocks kept, so a block the merge misses shows
+            (3, 4, 32, 4, 150, 8, 0, 4, 40, False),
         ]:
             MB = -(-M // bs) + 1
             N = (MB * R + 5) * bs
@@ -412,7 +415,7 @@ def test_decode_select_kernels_equal_torch() -> None:
                     assert a.dtype == b.dtype and torch.equal(a, b), (R, M, k, C, keep, S, a, b)
                 assert (ref[3] is None) == (keep == 0) and (keep == 0 or torch.equal(ref[3], got[3])), (ref[3], got)
                 checked += 1
-        assert checked == 20
+        assert checked == 22
         print("ok")
     """)
 

@@ -422,17 +422,19 @@ if triton is not None:
         return c + tl.sum(oki, axis=0), thr
 
     @triton.jit
-    def _top_of(row, n_keys, acc, L: tl.constexpr):
-        """acc[0:L) := the top L keys of row[0:n_keys) (-1 = none), sorted; acc has 2L places; L-wide windows
-        through `_take`, with its short-context sort (decode compiles once, and every step pays its sort). Only
-        keys that beat the threshold cost sort work: the splits' sorted lists are mostly -1 past their valid keys
-        (the candidate source's block lists at 131K: 256 valid of 2,048 places each), and after the first L keys
-        few others pass."""
+    def _top_of(row, n_keys, acc, L: tl.constexpr, W, V):
+        """acc[0:L) := the top L keys of n_keys keys (-1 = none), sorted; acc has 2L places; L-wide windows
+        through `_take`, with its short-context sort (decode compiles once, and every step pays its sort). Key p
+        is at row[(p // V) * W + p % V]: lists of W places of which only the first V can hold keys (the splits'
+        sorted lists: a split's chunk has at most V blocks), or V = W for keys in a row. So the candidate source's
+        block lists at 131K and 64 splits (256 blocks in 2,048 places each) are read 256 a list, not 2,048. Only
+        keys that beat the threshold cost sort work: after the first L keys few others pass."""
         c = tl.zeros([], tl.int32)
         thr = tl.zeros([], tl.int64) - 1
         j = tl.arange(0, L)
         for w0 in range(0, n_keys + L, L):
-            x = tl.load(row + w0 + j, mask=w0 + j < n_keys, other=-1)
+            p = w0 + j
+            x = tl.load(row + (p // V) * W + p % V, mask=p < n_keys, other=-1)
             c, thr = _take(acc, c, thr, x, w0 < n_keys, L, L, True)
 
     @triton.jit
@@ -452,7 +454,7 @@ if triton is not None:
         chunk = tl.maximum(tl.cdiv(tl.cdiv(U, S), SUB), 1) * SUB
         raw = chunk <= L
         acc = acc_ptr + r * (2 * L)
-        _top_of(row_ptr + r * S * L, tl.where(raw, U, S * L), acc, L)
+        _top_of(row_ptr + r * S * L, tl.where(raw, U, S * L), acc, L, L, L)
         j = tl.arange(0, KP)
         jm = j < K
         key = tl.load(acc + j, mask=jm, other=-1)
@@ -464,8 +466,9 @@ if triton is not None:
         tl.store(mask_ptr + r * K + j, ok, mask=jm)
         if BLOCKS:
             bacc = bacc_ptr + r * (2 * LB)
-            nb = tl.where(raw, tl.cdiv(U, CB), S * LB)
-            _top_of(brow_ptr + r * S * LB, nb, bacc, LB)
+            vb = tl.where(raw, LB, tl.minimum(LB, chunk // CB))  # keys a split's block list can hold
+            nb = tl.where(raw, tl.cdiv(U, CB), S * vb)
+            _top_of(brow_ptr + r * S * LB, nb, bacc, LB, LB, vb)
             jb = tl.arange(0, KEEPP)
             jbm = jb < KEEP
             bkey = tl.load(bacc + jb, mask=jbm & (jb < LB), other=-1)
