@@ -9,7 +9,7 @@ ratio-2 layer scores 65,536 entries (plain), the ratio-1 candidate source 131,07
 the 16,384 entries of its 2,048 candidate blocks (pooled, --lens 131072).
 
 usage: PYTHONPATH=. python3 benchmarks/decode_select_splits.py [--mode plain|candidate|pooled] [--batches 1 32]
-           [--lens 136 512 2048 8192] [--splits 1 2 4 8 16]
+           [--lens 136 512 2048 8192] [--splits 1 2 4 8 16] [--heads 64]
    V4.1 at long context: --heads 32 --mode candidate --lens 8192 32768 131072 --splits 16 32 64 (then pooled,
    plain)
 

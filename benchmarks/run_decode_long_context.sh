@@ -38,7 +38,7 @@ part_splits() {
   for m in candidate pooled plain; do
     timeout 240 python3 benchmarks/decode_select_splits.py --mode $m --heads 32 --batches 1 8 \
       --lens 8192 32768 65536 131072 --splits 16 32 64 > "$out/decode_select_splits-$m.log" 2>&1
-    echo "decode_select_splits $m (rc $?):"; tail -7 "$out/decode_select_splits-$m.log"
+    echo "decode_select_splits $m (rc $?):"; tail -10 "$out/decode_select_splits-$m.log"  # 2 batches x 4 lens
   done
 }
 
