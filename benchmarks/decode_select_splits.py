@@ -9,7 +9,7 @@ ratio-2 layer scores 65,536 entries (plain), the ratio-1 candidate source 131,07
 the 16,384 entries of its 2,048 candidate blocks (pooled, --lens 131072).
 
 usage: PYTHONPATH=. python3 benchmarks/decode_select_splits.py [--mode plain|candidate|pooled] [--batches 1 32]
-           [--lens 136 512 2048 8192] [--splits 1 2 4 8 16] [--heads 64]
+           [--lens 136 512 2048 8192] [--splits 1 2 4 8 16 | --groups 1 2 4 8] [--merge-warps 4 8] [--heads 64]
    V4.1 at long context: --heads 32 --mode candidate --lens 8192 32768 131072 --splits 16 32 64 (then pooled,
    plain)
 
@@ -26,7 +26,7 @@ import argparse
 import torch
 import triton.testing
 
-from dsv4.ops.indexer import decode_select_triton, select_splits
+from dsv4.ops.indexer import decode_select_triton, merge_groups, select_splits
 
 D, K, BS = 128, 512, 16
 CAND_BLOCK, KEEP_BLOCKS = 8, 2048  # V4.1-Flash's candidate_block_size, candidate_topk_blocks
@@ -39,10 +39,20 @@ def main() -> None:
     ap.add_argument("--lens", type=int, nargs="+", default=[136, 512, 2048, 8192])
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--heads", type=int, default=64, help="index heads (V4-Flash 64, V4.1-Flash 32)")
+    ap.add_argument("--groups", type=int, nargs="+", default=None,
+                    help="instead of split counts: merge group counts at the default split count (1 = one merge "
+                         "program a row)")
+    ap.add_argument("--merge-warps", type=int, nargs="+", default=[4], help="warps of the merge kernels")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    print(f"mode {args.mode}; us for the whole selection")
-    print(f"{'R':>3s} {'n':>6s} {'default S':>12s} " + " ".join(f"{f'S={s}':>8s}" for s in args.splits))
+    # (splits, groups, merge warps) per column; None = the shape-derived default
+    if args.groups:
+        cols = [(None, gr, mw) for gr in args.groups for mw in args.merge_warps]
+    else:
+        cols = [(sp, None, mw) for sp in args.splits for mw in args.merge_warps]
+    label = lambda c: (f"G={c[1]}" if args.groups else f"S={c[0]}") + (f"/w{c[2]}" if len(args.merge_warps) > 1 else "")
+    print(f"mode {args.mode}; us for the whole selection; default S, G = the shape-derived split and group counts")
+    print(f"{'R':>3s} {'n':>6s} {'default S, G':>16s} " + " ".join(f"{label(c):>9s}" for c in cols))
     for R in args.batches:
         for n in args.lens:
             blocks = -(-n // BS)
@@ -62,17 +72,19 @@ def main() -> None:
                 if pool.shape[1] < KEEP_BLOCKS:  # fewer blocks than kept: the rest -1, as the candidate source gives
                     pool = torch.nn.functional.pad(pool, (0, KEEP_BLOCKS - pool.shape[1]), value=-1)
 
-            def run(s: int | None = None):  # noqa: ANN202
-                return decode_select_triton(q, w, keys, table, BS, nn, n, D ** -0.5, k, pool, cb, keep, splits=s)
+            def run(c: tuple = (None, None, 4)):  # noqa: ANN202
+                return decode_select_triton(q, w, keys, table, BS, nn, n, D ** -0.5, k, pool, cb, keep, splits=c[0],
+                                            groups=c[1], merge_warps=c[2])
 
             ref = run()
-            times = [f"{triton.testing.do_bench_cudagraph(run, rep=20) * 1e3:6.1f} S{select_splits(R, q.device)}"]
-            for s in args.splits:
-                got = run(s)
-                assert torch.equal(got[1].sort(dim=1).values, ref[1].sort(dim=1).values), s
-                assert keep == 0 or torch.equal(got[3], ref[3]), s
-                times.append(f"{triton.testing.do_bench_cudagraph(lambda s=s: run(s), rep=20) * 1e3:8.1f}")
-            print(f"{R:3d} {n:6d} {times[0]:>12s} " + " ".join(times[1:]), flush=True)
+            S = select_splits(R, q.device)
+            times = [f"{triton.testing.do_bench_cudagraph(run, rep=20) * 1e3:6.1f} S{S} G{merge_groups(S)}"]
+            for c in cols:
+                got = run(c)
+                assert torch.equal(got[1].sort(dim=1).values, ref[1].sort(dim=1).values), c
+                assert keep == 0 or torch.equal(got[3], ref[3]), c
+                times.append(f"{triton.testing.do_bench_cudagraph(lambda c=c: run(c), rep=20) * 1e3:9.1f}")
+            print(f"{R:3d} {n:6d} {times[0]:>16s} " + " ".join(times[1:]), flush=True)
 
 
 if __name__ == "__main__":

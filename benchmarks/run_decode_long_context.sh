@@ -8,6 +8,8 @@
 #   splits  the decode selection alone by split count (16 / 32 / 64 a row) at 8K-131K entries, batch 1 and 8, for the
 #           three kinds of V4.1 index layer at V4.1's 32 index heads (MAX_SPLITS = 64 came from a first run at 64
 #           heads and 2K-32K entries)
+#   groups  the same by the merge's group count (1 / 2 / 4 / 8 first-stage programs a row) and its warps (4 / 8), at
+#           32K and 131K entries, batch 1 and 8
 #   profile131k  batch-1 decode after a 131,072-token prompt, its graph's kernels (benchmarks/profile_graph.py
 #           --context): the indexer selection was 3.5 of 7.0 ms a replay on an H100 (2026-12-05); target >= 50% of
 #           the floor
@@ -42,6 +44,14 @@ part_splits() {
   done
 }
 
+part_groups() {  # the merge's group count (1 = one merge program a row) and warps, V4.1's 131K shapes
+  local m
+  for m in candidate pooled plain; do
+    timeout 240 python3 benchmarks/decode_select_splits.py --mode $m --heads 32 --batches 1 8 \
+      --lens 32768 131072 --groups 1 2 4 8 --merge-warps 4 8 > "$out/decode_select_groups-$m.log" 2>&1
+    echo "decode_select_groups $m (rc $?):"; tail -6 "$out/decode_select_groups-$m.log"  # 2 batches x 2 lens
+  done
+}
 part_profile131k() {
   make_preset $p
   timeout 300 python3 benchmarks/profile_graph.py /tmp/$p 1 20 --context=131072 > "$out/decode131k.log" 2>&1

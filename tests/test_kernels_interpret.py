@@ -409,25 +409,31 @@ def test_decode_select_kernels_equal_torch() -> None:
                 pool = torch.stack([torch.randperm(nb + 2, generator=g)[:C] for _ in range(R)])
                 pool[:, C - 2:] = -1
             ref = decode_select_torch(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep)
-            for S in (1, 3, 64) if M >= 300 else (1, 3):  # 64 = MAX_SPLITS: most splits past a short row's end
-                got = decode_select_triton(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep, splits=S)
+            # (splits, merge groups): one merge program a row (G 1), or G group lists first, with shares of
+            # unequal size (16 / 3) and groups past a short row's keys; 64 = MAX_SPLITS, most splits past its end
+            runs = [(1, 1), (3, 1), (4, 2)] + ([(64, None), (16, 3)] if M >= 300 else [])
+            for S, G in runs:
+                got = decode_select_triton(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep, splits=S,
+                                           groups=G)
                 for a, b in zip(ref[:3], got[:3]):
-                    assert a.dtype == b.dtype and torch.equal(a, b), (R, M, k, C, keep, S, a, b)
+                    assert a.dtype == b.dtype and torch.equal(a, b), (R, M, k, C, keep, S, G, a, b)
                 assert (ref[3] is None) == (keep == 0) and (keep == 0 or torch.equal(ref[3], got[3])), (ref[3], got)
                 checked += 1
-        assert checked == 22
+        assert checked == 34
         print("ok")
     """)
 
 
 def test_select_splits_fill_the_gpu_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode selection's split count: rows x splits >= twice the SMs, at most MAX_SPLITS (64: the batch-1 long
-    rows measured fastest there), at least one."""
+    rows measured fastest there), at least one; and its merge's group count."""
     idx = pytest.importorskip("dsv4.ops.indexer")
     monkeypatch.setattr(idx, "_sm_count", lambda device: 132)
     dev = torch.device("cpu")
     assert idx.MAX_SPLITS == 64
     assert [idx.select_splits(R, dev) for R in (1, 4, 5, 8, 33, 64, 264, 1000)] == [64, 64, 53, 33, 8, 5, 1, 1]
+    # the merge's first stage: ~8 split lists a group, none (1) under 16 splits
+    assert [idx.merge_groups(S) for S in (64, 53, 33, 17, 16, 15, 8, 1)] == [8, 6, 4, 2, 2, 1, 1, 1]
 
 
 def test_pick_table_sources_kernel_equals_torch() -> None:

@@ -259,6 +259,9 @@ EMPTY_KEY = -1
 # 64 heads, benchmarks/results/2026-12-05-h100-decode-select-splits; V4.1's 131K rows are 65K-131K entries at 32
 # heads, not yet measured); from batch 8 the 2x-SM rule below picks ~32.
 MAX_SPLITS = 64
+# Programs per row of the merge's first stage (`merge_groups`). The merge was one program a row: at batch 1 and 131K
+# its 64 lists of 512 keys were walked in turn on one SM, 336 us a call on an H100 (2026-12-05-h100-decode-select-splits).
+MAX_GROUPS = 8
 
 if triton is not None:
 
@@ -422,39 +425,75 @@ if triton is not None:
         return c + tl.sum(oki, axis=0), thr
 
     @triton.jit
-    def _top_of(row, n_keys, acc, L: tl.constexpr, W, V):
-        """acc[0:L) := the top L keys of n_keys keys (-1 = none), sorted; acc has 2L places; L-wide windows
-        through `_take`, with its short-context sort (decode compiles once, and every step pays its sort). Key p
-        is at row[(p // V) * W + p % V]: lists of W places of which only the first V can hold keys (the splits'
-        sorted lists: a split's chunk has at most V blocks), or V = W for keys in a row. So the candidate source's
-        block lists at 131K and 64 splits (256 blocks in 2,048 places each) are read 256 a list, not 2,048. Only
-        keys that beat the threshold cost sort work: after the first L keys few others pass."""
+    def _top_of(row, p0, p1, acc, L: tl.constexpr, W, V):
+        """acc[0:L) := the top L of keys p0 <= p < p1 (-1 = none), sorted, -1 past the last; acc has 2L places;
+        L-wide windows through `_take`, with its short-context sort (decode compiles once, and every step pays its
+        sort). Key p is at row[(p // V) * W + p % V]: lists of W places of which only the first V can hold keys
+        (the splits' sorted lists: a split's chunk has at most V blocks), or V = W for keys in a row. So the
+        candidate source's block lists at 131K and 64 splits (256 blocks in 2,048 places each) are read 256 a
+        list, not 2,048. Only keys that beat the threshold cost sort work: after the first L keys few others
+        pass."""
         c = tl.zeros([], tl.int32)
         thr = tl.zeros([], tl.int64) - 1
         j = tl.arange(0, L)
-        for w0 in range(0, n_keys + L, L):
+        for w0 in range(p0, p1 + L, L):
             p = w0 + j
-            x = tl.load(row + (p // V) * W + p % V, mask=p < n_keys, other=-1)
-            c, thr = _take(acc, c, thr, x, w0 < n_keys, L, L, True)
+            x = tl.load(row + (p // V) * W + p % V, mask=p < p1, other=-1)
+            c, thr = _take(acc, c, thr, x, w0 < p1, L, L, True)
 
     @triton.jit
-    def _select_merge_kernel(n_ptr, C, row_ptr, brow_ptr, acc_ptr, bacc_ptr, S,
-                             table_ptr, t_stride, BS, picks_ptr, slots_ptr, mask_ptr, K, cands_ptr, KEEP,
-                             L: tl.constexpr, LB: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr,
-                             KP: tl.constexpr, KEEPP: tl.constexpr, POOL: tl.constexpr, BLOCKS: tl.constexpr):
-        """Per row: the top K of every split's keys (raw keys at row[u], or one list per split), then the picks,
-        their slots through the table and the mask; BLOCKS: the kept candidate blocks. acc / bacc: 2L / 2LB
-        places a row."""
-        r = tl.program_id(0).to(tl.int64)
-        n = tl.load(n_ptr + r)
+    def _key_counts(n, C, S, L: tl.constexpr, LB: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr,
+                    POOL: tl.constexpr):
+        """What the split kernel left for a row of n visible entries: (entry keys, block keys, block keys a split's
+        list can hold). Raw (chunk <= L): the U unit keys in a row, and a block key per CB units; else S sorted lists
+        of L entry keys, and S block lists of which the first min(LB, chunk / CB) places can hold keys."""
         if POOL:
             U = C * CB
         else:
             U = n
         chunk = tl.maximum(tl.cdiv(tl.cdiv(U, S), SUB), 1) * SUB
         raw = chunk <= L
+        nk = tl.where(raw, U, S * L)
+        vb = tl.where(raw, LB, tl.minimum(LB, chunk // CB))
+        nb = tl.where(raw, tl.cdiv(U, CB), S * vb)
+        return nk, nb, vb
+
+    @triton.jit
+    def _select_group_kernel(n_ptr, C, row_ptr, brow_ptr, part_ptr, bpart_ptr, S, G,
+                             L: tl.constexpr, LB: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr,
+                             POOL: tl.constexpr, BLOCKS: tl.constexpr):
+        """Program (row r, group g): the top L of the g-th of G equal shares of the row's entry keys into
+        part[r, g, 0:L) (2L places a group), and BLOCKS the top LB of its block keys into bpart. The merge then
+        takes G lists, not S lists or every raw key: one program a row would walk 64 lists of 512 keys in turn at
+        batch 1 (131K), on one SM."""
+        r = tl.program_id(0).to(tl.int64)
+        g = tl.program_id(1)
+        nk, nb, vb = _key_counts(tl.load(n_ptr + r), C, S, L, LB, CB, SUB, POOL)
+        p0 = tl.minimum(g * tl.cdiv(nk, G), nk)  # a group past the last key still writes its (empty) list
+        _top_of(row_ptr + r * S * L, p0, tl.minimum(nk, p0 + tl.cdiv(nk, G)), part_ptr + (r * G + g) * (2 * L),
+                L, L, L)
+        if BLOCKS:
+            b0 = tl.minimum(g * tl.cdiv(nb, G), nb)
+            _top_of(brow_ptr + r * S * LB, b0, tl.minimum(nb, b0 + tl.cdiv(nb, G)),
+                    bpart_ptr + (r * G + g) * (2 * LB), LB, LB, vb)
+
+    @triton.jit
+    def _select_merge_kernel(n_ptr, C, row_ptr, brow_ptr, part_ptr, bpart_ptr, acc_ptr, bacc_ptr, S, G,
+                             table_ptr, t_stride, BS, picks_ptr, slots_ptr, mask_ptr, K, cands_ptr, KEEP,
+                             L: tl.constexpr, LB: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr,
+                             KP: tl.constexpr, KEEPP: tl.constexpr, POOL: tl.constexpr, BLOCKS: tl.constexpr,
+                             GROUPED: tl.constexpr):
+        """Per row: the top K of every split's keys (raw keys at row[u], or one list per split; GROUPED: the G
+        group lists of `_select_group_kernel`), then the picks, their slots through the table and the mask; BLOCKS:
+        the kept candidate blocks. acc / bacc: 2L / 2LB places a row."""
+        r = tl.program_id(0).to(tl.int64)
+        nk, nb, vb = _key_counts(tl.load(n_ptr + r), C, S, L, LB, CB, SUB, POOL)
         acc = acc_ptr + r * (2 * L)
-        _top_of(row_ptr + r * S * L, tl.where(raw, U, S * L), acc, L, L, L)
+        if GROUPED:  # group g's list holds at most its share of keys: V of its places are read
+            V = tl.maximum(tl.minimum(L, tl.cdiv(nk, G)), 1)  # >= 1: the address divides by it
+            _top_of(part_ptr + r * G * (2 * L), 0, G * V, acc, L, 2 * L, V)
+        else:
+            _top_of(row_ptr + r * S * L, 0, nk, acc, L, L, L)
         j = tl.arange(0, KP)
         jm = j < K
         key = tl.load(acc + j, mask=jm, other=-1)
@@ -466,9 +505,11 @@ if triton is not None:
         tl.store(mask_ptr + r * K + j, ok, mask=jm)
         if BLOCKS:
             bacc = bacc_ptr + r * (2 * LB)
-            vb = tl.where(raw, LB, tl.minimum(LB, chunk // CB))  # keys a split's block list can hold
-            nb = tl.where(raw, tl.cdiv(U, CB), S * vb)
-            _top_of(brow_ptr + r * S * LB, nb, bacc, LB, LB, vb)
+            if GROUPED:
+                VB = tl.maximum(tl.minimum(LB, tl.cdiv(nb, G)), 1)
+                _top_of(bpart_ptr + r * G * (2 * LB), 0, G * VB, bacc, LB, 2 * LB, VB)
+            else:
+                _top_of(brow_ptr + r * S * LB, 0, nb, bacc, LB, LB, vb)
             jb = tl.arange(0, KEEPP)
             jbm = jb < KEEP
             bkey = tl.load(bacc + jb, mask=jbm & (jb < LB), other=-1)
@@ -487,14 +528,22 @@ def select_splits(R: int, device: torch.device) -> int:
     return max(1, min(MAX_SPLITS, -(-2 * _sm_count(device) // max(1, R))))
 
 
+def merge_groups(S: int) -> int:
+    """Programs per row that first cut a row's S split lists (or raw keys) to G lists before the one-program merge:
+    about 8 lists a group, at most MAX_GROUPS; 1 (no group launch) under 16 splits, which is batch 17 and up."""
+    return max(1, min(MAX_GROUPS, S // 8))
+
+
 def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor,
                          block_size: int, n: torch.Tensor, max_entries: int, scale: float, k: int,
                          pool: torch.Tensor | None = None, cand_block: int = 1, keep_blocks: int = 0,
-                         splits: int | None = None) -> Selection:
-    """The same in two launches whose work follows each row's n (or its candidate blocks), never max_entries:
-    scores of the visible entries into per-row scratch of splits x next_pow2(k) keys with running top-k lists,
-    then a merge per row. `max_entries` only bounds k (as the reference's width does). `splits` overrides the
-    shape-derived split count (tests)."""
+                         splits: int | None = None, groups: int | None = None,
+                         merge_warps: int = 4) -> Selection:
+    """The same in two or three launches whose work follows each row's n (or its candidate blocks), never
+    max_entries: scores of the visible entries into per-row scratch of splits x next_pow2(k) keys with running
+    top-k lists, with many splits a first merge into `groups` lists a row, then a merge per row. `max_entries`
+    only bounds k (as the reference's width does). `splits` / `groups` / `merge_warps` override the shape-derived
+    counts (tests, benchmarks)."""
     assert triton is not None, "triton is not installed"
     R, H, D = q.shape
     dev = q.device
@@ -513,6 +562,7 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
     L = max(triton.next_power_of_2(k), SUB)
     LB = max(triton.next_power_of_2(keep_blocks), L // cand_block) if blocks else 1
     S = splits or select_splits(R, dev)
+    G = min(groups or merge_groups(S), max(1, S // 2))  # the group lists reuse the split kernel's tiles (S x L)
     row = torch.empty(R, S * L, dtype=torch.int64, device=dev)
     tile = torch.empty(R, S * L, dtype=torch.int64, device=dev)
     acc = torch.empty(R, 2 * L, dtype=torch.int64, device=dev)
@@ -523,16 +573,20 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
     cand = pool.contiguous() if pool is not None else picks
     C = pool.shape[1] if pool is not None else 0
     bf16 = dots_in_bf16(keys)
+    n = n.contiguous()
     _select_split_kernel[(R, S)](
         q.to(torch.bfloat16 if bf16 else torch.float32).contiguous(), w.float().contiguous(), keys.contiguous(),
-        table, table.stride(0), n.contiguous(), cand, cand.stride(0), C, row, tile, brow, btile, S, H, D, block_size,
+        table, table.stride(0), n, cand, cand.stride(0), C, row, tile, brow, btile, S, H, D, block_size,
         float(scale), L=L, LB=LB, CB=cand_block, SUB=SUB, BLOCK_H=max(16, triton.next_power_of_2(H)),
         BLOCK_D=max(16, triton.next_power_of_2(D)), POOL=pool is not None, BLOCKS=blocks, BF16=bf16, num_warps=4)
+    if G > 1:  # group lists [R, G, 2L] / [R, G, 2LB] in the tiles, free once the split kernel is done
+        _select_group_kernel[(R, G)](n, C, row, brow, tile, btile, S, G, L=L, LB=LB, CB=cand_block, SUB=SUB,
+                                     POOL=pool is not None, BLOCKS=blocks, num_warps=merge_warps)
     _select_merge_kernel[(R,)](
-        n.contiguous(), C, row, brow, acc, bacc, S, table, table.stride(0), block_size, picks, slots,
+        n, C, row, brow, tile, btile, acc, bacc, S, G, table, table.stride(0), block_size, picks, slots,
         mask, k, cands if cands is not None else picks, keep_blocks, L=L, LB=LB, CB=cand_block, SUB=SUB,
         KP=triton.next_power_of_2(k), KEEPP=triton.next_power_of_2(max(keep_blocks, 1)), POOL=pool is not None,
-        BLOCKS=blocks, num_warps=4)
+        BLOCKS=blocks, GROUPED=G > 1, num_warps=merge_warps)
     return picks, slots, mask, cands
 
 
