@@ -1,6 +1,8 @@
 """Per-kernel GPU time of one long prefill step: where the 16K prefill's time goes (issue 23, item 2).
 
 usage: PYTHONPATH=. python3 benchmarks/profile_prefill.py MODEL_DIR [PROMPT_LEN] [TOP]
+       SITES=1 ...: then a third prefill profiled with input shapes, its aten ops by GPU time and shapes (which of the
+       eight `index` calls takes 1.6 ms, and whose `cat` is that)
 
 One request of PROMPT_LEN (default 16384) random tokens, prefilled in one step (the step budget is the prompt) after
 an untimed warm-up prefill of the same length (kernels compiled and autotuned for its shapes), then profiled with
@@ -11,6 +13,7 @@ matching pattern of `FAMILIES` in the kernel's name) against the step's wall tim
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -75,7 +78,14 @@ def main() -> None:
     for label, us in sorted(by_family.items(), key=lambda kv: -kv[1]):
         print(f"  {label:28s} {us / 1e3:9.1f} ms  {100 * us / total_us:5.1f}%")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=top, max_name_column_width=80))
-
+    if os.environ.get("SITES") == "1":  # (with_stack gives no Python frames here; shapes name the call)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+            prefill(2)
+        ops = [e for e in prof.key_averages(group_by_input_shape=True)
+               if e.key.startswith("aten::") and _device_us(e) > 0]
+        print("aten ops by GPU time, by input shapes:")
+        for e in sorted(ops, key=_device_us, reverse=True)[:top]:
+            print(f"{_device_us(e) / 1e3:8.2f} ms {e.count:4d}x {e.key:28s} {str(e.input_shapes)[:200]}")
 
 if __name__ == "__main__":
     main()

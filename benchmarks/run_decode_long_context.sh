@@ -46,7 +46,7 @@ part_splits() {
 
 part_groups() {  # the merge's group count (1 = one merge program a row) and warps, V4.1's 131K shapes
   local m
-  for m in candidate pooled plain; do
+  for m in ${MODES:-candidate pooled plain}; do
     timeout 240 python3 benchmarks/decode_select_splits.py --mode $m --heads 32 --batches 1 8 \
       --lens 32768 131072 --groups 1 2 4 8 --merge-warps 4 8 > "$out/decode_select_groups-$m.log" 2>&1
     echo "decode_select_groups $m (rc $?):"; tail -6 "$out/decode_select_groups-$m.log"  # 2 batches x 2 lens
