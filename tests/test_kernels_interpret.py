@@ -156,7 +156,7 @@ def test_group_rows_kernel_at_its_row_limit() -> None:
 def test_rope_kernel_matches_torch(shape: tuple, half: int) -> None:
     _interpret(f"""
         import torch
-        from dsv4.ops.rope import apply_rope_torch, apply_rope_triton
+        from dsv4.ops.rope import apply_rope_torch, apply_rope_torch_, apply_rope_triton, apply_rope_triton_
         g = torch.Generator().manual_seed(1)
         x = torch.randn({shape}, generator=g)
         pos = torch.randint(0, 5000, ({shape[0]},), generator=g).float()
@@ -172,6 +172,16 @@ def test_rope_kernel_matches_torch(shape: tuple, half: int) -> None:
             # cos/sin as the strided halves of one table row (what a prepared RotaryTable returns): read in place
             table = torch.cat([cos, sin], dim=-1)
             assert torch.equal(apply_rope_triton(x, table[:, :{half}], table[:, {half}:], inverse), got)
+            # in place: the same bits, the nope channels untouched (rows past a 32-row program, strided tables,
+            # and a non-contiguous x written back through the copy)
+            for fn, want in ((apply_rope_triton_, got), (apply_rope_torch_, ref)):
+                y = x.clone()
+                assert fn(y, table[:, :{half}], table[:, {half}:], inverse) is y and torch.equal(y, want)
+            xt = x.transpose(0, -1).contiguous().transpose(0, -1)  # same values, not contiguous
+            assert torch.equal(apply_rope_triton_(xt, cos, sin, inverse), got)
+        rows = torch.randn(70, *x.shape[1:], generator=g)  # 70 * heads rows: partial last program
+        c, s_ = torch.randn(70, {half}, generator=g), torch.randn(70, {half}, generator=g)
+        assert torch.equal(apply_rope_triton_(rows.clone(), c, s_), apply_rope_triton(rows, c, s_))
         print("ok")
     """)
 

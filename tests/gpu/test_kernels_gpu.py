@@ -8,7 +8,7 @@ import torch
 from dsv4.ops.mhc import hc_post_torch, hc_post_triton
 from dsv4.ops.moe import (PLAN_KERNEL_MAX_ROWS, expert_gemv_torch, expert_gemv_triton, expert_grouped_torch,
                           expert_grouped_triton, group_rows_torch, group_rows_triton)
-from dsv4.ops.rope import apply_rope_torch, apply_rope_triton
+from dsv4.ops.rope import apply_rope_torch, apply_rope_triton, apply_rope_triton_
 
 
 @pytest.mark.parametrize("T", [1, 64, 4096])
@@ -21,7 +21,8 @@ def test_hc_post(T: int) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape,half", [((64, 64, 512), 32), ((64, 512), 32), ((7, 32, 128), 32)])
+@pytest.mark.parametrize("shape,half", [((64, 64, 512), 32), ((64, 512), 32), ((7, 32, 128), 32),
+                                        ((4096, 64, 512), 32)])
 def test_rope(dtype: torch.dtype, shape: tuple, half: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(shape, device="cuda", generator=g).to(dtype)
@@ -31,6 +32,8 @@ def test_rope(dtype: torch.dtype, shape: tuple, half: int) -> None:
         got = apply_rope_triton(x, ang.cos(), ang.sin(), inverse)
         tol = 1e-6 if dtype == torch.float32 else 1e-2
         assert torch.allclose(ref.float(), got.float(), rtol=tol, atol=tol)
+        y = x.clone()  # in place, rope channels only: the same bits as the copying kernel
+        assert apply_rope_triton_(y, ang.cos(), ang.sin(), inverse) is y and torch.equal(y, got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
