@@ -29,7 +29,7 @@ from dsv4.ops.host_copy import to_device
 from dsv4.ops.indexer import decode_select, indexer_scores, pick_sources
 from dsv4.ops.norm_rope import rms_norm_rope, write_rms_norm_rope
 from dsv4.ops.rmsnorm import MODE_UNWEIGHTED
-from dsv4.ops.rope import apply_rope
+from dsv4.ops.rope import apply_rope_
 from dsv4.ops.topk import stable_topk
 from dsv4.runtime.attn_metadata import CUDA_ROW_CHUNK, AttnMetadata, DecodeMetadata, row_chunks, token_key_slots
 from dsv4.runtime.kv_cache import LayerKVCache
@@ -174,7 +174,7 @@ class Indexer(Compressor):
         """Indexer queries [T, IH, d] (roped, in the model dtype: the scoring kernels take them as they are) and head
         weights [T, IH] (fp32), from the query latents qr and the rows through scorer.weights_proj (`head_logits`,
         projected with the compressor's siblings)."""
-        qi = apply_rope(self.q_b_proj(qr).view(qr.shape[0], self.n_heads, self.head_dim), cos, sin)
+        qi = apply_rope_(self.q_b_proj(qr).view(qr.shape[0], self.n_heads, self.head_dim), cos, sin)
         return qi, head_logits.float() * self.n_heads ** -0.5
 
     def select_decode(self, qi: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, slots: torch.Tensor,
@@ -275,7 +275,7 @@ class Attention(nn.Module):
             outs.append(self._attend_rows(q[a:b], None if qi is None else qi[a:b], None if iw is None else iw[a:b],
                                           rows.window_slots, rows.window_mask, eslots, rows.n_entries, cache))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
-        out = apply_rope(out, cos, sin, inverse=True)  # V carried rope: undo it at the query position
+        out = apply_rope_(out, cos, sin, inverse=True)  # V carried rope: undo it at the query position (in place)
         return self._output(out)
 
 
@@ -291,7 +291,7 @@ class Attention(nn.Module):
         compressed = self._compressed_decode(x, qr, dmd, cache, cos, sin) if self.compressor is not None else None
         sources = [(cache.window, dmd.window_slots, dmd.window_mask)] + ([compressed] if compressed is not None else [])
         out = decode_sink_attention(q, sources, self.sinks, self.head_dim ** -0.5)
-        out = apply_rope(out, cos, sin, inverse=True)
+        out = apply_rope_(out, cos, sin, inverse=True)
         return self._output(out)
 
     def _compressed_decode(self, x: torch.Tensor, qr: torch.Tensor, dmd: DecodeMetadata, cache: LayerKVCache,

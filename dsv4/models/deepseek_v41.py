@@ -37,7 +37,7 @@ from dsv4.ops.indexer_prefill import prefill_select, use_prefill_select
 from dsv4.ops.mhc_streams import expand as expand_streams
 from dsv4.ops.norm_rope import rms_norm_rope
 from dsv4.ops.rmsnorm import MODE_V41, rms_norm_v41_triton, triton
-from dsv4.ops.rope import apply_rope
+from dsv4.ops.rope import apply_rope, apply_rope_
 from dsv4.ops.router import fp32_reciprocal, route
 from dsv4.ops.swiglu import swiglu
 from dsv4.ops.topk import stable_topk
@@ -194,7 +194,7 @@ class Indexer(nn.Module):
         """Queries [T, IH, d] (roped, FP4, in the model dtype: the scoring kernels take them as they are) and head
         weights [T, IH] (fp32)."""
         q = self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim)
-        q = fp4_fake_quant_ue8m0(apply_rope(q, cos, sin))
+        q = fp4_fake_quant_ue8m0(apply_rope_(q, cos, sin))
         return q, self.weights_proj(x).float() * self.n_heads ** -0.5
 
 
@@ -361,11 +361,11 @@ class AttentionV41(nn.Module):
         [T, D] (wq_a and wkv one product once merged: dsv4.models.layers.merged)."""
         q_lat, kv_lat = project(self, x, "wq_a", "wkv")
         qr = self.q_norm(q_lat)
-        return apply_rope(self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim), cos, sin), qr, kv_lat
+        return apply_rope_(self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim), cos, sin), qr, kv_lat
 
     def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The attention output back to the hidden size: inverse rope (keys are roped values), grouped wo_a, wo_b."""
-        out = apply_rope(out, cos, sin, inverse=True)
+        out = apply_rope_(out, cos, sin, inverse=True)  # in place: only the rope channels move
         y = self.wo_b(project_groups(out, self.wo_a, self.o_groups))
         return y if self.tp is None else self.tp.all_reduce_(y)  # tensor parallelism: this rank's groups only
 

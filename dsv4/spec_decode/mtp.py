@@ -35,7 +35,7 @@ from dsv4.models.deepseek_v4 import Attention, DecoderLayer
 from dsv4.models.layers.attention import sink_attention_rows
 from dsv4.models.layers.mhc import HyperHead, collapse, expand
 from dsv4.models.layers.norm import RMSNorm, unweighted_rms_norm
-from dsv4.ops.rope import apply_rope
+from dsv4.ops.rope import apply_rope, apply_rope_
 
 
 def mtp_model_config(cfg: ModelConfig) -> ModelConfig:
@@ -88,7 +88,7 @@ class MTPLayer(DecoderLayer):
         attn: Attention = self.self_attn
         qr = attn.q_a_norm(attn.q_a_proj(x))
         q = unweighted_rms_norm(attn.q_b_proj(qr).view(x.shape[0], attn.n_heads, attn.head_dim), attn.eps)
-        return apply_rope(q, cos, sin)
+        return apply_rope_(q, cos, sin)
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Roped key/value latents [R, hd] of the attention inputs x [R, D]."""
