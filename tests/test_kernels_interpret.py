@@ -186,6 +186,21 @@ def test_rope_kernel_matches_torch(shape: tuple, half: int) -> None:
     """)
 
 
+def test_rope_in_place_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`apply_rope_` writes into x and returns it; with DSV4_ROPE_INPLACE=0 (comparisons) it leaves x alone and
+    returns the copy: the same values either way."""
+    rope = pytest.importorskip("dsv4.ops.rope")
+    g = torch.Generator().manual_seed(3)
+    x, ang = torch.randn(6, 4, 32, generator=g), torch.rand(6, 8, generator=g) * 100
+    want = rope.apply_rope_torch(x, ang.cos(), ang.sin())
+    y = x.clone()
+    assert rope.apply_rope_(y, ang.cos(), ang.sin()) is y and torch.equal(y, want)
+    monkeypatch.setattr(rope, "ROPE_INPLACE", False)
+    y = x.clone()
+    got = rope.apply_rope_(y, ang.cos(), ang.sin())
+    assert got is not y and torch.equal(y, x) and torch.equal(got, want)
+
+
 def test_rms_norm_rope_kernel_equals_the_two_kernels() -> None:
     """`rms_norm_rope_triton` (an attention layer's norm then rope in one launch) gives the bits of the RMSNorm kernel
     followed by the rope kernel: the unweighted per-head query norm, HF-V4's weighted and V4.1's norm (bf16 and fp32

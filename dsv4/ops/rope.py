@@ -15,7 +15,11 @@ prefill's query and output ropes moved 2 GB each, 0.67 ms a call on an H100.
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+ROPE_INPLACE = os.environ.get("DSV4_ROPE_INPLACE", "1") != "0"
 
 try:
     import triton
@@ -156,7 +160,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: b
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """In place (x's rope channels; x is returned): Triton on CUDA, torch elsewhere. For tensors nothing else reads
-    before the rope: a projection's fresh output, an attention output."""
+    before the rope: a projection's fresh output, an attention output. Callers use the result: with
+    DSV4_ROPE_INPLACE=0 (comparisons) it is `apply_rope`'s copy."""
+    if not ROPE_INPLACE:
+        return apply_rope(x, cos, sin, inverse)
     if x.is_cuda and triton is not None:
         return apply_rope_triton_(x, cos, sin, inverse)
     return apply_rope_torch_(x, cos, sin, inverse)
