@@ -315,11 +315,19 @@ def test_combine_experts_kernel_is_bit_exact() -> None:
                 y = (torch.randn(T * k, D, generator=g) * 3).to(dtype)
                 shared = torch.randn(T, D, generator=g).to(dtype)
                 w = torch.rand(T * k, generator=g)
+                rows = torch.randperm(T * k, generator=g)  # the slots' rows elsewhere (sorted experts' order)
                 for weights in (None, w):
                     ref = combine_experts_torch(y, weights, shared, k)
                     got = combine_experts_triton(y, weights, shared, k)
                     assert got.dtype == ref.dtype == dtype and got.shape == ref.shape == (T, D)
                     assert torch.equal(ref.view(bits), got.view(bits)), (dtype, T, k, weights is None)
+                    # read through rows: the same as the rows moved into slot order first (weights stay per slot)
+                    moved = torch.empty_like(y)
+                    moved[torch.arange(T * k)] = y[rows]
+                    ref = combine_experts_torch(moved, weights, shared, k)
+                    for fn in (combine_experts_torch, combine_experts_triton):
+                        got = fn(y, weights, shared, k, rows)
+                        assert torch.equal(ref.view(bits), got.view(bits)), (dtype, T, k, weights is None, "rows")
         print("ok")
     """)
 

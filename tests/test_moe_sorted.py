@@ -56,6 +56,10 @@ def test_sorted_rows_equal_the_route_order_rows(T: int, k: int, E: int, before: 
     ref = _route_order(x, weights, idx, gate_up, down, 1.5, before)
     assert got.shape == (T * k, D) and got.dtype == torch.float32
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    # the rows where the GEMMs leave them: route r's at y[at[r]], rows sorted by expert (stable)
+    y, at = moe_sorted.experts_sorted_rows(x, weights, idx, gate_up, down, 1.5, before, missing=False)
+    assert torch.equal(y[at], got) and torch.equal(at.sort().values, torch.arange(T * k))
+    assert torch.equal(idx.flatten()[at.argsort()], idx.flatten().sort(stable=True).values)
 
 
 @pytest.mark.parametrize("before", [False, True])
@@ -185,8 +189,9 @@ def test_engine_tokens_with_the_sorted_path(request: pytest.FixtureRequest, monk
 
     plain = run()
     calls = []
-    real = moe_sorted.experts_sorted
+    real = moe_sorted.experts_sorted_rows
     monkeypatch.setattr(moe_sorted, "use_sorted_experts", lambda *args: True)
-    monkeypatch.setattr(moe_sorted, "experts_sorted", lambda *a, **kw: calls.append(a[2].shape[0]) or real(*a, **kw))
+    monkeypatch.setattr(moe_sorted, "experts_sorted_rows",
+                        lambda *a, **kw: calls.append(a[2].shape[0]) or real(*a, **kw))
     assert run() == plain
     assert max(calls) == 32  # a whole prefill chunk's tokens went through it

@@ -232,11 +232,15 @@ def expert_grouped(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x_div: i
 
 
 # ---- combine: the slots' outputs and the shared expert, one launch ------------------------------------------------
-def combine_experts_torch(y: torch.Tensor, weights: torch.Tensor | None, shared: torch.Tensor, k: int) -> torch.Tensor:
+def combine_experts_torch(y: torch.Tensor, weights: torch.Tensor | None, shared: torch.Tensor, k: int,
+                          rows: torch.Tensor | None = None) -> torch.Tensor:
     """The MoE output from the routed rows y [T*k, D] (the down projections, model dtype) and the shared expert's
     output [T, D]. V4.1 (weights None: applied before the down projection) sums the slots and the shared expert in
     fp32 and rounds once; V4 (weights [T*k] fp32, applied here) sums the weighted slots in fp32, rounds to the model
-    dtype, then adds the shared expert in the model dtype."""
+    dtype, then adds the shared expert in the model dtype. `rows` [T*k]: slot t * k + j's output is y[rows[t * k +
+    j]] (the sorted experts' rows, read where they are), else y[t * k + j]."""
+    if rows is not None:
+        y = y.index_select(0, rows)
     T = y.shape[0] // k
     if weights is None:
         return (y.float().view(T, k, -1).sum(dim=1) + shared.float()).to(y.dtype)
@@ -247,15 +251,19 @@ def combine_experts_torch(y: torch.Tensor, weights: torch.Tensor | None, shared:
 if triton is not None:
 
     @triton.jit
-    def _combine_kernel(y_ptr, w_ptr, s_ptr, out_ptr, D, K: tl.constexpr, WEIGHTED: tl.constexpr,
-                        BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
+    def _combine_kernel(y_ptr, w_ptr, s_ptr, rows_ptr, out_ptr, D, K: tl.constexpr, WEIGHTED: tl.constexpr,
+                        ROWS: tl.constexpr, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = c < D
         dt = out_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(K):  # the slots in order, one fp32 add each (torch's sum over the slot dim)
-            yv = tl.load(y_ptr + (t * K + j) * D + c, mask=m, other=0.0).to(tl.float32)
+            if ROWS:
+                row = tl.load(rows_ptr + t * K + j).to(tl.int64)
+            else:
+                row = t * K + j
+            yv = tl.load(y_ptr + row * D + c, mask=m, other=0.0).to(tl.float32)
             if WEIGHTED:
                 yv = yv * tl.load(w_ptr + t * K + j)
             acc += yv
@@ -268,8 +276,8 @@ if triton is not None:
 
 
 def combine_experts_triton(y: torch.Tensor, weights: torch.Tensor | None, shared: torch.Tensor,
-                           k: int) -> torch.Tensor:
-    """The same in one launch (instead of 4-5 elementwise kernels and a reduction)."""
+                           k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The same in one launch (instead of 4-5 elementwise kernels and a reduction); `rows` read in it."""
     assert triton is not None, "triton is not installed"
     T, D = shared.shape
     y, shared = y.contiguous(), shared.contiguous()
@@ -277,13 +285,16 @@ def combine_experts_triton(y: torch.Tensor, weights: torch.Tensor | None, shared
     if T:
         w = weights.float().contiguous() if weights is not None else y
         block = min(1024, triton.next_power_of_2(D))
-        _combine_kernel[(T, triton.cdiv(D, block))](y, w, shared, out, D, K=k, WEIGHTED=weights is not None,
-                                                    BLOCK=block, INTERPRET=INTERPRET, enable_fp_fusion=False)
+        r = rows.contiguous() if rows is not None else y
+        _combine_kernel[(T, triton.cdiv(D, block))](y, w, shared, r, out, D, K=k, WEIGHTED=weights is not None,
+                                                    ROWS=rows is not None, BLOCK=block, INTERPRET=INTERPRET,
+                                                    enable_fp_fusion=False)
     return out
 
 
-def combine_experts(y: torch.Tensor, weights: torch.Tensor | None, shared: torch.Tensor, k: int) -> torch.Tensor:
+def combine_experts(y: torch.Tensor, weights: torch.Tensor | None, shared: torch.Tensor, k: int,
+                    rows: torch.Tensor | None = None) -> torch.Tensor:
     """Triton on CUDA, torch elsewhere."""
     if y.is_cuda and triton is not None and shared.dtype == y.dtype:
-        return combine_experts_triton(y, weights, shared, k)
-    return combine_experts_torch(y, weights, shared, k)
+        return combine_experts_triton(y, weights, shared, k, rows)
+    return combine_experts_torch(y, weights, shared, k, rows)

@@ -12,9 +12,9 @@ How. For routes `idx` [T, k] (expert per (token, slot) row r = t * k + j; -1: an
 2. gather x's rows in that order once (xs[i] = x[order[i] // k]);
 3. gate_up on the sorted rows, SwiGLU (V4.1: the routing weight applied before down, also gathered), down on the
    same sorted rows: the intermediate stays sorted, so there is one gather and one scatter for the layer;
-4. scatter back to route order (into xs's memory, which is no longer needed) for `combine_experts`.
+4. `combine_experts` reads each route's output where the GEMMs left it, through the inverse order (`at`).
 Rows past the last expert's end (the -1 rows under expert parallelism) are computed by neither GEMM (their memory is
-left as allocated), so their outputs are zeroed before the scatter; without missing rows there are none.
+left as allocated), so their outputs are zeroed; without missing rows there are none.
 
 Quantized experts (MXFP4 / FP8 `QuantWeight`, the released checkpoints): each GEMM first dequantizes the experts to
 bf16 (dsv4/ops/expert_dequant.py: one launch, half a byte read and two written per MXFP4 weight), all of them at once
@@ -125,6 +125,17 @@ def experts_sorted(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, ga
     """The routed experts' outputs [T * k, D] in route order (row t * k + j: token t's slot j), as
     `dsv4.models.layers.moe.moe_output`'s grouped matmuls give them to `combine_experts`: with the routing weight
     applied before down (V4.1, fp32 SwiGLU) or not at all (V4: combine weighs). -1 routes give rows of zeros."""
+    y, at = experts_sorted_rows(x, weights, idx, gate_up, down, limit, weight_before_down, missing)
+    return y.index_select(0, at)
+
+
+def experts_sorted_rows(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                        gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight, limit: float,
+                        weight_before_down: bool, missing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`experts_sorted`'s rows where the GEMMs leave them: (y [T * k, D] in sorted order, at [T * k]: route row r's
+    output is y[at[r]]), for `combine_experts(rows=at)`, which reads them in place. Scattering them to route order
+    first took an aten index_copy_ of the whole [T * k, D] (a 16K prefill's 8 `index_elementwise_kernel` calls, 1.6
+    ms each on an H100, are most likely these: ~40% of the copy bandwidth)."""
     T, k = idx.shape
     E, inter = gate_up.shape[0], down.shape[2]
     routes = sort_routes(idx.flatten(), E, missing)
@@ -139,10 +150,13 @@ def experts_sorted(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, ga
     else:
         h = swiglu(g, u, limit, fp32=False)
     del gu, g, u
+    del xs
     y = sorted_matmul(h, down, routes, ends)
     if routes.valid is not None:
         y = torch.where(routes.valid, y, 0)
-    return xs.index_copy_(0, routes.order, y)  # (xs has y's shape: [R, D])
+    order = routes.order
+    at = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
+    return y, at
 
 
 def grouped_mm_fast(x: torch.Tensor, w: torch.Tensor | QuantWeight) -> bool:

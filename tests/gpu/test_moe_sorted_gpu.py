@@ -125,10 +125,10 @@ def test_engine_prefill_through_the_sorted_path(tiny_v41: str, monkeypatch: pyte
 
     plain = run()
     calls = []
-    real = moe_sorted.experts_sorted
+    real = moe_sorted.experts_sorted_rows
     monkeypatch.setattr(moe_sorted, "SORTED_EXPERTS", True)
     monkeypatch.setattr(moe_sorted, "MIN_ROWS", 1)
-    monkeypatch.setattr(moe_sorted, "experts_sorted", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(moe_sorted, "experts_sorted_rows", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     got = run()
     assert calls
     for a, b in zip(plain, got):

@@ -135,8 +135,9 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
     inter = down.shape[2]
     quant = isinstance(gate_up, QuantWeight)
     if not fixed and moe_sorted.use_sorted_experts(x, gate_up, down, T * k):
-        routed = moe_sorted.experts_sorted(x, weights, idx, gate_up, down, limit, weight_before_down, missing)
-        return combine_experts(routed, None if weight_before_down else weights.flatten(), shared, k)
+        routed, at = moe_sorted.experts_sorted_rows(x, weights, idx, gate_up, down, limit, weight_before_down,
+                                                    missing)
+        return combine_experts(routed, None if weight_before_down else weights.flatten(), shared, k, at)
     if not fixed or T * k <= E or quant:
         flat = idx.flatten()
         matmul = _routed_matmul(x, flat, E, quant, per_row=fixed and T * k <= E)
