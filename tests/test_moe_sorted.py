@@ -62,6 +62,15 @@ def test_sorted_rows_equal_the_route_order_rows(T: int, k: int, E: int, before: 
     assert torch.equal(idx.flatten()[at.argsort()], idx.flatten().sort(stable=True).values)
 
 
+def test_sorted_rows_scattered_when_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DSV4_SORTED_COMBINE_ROWS=0 (comparisons): the rows come back in route order, no `at`; the same values."""
+    x, gate_up, down, idx, weights, _ = _layer(4, 9, 3, 5)
+    y, at = moe_sorted.experts_sorted_rows(x, weights, idx, gate_up, down, 1.5, True, missing=False)
+    monkeypatch.setattr(moe_sorted, "SORTED_COMBINE_ROWS", False)
+    routed, none = moe_sorted.experts_sorted_rows(x, weights, idx, gate_up, down, 1.5, True, missing=False)
+    assert none is None and torch.equal(routed, y[at])
+
+
 @pytest.mark.parametrize("before", [False, True])
 def test_sorted_rows_in_bf16_round_like_the_grouped_path(before: bool) -> None:
     """bf16: both paths accumulate in fp32 and round each GEMM's output once (the SwiGLU in between too), so they

@@ -48,6 +48,7 @@ from dsv4.ops.swiglu import swiglu
 from dsv4.quant.weight import QuantWeight
 
 SORTED_EXPERTS = os.environ.get("DSV4_SORTED_EXPERTS", "1") == "1"
+SORTED_COMBINE_ROWS = os.environ.get("DSV4_SORTED_COMBINE_ROWS", "1") != "0"
 # Where the sorted path wins, measured on an H200 (benchmarks/results/2026-12-05-h200-moe-prefill-sorted,
 # `moe_prefill_gemm.py`: one layer's routed experts, V4 / V4.1 Flash expert shapes, top-6). What decides is the rows
 # each expert gets: the grouped GEMM's tiles need rows to fill, and every quantized expert is dequantized whole.
@@ -126,16 +127,17 @@ def experts_sorted(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, ga
     `dsv4.models.layers.moe.moe_output`'s grouped matmuls give them to `combine_experts`: with the routing weight
     applied before down (V4.1, fp32 SwiGLU) or not at all (V4: combine weighs). -1 routes give rows of zeros."""
     y, at = experts_sorted_rows(x, weights, idx, gate_up, down, limit, weight_before_down, missing)
-    return y.index_select(0, at)
+    return y if at is None else y.index_select(0, at)
 
 
 def experts_sorted_rows(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                         gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight, limit: float,
-                        weight_before_down: bool, missing: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                        weight_before_down: bool, missing: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`experts_sorted`'s rows where the GEMMs leave them: (y [T * k, D] in sorted order, at [T * k]: route row r's
     output is y[at[r]]), for `combine_experts(rows=at)`, which reads them in place. Scattering them to route order
     first took an aten index_copy_ of the whole [T * k, D] (a 16K prefill's 8 `index_elementwise_kernel` calls, 1.6
-    ms each on an H100, are most likely these: ~40% of the copy bandwidth)."""
+    ms each on an H100, are most likely these: ~40% of the copy bandwidth). With DSV4_SORTED_COMBINE_ROWS=0
+    (comparisons) that scatter is kept: (y in route order, None)."""
     T, k = idx.shape
     E, inter = gate_up.shape[0], down.shape[2]
     routes = sort_routes(idx.flatten(), E, missing)
@@ -155,6 +157,8 @@ def experts_sorted_rows(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tenso
     if routes.valid is not None:
         y = torch.where(routes.valid, y, 0)
     order = routes.order
+    if not SORTED_COMBINE_ROWS:
+        return torch.empty_like(y).index_copy_(0, order, y), None
     at = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=order.device))
     return y, at
 
