@@ -79,6 +79,42 @@ def test_fused_mhc_site_matches_the_composed_path() -> None:
     """)
 
 
+def test_mhc_dots_rows_match_the_composed_projection() -> None:
+    """`hc_dots_rows` (the projection of normed bf16 streams as r * (h . fn), fn in three bf16 parts on the tensor
+    cores) against an fp64 run of the composed path (fp32 norm, fp32 projection): each m within the fp32
+    summation bound (K 2^-24 + 2^-21) of sum |fn h| r, where the fp32 composed path lands too; the parts sum to fn
+    within 2^-26 |fn|. Rows past a 64-row tile, K off the 64-column tile, the site's M = 24 and the final
+    collapse's 4, a zero row (its m 0). Only the first part kept (fn to ~2^-9) or the norm factor left out
+    fails it."""
+    _interpret("""
+        import torch
+        import torch.nn.functional as F
+        from dsv4.ops.mhc import bf16_parts, hc_dots_rows
+        from dsv4.models.layers.norm import unweighted_rms_norm_torch
+        g = torch.Generator().manual_seed(4)
+        n, eps = 4, 1e-6
+        for D, T, M in ((40, 70, 24), (100, 9, 24), (48, 13, 4)):
+            K = n * D
+            fn = torch.nn.Parameter(torch.randn(M, K, generator=g) * K ** -0.5)
+            parts = bf16_parts(fn)
+            assert parts.shape == (3, 32, K) and not parts[:, M:].any()
+            assert ((parts[:, :M].double().sum(0) - fn.double()).abs() <= 2.0 ** -26 * fn.double().abs()).all()
+            h = (torch.randn(T, n, D, generator=g) * 3).to(torch.bfloat16)
+            h[1] = 0
+            got = hc_dots_rows(h, fn, eps)
+            flat64 = unweighted_rms_norm_torch(h.flatten(1).double(), eps)
+            ref = F.linear(flat64, fn.double())
+            r = flat64.abs().sum(1) / h.flatten(1).double().abs().sum(1).clamp(min=1e-30)  # the rows' norm factors
+            bound = (K * 2.0 ** -24 + 2.0 ** -21) * (h.flatten(1).double().abs() @ fn.double().abs().T) * r[:, None]
+            old = F.linear(unweighted_rms_norm_torch(h.flatten(1).float(), eps), fn.float())
+            assert got.dtype == torch.float32 and got.shape == (T, M)
+            assert ((got.double() - ref).abs() <= bound).all(), ((got.double() - ref).abs() / bound).max()
+            assert ((old.double() - ref).abs() <= bound).all()
+            assert not got[1].any()
+        print("ok")
+    """)
+
+
 def test_collapse_rms_norm_kernel_equals_the_two_kernels() -> None:
     """`collapse_rms_norm_triton` (the fused site's sublayer input) gives the bits of the collapse kernel followed
     by the RMSNorm kernel (the same collapse order and roundings, the same statistic over one block of the row),

@@ -103,18 +103,8 @@ def decode_sink_attention_torch(q: torch.Tensor, sources: Sequence[AnySource], s
         k, m = keys[0], masks[0]
     return sink_attention_rows(q, k, m, sinks, scale)
 
-
 if triton is not None:
-
-    @triton.jit
-    def _bf16_dot(a, b, acc, UPCAST: tl.constexpr):
-        """acc + a @ b of bf16 tiles with fp32 accumulation. The CPU interpreter multiplies bf16 tiles as their raw
-        uint16 bits, so there (UPCAST) the tiles go through fp32 first: the same numbers, as bf16 x bf16 products
-        are exact in fp32."""
-        if UPCAST:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            return tl.dot(a, b, acc)
+    from dsv4.ops.rmsnorm import bf16_dot
 
     @triton.jit
     def _source_partial(q, q_other, m_i, l_i, acc, cache_ptr, c_stride, slots_ptr, vis_ptr, L, start, chunk, scale,
@@ -144,12 +134,12 @@ if triton is not None:
             if OTHER:
                 k_other = tl.load(row + d_other[None, :], mask=vis[:, None] & dm_other[None, :], other=0.0)
                 if TC:
-                    s = _bf16_dot(q_other, tl.trans(k_other), s, UPCAST)
+                    s = bf16_dot(q_other, tl.trans(k_other), s, UPCAST)
                 else:
                     s = tl.dot(q_other, tl.trans(k_other.to(tl.float32)), s, input_precision="ieee")
             if TC:
                 # bf16 x bf16 products are exact in fp32 and accumulate in fp32: the reference's fp32 logits
-                s = _bf16_dot(q, tl.trans(k), s, UPCAST)
+                s = bf16_dot(q, tl.trans(k), s, UPCAST)
             else:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), s, input_precision="ieee")
             s = tl.where(vis[None, :], s * scale, float("-inf"))
@@ -165,7 +155,7 @@ if triton is not None:
                 # products accumulate into acc itself (no third register tile and no layout conversion)
                 p_hi = p.to(tl.bfloat16)
                 p_lo = (p - p_hi.to(tl.float32)).to(tl.bfloat16)
-                acc = _bf16_dot(p_lo, k, _bf16_dot(p_hi, k, acc * alpha[:, None], UPCAST), UPCAST)
+                acc = bf16_dot(p_lo, k, bf16_dot(p_hi, k, acc * alpha[:, None], UPCAST), UPCAST)
             else:
                 acc = tl.dot(p, k.to(tl.float32), acc * alpha[:, None], input_precision="ieee")
             m_i = m_new

@@ -11,6 +11,12 @@ fn . h dot products and sum of squares; the second adds the chunks in a fixed or
 rsqrt(mean(h^2) + eps) (the norm is a per-row factor, so fn . (h r) = r (fn . h)) and finishes as `hc_post`. fp32
 throughout; against the composed path only the products' rounding and the sums' order differ (a few fp32 ulps of
 the mixes). Used for decode-sized steps (FUSED_MIXES, FUSED_MAX_ROWS below).
+
+`hc_dots_rows`: the projection m = norm(h) @ fn^T of more rows (prefill, larger batches) as r * (h @ fn^T) in one
+tiled pass over bf16 streams, on the tensor cores: fn (fp32) is split once into three bf16 parts whose sum is fn to
+fp32 precision (8 + 8 + 8 significand bits), and h (bf16) times each part is exact in fp32 before the fp32
+accumulation. The composed path wrote the normed streams in fp32 ([T, N*D]: 1.34 GB at 16K tokens of V4.1) and read
+them back in an fp32 GEMM: ~1.2 ms a site on an H100 at 16K, 17 sites a step (MHC_ROWS below).
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ FUSED_MAX_ROWS = 8
 # columns of the flattened streams a program of the first launch reads, in one load round trip (a decode step's
 # few tokens need many programs: V4 64 chunks of 16384 columns, V4.1 80 of 20480)
 _MIX_CHUNK = 256
+# `hc_dots_rows` for steps of more than FUSED_MAX_ROWS bf16 rows on CUDA; DSV4_MHC_ROWS=0 keeps the composed path
+MHC_ROWS = os.environ.get("DSV4_MHC_ROWS", "1") != "0"
+_ROWS_M = 32  # fn's rows padded to a tensor-core tile ((2+N)N = 24 at N = 4; the final collapse's N = 4)
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -58,7 +67,7 @@ def hc_post_torch(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: i
 
 
 if triton is not None:
-    from dsv4.ops.rmsnorm import INTERPRET, rms_factor
+    from dsv4.ops.rmsnorm import INTERPRET, bf16_dot, rms_factor
 
     @triton.jit
     def _hc_outputs(pre_w, post_w, comb_w, base_ptr, scale_ptr, iters, hc_eps, N: tl.constexpr):
@@ -144,6 +153,30 @@ if triton is not None:
         _store_outputs(pre_ptr, post_ptr, comb_ptr, t, pre, post, comb, N)
 
 
+    @triton.jit
+    def _hc_rows_kernel(h_ptr, parts_ptr, m_ptr, T, K, M, norm_eps, inv_k, BLOCK_T: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
+        """BLOCK_T rows: m[t, :M] = rsqrt(mean(h_t^2) + eps) * sum over the three bf16 parts of fn of h_t . part."""
+        norm_eps = tl.cast(norm_eps, tl.float32)
+        inv_k = tl.cast(inv_k, tl.float32)
+        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = t < T
+        mm = tl.arange(0, BLOCK_M)
+        acc = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            km = k < K
+            x = tl.load(h_ptr + t[:, None] * K + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
+            xf = x.to(tl.float32)
+            sq += xf * xf
+            for p in tl.static_range(3):
+                w = tl.load(parts_ptr + (p * BLOCK_M + mm[:, None]) * K + k[None, :], mask=km[None, :], other=0.0)
+                acc = bf16_dot(x, tl.trans(w), acc, INTERPRET)
+        r = rms_factor(tl.sum(sq, axis=1), K, inv_k, norm_eps, INTERPRET)
+        tl.store(m_ptr + t[:, None] * M + mm[None, :], acc * r[:, None], mask=tm[:, None] & (mm < M)[None, :])
+
+
 def hc_post_triton(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
                    hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same as one Triton launch (one token per program)."""
@@ -198,3 +231,43 @@ def use_fused_mixes(h: torch.Tensor) -> bool:
     n = h.shape[1]
     return (FUSED_MIXES and h.is_cuda and triton is not None and h.shape[0] <= FUSED_MAX_ROWS
             and n & (n - 1) == 0)
+
+
+def bf16_parts(fn: torch.Tensor) -> torch.Tensor:
+    """fn [M, K] (fp32) as three bf16 parts [3, _ROWS_M, K] (rows past M zero) with hi + mid + lo = fn to fp32
+    precision: each part the bf16 rounding of what the ones before left. Kept on fn (a parameter) until it changes,
+    so a step (and a captured graph) pays nothing for it."""
+    cached = getattr(fn, "_dsv4_bf16_parts", None)
+    if cached is not None and cached[0] == fn._version:
+        return cached[1]
+    M, K = fn.shape
+    rest = fn.detach().float()
+    parts = torch.zeros(3, _ROWS_M, K, dtype=torch.bfloat16, device=fn.device)
+    for i in range(3):
+        parts[i, :M] = rest.to(torch.bfloat16)
+        rest = rest - parts[i, :M].float()
+    fn._dsv4_bf16_parts = (fn._version, parts)
+    return parts
+
+
+def hc_dots_rows(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """m [T, M] fp32 = unweighted_rms_norm(h.flatten(1)) @ fn^T for bf16 streams h [T, N, D] and fp32 fn [M, N*D]
+    (M <= 32), one launch: the composed path's value to fp32 rounding and summation order."""
+    assert triton is not None, "triton is not installed"
+    T = h.shape[0]
+    M, K = fn.shape
+    assert M <= _ROWS_M and h.dtype == torch.bfloat16, (M, h.dtype)
+    h2 = h.reshape(T, K).contiguous()
+    m = torch.empty(T, M, dtype=torch.float32, device=h.device)
+    if T:
+        block_t = 64
+        _hc_rows_kernel[(triton.cdiv(T, block_t),)](h2, bf16_parts(fn), m, T, K, M, norm_eps, 1.0 / K,
+                                                    BLOCK_T=block_t, BLOCK_M=_ROWS_M, BLOCK_K=64,
+                                                    INTERPRET=INTERPRET, num_warps=4)
+    return m
+
+
+def use_dots_rows(h: torch.Tensor, fn: torch.Tensor) -> bool:
+    """`hc_dots_rows` for streams h [T, N, D]: on CUDA, switched on, bf16, more than FUSED_MAX_ROWS rows."""
+    return (MHC_ROWS and h.is_cuda and triton is not None and h.dtype == torch.bfloat16
+            and h.shape[0] > FUSED_MAX_ROWS and fn.shape[0] <= _ROWS_M)

@@ -46,6 +46,16 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"  # read once, as trit
 if triton is not None:
 
     @triton.jit
+    def bf16_dot(a, b, acc, UPCAST: tl.constexpr):
+        """acc + a @ b of bf16 tiles with fp32 accumulation. The CPU interpreter multiplies bf16 tiles as their raw
+        uint16 bits, so there (UPCAST) the tiles go through fp32 first: the same numbers, as bf16 x bf16 products
+        are exact in fp32."""
+        if UPCAST:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc)
+
+    @triton.jit
     def cast_rne(y, dt: tl.constexpr, INTERPRET: tl.constexpr):
         """fp32 -> dt with round-to-nearest-even. The compiled cast is RNE already; the interpreter truncates
         fp32 -> bf16, so there the low 16 bits are rounded off by hand first (finite values only)."""

@@ -20,6 +20,44 @@ def test_hc_post(T: int) -> None:
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("T,M", [(9, 24), (4096, 24), (1000, 4)])
+def test_mhc_dots_rows(T: int, M: int) -> None:
+    """`hc_dots_rows` (normed bf16 streams times fp32 fn in one tensor-core pass) against fp64 at V4.1's width
+    (4 x 5120): within the fp32 summation bound (K 2^-24 + 2^-21) of sum |fn h| r, where the composed fp32 path (norm,
+    then cuBLAS fp32 GEMM) lands too."""
+    import torch.nn.functional as F
+
+    from dsv4.models.layers.norm import unweighted_rms_norm_fp32
+    from dsv4.ops.mhc import hc_dots_rows
+
+    g = torch.Generator(device="cuda").manual_seed(T + M)
+    K = 4 * 5120
+    fn = torch.nn.Parameter(torch.randn(M, K, device="cuda", generator=g) * K ** -0.5)
+    h = (torch.randn(T, 4, 5120, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    got = hc_dots_rows(h, fn, 1e-6)
+    hd = h.flatten(1).double()
+    r = torch.rsqrt(hd.square().mean(1) + 1e-6)
+    ref = (hd @ fn.double().T) * r[:, None]
+    bound = (K * 2.0 ** -24 + 2.0 ** -21) * (hd.abs() @ fn.double().abs().T) * r[:, None]
+    old = F.linear(unweighted_rms_norm_fp32(h.flatten(1), 1e-6), fn)
+    assert ((got.double() - ref).abs() <= bound).all(), ((got.double() - ref).abs() / bound).max()
+    assert ((old.double() - ref).abs() <= bound).all()
+
+
+def test_mhc_dots_rows_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiled projection takes bf16 CUDA streams of more than FUSED_MAX_ROWS rows (fewer: the fused decode
+    site), not fp32 ones, and nothing with DSV4_MHC_ROWS=0."""
+    from dsv4.ops import mhc
+
+    fn = torch.zeros(24, 64, device="cuda")
+    rows = lambda T, dt=torch.bfloat16: torch.zeros(T, 4, 16, device="cuda", dtype=dt)  # noqa: E731
+    assert mhc.use_dots_rows(rows(mhc.FUSED_MAX_ROWS + 1), fn) and not mhc.use_dots_rows(rows(mhc.FUSED_MAX_ROWS), fn)
+    assert not mhc.use_dots_rows(rows(64, torch.float32), fn)
+    assert not mhc.use_dots_rows(rows(64).cpu(), fn.cpu())
+    monkeypatch.setattr(mhc, "MHC_ROWS", False)
+    assert not mhc.use_dots_rows(rows(64), fn)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape,half", [((64, 64, 512), 32), ((64, 512), 32), ((7, 32, 128), 32),
                                         ((4096, 64, 512), 32)])

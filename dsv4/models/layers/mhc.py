@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.models.layers.norm import unweighted_rms_norm_fp32
-from dsv4.ops.mhc import hc_mixes_fused, hc_post, use_fused_mixes
+from dsv4.ops.mhc import hc_dots_rows, hc_mixes_fused, hc_post, use_dots_rows, use_fused_mixes
 from dsv4.ops.mhc_streams import collapse, collapse_rms_norm_triton
 from dsv4.ops.mhc_streams import expand as expand_streams
 
@@ -31,12 +31,19 @@ class HyperConnection(nn.Module):
 def hc_mixes(h: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
              norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre, post, comb) of one site from its input streams h [T, N, D], all in fp32 (model.md section 3): the
-    streams' norm, the projection, `hc_post`; with the fused site switched on (dsv4.ops.mhc), two launches on CUDA."""
+    streams' norm, the projection, `hc_post`; with the fused site switched on (dsv4.ops.mhc), two launches on CUDA,
+    and for more rows the norm and projection in one (`hc_dots_rows`)."""
     if use_fused_mixes(h):
         return hc_mixes_fused(h, fn, base, scale, iters, hc_eps, norm_eps)
-    n = h.shape[1]
-    flat = unweighted_rms_norm_fp32(h.flatten(1), norm_eps)
-    return hc_post(F.linear(flat, fn.float()), base, scale, n, iters, hc_eps)
+    return hc_post(normed_projection(h, fn, norm_eps), base, scale, h.shape[1], iters, hc_eps)
+
+
+def normed_projection(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """unweighted_rms_norm(h.flatten(1)) @ fn^T in fp32 (h [T, N, D], fn [M, N*D] fp32): one tiled launch for bf16
+    streams of more rows on CUDA (dsv4.ops.mhc.hc_dots_rows), else the fp32 norm and an fp32 GEMM."""
+    if use_dots_rows(h, fn):
+        return hc_dots_rows(h, fn, norm_eps)
+    return F.linear(unweighted_rms_norm_fp32(h.flatten(1), norm_eps), fn.float())
 
 
 def collapse_norm(h: torch.Tensor, pre: torch.Tensor, norm: nn.Module) -> torch.Tensor:
@@ -64,6 +71,6 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm_fp32(h.flatten(1), self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_fn.float()) * self.hc_scale.float() + self.hc_base.float())
+        m = normed_projection(h, self.hc_fn, self.norm_eps)
+        pre = torch.sigmoid(m * self.hc_scale.float() + self.hc_base.float())
         return collapse(h, pre + self.hc_eps)
