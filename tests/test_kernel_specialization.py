@@ -23,6 +23,8 @@ PER_STEP = {
     ("indexer_prefill", "_prefill_split_kernel"): {"es_stride", "mark_stride", "ESTR", "BSTR", "R", "M", "S"},
     ("indexer_prefill", "_prefill_merge_kernel"): {"ESTR", "BSTR", "S", "es_stride", "M", "K"},
     ("decode_attention", "_rows_kernel"): {"s1_stride", "v1_stride", "L1", "s2_stride", "v2_stride", "L2"},
+    # the decode merge's two stages are one variant (its group count and split count follow the batch)
+    ("indexer", "_select_merge_kernel"): {"S", "G", "STAGE"},
 }
 
 

@@ -459,62 +459,73 @@ if triton is not None:
         return nk, nb, vb
 
     @triton.jit
-    def _select_group_kernel(n_ptr, C, row_ptr, brow_ptr, part_ptr, bpart_ptr, S, G,
+    def _merge_plan(row, part, acc, nk, V1, g, G, STAGE, L: tl.constexpr):
+        """What a merge program reads and where its top list goes, for one list kind (entries: L-key lists, V1 = L;
+        blocks: LB-key lists, V1 = vb) of a row with nk keys: (source, first key, end, W, V, destination) for
+        `_top_of`. STAGE 1: the g-th of G equal shares of the split kernel's keys, to group list g (part + g 2L);
+        STAGE 2: the G group lists (each holds at most its share), or with G = 1 the split kernel's keys, to acc."""
+        share = tl.cdiv(nk, G)
+        if STAGE == 1:
+            src = row
+            p0 = tl.minimum(g * share, nk)  # a group past the last key still writes its (empty) list
+            p1 = tl.minimum(nk, p0 + share)
+            W = tl.zeros([], tl.int64) + L
+            V = tl.zeros([], tl.int64) + V1
+            dst = part + g * (2 * L)
+        elif G > 1:
+            src = part
+            V = tl.maximum(tl.minimum(share, L), 1).to(tl.int64)  # >= 1: the address divides by it
+            p0 = nk * 0
+            p1 = G * V
+            W = tl.zeros([], tl.int64) + 2 * L
+            dst = acc
+        else:
+            src = row
+            p0 = nk * 0
+            p1 = nk + 0
+            W = tl.zeros([], tl.int64) + L
+            V = tl.zeros([], tl.int64) + V1
+            dst = acc
+        return src, p0, p1, W, V, dst
+
+    @triton.jit(do_not_specialize=["S", "G", "STAGE"])
+    def _select_merge_kernel(n_ptr, C, row_ptr, brow_ptr, part_ptr, bpart_ptr, acc_ptr, bacc_ptr, S, G, STAGE,
+                             table_ptr, t_stride, BS, picks_ptr, slots_ptr, mask_ptr, K, cands_ptr, KEEP,
                              L: tl.constexpr, LB: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr,
-                             POOL: tl.constexpr, BLOCKS: tl.constexpr):
-        """Program (row r, group g): the top L of the g-th of G equal shares of the row's entry keys into
-        part[r, g, 0:L) (2L places a group), and BLOCKS the top LB of its block keys into bpart. The merge then
-        takes G lists, not S lists or every raw key: one program a row would walk 64 lists of 512 keys in turn at
-        batch 1 (131K), on one SM."""
+                             KP: tl.constexpr, KEEPP: tl.constexpr, POOL: tl.constexpr, BLOCKS: tl.constexpr):
+        """Per row: the top K of every split's keys (raw keys at row[u], or one list per split), then the picks,
+        their slots through the table and the mask; BLOCKS: the kept candidate blocks. acc / bacc: 2L / 2LB places
+        a row. With many splits a first stage cuts them down: STAGE 1 (grid (R, G)), program (r, g) writes the top
+        list of the g-th share of the row's keys to part[r, g] (2L places; blocks bpart, 2LB) and stops; STAGE 2
+        (grid (R,)) then merges G lists, not S lists or every raw key (one program a row walked 64 lists of 512
+        keys in turn at batch 1 and 131K, on one SM). One kernel for both stages, its stage and counts not
+        specialized: its sorts compile once (the candidate source's 4,096-key sort is tens of seconds)."""
         r = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
         nk, nb, vb = _key_counts(tl.load(n_ptr + r), C, S, L, LB, CB, SUB, POOL)
-        p0 = tl.minimum(g * tl.cdiv(nk, G), nk)  # a group past the last key still writes its (empty) list
-        _top_of(row_ptr + r * S * L, p0, tl.minimum(nk, p0 + tl.cdiv(nk, G)), part_ptr + (r * G + g) * (2 * L),
-                L, L, L)
+        src, p0, p1, W, V, dst = _merge_plan(row_ptr + r * S * L, part_ptr + r * G * (2 * L), acc_ptr + r * (2 * L),
+                                             nk, L, g, G, STAGE, L)
+        _top_of(src, p0, p1, dst, L, W, V)
         if BLOCKS:
-            b0 = tl.minimum(g * tl.cdiv(nb, G), nb)
-            _top_of(brow_ptr + r * S * LB, b0, tl.minimum(nb, b0 + tl.cdiv(nb, G)),
-                    bpart_ptr + (r * G + g) * (2 * LB), LB, LB, vb)
-
-    @triton.jit
-    def _select_merge_kernel(n_ptr, C, row_ptr, brow_ptr, part_ptr, bpart_ptr, acc_ptr, bacc_ptr, S, G,
-                             table_ptr, t_stride, BS, picks_ptr, slots_ptr, mask_ptr, K, cands_ptr, KEEP,
-                             L: tl.constexpr, LB: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr,
-                             KP: tl.constexpr, KEEPP: tl.constexpr, POOL: tl.constexpr, BLOCKS: tl.constexpr,
-                             GROUPED: tl.constexpr):
-        """Per row: the top K of every split's keys (raw keys at row[u], or one list per split; GROUPED: the G
-        group lists of `_select_group_kernel`), then the picks, their slots through the table and the mask; BLOCKS:
-        the kept candidate blocks. acc / bacc: 2L / 2LB places a row."""
-        r = tl.program_id(0).to(tl.int64)
-        nk, nb, vb = _key_counts(tl.load(n_ptr + r), C, S, L, LB, CB, SUB, POOL)
-        acc = acc_ptr + r * (2 * L)
-        if GROUPED:  # group g's list holds at most its share of keys: V of its places are read
-            V = tl.maximum(tl.minimum(L, tl.cdiv(nk, G)), 1)  # >= 1: the address divides by it
-            _top_of(part_ptr + r * G * (2 * L), 0, G * V, acc, L, 2 * L, V)
-        else:
-            _top_of(row_ptr + r * S * L, 0, nk, acc, L, L, L)
-        j = tl.arange(0, KP)
-        jm = j < K
-        key = tl.load(acc + j, mask=jm, other=-1)
-        ok = key >= 0
-        e = tl.where(ok, 2147483647 - (key % 2147483648), 0)
-        blk = tl.load(table_ptr + r * t_stride + e // BS, mask=jm, other=0).to(tl.int64)
-        tl.store(picks_ptr + r * K + j, tl.where(ok, e, -1), mask=jm)
-        tl.store(slots_ptr + r * K + j, blk * BS + e % BS, mask=jm)
-        tl.store(mask_ptr + r * K + j, ok, mask=jm)
-        if BLOCKS:
-            bacc = bacc_ptr + r * (2 * LB)
-            if GROUPED:
-                VB = tl.maximum(tl.minimum(LB, tl.cdiv(nb, G)), 1)
-                _top_of(bpart_ptr + r * G * (2 * LB), 0, G * VB, bacc, LB, 2 * LB, VB)
-            else:
-                _top_of(brow_ptr + r * S * LB, 0, nb, bacc, LB, LB, vb)
-            jb = tl.arange(0, KEEPP)
-            jbm = jb < KEEP
-            bkey = tl.load(bacc + jb, mask=jbm & (jb < LB), other=-1)
-            bid = 2147483647 - (bkey % 2147483648)
-            tl.store(cands_ptr + r * KEEP + jb, tl.where(bkey >= 0, bid, -1), mask=jbm)
+            src, p0, p1, W, V, dst = _merge_plan(brow_ptr + r * S * LB, bpart_ptr + r * G * (2 * LB),
+                                                 bacc_ptr + r * (2 * LB), nb, vb, g, G, STAGE, LB)
+            _top_of(src, p0, p1, dst, LB, W, V)
+        if STAGE == 2:
+            j = tl.arange(0, KP)
+            jm = j < K
+            key = tl.load(acc_ptr + r * (2 * L) + j, mask=jm, other=-1)
+            ok = key >= 0
+            e = tl.where(ok, 2147483647 - (key % 2147483648), 0)
+            blk = tl.load(table_ptr + r * t_stride + e // BS, mask=jm, other=0).to(tl.int64)
+            tl.store(picks_ptr + r * K + j, tl.where(ok, e, -1), mask=jm)
+            tl.store(slots_ptr + r * K + j, blk * BS + e % BS, mask=jm)
+            tl.store(mask_ptr + r * K + j, ok, mask=jm)
+            if BLOCKS:
+                jb = tl.arange(0, KEEPP)
+                jbm = jb < KEEP
+                bkey = tl.load(bacc_ptr + r * (2 * LB) + jb, mask=jbm & (jb < LB), other=-1)
+                bid = 2147483647 - (bkey % 2147483648)
+                tl.store(cands_ptr + r * KEEP + jb, tl.where(bkey >= 0, bid, -1), mask=jbm)
 
 
 @functools.lru_cache(maxsize=None)
@@ -579,14 +590,15 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
         table, table.stride(0), n, cand, cand.stride(0), C, row, tile, brow, btile, S, H, D, block_size,
         float(scale), L=L, LB=LB, CB=cand_block, SUB=SUB, BLOCK_H=max(16, triton.next_power_of_2(H)),
         BLOCK_D=max(16, triton.next_power_of_2(D)), POOL=pool is not None, BLOCKS=blocks, BF16=bf16, num_warps=4)
-    if G > 1:  # group lists [R, G, 2L] / [R, G, 2LB] in the tiles, free once the split kernel is done
-        _select_group_kernel[(R, G)](n, C, row, brow, tile, btile, S, G, L=L, LB=LB, CB=cand_block, SUB=SUB,
-                                     POOL=pool is not None, BLOCKS=blocks, num_warps=merge_warps)
-    _select_merge_kernel[(R,)](
-        n, C, row, brow, tile, btile, acc, bacc, S, G, table, table.stride(0), block_size, picks, slots,
-        mask, k, cands if cands is not None else picks, keep_blocks, L=L, LB=LB, CB=cand_block, SUB=SUB,
-        KP=triton.next_power_of_2(k), KEEPP=triton.next_power_of_2(max(keep_blocks, 1)), POOL=pool is not None,
-        BLOCKS=blocks, GROUPED=G > 1, num_warps=merge_warps)
+    args = (n, C, row, brow, tile, btile, acc, bacc, S, G)  # group lists [R, G, 2L] / [R, G, 2LB] in the tiles
+    rest = (table, table.stride(0), block_size, picks, slots, mask, k, cands if cands is not None else picks,
+            keep_blocks)
+    meta = dict(L=L, LB=LB, CB=cand_block, SUB=SUB, KP=triton.next_power_of_2(k),
+                KEEPP=triton.next_power_of_2(max(keep_blocks, 1)), POOL=pool is not None, BLOCKS=blocks,
+                num_warps=merge_warps)
+    if G > 1:  # the tiles are free once the split kernel is done
+        _select_merge_kernel[(R, G)](*args, 1, *rest, **meta)
+    _select_merge_kernel[(R,)](*args, 2, *rest, **meta)
     return picks, slots, mask, cands
 
 
