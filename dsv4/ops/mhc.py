@@ -268,6 +268,11 @@ def hc_dots_rows(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Te
 
 
 def use_dots_rows(h: torch.Tensor, fn: torch.Tensor) -> bool:
-    """`hc_dots_rows` for streams h [T, N, D]: on CUDA, switched on, bf16, more than FUSED_MAX_ROWS rows."""
-    return (MHC_ROWS and h.is_cuda and triton is not None and h.dtype == torch.bfloat16
-            and h.shape[0] > FUSED_MAX_ROWS and fn.shape[0] <= _ROWS_M)
+    """`hc_dots_rows` for streams h [T, N, D]: on CUDA, switched on, bf16, more than FUSED_MAX_ROWS rows; not in a
+    graph capture before fn's parts exist (they would live in the graph's pool: captures warm up first, so this is
+    only a guard)."""
+    if not (MHC_ROWS and h.is_cuda and triton is not None and h.dtype == torch.bfloat16
+            and h.shape[0] > FUSED_MAX_ROWS and fn.shape[0] <= _ROWS_M):
+        return False
+    cached = getattr(fn, "_dsv4_bf16_parts", None)
+    return (cached is not None and cached[0] == fn._version) or not torch.cuda.is_current_stream_capturing()

@@ -54,6 +54,12 @@ def test_mhc_dots_rows_gate(monkeypatch: pytest.MonkeyPatch) -> None:
     assert mhc.use_dots_rows(rows(mhc.FUSED_MAX_ROWS + 1), fn) and not mhc.use_dots_rows(rows(mhc.FUSED_MAX_ROWS), fn)
     assert not mhc.use_dots_rows(rows(64, torch.float32), fn)
     assert not mhc.use_dots_rows(rows(64).cpu(), fn.cpu())
+    graph = torch.cuda.CUDAGraph()  # a capture before fn's parts exist takes the composed path
+    with torch.cuda.graph(graph):
+        assert not mhc.use_dots_rows(rows(64), fn)
+    mhc.bf16_parts(fn)
+    with torch.cuda.graph(graph := torch.cuda.CUDAGraph()):
+        assert mhc.use_dots_rows(rows(64), fn)
     monkeypatch.setattr(mhc, "MHC_ROWS", False)
     assert not mhc.use_dots_rows(rows(64), fn)
 
