@@ -103,6 +103,7 @@ def decode_sink_attention_torch(q: torch.Tensor, sources: Sequence[AnySource], s
         k, m = keys[0], masks[0]
     return sink_attention_rows(q, k, m, sinks, scale)
 
+
 if triton is not None:
     from dsv4.ops.rmsnorm import bf16_dot
 

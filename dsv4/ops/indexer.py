@@ -541,7 +541,7 @@ def select_splits(R: int, device: torch.device) -> int:
 
 def merge_groups(S: int) -> int:
     """Programs per row that first cut a row's S split lists (or raw keys) to G lists before the one-program merge:
-    about 8 lists a group, at most MAX_GROUPS; 1 (no group launch) under 16 splits, which is batch 17 and up."""
+    about 8 lists a group, at most MAX_GROUPS; 1 (no first stage) under 16 splits (batch 18 and up on 132 SMs)."""
     return max(1, min(MAX_GROUPS, S // 8))
 
 
