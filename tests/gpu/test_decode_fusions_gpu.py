@@ -2,7 +2,8 @@
 launches against the composed CUDA path (fp32 stream norm, cuBLAS fp32 projection, hc_post) and an fp64 reference at
 the released widths; the sublayer input (collapse + RMSNorm in one launch) against the collapse and RMSNorm kernels;
 both under CUDA-graph replay; the engine's greedy tokens with the switch on equal to those with it off (fp32, CUDA
-graphs). V4's router kernel (dsv4.ops.router.FUSED_ROUTER_V4, on by default): the engine's greedy tokens likewise (the
+graphs), and the rows projection of bf16 prefills and larger batches (dsv4.ops.mhc.MHC_ROWS) against the composed
+path in a bf16 engine. V4's router kernel (dsv4.ops.router.FUSED_ROUTER_V4, on by default): the engine's greedy tokens likewise (the
 kernel alone: tests/gpu/test_kernels_gpu.py::test_route_v4). RMSNorm then rope in one launch (dsv4.ops.norm_rope: V4's
 queries and window KV, V4.1's index keys and prefill KV): bit-equal to the RMSNorm and rope kernels at the released
 widths, and to the torch composition on grid inputs; the window-write form; graph replay; the engine's tokens."""
@@ -122,6 +123,27 @@ def test_engine_greedy_tokens_with_the_fused_site(preset: str, tmp_path: object,
     """fp32, CUDA graphs: the fused site gives the tokens of the composed one (its mixes differ by fp32 ulps)."""
     off, on = _greedy_off_and_on(make_model(preset, str(tmp_path), seed=2), mhc, "FUSED_MIXES", monkeypatch)
     assert off == on
+
+
+@pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
+def test_engine_bf16_with_the_mhc_rows_projection(preset: str, tmp_path: object,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 (the rows projection's dtype), CUDA graphs, prompts of 40 and 300 tokens (prefill rows and a batch of
+    9+ decode rows both take it): the first token of each prompt equals the composed path's and its logprob is
+    within bf16 noise (the mixes differ by fp32 summation order)."""
+    path = make_model(preset, str(tmp_path), seed=4)
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 200 + 5 for j in range(n)]} for i, n in enumerate([40, 300] * 5)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=1)
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(mhc, "MHC_ROWS", on)
+        llm = LLM(path, dtype="bfloat16", device="cuda", max_model_len=512, max_num_seqs=16)
+        runs.append(llm.generate(prompts, params))
+        del llm
+    for a, b in zip(*runs):
+        t = a.outputs[0].token_ids[0]
+        assert b.outputs[0].token_ids[0] == t
+        assert abs(a.outputs[0].logprobs[0][t].logprob - b.outputs[0].logprobs[0][t].logprob) < 0.05
 
 
 def test_engine_greedy_tokens_with_the_v4_router_kernel(tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
