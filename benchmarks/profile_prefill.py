@@ -87,5 +87,6 @@ def main() -> None:
         for e in sorted(ops, key=_device_us, reverse=True)[:top]:
             print(f"{_device_us(e) / 1e3:8.2f} ms {e.count:4d}x {e.key:28s} {str(e.input_shapes)[:200]}")
 
+
 if __name__ == "__main__":
     main()

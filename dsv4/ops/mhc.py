@@ -152,7 +152,6 @@ if triton is not None:
         pre, post, comb = _hc_outputs(pre_w, post_w, comb_w, base_ptr, scale_ptr, iters, hc_eps, N)
         _store_outputs(pre_ptr, post_ptr, comb_ptr, t, pre, post, comb, N)
 
-
     @triton.jit
     def _hc_rows_kernel(h_ptr, parts_ptr, m_ptr, T, K, M, norm_eps, inv_k, BLOCK_T: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
@@ -233,13 +232,19 @@ def use_fused_mixes(h: torch.Tensor) -> bool:
             and n & (n - 1) == 0)
 
 
+def _cached_parts(fn: torch.Tensor) -> torch.Tensor | None:
+    """fn's bf16 parts if made since fn last changed."""
+    cached = getattr(fn, "_dsv4_bf16_parts", None)
+    return cached[1] if cached is not None and cached[0] == fn._version else None
+
+
 def bf16_parts(fn: torch.Tensor) -> torch.Tensor:
     """fn [M, K] (fp32) as three bf16 parts [3, _ROWS_M, K] (rows past M zero) with hi + mid + lo = fn to fp32
     precision: each part the bf16 rounding of what the ones before left. Kept on fn (a parameter) until it changes,
     so a step (and a captured graph) pays nothing for it."""
-    cached = getattr(fn, "_dsv4_bf16_parts", None)
-    if cached is not None and cached[0] == fn._version:
-        return cached[1]
+    cached = _cached_parts(fn)
+    if cached is not None:
+        return cached
     M, K = fn.shape
     rest = fn.detach().float()
     parts = torch.zeros(3, _ROWS_M, K, dtype=torch.bfloat16, device=fn.device)
@@ -274,5 +279,4 @@ def use_dots_rows(h: torch.Tensor, fn: torch.Tensor) -> bool:
     if not (MHC_ROWS and h.is_cuda and triton is not None and h.dtype == torch.bfloat16
             and h.shape[0] > FUSED_MAX_ROWS and fn.shape[0] <= _ROWS_M):
         return False
-    cached = getattr(fn, "_dsv4_bf16_parts", None)
-    return (cached is not None and cached[0] == fn._version) or not torch.cuda.is_current_stream_capturing()
+    return _cached_parts(fn) is not None or not torch.cuda.is_current_stream_capturing()

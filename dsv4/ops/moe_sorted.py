@@ -11,7 +11,7 @@ How. For routes `idx` [T, k] (expert per (token, slot) row r = t * k + j; -1: an
 1. sort the rows by expert (stable; -1 rows last) and take each expert's inclusive row end (`SortedRoutes`);
 2. gather x's rows in that order once (xs[i] = x[order[i] // k]);
 3. gate_up on the sorted rows, SwiGLU (V4.1: the routing weight applied before down, also gathered), down on the
-   same sorted rows: the intermediate stays sorted, so there is one gather and one scatter for the layer;
+   same sorted rows: the intermediate stays sorted, so there is one gather for the layer and no scatter;
 4. `combine_experts` reads each route's output where the GEMMs left it, through the inverse order (`at`).
 Rows past the last expert's end (the -1 rows under expert parallelism) are computed by neither GEMM (their memory is
 left as allocated), so their outputs are zeroed; without missing rows there are none.
@@ -151,8 +151,7 @@ def experts_sorted_rows(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tenso
         h = swiglu(g, u, limit, weights.flatten().index_select(0, routes.order), fp32=True)
     else:
         h = swiglu(g, u, limit, fp32=False)
-    del gu, g, u
-    del xs
+    del gu, g, u, xs
     y = sorted_matmul(h, down, routes, ends)
     if routes.valid is not None:
         y = torch.where(routes.valid, y, 0)

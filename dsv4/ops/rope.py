@@ -89,7 +89,6 @@ if triton is not None:
         tl.store(obase + nope + 2 * i, ra, mask=im)
         tl.store(obase + nope + 2 * i + 1, rb, mask=im)
 
-
     @triton.jit
     def _rope_inplace_kernel(x_ptr, cos_ptr, sin_ptr, rows, heads, sign, cos_stride, sin_stride, D: tl.constexpr,
                              HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
