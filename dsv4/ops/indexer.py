@@ -464,6 +464,7 @@ if triton is not None:
         blocks: LB-key lists, V1 = vb) of a row with nk keys: (source, first key, end, W, V, destination) for
         `_top_of`. STAGE 1: the g-th of G equal shares of the split kernel's keys, to group list g (part + g 2L);
         STAGE 2: the G group lists (each holds at most its share), or with G = 1 the split kernel's keys, to acc."""
+        nk = nk.to(tl.int64)  # int32 for a pooled row (C * CB), int64 for a loaded count: one type in every branch
         share = tl.cdiv(nk, G)
         if STAGE == 1:
             src = row

@@ -184,7 +184,8 @@ def test_indexer_scores(R: int, M: int, dtype: torch.dtype) -> None:
 
     g = torch.Generator(device="cuda").manual_seed(R * M)
     H, D, N = 64, 128, 4096
-    q = torch.randn(R, H, D, device="cuda", generator=g)
+    # a bf16 key cache comes with a bf16 model, whose queries are bf16 values (the kernel's premise, dots_in_bf16)
+    q = torch.randn(R, H, D, device="cuda", generator=g).to(dtype).float()
     w = torch.randn(R, H, device="cuda", generator=g)
     keys = torch.randn(N, D, device="cuda", generator=g).to(dtype)
     slots = torch.randint(0, N, (R, M), device="cuda", generator=g)
