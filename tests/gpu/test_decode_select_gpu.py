@@ -80,14 +80,20 @@ def _time_us(fn, reps: int = 50) -> float:  # noqa: ANN001
 def test_decode_select_cost_independent_of_max_entries(R: int) -> None:
     """512 visible entries: the selection with max_entries 4,096 and 1,048,576 (tables sized for each) within
     noise of each other; the only max_entries-sized input is the int32 block table."""
-    times = {}
+    calls = {}
     for M in (4096, 1 << 20):
         q, w, keys, table, n = _inputs(R, M, 7, n_max=512)
         n.fill_(512)
         for mode in ("plain", "candidate_source"):
             keep = KEEP if mode == "candidate_source" else 0
-            times[M, mode] = _time_us(lambda: decode_select_triton(q, w, keys, table, BS, n, M, SCALE, K, None,
-                                                                   CB, keep))
+            calls[M, mode] = (lambda q=q, w=w, keys=keys, table=table, n=n, M=M, keep=keep:
+                              decode_select_triton(q, w, keys, table, BS, n, M, SCALE, K, None, CB, keep))
+    # the best of three interleaved timings of each: one run of single timings, late in a long GPU session on the
+    # H100 (2026-12-06), read 187 vs 234 us for the same work and passed on both reruns
+    times = {key: float("inf") for key in calls}
+    for _ in range(3):
+        for key, call in calls.items():
+            times[key] = min(times[key], _time_us(call))
     print({f"{m}/{mode}": round(t, 1) for (m, mode), t in times.items()})
     for mode in ("plain", "candidate_source"):
         assert times[1 << 20, mode] <= 1.15 * times[4096, mode] + 5, times
