@@ -55,3 +55,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             reporter.write_line("FAILED to build: " + f, red=True)
     if failures:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+@pytest.fixture(scope="module")
+def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """tiny-v4 (seed 0): DeepSeek-V4's every attention kind, with its MTP layer."""
+    return make_model("tiny-v4", str(tmp_path_factory.mktemp("tiny-v4")), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_v41(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """tiny-v41 (seed 0): DeepSeek-V4.1 with Engram and its DSpark drafter."""
+    return make_model("tiny-v41", str(tmp_path_factory.mktemp("tiny-v41")), seed=0)
