@@ -56,6 +56,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if failures:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
+
 @pytest.fixture(scope="module")
 def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> str:
     """tiny-v4 (seed 0): DeepSeek-V4's every attention kind, with its MTP layer."""
