@@ -1,6 +1,8 @@
 """The Triton IR of every kernel variant the CPU tests ran under the interpreter, built for sm_90 (no GPU needed):
 the compiler's front end type-checks what the interpreter does not (kernel_variants/sitecustomize.py notes the
-variants). A variant's `INTERPRET` constexpr is set to False, so the GPU branch is the one checked."""
+variants). Constexprs the host sets only off the interpreter take their GPU values (`GPU_VALUES`): a variant is
+built as the GPU runs it, and once more with its tensor-core / inline-PTX switches on where the interpreter ran them
+off (those branches never run on the CPU)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,22 @@ _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": 
            "float8_e5m2": "fp8e5"}
 
 
+# INTERPRET: the interpreter's own branches (no libdevice, rounding by hand). BF16 (`dots_in_bf16`, the prefill
+# selection) and PTX (`PTX_DECODE`, the quantized experts' decode) are off under the interpreter, on on the GPU.
+GPU_VALUES = {"INTERPRET": False}
+GPU_SWITCHES = {"BF16": True, "PTX": True}
+
+
+def gpu_forms(constexprs: dict) -> list[dict]:
+    """The constexpr sets to build for one recorded variant: as the GPU runs it, and with its switches on."""
+    base = constexprs | {k: v for k, v in GPU_VALUES.items() if k in constexprs}
+    forms = [base]
+    switched = base | {k: v for k, v in GPU_SWITCHES.items() if k in base}
+    if switched != base:
+        forms.append(switched)
+    return forms
+
+
 def _signature(variant: dict) -> dict[str, str]:
     sig = {}
     for name, t in variant["signature"].items():
@@ -20,7 +38,7 @@ def _signature(variant: dict) -> dict[str, str]:
 
 
 def build_ttir(variant: dict) -> str | None:
-    """None when the variant's Triton IR builds for sm_90, else the compiler's message."""
+    """None when the variant's Triton IR builds for sm_90, else the compiler's message (constexprs as given)."""
     import triton
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
@@ -31,8 +49,6 @@ def build_ttir(variant: dict) -> str | None:
     if not isinstance(fn, triton.runtime.jit.JITFunction):
         return f"{variant['module']}.{variant['name']} is not a Triton kernel here"
     consts = dict(variant["constexprs"])
-    if "INTERPRET" in consts:
-        consts["INTERPRET"] = False
     sig = _signature(variant)
     target = GPUTarget("cuda", 90, 32)
     backend = CUDABackend(target)
@@ -49,13 +65,14 @@ def build_ttir(variant: dict) -> str | None:
 
 
 def check_file(path: str) -> tuple[int, list[str]]:
-    """(variants built, failures) for the JSON lines in path, each distinct variant once."""
+    """(IR builds, failures) for the JSON lines in path: each distinct variant in each of its `gpu_forms`."""
     variants = {line for line in open(path) if line.strip()}
-    failures = []
+    built, failures = 0, []
     for line in sorted(variants):
         v = json.loads(line)
-        err = build_ttir(v)
-        if err is not None:
-            failures.append(f"{v['module']}.{v['name']} constexprs={v['constexprs']} signature={v['signature']}:\n"
-                            f"{err}")
-    return len(variants), failures
+        for consts in gpu_forms(v["constexprs"]):
+            built += 1
+            err = build_ttir(v | {"constexprs": consts})
+            if err is not None:
+                failures.append(f"{v['module']}.{v['name']} constexprs={consts} signature={v['signature']}:\n{err}")
+    return built, failures
