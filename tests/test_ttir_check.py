@@ -78,3 +78,18 @@ def test_build_ttir_builds_a_real_kernel_in_its_gpu_form() -> None:
                "signature": {p: types.get(p, "i32") for p in params if p not in consts}}
     (form,) = gpu_forms(consts)
     assert build_ttir(variant | {"constexprs": form}) is None
+
+
+def test_the_recorder_keeps_a_shadowed_sitecustomize(tmp_path: object) -> None:
+    """conftest puts kernel_variants/ first on the children's PYTHONPATH; a sitecustomize further down (a venv's,
+    a distribution's) still runs."""
+    other = os.path.join(str(tmp_path), "other")
+    os.makedirs(other)
+    with open(os.path.join(other, "sitecustomize.py"), "w") as f:
+        f.write("import os\nos.environ['DSV4_OTHER_SITECUSTOMIZE'] = 'ran'\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(HERE, "kernel_variants"), other])}
+    code = "import os, sitecustomize; print(os.environ.get('DSV4_OTHER_SITECUSTOMIZE'), sitecustomize.__file__)"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    ran, first = res.stdout.split()
+    assert ran == "ran" and first.startswith(os.path.join(HERE, "kernel_variants")), res.stdout

@@ -69,6 +69,22 @@ def _install(path: str) -> None:
     InterpretedFunction.run = recording_run
 
 
+def _chain() -> None:
+    """Run the sitecustomize this one shadows, if the Python has one further down its path (a venv's or a
+    distribution's): putting this folder first on PYTHONPATH must not take that one's set-up away."""
+    import importlib.machinery
+    import importlib.util
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
+_chain()
 if _PATH and os.environ.get("TRITON_INTERPRET") == "1":
     try:
         _install(_PATH)
