@@ -14,8 +14,9 @@ _DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": 
            "float8_e5m2": "fp8e5"}
 
 
-# INTERPRET: the interpreter's own branches (no libdevice, rounding by hand). BF16 (`dots_in_bf16`, the prefill
-# selection) and PTX (`PTX_DECODE`, the quantized experts' decode) are off under the interpreter, on on the GPU.
+# INTERPRET: the interpreter's own branches (no libdevice, rounding by hand). BF16 (the indexers' bf16 tensor-core
+# dots: `dots_in_bf16` in decode, the prefill selection's) and PTX (`PTX_DECODE`, the quantized experts' inline PTX)
+# are off under the interpreter and on on the GPU.
 GPU_VALUES = {"INTERPRET": False}
 GPU_SWITCHES = {"BF16": True, "PTX": True}
 
