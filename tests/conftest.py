@@ -49,6 +49,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         os.unlink(path)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
+        reporter.write("\n")  # after the progress line, which the reporter may still think ends the output
         reporter.write_sep("-", f"kernel variants run by the interpreter, built for sm_90: {built}, "
                                 f"{len(failures)} failed ({time.monotonic() - start:.0f} s)", red=bool(failures))
         for f in failures:
