@@ -3,8 +3,8 @@ launches against the composed CUDA path (fp32 stream norm, cuBLAS fp32 projectio
 the released widths; the sublayer input (collapse + RMSNorm in one launch) against the collapse and RMSNorm kernels;
 both under CUDA-graph replay; the engine's greedy tokens with the switch on equal to those with it off (fp32, CUDA
 graphs), and the rows projection of bf16 prefills and larger batches (dsv4.ops.mhc.MHC_ROWS) against the composed
-path in a bf16 engine. V4's router kernel (dsv4.ops.router.FUSED_ROUTER_V4, on by default): the engine's greedy tokens likewise (the
-kernel alone: tests/gpu/test_kernels_gpu.py::test_route_v4). RMSNorm then rope in one launch (dsv4.ops.norm_rope: V4's
+path in a bf16 engine. V4's router kernel (dsv4.ops.router.FUSED_ROUTER_V4, on by default): the engine's greedy
+tokens likewise (the kernel alone: tests/gpu/test_kernels_gpu.py::test_route_v4). RMSNorm then rope in one launch (dsv4.ops.norm_rope: V4's
 queries and window KV, V4.1's index keys and prefill KV): bit-equal to the RMSNorm and rope kernels at the released
 widths, and to the torch composition on grid inputs; the window-write form; graph replay; the engine's tokens."""
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 
 _PATH = os.environ.get("DSV4_KERNEL_VARIANTS")
-_OPTIONS = {"num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg", "grid", "warmup"}
+_OPTIONS = {"num_warps", "num_stages", "num_ctas", "enable_fp_fusion", "maxnreg"}  # launch options, not arguments
 
 
 def _install(path: str) -> None:
+    import functools
     import inspect
     import json
 
@@ -22,9 +23,10 @@ def _install(path: str) -> None:
     seen: set[str] = set()
     run = InterpretedFunction.run
 
-    def constexpr_names(fn: object) -> set[str]:
+    @functools.cache  # once a kernel, not once a launch
+    def constexpr_names(fn: object) -> frozenset[str]:
         params = inspect.signature(fn).parameters.values()
-        return {p.name for p in params if "constexpr" in str(p.annotation)}
+        return frozenset(p.name for p in params if "constexpr" in str(p.annotation))
 
     def arg_type(value: object, specialize: bool) -> tuple[str, object]:
         """('type', name) of a runtime argument, or ('constexpr', value) where the compiler folds it in."""
@@ -40,7 +42,7 @@ def _install(path: str) -> None:
             return "type", "fp32"
         if value is None:
             return "constexpr", None
-        return "unknown", repr(value)
+        return "type", f"unknown {value!r}"  # no Triton type: its IR build fails, naming the kernel
 
     def recording_run(self: InterpretedFunction, *args: object, grid: object, warmup: bool, **kwargs: object) -> object:
         fn = self.fn
