@@ -42,7 +42,8 @@ def main() -> None:
     ap.add_argument("--groups", type=int, nargs="+", default=None,
                     help="instead of split counts: merge group counts at the default split count (1 = one merge "
                          "program a row)")
-    ap.add_argument("--merge-warps", type=int, nargs="+", default=[4], help="warps of the merge kernels")
+    ap.add_argument("--merge-warps", type=int, nargs="+", default=[None],
+                    help="warps of the merge kernels (default: the kernel's own choice by selection kind)")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     # (splits, groups, merge warps) per column; None = the shape-derived default
@@ -72,7 +73,7 @@ def main() -> None:
                 if pool.shape[1] < KEEP_BLOCKS:  # fewer blocks than kept: the rest -1, as the candidate source gives
                     pool = torch.nn.functional.pad(pool, (0, KEEP_BLOCKS - pool.shape[1]), value=-1)
 
-            def run(c: tuple = (None, None, 4)):  # noqa: ANN202
+            def run(c: tuple = (None, None, None)):  # noqa: ANN202
                 return decode_select_triton(q, w, keys, table, BS, nn, n, D ** -0.5, k, pool, cb, keep, splits=c[0],
                                             groups=c[1], merge_warps=c[2])
 

@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     from dsv4.engine.engine import LLMEngine
     from dsv4.sampling_params import SamplingParams
 
-    eng = LLMEngine.from_args(args.model, max_model_len=args.prompt_len + args.decode_steps + 16,
+    # (from_args defaults to the CPU in fp32: the GPU must be asked for)
+    eng = LLMEngine.from_args(args.model, dtype="bfloat16", device="cuda",
+                              max_model_len=args.prompt_len + args.decode_steps + 16,
                               max_num_seqs=args.batch, max_num_batched_tokens=max(2048, args.batch * args.prompt_len),
                               async_scheduling=args.async_scheduling, load_tokenizer=False)
     vocab = eng.config.model.vocab_size

@@ -262,6 +262,11 @@ MAX_SPLITS = 64
 # Programs per row of the merge's first stage (`merge_groups`). The merge was one program a row: at batch 1 and 131K
 # its 64 lists of 512 keys were walked in turn on one SM, 336 us a call on an H100 (2026-12-05-h100-decode-select-splits).
 MAX_GROUPS = 8
+# Warps of a merge program. 8 beat 4 in every case timed on an H100 (the three selection kinds, G 1-8, batch 1 and 8,
+# 32K and 131K entries, same G: the whole selection 8-19% faster for candidate rows, 28-31% pooled, 9-34% plain;
+# benchmarks/results/2026-12-06-h100-decode-select-merge-warps): the merge's sorts and cuts are wide tiles, and
+# 8 warps keep more of one row's work in flight on its SM.
+MERGE_WARPS = 8
 
 if triton is not None:
 
@@ -550,7 +555,7 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
                          block_size: int, n: torch.Tensor, max_entries: int, scale: float, k: int,
                          pool: torch.Tensor | None = None, cand_block: int = 1, keep_blocks: int = 0,
                          splits: int | None = None, groups: int | None = None,
-                         merge_warps: int = 4) -> Selection:
+                         merge_warps: int | None = None) -> Selection:
     """The same in two or three launches whose work follows each row's n (or its candidate blocks), never
     max_entries: scores of the visible entries into per-row scratch of splits x next_pow2(k) keys with running
     top-k lists, with many splits a first merge into `groups` lists a row, then a merge per row. `max_entries`
@@ -596,7 +601,7 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
             keep_blocks)
     meta = dict(L=L, LB=LB, CB=cand_block, SUB=SUB, KP=triton.next_power_of_2(k),
                 KEEPP=triton.next_power_of_2(max(keep_blocks, 1)), POOL=pool is not None, BLOCKS=blocks,
-                num_warps=merge_warps)
+                num_warps=merge_warps or MERGE_WARPS)
     if G > 1:  # the tiles are free once the split kernel is done
         _select_merge_kernel[(R, G)](*args, 1, *rest, **meta)
     _select_merge_kernel[(R,)](*args, 2, *rest, **meta)

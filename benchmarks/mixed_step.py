@@ -1,0 +1,173 @@
+"""Where a mixed step's time goes: D running decodes plus one prompt chunk in one eager step, as `dsv4 serve` runs
+them under `--max-num-batched-tokens D + CHUNK` (issue 23's TPOT point).
+
+usage: PYTHONPATH=. python3 benchmarks/mixed_step.py MODEL_DIR [--decodes 64] [--chunk 512] [--prompt-len 1024]
+       [--new 4] [--top 25]
+
+Why. `bench serve` 1024 in / 128 out at concurrency 64 with `--max-num-batched-tokens 576` (64 decodes + a 512-token
+chunk in every step) gave a median ITL of ~41 ms on an H100 (benchmarks/results/2026-12-06-h100-mixed-load-b576),
+while the same 512 prompt tokens cost ~11 ms of GPU time inside a 16K-token step (46.6k tokens/s) and 64 decodes
+~8.4 ms as a graphed step. A mixed step runs eagerly (no CUDA graph), so the question is whether it is host-bound
+(launches, host syncs that stop the host running ahead) or device-bound (kernels slow at these row counts). This
+prints, for the mixed steps and for the decode-only steps after them:
+- wall time a step (synced before and after), and the host time of `step()` alone;
+- the GPU's kernel time inside the same steps (torch.profiler), and the count of kernels and of aten ops;
+- the synchronizing CUDA calls made by the mixed steps, by dsv4 source line (CUDA's sync debug mode);
+- the top kernels by GPU time.
+
+Set-up: D requests of PROMPT_LEN random tokens are prefilled and decode (kernels compiled, graphs captured); then
+NEW more requests of PROMPT_LEN arrive at once. Their prompts are computed CHUNK tokens a step beside the D..D+NEW
+decodes: NEW x PROMPT_LEN / CHUNK mixed steps. This repeats three times (untimed warm-up, timed, profiled), then
+once more under the sync debug mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import time
+import traceback
+import warnings
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from dsv4.engine.engine import LLMEngine
+from dsv4.sampling_params import SamplingParams
+
+
+def _device_us(e: Any) -> float:
+    return float(getattr(e, "self_device_time_total", 0.0) or getattr(e, "self_cuda_time_total", 0.0))
+
+
+def _where() -> str:
+    frames = [f for f in traceback.extract_stack() if "/dsv4/" in f.filename]
+    return " <- ".join(f"{f.filename.split('/dsv4/')[-1]}:{f.lineno}" for f in frames[-2:][::-1]) or "(outside dsv4)"
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--decodes", type=int, default=64)
+    ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=4)
+    ap.add_argument("--top", type=int, default=25)
+    args = ap.parse_args()
+    d, rounds = args.decodes, 4
+    mixed_per_round = args.new * args.prompt_len // args.chunk
+    max_tokens = (rounds + 1) * (mixed_per_round + 8) + 16  # no request ends before the last round
+    t_start = time.perf_counter()
+    cuda = torch.cuda.is_available()  # (from_args defaults to the CPU in fp32: a GPU run must ask for the GPU)
+    eng = LLMEngine.from_args(args.model, dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu",
+                              max_model_len=args.prompt_len + max_tokens + 8,
+                              max_num_seqs=d + rounds * args.new, max_num_batched_tokens=d + args.chunk,
+                              load_tokenizer=False)
+    print(f"engine start-up {time.perf_counter() - t_start:.1f} s", flush=True)
+    vocab = eng.config.model.vocab_size
+    g = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    n_added = [0]
+
+    def add(n: int) -> None:
+        for _ in range(n):
+            ids = torch.randint(3, vocab, (args.prompt_len,), generator=g).tolist()
+            eng.add_request(ids, params, request_id=f"r{n_added[0]}")
+            n_added[0] += 1
+
+    def prefilling() -> bool:
+        s = eng.scheduler
+        return bool(s.num_waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in s.running)
+
+    def run_round(timed: list[tuple[str, float, float]] | None) -> None:
+        """NEW requests arrive; step until their prompts are in, then 4 decode-only steps."""
+        add(args.new)
+        extra = 4
+        while extra > 0:
+            kind = "mixed" if prefilling() else "decode"
+            if kind == "decode":
+                extra -= 1
+            _sync()
+            t0 = time.perf_counter()
+            eng.step()
+            t1 = time.perf_counter()
+            _sync()
+            t2 = time.perf_counter()
+            if timed is not None:
+                timed.append((kind, t1 - t0, t2 - t0))
+
+    t0 = time.perf_counter()
+    add(d)
+    n_steps = 0
+    while prefilling():
+        eng.step()
+        n_steps += 1
+        if n_steps % 32 == 0:  # progress, so a run cut by its time limit shows where it was
+            print(f"  set-up step {n_steps}, {time.perf_counter() - t0:.1f} s", flush=True)
+    for _ in range(4):
+        eng.step()
+    _sync()
+    print(f"set-up: {d} requests of {args.prompt_len} prefilled in {time.perf_counter() - t0:.1f} s "
+          f"(budget {d + args.chunk} tokens a step)", flush=True)
+    run_round(None)  # warm-up: every mixed-step kernel variant compiled
+    print("warm-up round done", flush=True)
+    timed: list[tuple[str, float, float]] = []
+    run_round(timed)
+    for kind in ("mixed", "decode"):
+        rows = [t for t in timed if t[0] == kind]
+        if rows:
+            host = statistics.median(r[1] for r in rows) * 1e3
+            wall = statistics.median(r[2] for r in rows) * 1e3
+            print(f"{kind:6s} steps: {len(rows)}, median wall {wall:.2f} ms, host time of step() {host:.2f} ms")
+
+    prof_steps: list[tuple[str, float, float]] = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_round(prof_steps)
+    n_mixed = sum(1 for t in prof_steps if t[0] == "mixed")
+    events = prof.key_averages()
+    kernel_us = sum(_device_us(e) for e in events if _device_us(e) > 0)
+    n_kernels = sum(e.count for e in events if _device_us(e) > 0 and not e.key.startswith("aten::"))
+    n_aten = sum(e.count for e in events if e.key.startswith("aten::"))
+    launches = sum(e.count for e in events if e.key in ("cuLaunchKernel", "cudaLaunchKernel", "cuLaunchKernelEx",
+                                                          "cudaLaunchKernelExC", "cudaGraphLaunch"))
+    wall_all = sum(t[2] for t in prof_steps) * 1e3
+    print(f"profiled round: {len(prof_steps)} steps ({n_mixed} mixed), {wall_all:.1f} ms wall (profiler on), "
+          f"{kernel_us / 1e3:.1f} ms of kernel time (aten ops' self device time counted once), "
+          f"{launches} launch calls, {n_kernels} device-time events, {n_aten} aten ops")
+    print(events.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=70))
+
+    if not torch.cuda.is_available():
+        return  # (CUDA's sync debug mode needs a GPU)
+    seen: collections.Counter[str] = collections.Counter()
+
+    def record(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+        if "synchroniz" in str(message):
+            seen[_where()] += 1
+
+    old = warnings.showwarning
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            sync_steps: list[tuple[str, float, float]] = []
+            run_round(sync_steps)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = old
+    n = sum(1 for t in sync_steps if t[0] == "mixed")
+    total = sum(seen.values())
+    print(f"synchronizing calls in one round ({n} mixed + 4 decode steps): {total}")
+    for where, c in seen.most_common(20):
+        print(f"  {c:5d}  {where}")
+
+
+if __name__ == "__main__":
+    main()
