@@ -22,9 +22,13 @@
 #   first     not a server: benchmarks/first_steps.py, a fresh engine's first steps under one wave of 64 x 1024-token
 #             prompts with the Triton compiles each step waited for (run it first on a fresh machine: a cold
 #             Triton cache is what a new server meets)
+#   step      not a server: benchmarks/mixed_step.py, one mixed step (64 decodes + a CHUNK-token prompt chunk, CHUNKS
+#             default "512 1984": b576's and base's steps) timed as wall against host time, with its kernel time
+#             and host syncs: is the ~41 ms step of b576 (2026-12-06) host-bound?
+#   syncs     not a server: benchmarks/host_syncs.py, the synchronizing CUDA calls of a 512-token prefill and of the
+#             batch-1 decode steps after it
 # Compare TPOT / ITL (step length) against TTFT and throughput (prefill spread over more steps) across the parts.
 . "$(dirname "$0")/device_lib.sh"
-use_wheels || exit 1  # the server's fastapi / uvicorn (call with carry [".whl"])
 p=${PRESET:-v41-flash-8l}
 port=${PORT:-8123}
 # (a CPU smoke test of the script: PRESET=tiny-v41 with /tmp/tiny-v41 made beforehand, INPUT_LEN=64 OUTPUT_LEN=8
@@ -33,6 +37,7 @@ port=${PORT:-8123}
 # serve_and_bench NAME SERVE_ARGS...: start the server with SERVE_ARGS, wait for /health, run the load, stop it
 serve_and_bench() {
   local name=$1; shift
+  use_wheels || return 1  # the server's fastapi / uvicorn (call with carry [".whl"])
   make_preset $p
   DSV4_LOG_COMPILES=1 timeout 900 python3 -m dsv4.cli serve --model /tmp/$p --port "$port" \
     --max-num-seqs "${CONCURRENCY:-64}" "$@" \
@@ -76,6 +81,21 @@ part_first() {
   make_preset $p
   timeout 400 python3 benchmarks/first_steps.py /tmp/$p --json "$out/first_steps.json" > "$out/first_steps.log" 2>&1
   echo "first_steps (rc $?):"; grep -E "engine ready|all [0-9]+ prompts|variants" "$out/first_steps.log" | head -12
+}
+
+part_step() {
+  make_preset $p
+  local c
+  for c in ${CHUNKS:-512 1984}; do
+    timeout 240 python3 -u benchmarks/mixed_step.py /tmp/$p --chunk "$c" --top 40 > "$out/mixed_step-$c.log" 2>&1
+    echo "mixed_step chunk $c (rc $?):"; grep -E "start-up|set-up:|steps:|profiled|synchronizing" "$out/mixed_step-$c.log"
+  done
+}
+
+part_syncs() {
+  make_preset $p
+  timeout 200 python3 -u benchmarks/host_syncs.py /tmp/$p > "$out/host_syncs.log" 2>&1
+  echo "host_syncs (rc $?):"; grep -E "steps," "$out/host_syncs.log"
 }
 
 run_parts "$@"
