@@ -43,7 +43,7 @@ _VIEWS = {"view", "slice", "select", "unsqueeze", "squeeze", "expand", "t", "tra
           "as_strided", "detach", "alias", "_unsafe_view", "unbind", "split", "split_with_sizes", "chunk", "narrow",
           "flatten", "unflatten", "view_as", "expand_as", "movedim"}
 # the dispatchers that take a Triton kernel on CUDA: one launch each there
-_KERNELS = [(mhc, "hc_post"), (rope, "apply_rope"), (moe, "expert_gemv"), (moe, "expert_grouped"),
+_KERNELS = [(mhc, "hc_post"), (rope, "apply_rope"), (rope, "apply_rope_"), (moe, "expert_gemv"), (moe, "expert_grouped"),
             (moe, "combine_experts"), (indexer, "indexer_scores"),
             (indexer, "pick_sources"), (indexer, "decode_select"), (indexer, "pick_table_sources"),
             (engram, "engram_update"), (decode_attention, "decode_sink_attention"),
