@@ -10,6 +10,7 @@ the 16,384 entries of its 2,048 candidate blocks (pooled, --lens 131072).
 
 usage: PYTHONPATH=. python3 benchmarks/decode_select_splits.py [--mode plain|candidate|pooled] [--batches 1 32]
            [--lens 136 512 2048 8192] [--splits 1 2 4 8 16 | --groups 1 2 4 8] [--merge-warps 4 8] [--heads 64]
+           [--radix]
    V4.1 at long context: --heads 32 --mode candidate --lens 8192 32768 131072 --splits 16 32 64 (then pooled,
    plain)
 
@@ -44,6 +45,8 @@ def main() -> None:
                          "program a row)")
     ap.add_argument("--merge-warps", type=int, nargs="+", default=[None],
                     help="warps of the merge kernels (default: the kernel's own choice by selection kind)")
+    ap.add_argument("--radix", action="store_true",
+                    help="one more column: the default counts with the merge as a radix select (radix=True)")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     # (splits, groups, merge warps) per column; None = the shape-derived default
@@ -53,7 +56,8 @@ def main() -> None:
         cols = [(sp, None, mw) for sp in args.splits for mw in args.merge_warps]
     label = lambda c: (f"G={c[1]}" if args.groups else f"S={c[0]}") + (f"/w{c[2]}" if len(args.merge_warps) > 1 else "")
     print(f"mode {args.mode}; us for the whole selection; default S, G = the shape-derived split and group counts")
-    print(f"{'R':>3s} {'n':>6s} {'default S, G':>16s} " + " ".join(f"{label(c):>9s}" for c in cols))
+    print(f"{'R':>3s} {'n':>6s} {'default S, G':>16s} " + " ".join(f"{label(c):>9s}" for c in cols)
+          + (f" {'radix':>9s}" if args.radix else ""))
     for R in args.batches:
         for n in args.lens:
             blocks = -(-n // BS)
@@ -73,9 +77,9 @@ def main() -> None:
                 if pool.shape[1] < KEEP_BLOCKS:  # fewer blocks than kept: the rest -1, as the candidate source gives
                     pool = torch.nn.functional.pad(pool, (0, KEEP_BLOCKS - pool.shape[1]), value=-1)
 
-            def run(c: tuple = (None, None, None)):  # noqa: ANN202
+            def run(c: tuple = (None, None, None), radix: bool = False):  # noqa: ANN202
                 return decode_select_triton(q, w, keys, table, BS, nn, n, D ** -0.5, k, pool, cb, keep, splits=c[0],
-                                            groups=c[1], merge_warps=c[2])
+                                            groups=c[1], merge_warps=c[2], radix=radix)
 
             ref = run()
             S = select_splits(R, q.device)
@@ -85,6 +89,11 @@ def main() -> None:
                 assert torch.equal(got[1].sort(dim=1).values, ref[1].sort(dim=1).values), c
                 assert keep == 0 or torch.equal(got[3], ref[3]), c
                 times.append(f"{triton.testing.do_bench_cudagraph(lambda c=c: run(c), rep=20) * 1e3:9.1f}")
+            if args.radix:
+                got = run(radix=True)
+                assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), "radix"
+                assert keep == 0 or torch.equal(got[3], ref[3]), "radix blocks"
+                times.append(f"{triton.testing.do_bench_cudagraph(lambda: run(radix=True), rep=20) * 1e3:9.1f}")
             print(f"{R:3d} {n:6d} {times[0]:>16s} " + " ".join(times[1:]), flush=True)
 
 

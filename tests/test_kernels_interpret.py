@@ -493,6 +493,52 @@ def test_decode_select_kernels_equal_torch() -> None:
     """)
 
 
+def test_decode_select_radix_merge_equals_torch() -> None:
+    """The decode selection with its merge as a radix select (`radix=True`: digit counts, scans, gather, one
+    sort) against the reference, as the test above checks the sort-based merge (the same exact-product grids, so
+    scores tie and only ids order them): raw keys and running lists, short rows and empty ones, the candidate
+    source's blocks (more blocks than kept, all kept), a pooled source, -0.0 scores, 64 splits over a long row."""
+    _interpret("""
+        import torch
+        from dsv4.ops.indexer import decode_select_torch, decode_select_triton
+        g = torch.Generator().manual_seed(12)
+        grid = lambda x: (x * 2).round() / 2
+        checked = 0
+        for R, H, D, bs, M, k, C, CB, keep, neg, splits in [
+            (3, 4, 32, 4, 40, 8, 0, 4, 0, False, (1, 3)),      # running lists (1 split), raw keys (3)
+            (3, 4, 32, 4, 300, 8, 0, 8, 4, False, (4, 64)),    # candidate blocks, most of 64 splits past the end
+            (3, 4, 16, 4, 400, 8, 40, 4, 0, False, (3,)),      # pooled source
+            (3, 4, 16, 4, 60, 8, 0, 4, 0, True, (3,)),         # -0.0 / 0.0 scores: ids order everything
+            (3, 4, 32, 4, 150, 8, 0, 4, 40, False, (3,)),      # every block kept
+        ]:
+            MB = -(-M // bs) + 1
+            N = (MB * R + 5) * bs
+            q, keys = grid(torch.randn(R, H, D, generator=g)), grid(torch.randn(N, D, generator=g))
+            w = torch.randn(R, H, generator=g)
+            if neg:
+                w = -w.abs() - 0.1
+                q = -q.abs()
+                keys = keys.abs()
+            table = torch.randint(1, N // bs, (R, MB), generator=g, dtype=torch.int32)
+            n = torch.randint(0, M + 1, (R,), generator=g)
+            n[0], n[1], n[2] = M, 0, k - 1
+            pool = None
+            if C:
+                pool = torch.stack([torch.randperm(-(-M // CB) + 2, generator=g)[:C] for _ in range(R)])
+                pool[:, C - 2:] = -1
+            ref = decode_select_torch(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep)
+            for S in splits:
+                got = decode_select_triton(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep, splits=S,
+                                           radix=True)
+                for a, b in zip(ref[:3], got[:3]):
+                    assert a.dtype == b.dtype and torch.equal(a, b), (R, M, k, C, keep, S, a, b)
+                assert (ref[3] is None) == (keep == 0) and (keep == 0 or torch.equal(ref[3], got[3])), (ref[3], got)
+                checked += 1
+        assert checked == 7
+        print("ok")
+    """)
+
+
 def test_select_splits_fill_the_gpu_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     """The decode selection's split count: rows x splits >= twice the SMs, at most MAX_SPLITS (64: the batch-1 long
     rows measured fastest there), at least one; and its merge's group count."""

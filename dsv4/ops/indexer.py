@@ -267,6 +267,13 @@ MAX_GROUPS = 8
 # benchmarks/results/2026-12-06-h100-decode-select-merge-warps): the merge's sorts and cuts are wide tiles, and
 # 8 warps keep more of one row's work in flight on its SM.
 MERGE_WARPS = 8
+# The merge as a radix select (`_radix_*` below) instead of sorted cuts: opt-in until timed on a GPU.
+RADIX_SELECT = os.environ.get("DSV4_SELECT_RADIX", "0") == "1"
+RADIX_ROUNDS = 8  # 8-bit digits of an int64 key
+RADIX_TILE = 256  # keys a count / gather step
+# int64 places a row: [0, 4) the entries' state (prefix, need, done), [4, 8) the blocks', [8, 264) and [264, 520)
+# their digit counts, 520 / 521 their gather counts
+RADIX_STATE = 522
 
 if triton is not None:
 
@@ -517,21 +524,162 @@ if triton is not None:
                                                  bacc_ptr + r * (2 * LB), nb, vb, g, G, STAGE, LB)
             _top_of(src, p0, p1, dst, LB, W, V)
         if STAGE == 2:
-            j = tl.arange(0, KP)
-            jm = j < K
-            key = tl.load(acc_ptr + r * (2 * L) + j, mask=jm, other=-1)
-            ok = key >= 0
-            e = tl.where(ok, 2147483647 - (key % 2147483648), 0)
-            blk = tl.load(table_ptr + r * t_stride + e // BS, mask=jm, other=0).to(tl.int64)
-            tl.store(picks_ptr + r * K + j, tl.where(ok, e, -1), mask=jm)
-            tl.store(slots_ptr + r * K + j, blk * BS + e % BS, mask=jm)
-            tl.store(mask_ptr + r * K + j, ok, mask=jm)
-            if BLOCKS:
-                jb = tl.arange(0, KEEPP)
-                jbm = jb < KEEP
-                bkey = tl.load(bacc_ptr + r * (2 * LB) + jb, mask=jbm & (jb < LB), other=-1)
-                bid = 2147483647 - (bkey % 2147483648)
-                tl.store(cands_ptr + r * KEEP + jb, tl.where(bkey >= 0, bid, -1), mask=jbm)
+            _write_selection(r, acc_ptr, bacc_ptr, table_ptr, t_stride, BS, picks_ptr, slots_ptr, mask_ptr, K,
+                             cands_ptr, KEEP, L, LB, KP, KEEPP, BLOCKS)
+
+    @triton.jit
+    def _write_selection(r, acc_ptr, bacc_ptr, table_ptr, t_stride, BS, picks_ptr, slots_ptr, mask_ptr, K,
+                         cands_ptr, KEEP, L: tl.constexpr, LB: tl.constexpr, KP: tl.constexpr,
+                         KEEPP: tl.constexpr, BLOCKS: tl.constexpr):
+        """Row r's outputs from its sorted top keys (acc, 2L places a row; BLOCKS: bacc, 2LB): the picks (entry
+        ids), their slots through the block table and the mask; the kept candidate blocks."""
+        j = tl.arange(0, KP)
+        jm = j < K
+        key = tl.load(acc_ptr + r * (2 * L) + j, mask=jm, other=-1)
+        ok = key >= 0
+        e = tl.where(ok, 2147483647 - (key % 2147483648), 0)
+        blk = tl.load(table_ptr + r * t_stride + e // BS, mask=jm, other=0).to(tl.int64)
+        tl.store(picks_ptr + r * K + j, tl.where(ok, e, -1), mask=jm)
+        tl.store(slots_ptr + r * K + j, blk * BS + e % BS, mask=jm)
+        tl.store(mask_ptr + r * K + j, ok, mask=jm)
+        if BLOCKS:
+            jb = tl.arange(0, KEEPP)
+            jbm = jb < KEEP
+            bkey = tl.load(bacc_ptr + r * (2 * LB) + jb, mask=jbm & (jb < LB), other=-1)
+            bid = 2147483647 - (bkey % 2147483648)
+            tl.store(cands_ptr + r * KEEP + jb, tl.where(bkey >= 0, bid, -1), mask=jbm)
+
+    # ---- the merge as a radix select (DSV4_SELECT_RADIX=1) ------------------------------------------------------
+    # The sort-based merge above cuts 2L-key (candidate blocks: up to 4,096-key) tiles with bitonic sorts, a few
+    # of them one after another in one program a row. Here the top K of a row's split keys are found digit by
+    # digit instead: keys are unique int64 (score order, then id), so the K-th largest is fixed by its 8-bit
+    # digits, most significant first. Each round, the row's P programs count their keys of the current bucket by
+    # digit (a 256-bin histogram a row, added with atomics) and one program a row (`_radix_scan`, the next launch)
+    # picks the digit the K-th key has; a row is done once its bucket's keys are all taken (usually after 2-4 of
+    # the 8 rounds: later launches return at once). Then every key >= the threshold is gathered (any order) and
+    # one L-wide sort orders the K (the sort-based merge's output, bit for bit).
+
+    @triton.jit
+    def _radix_count(src, nk, W, V, st, hist, ROUND, pid, P, TILE: tl.constexpr):
+        """Program pid of P: the keys p < nk of one list kind (key p at src[(p // V) * W + p % V], -1 = none) in
+        its share that lie in the row's bucket (the digits above this round's equal the state's prefix), counted
+        by this round's digit into hist (256 places, int64)."""
+        nk = nk.to(tl.int64)
+        if tl.load(st + 2) == 0:  # not done
+            prefix = tl.load(st)
+            shift = 56 - 8 * ROUND
+            share = tl.cdiv(nk, P)
+            p0 = tl.minimum(pid * share, nk)
+            p1 = tl.minimum(p0 + share, nk)
+            bins = tl.arange(0, 256)
+            counts = tl.zeros([256], tl.int32)
+            for t0 in range(p0, p1, TILE):
+                p = t0 + tl.arange(0, TILE)
+                key = tl.load(src + (p // V) * W + p % V, mask=p < p1, other=-1)
+                top = key >> shift  # (two shifts: >> 64 of an int64 is undefined)
+                hit = (key >= 0) & ((top >> 8) == ((prefix >> shift) >> 8))
+                digit = (top & 255).to(tl.int32)
+                counts += tl.sum(((digit[:, None] == bins[None, :]) & hit[:, None]).to(tl.int32), axis=0)
+            tl.atomic_add(hist + bins, counts.to(tl.int64), mask=counts > 0)
+
+    @triton.jit
+    def _radix_scan(st, hist, K, ROUND, LAST: tl.constexpr):
+        """After a round's counts: the digit of the bucket's K-th largest key (K less the keys of higher buckets,
+        kept in the state from round 1 on). The state (prefix, need, done) becomes that bucket; the row is done
+        when the bucket holds exactly the keys still needed, or every key of the bucket is needed (fewer keys than
+        K), or at the last digit. hist is zeroed for the next round."""
+        if tl.load(st + 2) == 0:
+            bins = tl.arange(0, 256)
+            h = tl.load(hist + bins)
+            tl.store(hist + bins, tl.zeros([256], tl.int64))
+            prefix = tl.load(st)
+            need = tl.load(st + 1)
+            if ROUND == 0:
+                need = need * 0 + K
+            total = tl.sum(h, axis=0)
+            if total <= need:  # every key of the bucket is taken: the threshold is the bucket's floor
+                tl.store(st + 1, need - total)
+                tl.store(st + 2, need * 0 + 1)
+            else:
+                ge = total - tl.cumsum(h, axis=0) + h  # keys with this digit or a larger one
+                d = tl.max(tl.where(ge >= need, bins, -1), axis=0).to(tl.int64)
+                above = tl.sum(tl.where(bins > d, h, 0), axis=0)
+                need = need - above
+                in_d = tl.sum(tl.where(bins == d, h, 0), axis=0)
+                shift = 56 - 8 * ROUND
+                tl.store(st, prefix | (d << shift))
+                tl.store(st + 1, need)
+                done = (in_d == need).to(tl.int64)
+                if LAST:  # every digit fixed: the bucket is one key (keys are unique)
+                    done = done * 0 + 1
+                tl.store(st + 2, done)
+
+    @triton.jit
+    def _radix_gather(src, nk, W, V, st, cnt, out, cap, pid, P, TILE: tl.constexpr):
+        """Program pid's keys >= the row's threshold (the state's prefix: its bucket and every higher one) appended
+        to out (at most cap), in any order."""
+        nk = nk.to(tl.int64)
+        thr = tl.load(st)
+        share = tl.cdiv(nk, P)
+        p0 = tl.minimum(pid * share, nk)
+        p1 = tl.minimum(p0 + share, nk)
+        for t0 in range(p0, p1, TILE):
+            p = t0 + tl.arange(0, TILE)
+            key = tl.load(src + (p // V) * W + p % V, mask=p < p1, other=-1)
+            ok = (key >= 0) & (key >= thr)
+            oki = ok.to(tl.int32)
+            c = tl.sum(oki, axis=0)
+            if c > 0:
+                at = tl.atomic_add(cnt, c.to(tl.int64)) + tl.cumsum(oki, axis=0) - 1
+                tl.store(out + at, key, mask=ok & (at < cap))
+
+    @triton.jit(do_not_specialize=["S", "ROUND", "P"])
+    def _radix_count_kernel(n_ptr, C, S, row_ptr, brow_ptr, sel_ptr, ROUND, P, L: tl.constexpr,
+                            LB: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr, POOL: tl.constexpr,
+                            BLOCKS: tl.constexpr, TILE: tl.constexpr, ST: tl.constexpr):
+        """Grid (R, P): one round's counts of both list kinds. sel: a row's ST (RADIX_STATE) int64 places."""
+        r = tl.program_id(0).to(tl.int64)
+        pid = tl.program_id(1)
+        nk, nb, vb = _key_counts(tl.load(n_ptr + r), C, S, L, LB, CB, SUB, POOL)
+        sel = sel_ptr + r * ST
+        _radix_count(row_ptr + r * S * L, nk, L, L, sel, sel + 8, ROUND, pid, P, TILE)
+        if BLOCKS:
+            _radix_count(brow_ptr + r * S * LB, nb, LB, vb, sel + 4, sel + 264, ROUND, pid, P, TILE)
+
+    @triton.jit(do_not_specialize=["ROUND"])
+    def _radix_scan_kernel(sel_ptr, K, KEEP, ROUND, BLOCKS: tl.constexpr, LAST: tl.constexpr, ST: tl.constexpr):
+        """Grid (R,): one round's scans of both list kinds."""
+        sel = sel_ptr + tl.program_id(0).to(tl.int64) * ST
+        _radix_scan(sel, sel + 8, K, ROUND, LAST)
+        if BLOCKS:
+            _radix_scan(sel + 4, sel + 264, KEEP, ROUND, LAST)
+
+    @triton.jit(do_not_specialize=["S", "P"])
+    def _radix_gather_kernel(n_ptr, C, S, row_ptr, brow_ptr, sel_ptr, acc_ptr, bacc_ptr, P, L: tl.constexpr,
+                             LB: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr, POOL: tl.constexpr,
+                             BLOCKS: tl.constexpr, TILE: tl.constexpr, ST: tl.constexpr):
+        """Grid (R, P): the keys at or above each row's thresholds into acc (entries, L places) / bacc (blocks)."""
+        r = tl.program_id(0).to(tl.int64)
+        pid = tl.program_id(1)
+        nk, nb, vb = _key_counts(tl.load(n_ptr + r), C, S, L, LB, CB, SUB, POOL)
+        sel = sel_ptr + r * ST
+        _radix_gather(row_ptr + r * S * L, nk, L, L, sel, sel + 520, acc_ptr + r * (2 * L), L, pid, P, TILE)
+        if BLOCKS:
+            _radix_gather(brow_ptr + r * S * LB, nb, LB, vb, sel + 4, sel + 521, bacc_ptr + r * (2 * LB), LB,
+                          pid, P, TILE)
+
+    @triton.jit
+    def _radix_write_kernel(sel_ptr, acc_ptr, bacc_ptr, table_ptr, t_stride, BS, picks_ptr, slots_ptr, mask_ptr,
+                            K, cands_ptr, KEEP, L: tl.constexpr, LB: tl.constexpr, KP: tl.constexpr,
+                            KEEPP: tl.constexpr, BLOCKS: tl.constexpr, ST: tl.constexpr):
+        """Grid (R,): the gathered keys sorted (L wide; blocks LB wide), then the row's outputs."""
+        r = tl.program_id(0).to(tl.int64)
+        sel = sel_ptr + r * ST
+        _sort_head(acc_ptr + r * (2 * L), tl.minimum(tl.load(sel + 520), L).to(tl.int32), L, L)
+        if BLOCKS:
+            _sort_head(bacc_ptr + r * (2 * LB), tl.minimum(tl.load(sel + 521), LB).to(tl.int32), LB, LB)
+        _write_selection(r, acc_ptr, bacc_ptr, table_ptr, t_stride, BS, picks_ptr, slots_ptr, mask_ptr, K,
+                         cands_ptr, KEEP, L, LB, KP, KEEPP, BLOCKS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -555,12 +703,12 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
                          block_size: int, n: torch.Tensor, max_entries: int, scale: float, k: int,
                          pool: torch.Tensor | None = None, cand_block: int = 1, keep_blocks: int = 0,
                          splits: int | None = None, groups: int | None = None,
-                         merge_warps: int | None = None) -> Selection:
+                         merge_warps: int | None = None, radix: bool | None = None) -> Selection:
     """The same in two or three launches whose work follows each row's n (or its candidate blocks), never
     max_entries: scores of the visible entries into per-row scratch of splits x next_pow2(k) keys with running
     top-k lists, with many splits a first merge into `groups` lists a row, then a merge per row. `max_entries`
     only bounds k (as the reference's width does). `splits` / `groups` / `merge_warps` override the shape-derived
-    counts (tests, benchmarks)."""
+    counts (tests, benchmarks); `radix` (default: DSV4_SELECT_RADIX) merges by radix select."""
     assert triton is not None, "triton is not installed"
     R, H, D = q.shape
     dev = q.device
@@ -602,10 +750,34 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
     meta = dict(L=L, LB=LB, CB=cand_block, SUB=SUB, KP=triton.next_power_of_2(k),
                 KEEPP=triton.next_power_of_2(max(keep_blocks, 1)), POOL=pool is not None, BLOCKS=blocks,
                 num_warps=merge_warps or MERGE_WARPS)
+    if radix if radix is not None else RADIX_SELECT:
+        _radix_merge(n, C, S, row, brow, acc, bacc, rest, meta)
+        return picks, slots, mask, cands
     if G > 1:  # the tiles are free once the split kernel is done
         _select_merge_kernel[(R, G)](*args, 1, *rest, **meta)
     _select_merge_kernel[(R,)](*args, 2, *rest, **meta)
     return picks, slots, mask, cands
+
+
+def _radix_merge(n: torch.Tensor, C: int, S: int, row: torch.Tensor, brow: torch.Tensor, acc: torch.Tensor,
+                 bacc: torch.Tensor, rest: tuple, meta: dict) -> None:
+    """The merge of `decode_select_triton` as a radix select: 2 launches a digit round (8 rounds, fixed for
+    graph capture; a done row's programs return at once), a gather and the sorting write: 18 launches, plus the
+    state's zero fill. P = S programs a row count and gather (each a share of the row's S x L keys)."""
+    R = row.shape[0]
+    table, t_stride, block_size, picks, slots, mask, k, cands, keep = rest
+    sel = torch.zeros(R, RADIX_STATE, dtype=torch.int64, device=row.device)
+    lists = dict(L=meta["L"], LB=meta["LB"], CB=meta["CB"], SUB=meta["SUB"], POOL=meta["POOL"],
+                 BLOCKS=meta["BLOCKS"], TILE=RADIX_TILE, ST=RADIX_STATE)
+    P = S
+    for rnd in range(RADIX_ROUNDS):
+        _radix_count_kernel[(R, P)](n, C, S, row, brow, sel, rnd, P, **lists, num_warps=4)
+        _radix_scan_kernel[(R,)](sel, k, keep, rnd, BLOCKS=meta["BLOCKS"], LAST=rnd == RADIX_ROUNDS - 1,
+                                 ST=RADIX_STATE, num_warps=1)
+    _radix_gather_kernel[(R, P)](n, C, S, row, brow, sel, acc, bacc, P, **lists, num_warps=4)
+    _radix_write_kernel[(R,)](sel, acc, bacc, table, t_stride, block_size, picks, slots, mask, k, cands, keep,
+                              L=meta["L"], LB=meta["LB"], KP=meta["KP"], KEEPP=meta["KEEPP"],
+                              BLOCKS=meta["BLOCKS"], ST=RADIX_STATE, num_warps=meta["num_warps"])
 
 
 def decode_select(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor, block_size: int,

@@ -40,16 +40,17 @@ def _inputs(R: int, max_entries: int, seed: int, n_max: int | None = None
     return q, w, keys, table, n
 
 
+@pytest.mark.parametrize("radix", [False, True], ids=["sort_merge", "radix_merge"])
 @pytest.mark.parametrize("R,M", [(1, 512), (1, 65536), (32, 2048), (64, 4096), (3, 300000)])
 @pytest.mark.parametrize("mode", ["plain", "candidate_source", "pooled"])
-def test_decode_select_equals_torch(R: int, M: int, mode: str) -> None:
+def test_decode_select_equals_torch(R: int, M: int, mode: str, radix: bool) -> None:
     q, w, keys, table, n = _inputs(R, M, R + M)
     pool = None
     keep = KEEP if mode == "candidate_source" else 0
     if mode == "pooled":  # the candidate source's blocks, as the layer after it gets them
         pool = decode_select_torch(q, w, keys, table, BS, n, M, SCALE, K, None, CB, KEEP)[3]
     ref = decode_select_torch(q, w, keys, table, BS, n, M, SCALE, min(K, M), pool, CB, keep)
-    got = decode_select_triton(q, w, keys, table, BS, n, M, SCALE, min(K, M), pool, CB, keep)
+    got = decode_select_triton(q, w, keys, table, BS, n, M, SCALE, min(K, M), pool, CB, keep, radix=radix)
     for a, b in zip(ref[:3], got[:3]):
         assert a.dtype == b.dtype and torch.equal(a, b)
     if keep:
