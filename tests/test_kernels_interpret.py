@@ -442,7 +442,8 @@ def test_decode_select_kernels_equal_torch() -> None:
     slots and mask, and the same candidate blocks, on exact-product grids (every score bitwise equal, so ties are
     exercised). Rows with every, no and fewer than k visible entries; raw keys (chunks <= the list) and running
     lists (one split); the candidate source (block top-k, pinned newest block, more blocks than kept); a pooled
-    index source (candidate lists with -1s and ids past the last block); scores of -0.0 (all weights < 0)."""
+    index source (candidate lists with -1s and ids past the last block); scores of -0.0 (all weights < 0). Both
+    merges: sorted cuts and the radix select."""
     _interpret("""
         import torch
         from dsv4.ops.indexer import decode_select_torch, decode_select_triton
@@ -482,13 +483,15 @@ def test_decode_select_kernels_equal_torch() -> None:
             # unequal size (16 / 3) and groups past a short row's keys; 64 = MAX_SPLITS, most splits past its end
             runs = [(1, 1), (3, 1), (4, 2)] + ([(64, None), (16, 3)] if M >= 300 else [])
             for S, G in runs:
-                got = decode_select_triton(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep, splits=S,
-                                           groups=G)
-                for a, b in zip(ref[:3], got[:3]):
-                    assert a.dtype == b.dtype and torch.equal(a, b), (R, M, k, C, keep, S, G, a, b)
-                assert (ref[3] is None) == (keep == 0) and (keep == 0 or torch.equal(ref[3], got[3])), (ref[3], got)
-                checked += 1
-        assert checked == 34
+                for radix in (False, True):  # the sort-based merge, and the radix select
+                    got = decode_select_triton(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep, splits=S,
+                                               groups=G, radix=radix)
+                    for a, b in zip(ref[:3], got[:3]):
+                        assert a.dtype == b.dtype and torch.equal(a, b), (R, M, k, C, keep, S, G, radix, a, b)
+                    assert (ref[3] is None) == (keep == 0) and (keep == 0 or torch.equal(ref[3], got[3])), \
+                        (ref[3], got, radix)
+                    checked += 1
+        assert checked == 68
         print("ok")
     """)
 
