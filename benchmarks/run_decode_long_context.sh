@@ -11,7 +11,8 @@
 #   groups  the same by the merge's group count (1 / 2 / 4 / 8 first-stage programs a row) and its warps (4 / 8), at
 #           32K and 131K entries, batch 1 and 8
 #   radix   the whole selection with its merge as a radix select (--radix) beside the sort-based merge (G 8), the
-#           three kinds at 8K-131K entries, batch 1 and 8; then `DSV4_SELECT_RADIX=1 ... profile131k` in the engine
+#           three kinds at 8K-131K entries, batch 1 and 8, and the candidate kind with DSV4_RAW_BLOCK_LISTS=0 (the
+#           split kernel's block lists sorted, as before); then `DSV4_SELECT_RADIX=1 ... profile131k` in the engine
 #   profile131k  batch-1 decode after a 131,072-token prompt, its graph's kernels (benchmarks/profile_graph.py
 #           --context): the indexer selection was 3.5 of 7.0 ms a replay on an H100 (2026-12-05); target >= 50% of
 #           the floor
@@ -61,6 +62,11 @@ part_radix() {  # the merge as a radix select (DSV4_SELECT_RADIX) against the so
       --lens 8192 32768 131072 --groups 8 --radix > "$out/decode_select_radix-$m.log" 2>&1
     echo "decode_select_radix $m (rc $?):"; tail -7 "$out/decode_select_radix-$m.log"  # 2 batches x 3 lens
   done
+  # the candidate source's split kernel with its block lists sorted through LB tiles, as before 2026-12-06
+  DSV4_RAW_BLOCK_LISTS=0 timeout 150 python3 benchmarks/decode_select_splits.py --mode candidate --heads 32 \
+    --batches 1 8 --lens 8192 32768 131072 --groups 8 --radix > "$out/decode_select_radix-candidate-sorted-blocks.log" 2>&1
+  echo "decode_select_radix candidate, DSV4_RAW_BLOCK_LISTS=0 (rc $?):"
+  tail -7 "$out/decode_select_radix-candidate-sorted-blocks.log"
 }
 part_profile131k() {
   make_preset $p

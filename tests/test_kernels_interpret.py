@@ -500,9 +500,11 @@ def test_decode_select_radix_merge_equals_torch() -> None:
     """The decode selection with its merge as a radix select (`radix=True`: digit counts, scans, gather, one
     sort) against the reference, as the test above checks the sort-based merge (the same exact-product grids, so
     scores tie and only ids order them): raw keys and running lists, short rows and empty ones, the candidate
-    source's blocks (more blocks than kept, all kept), a pooled source, -0.0 scores, 64 splits over a long row."""
+    source's blocks (more blocks than kept, all kept; the split kernel's block lists unsorted and sorted), a
+    pooled source, -0.0 scores, 64 splits over a long row."""
     _interpret("""
         import torch
+        import dsv4.ops.indexer as idx
         from dsv4.ops.indexer import decode_select_torch, decode_select_triton
         g = torch.Generator().manual_seed(12)
         grid = lambda x: (x * 2).round() / 2
@@ -531,13 +533,18 @@ def test_decode_select_radix_merge_equals_torch() -> None:
                 pool[:, C - 2:] = -1
             ref = decode_select_torch(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep)
             for S in splits:
-                got = decode_select_triton(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep, splits=S,
-                                           radix=True)
-                for a, b in zip(ref[:3], got[:3]):
-                    assert a.dtype == b.dtype and torch.equal(a, b), (R, M, k, C, keep, S, a, b)
-                assert (ref[3] is None) == (keep == 0) and (keep == 0 or torch.equal(ref[3], got[3])), (ref[3], got)
-                checked += 1
-        assert checked == 7
+                # the split kernel's block lists: unsorted where a chunk's blocks fit (the default), or merged
+                # through sorted LB tiles (DSV4_RAW_BLOCK_LISTS=0)
+                for raw in ((True, False) if keep else (True,)):
+                    idx.RAW_BLOCK_LISTS = raw
+                    got = decode_select_triton(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep,
+                                               splits=S, radix=True)
+                    for a, b in zip(ref[:3], got[:3]):
+                        assert a.dtype == b.dtype and torch.equal(a, b), (R, M, k, C, keep, S, raw, a, b)
+                    assert (ref[3] is None) == (keep == 0) and (keep == 0 or torch.equal(ref[3], got[3])), \
+                        (ref[3], got, raw)
+                    checked += 1
+        assert checked == 10
         print("ok")
     """)
 

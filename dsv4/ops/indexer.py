@@ -267,6 +267,9 @@ MAX_GROUPS = 8
 # benchmarks/results/2026-12-06-h100-decode-select-merge-warps): the merge's sorts and cuts are wide tiles, and
 # 8 warps keep more of one row's work in flight on its SM.
 MERGE_WARPS = 8
+# Block lists of a split chunk of at most LB blocks kept unsorted (no 2LB-key sort a split): DSV4_RAW_BLOCK_LISTS=0
+# keeps the sorted LB-tile merges (comparisons; not yet timed on a GPU)
+RAW_BLOCK_LISTS = os.environ.get("DSV4_RAW_BLOCK_LISTS", "1") == "1"
 # The merge as a radix select (`_radix_*` below) instead of sorted cuts: opt-in until timed on a GPU.
 RADIX_SELECT = os.environ.get("DSV4_SELECT_RADIX", "0") == "1"
 RADIX_ROUNDS = 8  # 8-bit digits of an int64 key
@@ -325,7 +328,7 @@ if triton is not None:
                              row_ptr, tile_ptr, brow_ptr, btile_ptr, S, H, D, BS, scale,
                              L: tl.constexpr, LB: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr,
                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, POOL: tl.constexpr,
-                             BLOCKS: tl.constexpr, BF16: tl.constexpr):
+                             BLOCKS: tl.constexpr, BF16: tl.constexpr, RAW_BLOCKS: tl.constexpr):
         """Program (row r, split s): scores of units [s*chunk, (s+1)*chunk) of the row (a unit is an entry, or in
         POOL mode a place c*CB + j of candidate block c), chunk = ceil(U / S) in SUB multiples, U = n (POOL: C*CB).
         chunk <= L ("raw"): every key goes to row[u] (no sort here; the merge takes them in L-wide windows).
@@ -357,11 +360,19 @@ if triton is not None:
         btile = btile_ptr + (r * S + split) * LB
         jl = tl.arange(0, L)
         jb = tl.arange(0, LB)
+        # a chunk of at most LB blocks keeps its block keys as they come, unsorted (the merge reads a list's keys in
+        # any order): no LB-tile merge, whose 2LB-key sort (4,096 keys for V4.1's kept 2,048 blocks) each split
+        # paid at the end of every long row
+        if RAW_BLOCKS:
+            blocks_raw = chunk // CB <= LB
+        else:  # (DSV4_RAW_BLOCK_LISTS=0, comparisons: every list of blocks through LB-tile merges)
+            blocks_raw = chunk < 0
         if chunk > L:  # running lists (else raw keys)
             tl.store(lst + jl, tl.full([L], -1, tl.int64))
             if BLOCKS:
                 tl.store(blst + jb, tl.full([LB], -1, tl.int64))
-                tl.store(btile + jb, tl.full([LB], -1, tl.int64))
+                if blocks_raw == 0:
+                    tl.store(btile + jb, tl.full([LB], -1, tl.int64))
         thr = tl.zeros([], tl.int64) - 1
         newest_blk = tl.where(n > 0, (n - 1) // CB, -1)
         for t0 in range(start, end, L):
@@ -402,6 +413,8 @@ if triton is not None:
                     bpos = bid - start // CB
                     if chunk <= L:
                         tl.store(brow + bid, bkey, mask=bid * CB < end)
+                    elif blocks_raw:
+                        tl.store(blst + bpos, bkey)
                     else:
                         tl.store(btile + bpos % LB, bkey)
             if chunk > L:
@@ -409,7 +422,7 @@ if triton is not None:
                     thr = _merge_top(lst, tile, L)
                 if BLOCKS:
                     done = (t0 + L - start) // CB  # blocks pending since the last merge fill the tile, or the end
-                    if (done % LB == 0) | (t0 + L >= end):
+                    if (blocks_raw == 0) & ((done % LB == 0) | (t0 + L >= end)):
                         _merge_top(blst, btile, LB)
                         tl.store(btile + jb, tl.full([LB], -1, tl.int64))
                         tl.debug_barrier()
@@ -743,7 +756,8 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
         q.to(torch.bfloat16 if bf16 else torch.float32).contiguous(), w.float().contiguous(), keys.contiguous(),
         table, table.stride(0), n, cand, cand.stride(0), C, row, tile, brow, btile, S, H, D, block_size,
         float(scale), L=L, LB=LB, CB=cand_block, SUB=SUB, BLOCK_H=max(16, triton.next_power_of_2(H)),
-        BLOCK_D=max(16, triton.next_power_of_2(D)), POOL=pool is not None, BLOCKS=blocks, BF16=bf16, num_warps=4)
+        BLOCK_D=max(16, triton.next_power_of_2(D)), POOL=pool is not None, BLOCKS=blocks, BF16=bf16,
+        RAW_BLOCKS=RAW_BLOCK_LISTS, num_warps=4)
     args = (n, C, row, brow, tile, btile, acc, bacc, S, G)  # group lists [R, G, 2L] / [R, G, 2LB] in the tiles
     rest = (table, table.stride(0), block_size, picks, slots, mask, k, cands if cands is not None else picks,
             keep_blocks)
