@@ -10,7 +10,7 @@ the 16,384 entries of its 2,048 candidate blocks (pooled, --lens 131072).
 
 usage: PYTHONPATH=. python3 benchmarks/decode_select_splits.py [--mode plain|candidate|pooled] [--batches 1 32]
            [--lens 136 512 2048 8192] [--splits 1 2 4 8 16 | --groups 1 2 4 8] [--merge-warps 4 8] [--heads 64]
-           [--radix]
+           [--radix] [--radix-splits 64 128 256]
    V4.1 at long context: --heads 32 --mode candidate --lens 8192 32768 131072 --splits 16 32 64 (then pooled,
    plain)
 
@@ -47,6 +47,9 @@ def main() -> None:
                     help="warps of the merge kernels (default: the kernel's own choice by selection kind)")
     ap.add_argument("--radix", action="store_true",
                     help="one more column: the default counts with the merge as a radix select (radix=True)")
+    ap.add_argument("--radix-splits", type=int, nargs="+", default=[],
+                    help="more columns: the radix merge at these split counts (past MAX_SPLITS too: its cost grows "
+                         "with the keys, not with sorted lists)")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     # (splits, groups, merge warps) per column; None = the shape-derived default
@@ -57,7 +60,7 @@ def main() -> None:
     label = lambda c: (f"G={c[1]}" if args.groups else f"S={c[0]}") + (f"/w{c[2]}" if len(args.merge_warps) > 1 else "")
     print(f"mode {args.mode}; us for the whole selection; default S, G = the shape-derived split and group counts")
     print(f"{'R':>3s} {'n':>6s} {'default S, G':>16s} " + " ".join(f"{label(c):>9s}" for c in cols)
-          + (f" {'radix':>9s}" if args.radix else ""))
+          + (f" {'radix':>9s}" if args.radix else "") + "".join(f" {f'radix S={sp}':>12s}" for sp in args.radix_splits))
     for R in args.batches:
         for n in args.lens:
             blocks = -(-n // BS)
@@ -94,6 +97,12 @@ def main() -> None:
                 assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), "radix"
                 assert keep == 0 or torch.equal(got[3], ref[3]), "radix blocks"
                 times.append(f"{triton.testing.do_bench_cudagraph(lambda: run(radix=True), rep=20) * 1e3:9.1f}")
+            for sp in args.radix_splits:
+                got = run((sp, None, None), radix=True)
+                assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), ("radix", sp)
+                assert keep == 0 or torch.equal(got[3], ref[3]), ("radix blocks", sp)
+                t = triton.testing.do_bench_cudagraph(lambda sp=sp: run((sp, None, None), radix=True), rep=20)
+                times.append(f"{t * 1e3:12.1f}")
             print(f"{R:3d} {n:6d} {times[0]:>16s} " + " ".join(times[1:]), flush=True)
 
 

@@ -10,8 +10,9 @@
 #           heads and 2K-32K entries)
 #   groups  the same by the merge's group count (1 / 2 / 4 / 8 first-stage programs a row) and its warps (4 / 8), at
 #           32K and 131K entries, batch 1 and 8
-#   radix   the whole selection with its merge as a radix select (--radix) beside the sort-based merge (G 8), the
-#           three kinds at 8K-131K entries, batch 1 and 8, and the candidate kind with DSV4_RAW_BLOCK_LISTS=0 (the
+#   radix   the whole selection with its merge as a radix select (--radix; and at 128 / 256 splits, past
+#           MAX_SPLITS, which the sorted merge's cost set) beside the sort-based merge (G 8), the
+#           three kinds at 32K and 131K entries, batch 1 and 8, and the candidate kind with DSV4_RAW_BLOCK_LISTS=0 (the
 #           split kernel's block lists sorted, as before); then `DSV4_SELECT_RADIX=1 ... profile131k` in the engine
 #   profile131k  batch-1 decode after a 131,072-token prompt, its graph's kernels (benchmarks/profile_graph.py
 #           --context): the indexer selection was 3.5 of 7.0 ms a replay on an H100 (2026-12-05); target >= 50% of
@@ -59,14 +60,14 @@ part_radix() {  # the merge as a radix select (DSV4_SELECT_RADIX) against the so
   local m
   for m in ${MODES:-candidate pooled plain}; do
     timeout 150 python3 benchmarks/decode_select_splits.py --mode $m --heads 32 --batches 1 8 \
-      --lens 8192 32768 131072 --groups 8 --radix > "$out/decode_select_radix-$m.log" 2>&1
-    echo "decode_select_radix $m (rc $?):"; tail -7 "$out/decode_select_radix-$m.log"  # 2 batches x 3 lens
+      --lens 32768 131072 --groups 8 --radix --radix-splits 128 256 > "$out/decode_select_radix-$m.log" 2>&1
+    echo "decode_select_radix $m (rc $?):"; tail -5 "$out/decode_select_radix-$m.log"  # 2 batches x 2 lens
   done
   # the candidate source's split kernel with its block lists sorted through LB tiles, as before 2026-12-06
   DSV4_RAW_BLOCK_LISTS=0 timeout 150 python3 benchmarks/decode_select_splits.py --mode candidate --heads 32 \
-    --batches 1 8 --lens 8192 32768 131072 --groups 8 --radix > "$out/decode_select_radix-candidate-sorted-blocks.log" 2>&1
+    --batches 1 8 --lens 32768 131072 --groups 8 --radix > "$out/decode_select_radix-candidate-sorted-blocks.log" 2>&1
   echo "decode_select_radix candidate, DSV4_RAW_BLOCK_LISTS=0 (rc $?):"
-  tail -7 "$out/decode_select_radix-candidate-sorted-blocks.log"
+  tail -5 "$out/decode_select_radix-candidate-sorted-blocks.log"
 }
 part_profile131k() {
   make_preset $p
