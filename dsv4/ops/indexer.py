@@ -584,16 +584,17 @@ if triton is not None:
             share = tl.cdiv(nk, P)
             p0 = tl.minimum(pid * share, nk)
             p1 = tl.minimum(p0 + share, nk)
-            bins = tl.arange(0, 256)
-            counts = tl.zeros([256], tl.int32)
+            bins = tl.arange(0, 512)
+            counts = tl.zeros([512], tl.int32)
             for t0 in range(p0, p1, TILE):
                 p = t0 + tl.arange(0, TILE)
                 key = tl.load(src + (p // V) * W + p % V, mask=p < p1, other=-1)
                 top = key >> shift  # (two shifts: >> 64 of an int64 is undefined)
                 hit = (key >= 0) & ((top >> 8) == ((prefix >> shift) >> 8))
-                digit = (top & 255).to(tl.int32)
-                counts += tl.sum(((digit[:, None] == bins[None, :]) & hit[:, None]).to(tl.int32), axis=0)
-            tl.atomic_add(hist + bins, counts.to(tl.int64), mask=counts > 0)
+                # keys outside the bucket counted in bin 256, which is never added (every value in range: no
+                # masked histogram needed)
+                counts += tl.histogram(tl.where(hit, top & 255, 256).to(tl.int32), 512)
+            tl.atomic_add(hist + bins, counts.to(tl.int64), mask=(bins < 256) & (counts > 0))
 
     @triton.jit
     def _radix_scan(st, hist, K, ROUND, LAST: tl.constexpr):
