@@ -10,7 +10,7 @@ the 16,384 entries of its 2,048 candidate blocks (pooled, --lens 131072).
 
 usage: PYTHONPATH=. python3 benchmarks/decode_select_splits.py [--mode plain|candidate|pooled] [--batches 1 32]
            [--lens 136 512 2048 8192] [--splits 1 2 4 8 16 | --groups 1 2 4 8] [--merge-warps 4 8] [--heads 64]
-           [--radix] [--radix-splits 64 128 256]
+           [--split-warps 4 8] [--radix] [--radix-splits 64 128 256]
    V4.1 at long context: --heads 32 --mode candidate --lens 8192 32768 131072 --splits 16 32 64 (then pooled,
    plain)
 
@@ -45,6 +45,8 @@ def main() -> None:
                          "program a row)")
     ap.add_argument("--merge-warps", type=int, nargs="+", default=[None],
                     help="warps of the merge kernels (default: the kernel's own choice by selection kind)")
+    ap.add_argument("--split-warps", type=int, nargs="+", default=[None],
+                    help="warps of the scoring (split) kernel (default: SPLIT_WARPS)")
     ap.add_argument("--radix", action="store_true",
                     help="one more column: the default counts with the merge as a radix select (radix=True)")
     ap.add_argument("--radix-splits", type=int, nargs="+", default=[],
@@ -52,12 +54,14 @@ def main() -> None:
                          "with the keys, not with sorted lists)")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    # (splits, groups, merge warps) per column; None = the shape-derived default
+    # (splits, groups, merge warps, split warps) per column; None = the shape-derived default
     if args.groups:
-        cols = [(None, gr, mw) for gr in args.groups for mw in args.merge_warps]
+        cols = [(None, gr, mw, sw) for gr in args.groups for mw in args.merge_warps for sw in args.split_warps]
     else:
-        cols = [(sp, None, mw) for sp in args.splits for mw in args.merge_warps]
-    label = lambda c: (f"G={c[1]}" if args.groups else f"S={c[0]}") + (f"/w{c[2]}" if len(args.merge_warps) > 1 else "")
+        cols = [(sp, None, mw, sw) for sp in args.splits for mw in args.merge_warps for sw in args.split_warps]
+    label = lambda c: ((f"G={c[1]}" if args.groups else f"S={c[0]}")  # noqa: E731
+                       + (f"/w{c[2]}" if len(args.merge_warps) > 1 else "")
+                       + (f"/s{c[3]}" if len(args.split_warps) > 1 else ""))
     print(f"mode {args.mode}; us for the whole selection; default S, G = the shape-derived split and group counts")
     print(f"{'R':>3s} {'n':>6s} {'default S, G':>16s} " + " ".join(f"{label(c):>9s}" for c in cols)
           + (f" {'radix':>9s}" if args.radix else "") + "".join(f" {f'radix S={sp}':>12s}" for sp in args.radix_splits))
@@ -80,9 +84,9 @@ def main() -> None:
                 if pool.shape[1] < KEEP_BLOCKS:  # fewer blocks than kept: the rest -1, as the candidate source gives
                     pool = torch.nn.functional.pad(pool, (0, KEEP_BLOCKS - pool.shape[1]), value=-1)
 
-            def run(c: tuple = (None, None, None), radix: bool = False):  # noqa: ANN202
+            def run(c: tuple = (None, None, None, None), radix: bool = False):  # noqa: ANN202
                 return decode_select_triton(q, w, keys, table, BS, nn, n, D ** -0.5, k, pool, cb, keep, splits=c[0],
-                                            groups=c[1], merge_warps=c[2], radix=radix)
+                                            groups=c[1], merge_warps=c[2], radix=radix, split_warps=c[3])
 
             ref = run()
             S = select_splits(R, q.device)
@@ -98,10 +102,10 @@ def main() -> None:
                 assert keep == 0 or torch.equal(got[3], ref[3]), "radix blocks"
                 times.append(f"{triton.testing.do_bench_cudagraph(lambda: run(radix=True), rep=20) * 1e3:9.1f}")
             for sp in args.radix_splits:
-                got = run((sp, None, None), radix=True)
+                got = run((sp, None, None, None), radix=True)
                 assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), ("radix", sp)
                 assert keep == 0 or torch.equal(got[3], ref[3]), ("radix blocks", sp)
-                t = triton.testing.do_bench_cudagraph(lambda sp=sp: run((sp, None, None), radix=True), rep=20)
+                t = triton.testing.do_bench_cudagraph(lambda sp=sp: run((sp, None, None, None), radix=True), rep=20)
                 times.append(f"{t * 1e3:12.1f}")
             print(f"{R:3d} {n:6d} {times[0]:>16s} " + " ".join(times[1:]), flush=True)
 

@@ -14,6 +14,8 @@
 #           MAX_SPLITS, which the sorted merge's cost set) beside the sort-based merge (G 8), the
 #           three kinds at 32K and 131K entries, batch 1 and 8, and the candidate kind with DSV4_RAW_BLOCK_LISTS=0 (the
 #           split kernel's block lists sorted, as before); then `DSV4_SELECT_RADIX=1 ... profile131k` in the engine
+#   splitwarps  the scoring (split) kernel at 4 and 8 warps (SPLIT_WARPS; 4 spills in the sm_90 build,
+#           benchmarks/select_kernels_sass.py), the three kinds at 32K and 131K entries, batch 1 and 8
 #   profile131k  batch-1 decode after a 131,072-token prompt, its graph's kernels (benchmarks/profile_graph.py
 #           --context): the indexer selection was 3.5 of 7.0 ms a replay on an H100 (2026-12-05); target >= 50% of
 #           the floor
@@ -68,6 +70,14 @@ part_radix() {  # the merge as a radix select (DSV4_SELECT_RADIX) against the so
     --batches 1 8 --lens 32768 131072 --groups 8 --radix > "$out/decode_select_radix-candidate-sorted-blocks.log" 2>&1
   echo "decode_select_radix candidate, DSV4_RAW_BLOCK_LISTS=0 (rc $?):"
   tail -5 "$out/decode_select_radix-candidate-sorted-blocks.log"
+}
+part_splitwarps() {  # the scoring kernel at 4 warps (spills on sm_90) and 8 (does not), sort merge and radix
+  local m
+  for m in ${MODES:-candidate pooled plain}; do
+    timeout 150 python3 benchmarks/decode_select_splits.py --mode $m --heads 32 --batches 1 8 \
+      --lens 32768 131072 --groups 8 --split-warps 4 8 > "$out/decode_select_split_warps-$m.log" 2>&1
+    echo "decode_select_split_warps $m (rc $?):"; tail -5 "$out/decode_select_split_warps-$m.log"
+  done
 }
 part_profile131k() {
   make_preset $p

@@ -459,6 +459,8 @@ def test_decode_select_kernels_equal_torch() -> None:
             # 3 splits: 16, 16 and 6 blocks, under the block lists' 64 places (the merge reads 16 of each); all 38
             # blocks kept, so a block the merge misses shows
             (3, 4, 32, 4, 150, 8, 0, 4, 40, False),
+            # a full row's chunks pass the 64-place block lists at 1 split, row 3's fit (RAW_BLOCKS 1)
+            (4, 4, 32, 4, 600, 8, 0, 4, 40, False),
         ]:
             MB = -(-M // bs) + 1
             N = (MB * R + 5) * bs
@@ -473,6 +475,8 @@ def test_decode_select_kernels_equal_torch() -> None:
             n[0], n[1] = M, 0
             if R > 2:
                 n[2] = k - 1
+            if M == 600:
+                n[3] = 150
             pool = None
             if C:
                 nb = -(-M // CB)
@@ -491,7 +495,7 @@ def test_decode_select_kernels_equal_torch() -> None:
                     assert (ref[3] is None) == (keep == 0) and (keep == 0 or torch.equal(ref[3], got[3])), \
                         (ref[3], got, radix)
                     checked += 1
-        assert checked == 68
+        assert checked == 78
         print("ok")
     """)
 
@@ -515,6 +519,9 @@ def test_decode_select_radix_merge_equals_torch() -> None:
             (3, 4, 16, 4, 400, 8, 40, 4, 0, False, (3,)),      # pooled source
             (3, 4, 16, 4, 60, 8, 0, 4, 0, True, (3,)),         # -0.0 / 0.0 scores: ids order everything
             (3, 4, 32, 4, 150, 8, 0, 4, 40, False, (3,)),      # every block kept
+            # a full row's chunk (600 entries, 150 blocks) passes the 64-place block list, row 3's (150, 38) fits:
+            # the split kernel decides per row (RAW_BLOCKS 1)
+            (4, 4, 32, 4, 600, 8, 0, 4, 40, False, (1,)),
         ]:
             MB = -(-M // bs) + 1
             N = (MB * R + 5) * bs
@@ -527,6 +534,8 @@ def test_decode_select_radix_merge_equals_torch() -> None:
             table = torch.randint(1, N // bs, (R, MB), generator=g, dtype=torch.int32)
             n = torch.randint(0, M + 1, (R,), generator=g)
             n[0], n[1], n[2] = M, 0, k - 1
+            if R > 3:
+                n[3] = 150
             pool = None
             if C:
                 pool = torch.stack([torch.randperm(-(-M // CB) + 2, generator=g)[:C] for _ in range(R)])
@@ -544,7 +553,7 @@ def test_decode_select_radix_merge_equals_torch() -> None:
                     assert (ref[3] is None) == (keep == 0) and (keep == 0 or torch.equal(ref[3], got[3])), \
                         (ref[3], got, raw)
                     checked += 1
-        assert checked == 10
+        assert checked == 12
         print("ok")
     """)
 

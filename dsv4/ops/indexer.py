@@ -267,6 +267,10 @@ MAX_GROUPS = 8
 # benchmarks/results/2026-12-06-h100-decode-select-merge-warps): the merge's sorts and cuts are wide tiles, and
 # 8 warps keep more of one row's work in flight on its SM.
 MERGE_WARPS = 8
+# Warps of a scoring (split) program. At 4 its sm_90 build spills (255 registers and 192-240 bytes of stack for
+# V4.1's shapes, Triton 3.9 here: benchmarks/select_kernels_sass.py); at 8 it does not (244, no stack). Not yet
+# timed: `decode_select_splits.py --split-warps 4 8` on a GPU decides.
+SPLIT_WARPS = 4
 # Block lists of a split chunk of at most LB blocks kept unsorted (no 2LB-key sort a split): DSV4_RAW_BLOCK_LISTS=0
 # keeps the sorted LB-tile merges (comparisons; not yet timed on a GPU)
 RAW_BLOCK_LISTS = os.environ.get("DSV4_RAW_BLOCK_LISTS", "1") == "1"
@@ -363,16 +367,22 @@ if triton is not None:
         # a chunk of at most LB blocks keeps its block keys as they come, unsorted (the merge reads a list's keys in
         # any order): no LB-tile merge, whose 2LB-key sort (4,096 keys for V4.1's kept 2,048 blocks) each split
         # paid at the end of every long row
-        if RAW_BLOCKS:
+        # RAW_BLOCKS: 2 = every chunk of the launch fits (the host's bound from max_entries: the LB-tile merge is not
+        # even compiled, and its 2LB-key sort's registers with it), 1 = where the chunk fits, 0 = never
+        # (DSV4_RAW_BLOCK_LISTS=0, comparisons: every list of blocks through LB-tile merges)
+        if RAW_BLOCKS == 2:
+            blocks_raw = chunk >= 0
+        elif RAW_BLOCKS == 1:
             blocks_raw = chunk // CB <= LB
-        else:  # (DSV4_RAW_BLOCK_LISTS=0, comparisons: every list of blocks through LB-tile merges)
+        else:
             blocks_raw = chunk < 0
         if chunk > L:  # running lists (else raw keys)
             tl.store(lst + jl, tl.full([L], -1, tl.int64))
             if BLOCKS:
                 tl.store(blst + jb, tl.full([LB], -1, tl.int64))
-                if blocks_raw == 0:
-                    tl.store(btile + jb, tl.full([LB], -1, tl.int64))
+                if RAW_BLOCKS != 2:
+                    if blocks_raw == 0:
+                        tl.store(btile + jb, tl.full([LB], -1, tl.int64))
         thr = tl.zeros([], tl.int64) - 1
         newest_blk = tl.where(n > 0, (n - 1) // CB, -1)
         for t0 in range(start, end, L):
@@ -414,13 +424,13 @@ if triton is not None:
                     if chunk <= L:
                         tl.store(brow + bid, bkey, mask=bid * CB < end)
                     elif blocks_raw:
-                        tl.store(blst + bpos, bkey)
+                        tl.store(blst + bpos, bkey, mask=bpos < LB)  # (always, unless n passes max_entries)
                     else:
                         tl.store(btile + bpos % LB, bkey)
             if chunk > L:
                 if tmax > thr:
                     thr = _merge_top(lst, tile, L)
-                if BLOCKS:
+                if BLOCKS and RAW_BLOCKS != 2:
                     done = (t0 + L - start) // CB  # blocks pending since the last merge fill the tile, or the end
                     if (blocks_raw == 0) & ((done % LB == 0) | (t0 + L >= end)):
                         _merge_top(blst, btile, LB)
@@ -717,12 +727,14 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
                          block_size: int, n: torch.Tensor, max_entries: int, scale: float, k: int,
                          pool: torch.Tensor | None = None, cand_block: int = 1, keep_blocks: int = 0,
                          splits: int | None = None, groups: int | None = None,
-                         merge_warps: int | None = None, radix: bool | None = None) -> Selection:
+                         merge_warps: int | None = None, radix: bool | None = None,
+                         split_warps: int | None = None) -> Selection:
     """The same in two or three launches whose work follows each row's n (or its candidate blocks), never
     max_entries: scores of the visible entries into per-row scratch of splits x next_pow2(k) keys with running
     top-k lists, with many splits a first merge into `groups` lists a row, then a merge per row. `max_entries`
     only bounds k (as the reference's width does). `splits` / `groups` / `merge_warps` override the shape-derived
-    counts (tests, benchmarks); `radix` (default: DSV4_SELECT_RADIX) merges by radix select."""
+    counts and `split_warps` the scoring kernel's warps (tests, benchmarks); `radix` (default: DSV4_SELECT_RADIX)
+    merges by radix select."""
     assert triton is not None, "triton is not installed"
     R, H, D = q.shape
     dev = q.device
@@ -753,12 +765,17 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
     C = pool.shape[1] if pool is not None else 0
     bf16 = dots_in_bf16(keys)
     n = n.contiguous()
+    raw_blocks = 0
+    if RAW_BLOCK_LISTS:  # 2 when no row's chunk can pass LB blocks (n <= max_entries), else 1
+        u_max = C * cand_block if pool is not None else max_entries
+        chunk_max = max(1, triton.cdiv(triton.cdiv(u_max, S), SUB)) * SUB  # the kernel's chunk at n = max_entries
+        raw_blocks = 2 if chunk_max // cand_block <= LB else 1
     _select_split_kernel[(R, S)](
         q.to(torch.bfloat16 if bf16 else torch.float32).contiguous(), w.float().contiguous(), keys.contiguous(),
         table, table.stride(0), n, cand, cand.stride(0), C, row, tile, brow, btile, S, H, D, block_size,
         float(scale), L=L, LB=LB, CB=cand_block, SUB=SUB, BLOCK_H=max(16, triton.next_power_of_2(H)),
         BLOCK_D=max(16, triton.next_power_of_2(D)), POOL=pool is not None, BLOCKS=blocks, BF16=bf16,
-        RAW_BLOCKS=RAW_BLOCK_LISTS, num_warps=4)
+        RAW_BLOCKS=raw_blocks, num_warps=split_warps or SPLIT_WARPS)
     args = (n, C, row, brow, tile, btile, acc, bacc, S, G)  # group lists [R, G, 2L] / [R, G, 2LB] in the tiles
     rest = (table, table.stride(0), block_size, picks, slots, mask, k, cands if cands is not None else picks,
             keep_blocks)
