@@ -13,7 +13,8 @@
 #   radix   the whole selection with its merge as a radix select (--radix; and at 128 / 256 splits, past
 #           MAX_SPLITS, which the sorted merge's cost set) beside the sort-based merge (G 8), the
 #           three kinds at 32K and 131K entries, batch 1 and 8, and the candidate kind with DSV4_RAW_BLOCK_LISTS=0 (the
-#           split kernel's block lists sorted, as before); then `DSV4_SELECT_RADIX=1 ... profile131k` in the engine
+#           split kernel's block lists sorted, as before) and 2 (their sort compiled out where max_entries allows);
+#           then `DSV4_SELECT_RADIX=1 ... profile131k` in the engine
 #   splitwarps  the scoring (split) kernel at 4 and 8 warps (SPLIT_WARPS; 4 spills in the sm_90 build,
 #           benchmarks/select_kernels_sass.py), the three kinds at 32K and 131K entries, batch 1 and 8
 #   profile131k  batch-1 decode after a 131,072-token prompt, its graph's kernels (benchmarks/profile_graph.py
@@ -65,11 +66,15 @@ part_radix() {  # the merge as a radix select (DSV4_SELECT_RADIX) against the so
       --lens 32768 131072 --groups 8 --radix --radix-splits 128 256 > "$out/decode_select_radix-$m.log" 2>&1
     echo "decode_select_radix $m (rc $?):"; tail -5 "$out/decode_select_radix-$m.log"  # 2 batches x 2 lens
   done
-  # the candidate source's split kernel with its block lists sorted through LB tiles, as before 2026-12-06
-  DSV4_RAW_BLOCK_LISTS=0 timeout 150 python3 benchmarks/decode_select_splits.py --mode candidate --heads 32 \
-    --batches 1 8 --lens 32768 131072 --groups 8 --radix > "$out/decode_select_radix-candidate-sorted-blocks.log" 2>&1
-  echo "decode_select_radix candidate, DSV4_RAW_BLOCK_LISTS=0 (rc $?):"
-  tail -5 "$out/decode_select_radix-candidate-sorted-blocks.log"
+  # the candidate source's split kernel with its block lists sorted through LB tiles (0, as before 2026-12-06), and
+  # with the sorted path compiled out where max_entries allows (2); the runs above are 1 (decided per row)
+  local mode
+  for mode in 0 2; do
+    DSV4_RAW_BLOCK_LISTS=$mode timeout 150 python3 benchmarks/decode_select_splits.py --mode candidate --heads 32 \
+      --batches 1 8 --lens 32768 131072 --groups 8 --radix > "$out/decode_select_radix-candidate-blocks$mode.log" 2>&1
+    echo "decode_select_radix candidate, DSV4_RAW_BLOCK_LISTS=$mode (rc $?):"
+    tail -5 "$out/decode_select_radix-candidate-blocks$mode.log"
+  done
 }
 part_splitwarps() {  # the scoring kernel at 4 warps (spills on sm_90) and 8 (does not), sort merge and radix
   local m

@@ -542,9 +542,10 @@ def test_decode_select_radix_merge_equals_torch() -> None:
                 pool[:, C - 2:] = -1
             ref = decode_select_torch(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep)
             for S in splits:
-                # the split kernel's block lists: unsorted where a chunk's blocks fit (the default), or merged
-                # through sorted LB tiles (DSV4_RAW_BLOCK_LISTS=0)
-                for raw in ((True, False) if keep else (True,)):
+                # the split kernel's block lists (DSV4_RAW_BLOCK_LISTS): unsorted where a row's chunk fits (1, the
+                # default), unsorted with the sorted path compiled out where max_entries bounds every chunk (2),
+                # merged through sorted LB tiles (0)
+                for raw in ((1, 2, 0) if keep else (1,)):
                     idx.RAW_BLOCK_LISTS = raw
                     got = decode_select_triton(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep,
                                                splits=S, radix=True)
@@ -553,7 +554,7 @@ def test_decode_select_radix_merge_equals_torch() -> None:
                     assert (ref[3] is None) == (keep == 0) and (keep == 0 or torch.equal(ref[3], got[3])), \
                         (ref[3], got, raw)
                     checked += 1
-        assert checked == 12
+        assert checked == 16
         print("ok")
     """)
 

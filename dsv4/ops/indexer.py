@@ -271,9 +271,11 @@ MERGE_WARPS = 8
 # V4.1's shapes, Triton 3.9 here: benchmarks/select_kernels_sass.py); at 8 it does not (244, no stack). Not yet
 # timed: `decode_select_splits.py --split-warps 4 8` on a GPU decides.
 SPLIT_WARPS = 4
-# Block lists of a split chunk of at most LB blocks kept unsorted (no 2LB-key sort a split): DSV4_RAW_BLOCK_LISTS=0
-# keeps the sorted LB-tile merges (comparisons; not yet timed on a GPU)
-RAW_BLOCK_LISTS = os.environ.get("DSV4_RAW_BLOCK_LISTS", "1") == "1"
+# Block lists of a split chunk of at most LB blocks kept unsorted (no 2LB-key sort a split; not yet timed on a GPU):
+# DSV4_RAW_BLOCK_LISTS=1 (default) decides per row in the kernel; 2 compiles the LB-tile merge out where max_entries
+# bounds every chunk to LB blocks (a quarter of the code; but then max_model_len picks the compiled variant, which
+# the decode's independence of max_model_len must not depend on until timed); 0 keeps the sorted LB-tile merges
+RAW_BLOCK_LISTS = int(os.environ.get("DSV4_RAW_BLOCK_LISTS", "1"))
 # The merge as a radix select (`_radix_*` below) instead of sorted cuts: opt-in until timed on a GPU.
 RADIX_SELECT = os.environ.get("DSV4_SELECT_RADIX", "0") == "1"
 RADIX_ROUNDS = 8  # 8-bit digits of an int64 key
@@ -765,8 +767,8 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
     C = pool.shape[1] if pool is not None else 0
     bf16 = dots_in_bf16(keys)
     n = n.contiguous()
-    raw_blocks = 0
-    if RAW_BLOCK_LISTS:  # 2 when no row's chunk can pass LB blocks (n <= max_entries), else 1
+    raw_blocks = min(RAW_BLOCK_LISTS, 1)
+    if RAW_BLOCK_LISTS == 2:  # 2 when no row's chunk can pass LB blocks (n <= max_entries), else 1
         u_max = C * cand_block if pool is not None else max_entries
         chunk_max = max(1, triton.cdiv(triton.cdiv(u_max, S), SUB)) * SUB  # the kernel's chunk at n = max_entries
         raw_blocks = 2 if chunk_max // cand_block <= LB else 1
