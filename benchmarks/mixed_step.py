@@ -11,7 +11,7 @@ while the same 512 prompt tokens cost ~11 ms of GPU time inside a 16K-token step
 (launches, host syncs that stop the host running ahead) or device-bound (kernels slow at these row counts). This
 prints, for the mixed steps and for the decode-only steps after them:
 - wall time a step (synced before and after), and the host time of `step()` alone;
-- the GPU's kernel time inside the same steps (torch.profiler), and the count of kernels and of aten ops;
+- the GPU's kernel time of a round of mixed steps alone (torch.profiler), and the count of kernels and aten ops;
 - the synchronizing CUDA calls made by the mixed steps, by dsv4 source line (CUDA's sync debug mode);
 - the top kernels by GPU time.
 
@@ -86,11 +86,11 @@ def main() -> None:
         s = eng.scheduler
         return bool(s.num_waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in s.running)
 
-    def run_round(timed: list[tuple[str, float, float]] | None) -> None:
-        """NEW requests arrive; step until their prompts are in, then 4 decode-only steps."""
+    def run_round(timed: list[tuple[str, float, float]] | None, decode_steps: int = 4) -> None:
+        """NEW requests arrive; step until their prompts are in, then `decode_steps` decode-only steps."""
         add(args.new)
-        extra = 4
-        while extra > 0:
+        extra = decode_steps
+        while prefilling() or extra > 0:
             kind = "mixed" if prefilling() else "decode"
             if kind == "decode":
                 extra -= 1
@@ -129,7 +129,7 @@ def main() -> None:
 
     prof_steps: list[tuple[str, float, float]] = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run_round(prof_steps)
+        run_round(prof_steps, decode_steps=0)  # the mixed steps alone
     n_mixed = sum(1 for t in prof_steps if t[0] == "mixed")
     events = prof.key_averages()
     kernel_us = sum(_device_us(e) for e in events if _device_us(e) > 0)
@@ -138,7 +138,8 @@ def main() -> None:
     launches = sum(e.count for e in events if e.key in ("cuLaunchKernel", "cudaLaunchKernel", "cuLaunchKernelEx",
                                                           "cudaLaunchKernelExC", "cudaGraphLaunch"))
     wall_all = sum(t[2] for t in prof_steps) * 1e3
-    print(f"profiled round: {len(prof_steps)} steps ({n_mixed} mixed), {wall_all:.1f} ms wall (profiler on), "
+    print(f"profiled round: {len(prof_steps)} steps ({n_mixed} mixed), {wall_all:.1f} ms wall (profiler on, synced "
+          f"each step), "
           f"{kernel_us / 1e3:.1f} ms of kernel time (aten ops' self device time counted once), "
           f"{launches} launch calls, {n_kernels} device-time events, {n_aten} aten ops")
     print(events.table(sort_by="self_cuda_time_total", row_limit=args.top, max_name_column_width=70))
