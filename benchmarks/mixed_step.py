@@ -10,7 +10,9 @@ while the same 512 prompt tokens cost ~11 ms of GPU time inside a 16K-token step
 ~8.4 ms as a graphed step. A mixed step runs eagerly (no CUDA graph), so the question is whether it is host-bound
 (launches, host syncs that stop the host running ahead) or device-bound (kernels slow at these row counts). This
 prints, for the mixed steps and for the decode-only steps after them:
-- wall time a step (synced before and after), and the host time of `step()` alone;
+- wall time a step (synced before and after), and the host time of `step()` alone, and of its parts (the eager
+  model forward, metadata, inputs, logits, scheduling: a part whose host time is close to the step's wall time
+  with the GPU idle is where a host-bound step goes);
 - the GPU's kernel time of a round of mixed steps alone (torch.profiler), and the count of kernels and aten ops;
 - the synchronizing CUDA calls made by the mixed steps, by dsv4 source line (CUDA's sync debug mode);
 - the top kernels by GPU time.
@@ -118,6 +120,29 @@ def main() -> None:
           f"(budget {d + args.chunk} tokens a step)", flush=True)
     run_round(None)  # warm-up: every mixed-step kernel variant compiled
     print("warm-up round done", flush=True)
+    # host time of the step's parts (each call returns once its kernels are queued, unless it syncs)
+    parts: dict[str, list[float]] = collections.defaultdict(list)
+    runner = eng.runner
+    for owner, name, label in ((runner.model, "forward", "model forward (eager)"),
+                               (runner.model_state, "prepare_attn", "attention metadata"),
+                               (runner.model_state, "prepare_inputs", "model inputs"),
+                               (runner.model, "compute_logits", "logits"),
+                               (eng.scheduler, "schedule", "schedule")):
+        def timed_call(*a: Any, _f: Any = getattr(owner, name), _label: str = label, **k: Any) -> Any:
+            t = time.perf_counter()
+            out = _f(*a, **k)
+            parts[_label].append(time.perf_counter() - t)
+            return out
+        setattr(owner, name, timed_call)
+    parted: list[tuple[str, float, float]] = []
+    run_round(parted, decode_steps=0)
+    n_mixed = len(parted)
+    for label, times in parts.items():
+        print(f"  host time in {label}: {sum(times) / max(n_mixed, 1) * 1e3:.2f} ms a mixed step ({len(times)} calls)")
+    for owner, name, _ in ((runner.model, "forward", ""), (runner.model_state, "prepare_attn", ""),
+                           (runner.model_state, "prepare_inputs", ""), (runner.model, "compute_logits", ""),
+                           (eng.scheduler, "schedule", "")):
+        delattr(owner, name)  # the class's own method again
     timed: list[tuple[str, float, float]] = []
     run_round(timed)
     for kind in ("mixed", "decode"):
