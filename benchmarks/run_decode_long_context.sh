@@ -68,6 +68,7 @@ part_radix() {  # the merge as a radix select (DSV4_SELECT_RADIX) against the so
   done
   # the candidate source's split kernel with its block lists sorted through LB tiles (0, as before 2026-12-06), and
   # with the sorted path compiled out where max_entries allows (2); the runs above are 1 (decided per row)
+  case " ${MODES:-candidate} " in *" candidate "*) ;; *) return 0 ;; esac
   local mode
   for mode in 0 2; do
     DSV4_RAW_BLOCK_LISTS=$mode timeout 150 python3 benchmarks/decode_select_splits.py --mode candidate --heads 32 \
