@@ -77,7 +77,7 @@ part_radix() {  # the merge as a radix select (DSV4_SELECT_RADIX) against the so
     tail -5 "$out/decode_select_radix-candidate-blocks$mode.log"
   done
 }
-part_splitwarps() {  # the scoring kernel at 4 warps (spills on sm_90) and 8 (does not), sort merge and radix
+part_splitwarps() {  # the scoring kernel at 4 warps (spills on sm_90) and 8 (does not), with the sort merge
   local m
   for m in ${MODES:-candidate pooled plain}; do
     timeout 150 python3 benchmarks/decode_select_splits.py --mode $m --heads 32 --batches 1 8 \
