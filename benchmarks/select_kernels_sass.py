@@ -52,11 +52,16 @@ def main() -> None:
     split_sig = dict(q_ptr="*bf16", w_ptr="*fp32", k_ptr="*bf16", table_ptr="*i32", t_stride="i32", n_ptr="*i64",
                      cand_ptr="*i64", c_stride="i32", C="i32", row_ptr="*i64", tile_ptr="*i64", brow_ptr="*i64",
                      btile_ptr="*i64", S="i32", H="i32", D="i32", BS="i32", scale="fp32")
-    for raw, warps in ((2, 4), (1, 4), (0, 4), (2, 8)):  # chunks' blocks: all fit / where they fit / sorted tiles
-        consts = dict(lists, BLOCK_H=H, BLOCK_D=D, BF16=True, RAW_BLOCKS=raw)
-        print(f"_select_split_kernel RAW_BLOCKS={raw}, {warps} warps: "
+    # chunks' blocks: all fit / where they fit / sorted tiles; sorted entry lists (the sort merge's) or appended
+    # 2L-place ones (the radix merge's)
+    for raw, warps, append in ((2, 4, False), (1, 4, False), (0, 4, False), (2, 8, False), (1, 4, True),
+                               (1, 8, True)):
+        consts = dict(lists, BLOCK_H=H, BLOCK_D=D, BF16=True, RAW_BLOCKS=raw, LW=2 * L if append else L,
+                      APPEND=append)
+        print(f"_select_split_kernel RAW_BLOCKS={raw}, {warps} warps{', APPEND' if append else ''}: "
               f"{build(ix._select_split_kernel, split_sig, consts, warps)}")
-    plain = dict(L=L, LB=1, CB=1, SUB=SUB, POOL=False, BLOCKS=False, BLOCK_H=H, BLOCK_D=D, BF16=True, RAW_BLOCKS=2)
+    plain = dict(L=L, LB=1, CB=1, SUB=SUB, POOL=False, BLOCKS=False, BLOCK_H=H, BLOCK_D=D, BF16=True, RAW_BLOCKS=2,
+                 LW=L, APPEND=False)
     for warps in (4, 8):
         print(f"_select_split_kernel plain rows, {warps} warps: "
               f"{build(ix._select_split_kernel, split_sig, plain, warps)}")
@@ -66,7 +71,7 @@ def main() -> None:
                      cands_ptr="*i64", KEEP="i32")
     consts = dict(lists, KP=L, KEEPP=KEEP)
     print(f"_select_merge_kernel (sorted cuts): {build(ix._select_merge_kernel, merge_sig, consts, ix.MERGE_WARPS)}")
-    radix = dict(lists, TILE=ix.RADIX_TILE, ST=ix.RADIX_STATE)
+    radix = dict(lists, TILE=ix.RADIX_TILE, ST=ix.RADIX_STATE, LW=2 * L)
     rows = dict(n_ptr="*i64", C="i32", S="i32", row_ptr="*i64", brow_ptr="*i64", sel_ptr="*i64")
     print(f"_radix_count_kernel: {build(ix._radix_count_kernel, dict(rows, ROUND='i32', P='i32'), radix, 4)}")
     scan_sig = dict(sel_ptr="*i64", K="i32", KEEP="i32", ROUND="i32")

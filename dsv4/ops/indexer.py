@@ -334,13 +334,17 @@ if triton is not None:
                              row_ptr, tile_ptr, brow_ptr, btile_ptr, S, H, D, BS, scale,
                              L: tl.constexpr, LB: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr,
                              BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, POOL: tl.constexpr,
-                             BLOCKS: tl.constexpr, BF16: tl.constexpr, RAW_BLOCKS: tl.constexpr):
+                             BLOCKS: tl.constexpr, BF16: tl.constexpr, RAW_BLOCKS: tl.constexpr,
+                             LW: tl.constexpr, APPEND: tl.constexpr):
         """Program (row r, split s): scores of units [s*chunk, (s+1)*chunk) of the row (a unit is an entry, or in
         POOL mode a place c*CB + j of candidate block c), chunk = ceil(U / S) in SUB multiples, U = n (POOL: C*CB).
         chunk <= L ("raw"): every key goes to row[u] (no sort here; the merge takes them in L-wide windows).
-        Else each split keeps a running top-L list in row[s*L:(s+1)*L) (merging a full tile of L keys when its
-        best beats the list's worst). BLOCKS (the candidate source): the same for block keys (max over CB entries,
-        the newest visible entry's block pinned to +inf) in brow, with LB-wide lists."""
+        Else each split keeps a running top-L list in row[s*LW:(s+1)*LW) (LW = L: merging a full tile of L keys
+        when its best beats the list's worst; APPEND, LW = 2L, for the radix merge, which reads keys in any order:
+        the keys above the running threshold appended, cut to the top L only when the 2L places would overflow,
+        -1 past the last at the end: one sort where the merges of sorted tiles made one a tile). BLOCKS (the
+        candidate source): the same for block keys (max over CB entries, the newest visible entry's block pinned to
+        +inf) in brow, with LB-wide lists."""
         r = tl.program_id(0).to(tl.int64)
         split = tl.program_id(1)
         scale = tl.cast(scale, tl.float32)  # torch.compile passes floats as fp64
@@ -358,9 +362,9 @@ if triton is not None:
         chunk = tl.maximum(tl.cdiv(tl.cdiv(U, S), SUB), 1) * SUB
         start = split * chunk
         end = tl.minimum(start + chunk, U)
-        row = row_ptr + r * S * L
+        row = row_ptr + r * S * LW
         brow = brow_ptr + r * S * LB
-        lst = row + split * L
+        lst = row + split * LW
         tile = tile_ptr + (r * S + split) * L
         blst = brow + split * LB
         btile = btile_ptr + (r * S + split) * LB
@@ -379,13 +383,15 @@ if triton is not None:
         else:
             blocks_raw = chunk < 0
         if chunk > L:  # running lists (else raw keys)
-            tl.store(lst + jl, tl.full([L], -1, tl.int64))
+            if not APPEND:
+                tl.store(lst + jl, tl.full([L], -1, tl.int64))
             if BLOCKS:
                 tl.store(blst + jb, tl.full([LB], -1, tl.int64))
                 if RAW_BLOCKS != 2:
                     if blocks_raw == 0:
                         tl.store(btile + jb, tl.full([LB], -1, tl.int64))
         thr = tl.zeros([], tl.int64) - 1
+        held = tl.zeros([], tl.int32)  # APPEND: keys in the list
         newest_blk = tl.where(n > 0, (n - 1) // CB, -1)
         for t0 in range(start, end, L):
             tmax = tl.zeros([], tl.int64) - 1
@@ -430,7 +436,10 @@ if triton is not None:
                     else:
                         tl.store(btile + bpos % LB, bkey)
             if chunk > L:
-                if tmax > thr:
+                if APPEND:
+                    tl.debug_barrier()  # the tile's stores (by other threads) are visible
+                    held, thr = _take(lst, held, thr, tl.load(tile + jl), t0 >= 0, L, L, False)
+                elif tmax > thr:
                     thr = _merge_top(lst, tile, L)
                 if BLOCKS and RAW_BLOCKS != 2:
                     done = (t0 + L - start) // CB  # blocks pending since the last merge fill the tile, or the end
@@ -438,6 +447,11 @@ if triton is not None:
                         _merge_top(blst, btile, LB)
                         tl.store(btile + jb, tl.full([LB], -1, tl.int64))
                         tl.debug_barrier()
+        if APPEND:
+            if chunk > L:  # places past the held keys may hold keys a cut dropped
+                tl.debug_barrier()
+                jw = tl.arange(0, LW)
+                tl.store(lst + jw, tl.full([LW], -1, tl.int64), mask=jw >= held)
 
     @triton.jit
     def _take(dst, c, thr, x, live, cap, L: tl.constexpr, HEAD: tl.constexpr):
@@ -480,17 +494,18 @@ if triton is not None:
 
     @triton.jit
     def _key_counts(n, C, S, L: tl.constexpr, LB: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr,
-                    POOL: tl.constexpr):
+                    POOL: tl.constexpr, LW: tl.constexpr):
         """What the split kernel left for a row of n visible entries: (entry keys, block keys, block keys a split's
-        list can hold). Raw (chunk <= L): the U unit keys in a row, and a block key per CB units; else S sorted lists
-        of L entry keys, and S block lists of which the first min(LB, chunk / CB) places can hold keys."""
+        list can hold). Raw (chunk <= L): the U unit keys in a row, and a block key per CB units; else S lists of LW
+        places of entry keys (L sorted ones; the radix merge's 2L, -1 past the held), and S block lists of which
+        the first min(LB, chunk / CB) places can hold keys."""
         if POOL:
             U = C * CB
         else:
             U = n
         chunk = tl.maximum(tl.cdiv(tl.cdiv(U, S), SUB), 1) * SUB
         raw = chunk <= L
-        nk = tl.where(raw, U, S * L)
+        nk = tl.where(raw, U, S * LW)
         vb = tl.where(raw, LB, tl.minimum(LB, chunk // CB))
         nb = tl.where(raw, tl.cdiv(U, CB), S * vb)
         return nk, nb, vb
@@ -540,7 +555,7 @@ if triton is not None:
         specialized: its sorts compile once (the candidate source's 4,096-key sort is tens of seconds)."""
         r = tl.program_id(0).to(tl.int64)
         g = tl.program_id(1)
-        nk, nb, vb = _key_counts(tl.load(n_ptr + r), C, S, L, LB, CB, SUB, POOL)
+        nk, nb, vb = _key_counts(tl.load(n_ptr + r), C, S, L, LB, CB, SUB, POOL, L)
         src, p0, p1, W, V, dst = _merge_plan(row_ptr + r * S * L, part_ptr + r * G * (2 * L), acc_ptr + r * (2 * L),
                                              nk, L, g, G, STAGE, L)
         _top_of(src, p0, p1, dst, L, W, V)
@@ -662,13 +677,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=["S", "ROUND", "P"])
     def _radix_count_kernel(n_ptr, C, S, row_ptr, brow_ptr, sel_ptr, ROUND, P, L: tl.constexpr,
                             LB: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr, POOL: tl.constexpr,
-                            BLOCKS: tl.constexpr, TILE: tl.constexpr, ST: tl.constexpr):
+                            BLOCKS: tl.constexpr, TILE: tl.constexpr, ST: tl.constexpr, LW: tl.constexpr):
         """Grid (R, P): one round's counts of both list kinds. sel: a row's ST (RADIX_STATE) int64 places."""
         r = tl.program_id(0).to(tl.int64)
         pid = tl.program_id(1)
-        nk, nb, vb = _key_counts(tl.load(n_ptr + r), C, S, L, LB, CB, SUB, POOL)
+        nk, nb, vb = _key_counts(tl.load(n_ptr + r), C, S, L, LB, CB, SUB, POOL, LW)
         sel = sel_ptr + r * ST
-        _radix_count(row_ptr + r * S * L, nk, L, L, sel, sel + 8, ROUND, pid, P, TILE)
+        _radix_count(row_ptr + r * S * LW, nk, LW, LW, sel, sel + 8, ROUND, pid, P, TILE)
         if BLOCKS:
             _radix_count(brow_ptr + r * S * LB, nb, LB, vb, sel + 4, sel + 264, ROUND, pid, P, TILE)
 
@@ -683,13 +698,13 @@ if triton is not None:
     @triton.jit(do_not_specialize=["S", "P"])
     def _radix_gather_kernel(n_ptr, C, S, row_ptr, brow_ptr, sel_ptr, acc_ptr, bacc_ptr, P, L: tl.constexpr,
                              LB: tl.constexpr, CB: tl.constexpr, SUB: tl.constexpr, POOL: tl.constexpr,
-                             BLOCKS: tl.constexpr, TILE: tl.constexpr, ST: tl.constexpr):
+                             BLOCKS: tl.constexpr, TILE: tl.constexpr, ST: tl.constexpr, LW: tl.constexpr):
         """Grid (R, P): the keys at or above each row's thresholds into acc (entries, L places) / bacc (blocks)."""
         r = tl.program_id(0).to(tl.int64)
         pid = tl.program_id(1)
-        nk, nb, vb = _key_counts(tl.load(n_ptr + r), C, S, L, LB, CB, SUB, POOL)
+        nk, nb, vb = _key_counts(tl.load(n_ptr + r), C, S, L, LB, CB, SUB, POOL, LW)
         sel = sel_ptr + r * ST
-        _radix_gather(row_ptr + r * S * L, nk, L, L, sel, sel + 520, acc_ptr + r * (2 * L), L, pid, P, TILE)
+        _radix_gather(row_ptr + r * S * LW, nk, LW, LW, sel, sel + 520, acc_ptr + r * (2 * L), L, pid, P, TILE)
         if BLOCKS:
             _radix_gather(brow_ptr + r * S * LB, nb, LB, vb, sel + 4, sel + 521, bacc_ptr + r * (2 * LB), LB,
                           pid, P, TILE)
@@ -756,7 +771,9 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
     LB = max(triton.next_power_of_2(keep_blocks), L // cand_block) if blocks else 1
     S = splits or select_splits(R, dev)
     G = min(groups or merge_groups(S), max(1, S // 2))  # the group lists reuse the split kernel's tiles (S x L)
-    row = torch.empty(R, S * L, dtype=torch.int64, device=dev)
+    radix = RADIX_SELECT if radix is None else radix
+    LW = 2 * L if radix else L  # list places a split (the radix merge's lists are appended, not sorted)
+    row = torch.empty(R, S * LW, dtype=torch.int64, device=dev)
     tile = torch.empty(R, S * L, dtype=torch.int64, device=dev)
     acc = torch.empty(R, 2 * L, dtype=torch.int64, device=dev)
     brow = torch.empty(R, S * LB, dtype=torch.int64, device=dev) if blocks else row
@@ -777,14 +794,14 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
         table, table.stride(0), n, cand, cand.stride(0), C, row, tile, brow, btile, S, H, D, block_size,
         float(scale), L=L, LB=LB, CB=cand_block, SUB=SUB, BLOCK_H=max(16, triton.next_power_of_2(H)),
         BLOCK_D=max(16, triton.next_power_of_2(D)), POOL=pool is not None, BLOCKS=blocks, BF16=bf16,
-        RAW_BLOCKS=raw_blocks, num_warps=split_warps or SPLIT_WARPS)
+        RAW_BLOCKS=raw_blocks, LW=LW, APPEND=radix, num_warps=split_warps or SPLIT_WARPS)
     args = (n, C, row, brow, tile, btile, acc, bacc, S, G)  # group lists [R, G, 2L] / [R, G, 2LB] in the tiles
     rest = (table, table.stride(0), block_size, picks, slots, mask, k, cands if cands is not None else picks,
             keep_blocks)
     meta = dict(L=L, LB=LB, CB=cand_block, SUB=SUB, KP=triton.next_power_of_2(k),
                 KEEPP=triton.next_power_of_2(max(keep_blocks, 1)), POOL=pool is not None, BLOCKS=blocks,
                 num_warps=merge_warps or MERGE_WARPS)
-    if radix if radix is not None else RADIX_SELECT:
+    if radix:
         _radix_merge(n, C, S, row, brow, acc, bacc, rest, meta)
         return picks, slots, mask, cands
     if G > 1:  # the tiles are free once the split kernel is done
@@ -802,7 +819,7 @@ def _radix_merge(n: torch.Tensor, C: int, S: int, row: torch.Tensor, brow: torch
     table, t_stride, block_size, picks, slots, mask, k, cands, keep = rest
     sel = torch.zeros(R, RADIX_STATE, dtype=torch.int64, device=row.device)
     lists = dict(L=meta["L"], LB=meta["LB"], CB=meta["CB"], SUB=meta["SUB"], POOL=meta["POOL"],
-                 BLOCKS=meta["BLOCKS"], TILE=RADIX_TILE, ST=RADIX_STATE)
+                 BLOCKS=meta["BLOCKS"], TILE=RADIX_TILE, ST=RADIX_STATE, LW=row.shape[1] // S)
     P = S
     for rnd in range(RADIX_ROUNDS):
         _radix_count_kernel[(R, P)](n, C, S, row, brow, sel, rnd, P, **lists, num_warps=4)
