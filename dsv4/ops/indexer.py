@@ -438,7 +438,9 @@ if triton is not None:
             if chunk > L:
                 if APPEND:
                     tl.debug_barrier()  # the tile's stores (by other threads) are visible
-                    held, thr = _take(lst, held, thr, tl.load(tile + jl), t0 >= 0, L, L, False)
+                    x = tl.load(tile + jl)
+                    tl.debug_barrier()  # and every thread holds its share before the next tile's stores
+                    held, thr = _take(lst, held, thr, x, t0 >= 0, L, L, False)
                 elif tmax > thr:
                     thr = _merge_top(lst, tile, L)
                 if BLOCKS and RAW_BLOCKS != 2:
