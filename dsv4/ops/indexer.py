@@ -816,7 +816,8 @@ def _radix_merge(n: torch.Tensor, C: int, S: int, row: torch.Tensor, brow: torch
                  bacc: torch.Tensor, rest: tuple, meta: dict) -> None:
     """The merge of `decode_select_triton` as a radix select: 2 launches a digit round (8 rounds, fixed for
     graph capture; a done row's programs return at once), a gather and the sorting write: 18 launches, plus the
-    state's zero fill. P = S programs a row count and gather (each a share of the row's S x L keys)."""
+    state's zero fill. P = S programs a row count and gather (each a share of the row's S lists of LW places: 2L,
+    appended by the split kernel)."""
     R = row.shape[0]
     table, t_stride, block_size, picks, slots, mask, k, cands, keep = rest
     sel = torch.zeros(R, RADIX_STATE, dtype=torch.int64, device=row.device)
