@@ -10,11 +10,16 @@ near-ties at the keep boundary of 37,500 blocks did differ with the real scale 1
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+import dsv4.ops.indexer as indexer
+from dsv4.engine.engine import LLMEngine
 from dsv4.ops.indexer import (decode_select_torch, decode_select_triton, indexer_scores_torch,
                               pick_table_sources_torch, pick_table_sources_triton, table_entry_slots)
+from dsv4.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -125,3 +130,37 @@ def test_decode_select_bf16_real_values(R: int, n_max: int, H_: int) -> None:
         kth = ref[r].topk(min(k, nr)).values[-1]
         tol = 1e-5 * ref[r][:nr].abs().max() + 1e-6  # fp32 sums of 128-channel bf16 products, another order
         assert bool((ref[r][got] >= kth - tol).all()), (r, float(kth), float(ref[r][got].min()))
+
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "..", "data", "deepseek-v41-tiny")
+
+
+@pytest.mark.parametrize("radix,raw_blocks", [(True, 1), (False, 0), (False, 2), (True, 2)])
+def test_engine_tokens_equal_across_selection_forms(radix: bool, raw_blocks: int,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The golden tiny V4.1 through FULL decode graphs (captured with the selection form under test) and async
+    scheduling: the radix merge and every block-list mode give the default's tokens and logprobs exactly (the
+    selection is exact and its output order fixed, so nothing downstream may change)."""
+    def run() -> dict[str, tuple[list[int], list]]:
+        eng = LLMEngine.from_args(GOLDEN, device="cuda", dtype="float32", max_model_len=256, max_num_seqs=8,
+                                  max_num_batched_tokens=64)
+        prompts = [list(range(3 + i, 3 + i + 40 + 9 * i)) for i in range(6)]
+        for i, p in enumerate(prompts):
+            eng.add_request(p, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2),
+                            request_id=str(i))
+        done = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].logprobs)
+        return done
+
+    base = run()
+    monkeypatch.setattr(indexer, "RADIX_SELECT", radix)
+    monkeypatch.setattr(indexer, "RAW_BLOCK_LISTS", raw_blocks)
+    other = run()
+    assert base.keys() == other.keys()
+    for rid, (tokens, lps) in base.items():
+        assert other[rid][0] == tokens, rid
+        for a, b in zip(lps, other[rid][1]):
+            assert {t: v.logprob for t, v in a.items()} == {t: v.logprob for t, v in b.items()}, rid
