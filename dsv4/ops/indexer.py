@@ -597,9 +597,10 @@ if triton is not None:
     # digit instead: keys are unique int64 (score order, then id), so the K-th largest is fixed by its 8-bit
     # digits, most significant first. Each round, the row's P programs count their keys of the current bucket by
     # digit (a 256-bin histogram a row, added with atomics) and one program a row (`_radix_scan`, the next launch)
-    # picks the digit the K-th key has; a row is done once its bucket's keys are all taken (usually after 2-4 of
-    # the 8 rounds: later launches return at once). Then every key >= the threshold is gathered (any order) and
-    # one L-wide sort orders the K (the sort-based merge's output, bit for bit).
+    # picks the digit the K-th key has; a row is done once its bucket's keys are all taken (for spread scores
+    # expected within 2-4 of the 8 rounds, not yet measured: later launches return at once). Then every key >= the
+    # threshold is gathered (any order) and one L-wide sort orders the K (the sort-based merge's output, bit for
+    # bit).
 
     @triton.jit
     def _radix_count(src, nk, W, V, st, hist, ROUND, pid, P, TILE: tl.constexpr):
