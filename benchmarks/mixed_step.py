@@ -123,11 +123,12 @@ def main() -> None:
     # host time of the step's parts (each call returns once its kernels are queued, unless it syncs)
     parts: dict[str, list[float]] = collections.defaultdict(list)
     runner = eng.runner
-    for owner, name, label in ((runner.model, "forward", "model forward (eager)"),
-                               (runner.model_state, "prepare_attn", "attention metadata"),
-                               (runner.model_state, "prepare_inputs", "model inputs"),
-                               (runner.model, "compute_logits", "logits"),
-                               (eng.scheduler, "schedule", "schedule")):
+    hooks = ((runner.model, "forward", "model forward (eager)"),
+             (runner.model_state, "prepare_attn", "attention metadata"),
+             (runner.model_state, "prepare_inputs", "model inputs"),
+             (runner.model, "compute_logits", "logits"),
+             (eng.scheduler, "schedule", "schedule"))
+    for owner, name, label in hooks:
         def timed_call(*a: Any, _f: Any = getattr(owner, name), _label: str = label, **k: Any) -> Any:
             t = time.perf_counter()
             out = _f(*a, **k)
@@ -139,9 +140,7 @@ def main() -> None:
     n_mixed = len(parted)
     for label, times in parts.items():
         print(f"  host time in {label}: {sum(times) / max(n_mixed, 1) * 1e3:.2f} ms a mixed step ({len(times)} calls)")
-    for owner, name, _ in ((runner.model, "forward", ""), (runner.model_state, "prepare_attn", ""),
-                           (runner.model_state, "prepare_inputs", ""), (runner.model, "compute_logits", ""),
-                           (eng.scheduler, "schedule", "")):
+    for owner, name, _ in hooks:
         delattr(owner, name)  # the class's own method again
     timed: list[tuple[str, float, float]] = []
     run_round(timed)

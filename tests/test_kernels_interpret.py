@@ -435,6 +435,35 @@ def test_pick_sources_kernel_equals_torch() -> None:
     """)
 
 
+# The decode selection tests' inputs (code for their child Pythons): queries and keys on halves, so products and
+# sums of halves are exact in fp32 (scores tie bitwise, and only ids order them); row 0 sees every entry, row 1
+# none, row 2 fewer than k; at 600 entries row 3 sees 150; a pooled source with -1s and ids past the last block.
+_SELECT_INPUTS = textwrap.dedent("""
+    def select_inputs(g, R, H, D, bs, M, k, C, CB, neg):
+        grid = lambda x: (x * 2).round() / 2
+        MB = -(-M // bs) + 1
+        N = (MB * R + 5) * bs
+        q, keys = grid(torch.randn(R, H, D, generator=g)), grid(torch.randn(N, D, generator=g))
+        w = torch.randn(R, H, generator=g)
+        if neg:
+            w = -w.abs() - 0.1
+            q = -q.abs()  # with keys >= 0 below every dot is <= 0: relu 0, score -0.0 or 0.0
+            keys = keys.abs()
+        table = torch.randint(1, N // bs, (R, MB), generator=g, dtype=torch.int32)
+        n = torch.randint(0, M + 1, (R,), generator=g)
+        n[0], n[1] = M, 0
+        if R > 2:
+            n[2] = k - 1
+        if M == 600:
+            n[3] = 150
+        pool = None
+        if C:
+            pool = torch.stack([torch.randperm(-(-M // CB) + 2, generator=g)[:C] for _ in range(R)])
+            pool[:, C - 2:] = -1
+        return q, w, keys, table, n, pool
+""")
+
+
 @pytest.mark.slow  # (main tier under 10 minutes on two cores; CI runs the slow tier too)
 def test_decode_select_kernels_equal_torch() -> None:
     """The fused decode selection (scores of each row's visible entries through its block table, running top-k,
@@ -444,11 +473,9 @@ def test_decode_select_kernels_equal_torch() -> None:
     lists (one split); the candidate source (block top-k, pinned newest block, more blocks than kept); a pooled
     index source (candidate lists with -1s and ids past the last block); scores of -0.0 (all weights < 0). Both
     merges: sorted cuts and the radix select."""
-    _interpret("""
-        import torch
+    _interpret("import torch\n" + _SELECT_INPUTS + textwrap.dedent("""
         from dsv4.ops.indexer import decode_select_torch, decode_select_triton
         g = torch.Generator().manual_seed(11)
-        grid = lambda x: (x * 2).round() / 2  # products and sums of halves are exact in fp32
         checked = 0
         for R, H, D, bs, M, k, C, CB, keep, neg in [
             (3, 4, 32, 4, 40, 8, 0, 4, 0, False), (4, 8, 20, 8, 150, 5, 0, 4, 0, False),
@@ -462,26 +489,7 @@ def test_decode_select_kernels_equal_torch() -> None:
             # a full row's chunks pass the 64-place block lists at 1 split, row 3's fit (RAW_BLOCKS 1)
             (4, 4, 32, 4, 600, 8, 0, 4, 40, False),
         ]:
-            MB = -(-M // bs) + 1
-            N = (MB * R + 5) * bs
-            q, keys = grid(torch.randn(R, H, D, generator=g)), grid(torch.randn(N, D, generator=g))
-            w = torch.randn(R, H, generator=g)
-            if neg:
-                w = -w.abs() - 0.1
-                q = -q.abs()  # with keys >= 0 below every dot is <= 0: relu 0, score -0.0 or 0.0
-                keys = keys.abs()
-            table = torch.randint(1, N // bs, (R, MB), generator=g, dtype=torch.int32)
-            n = torch.randint(0, M + 1, (R,), generator=g)
-            n[0], n[1] = M, 0
-            if R > 2:
-                n[2] = k - 1
-            if M == 600:
-                n[3] = 150
-            pool = None
-            if C:
-                nb = -(-M // CB)
-                pool = torch.stack([torch.randperm(nb + 2, generator=g)[:C] for _ in range(R)])
-                pool[:, C - 2:] = -1
+            q, w, keys, table, n, pool = select_inputs(g, R, H, D, bs, M, k, C, CB, neg)
             ref = decode_select_torch(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep)
             # (splits, merge groups): one merge program a row (G 1), or G group lists first, with shares of
             # unequal size (16 / 3) and groups past a short row's keys; 64 = MAX_SPLITS, most splits past its end
@@ -497,7 +505,7 @@ def test_decode_select_kernels_equal_torch() -> None:
                     checked += 1
         assert checked == 78
         print("ok")
-    """)
+    """))
 
 
 def test_decode_select_radix_merge_equals_torch() -> None:
@@ -506,12 +514,10 @@ def test_decode_select_radix_merge_equals_torch() -> None:
     scores tie and only ids order them): raw keys and running lists, short rows and empty ones, the candidate
     source's blocks (more blocks than kept, all kept; the split kernel's block lists unsorted and sorted), a
     pooled source, -0.0 scores, 64 splits over a long row."""
-    _interpret("""
-        import torch
+    _interpret("import torch\n" + _SELECT_INPUTS + textwrap.dedent("""
         import dsv4.ops.indexer as idx
         from dsv4.ops.indexer import decode_select_torch, decode_select_triton
         g = torch.Generator().manual_seed(12)
-        grid = lambda x: (x * 2).round() / 2
         checked = 0
         for R, H, D, bs, M, k, C, CB, keep, neg, splits in [
             (3, 4, 32, 4, 40, 8, 0, 4, 0, False, (1, 3)),      # running lists (1 split), raw keys (3)
@@ -523,23 +529,7 @@ def test_decode_select_radix_merge_equals_torch() -> None:
             # the split kernel decides per row (RAW_BLOCKS 1)
             (4, 4, 32, 4, 600, 8, 0, 4, 40, False, (1,)),
         ]:
-            MB = -(-M // bs) + 1
-            N = (MB * R + 5) * bs
-            q, keys = grid(torch.randn(R, H, D, generator=g)), grid(torch.randn(N, D, generator=g))
-            w = torch.randn(R, H, generator=g)
-            if neg:
-                w = -w.abs() - 0.1
-                q = -q.abs()
-                keys = keys.abs()
-            table = torch.randint(1, N // bs, (R, MB), generator=g, dtype=torch.int32)
-            n = torch.randint(0, M + 1, (R,), generator=g)
-            n[0], n[1], n[2] = M, 0, k - 1
-            if R > 3:
-                n[3] = 150
-            pool = None
-            if C:
-                pool = torch.stack([torch.randperm(-(-M // CB) + 2, generator=g)[:C] for _ in range(R)])
-                pool[:, C - 2:] = -1
+            q, w, keys, table, n, pool = select_inputs(g, R, H, D, bs, M, k, C, CB, neg)
             ref = decode_select_torch(q, w, keys, table, bs, n, M, D ** -0.5, k, pool, CB, keep)
             for S in splits:
                 # the split kernel's block lists (DSV4_RAW_BLOCK_LISTS): unsorted where a row's chunk fits (1, the
@@ -556,7 +546,7 @@ def test_decode_select_radix_merge_equals_torch() -> None:
                     checked += 1
         assert checked == 16
         print("ok")
-    """)
+    """))
 
 
 def test_select_splits_fill_the_gpu_twice(monkeypatch: pytest.MonkeyPatch) -> None:
