@@ -27,7 +27,7 @@ import argparse
 import torch
 import triton.testing
 
-from dsv4.ops.indexer import decode_select_triton, merge_groups, select_splits
+from dsv4.ops.indexer import decode_select_triton, merge_groups, select_plan
 
 D, K, BS = 128, 512, 16
 CAND_BLOCK, KEEP_BLOCKS = 8, 2048  # V4.1-Flash's candidate_block_size, candidate_topk_blocks
@@ -62,7 +62,8 @@ def main() -> None:
     label = lambda c: ((f"G={c[1]}" if args.groups else f"S={c[0]}")  # noqa: E731
                        + (f"/w{c[2]}" if len(args.merge_warps) > 1 else "")
                        + (f"/s{c[3]}" if len(args.split_warps) > 1 else ""))
-    print(f"mode {args.mode}; us for the whole selection; default S, G = the shape-derived split and group counts")
+    print(f"mode {args.mode}; us for the whole selection; default S, G = the engine's shape-derived split and group"
+          " counts (R: its merge is the radix select); the --splits / --groups columns are the sort merge")
     print(f"{'R':>3s} {'n':>6s} {'default S, G':>16s} " + " ".join(f"{label(c):>9s}" for c in cols)
           + (f" {'radix':>9s}" if args.radix else "") + "".join(f" {f'radix S={sp}':>12s}" for sp in args.radix_splits))
     for R in args.batches:
@@ -84,18 +85,19 @@ def main() -> None:
                 if pool.shape[1] < KEEP_BLOCKS:  # fewer blocks than kept: the rest -1, as the candidate source gives
                     pool = torch.nn.functional.pad(pool, (0, KEEP_BLOCKS - pool.shape[1]), value=-1)
 
-            def run(c: tuple = (None, None, None, None), radix: bool = False):  # noqa: ANN202
+            def run(c: tuple = (None, None, None, None), radix: bool | None = None):  # noqa: ANN202
                 return decode_select_triton(q, w, keys, table, BS, nn, n, D ** -0.5, k, pool, cb, keep, splits=c[0],
                                             groups=c[1], merge_warps=c[2], radix=radix, split_warps=c[3])
 
             ref = run()
-            S = select_splits(R, q.device)
-            times = [f"{triton.testing.do_bench_cudagraph(run, rep=20) * 1e3:6.1f} S{S} G{merge_groups(S)}"]
+            S, rdx = select_plan(R, q.device)
+            form = "R" if rdx else f"G{merge_groups(S)}"
+            times = [f"{triton.testing.do_bench_cudagraph(run, rep=20) * 1e3:6.1f} S{S} {form}"]
             for c in cols:
-                got = run(c)
+                got = run(c, radix=False)
                 assert torch.equal(got[1].sort(dim=1).values, ref[1].sort(dim=1).values), c
                 assert keep == 0 or torch.equal(got[3], ref[3]), c
-                times.append(f"{triton.testing.do_bench_cudagraph(lambda c=c: run(c), rep=20) * 1e3:9.1f}")
+                times.append(f"{triton.testing.do_bench_cudagraph(lambda c=c: run(c, radix=False), rep=20) * 1e3:9.1f}")
             if args.radix:
                 got = run(radix=True)
                 assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), "radix"

@@ -10,11 +10,11 @@
 #           heads and 2K-32K entries)
 #   groups  the same by the merge's group count (1 / 2 / 4 / 8 first-stage programs a row) and its warps (4 / 8), at
 #           32K and 131K entries, batch 1 and 8
-#   radix   the whole selection with its merge as a radix select (--radix; and at 128 / 256 splits, past
-#           MAX_SPLITS, which the sorted merge's cost set) beside the sort-based merge (G 8), the
-#           three kinds at 32K and 131K entries, batch 1 and 8, and the candidate kind with DSV4_RAW_BLOCK_LISTS=0 (the
-#           split kernel's block lists sorted, as before) and 2 (their sort compiled out where max_entries allows);
-#           then `DSV4_SELECT_RADIX=1 ... profile131k` in the engine
+#   radix   the whole selection with its merge as a radix select (--radix; and at 128 / 256 splits) beside the
+#           sort-based merge (G 8), the three kinds at 32K and 131K entries, batch 1 and 8, and the candidate kind
+#           with DSV4_RAW_BLOCK_LISTS=0 (the split kernel's block lists sorted, as before) and 2 (their sort
+#           compiled out where max_entries allows); the engine's default form since 2026-12-06 picks the radix
+#           merge at batch <= 16 (`select_plan`; DSV4_SELECT_RADIX=0 for the sort merge in `profile131k`)
 #   splitwarps  the scoring (split) kernel at 4 and 8 warps (SPLIT_WARPS; 4 spills in the sm_90 build,
 #           benchmarks/select_kernels_sass.py), the three kinds at 32K and 131K entries, batch 1 and 8
 #   profile131k  batch-1 decode after a 131,072-token prompt, its graph's kernels (benchmarks/profile_graph.py

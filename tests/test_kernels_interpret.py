@@ -559,6 +559,25 @@ def test_select_splits_fill_the_gpu_twice(monkeypatch: pytest.MonkeyPatch) -> No
     assert [idx.select_splits(R, dev) for R in (1, 4, 5, 8, 33, 64, 264, 1000)] == [64, 64, 53, 33, 8, 5, 1, 1]
     # the merge's first stage: ~8 split lists a group, none (1) under 16 splits
     assert [idx.merge_groups(S) for S in (64, 53, 33, 17, 16, 15, 8, 1)] == [8, 6, 4, 2, 2, 1, 1, 1]
+    # the default merge: a radix select where the sort merge would take >= 16 splits (batch <= 16 here), then with
+    # up to RADIX_MAX_SPLITS (256) splits; sorted cuts above; DSV4_SELECT_RADIX's 0 / 1 force one form
+    rows = (1, 2, 8, 16, 17, 32, 1000)
+    assert [idx.select_plan(R, dev) for R in rows] == [
+        (256, True), (132, True), (33, True), (17, True), (16, True), (9, False), (1, False)]
+    assert [idx.select_plan(R, dev, radix=False) for R in rows] == [(idx.select_splits(R, dev), False) for R in rows]
+    assert [idx.select_plan(R, dev, radix=True)[0] for R in rows] == [256, 132, 33, 17, 16, 9, 1]
+    monkeypatch.setattr(idx, "RADIX_SELECT", False)
+    assert idx.select_plan(1, dev) == (64, False)
+    monkeypatch.setattr(idx, "RADIX_SELECT", True)
+    assert idx.select_plan(1000, dev) == (1, True)
+
+
+def test_select_radix_switch_rejects_other_values() -> None:
+    """DSV4_SELECT_RADIX is auto, 0 or 1: another value stops the import with one error naming it, rather than
+    silently meaning 0."""
+    env = {**os.environ, "DSV4_SELECT_RADIX": "yes"}
+    out = subprocess.run([sys.executable, "-c", "import dsv4.ops.indexer"], env=env, capture_output=True, text=True)
+    assert out.returncode != 0 and "DSV4_SELECT_RADIX must be auto, 0 or 1, not 'yes'" in out.stderr, out.stderr
 
 
 def test_pick_table_sources_kernel_equals_torch() -> None:

@@ -268,16 +268,31 @@ MAX_GROUPS = 8
 # 8 warps keep more of one row's work in flight on its SM.
 MERGE_WARPS = 8
 # Warps of a scoring (split) program. At 4 its sm_90 build spills (255 registers and 192-240 bytes of stack for
-# V4.1's shapes, Triton 3.9 here: benchmarks/select_kernels_sass.py); at 8 it does not (244, no stack). Not yet
-# timed: `decode_select_splits.py --split-warps 4 8` on a GPU decides.
+# V4.1's shapes, Triton 3.9 here: benchmarks/select_kernels_sass.py); at 8 it does not (244, no stack), yet 8 lost
+# 20-26% at batch 8 and gained only 1-13% at batch 1 on an H100 (2026-12-06-h100-decode-select-split-warps): the
+# spill costs less than halving the programs an SM holds.
 SPLIT_WARPS = 4
-# Block lists of a split chunk of at most LB blocks kept unsorted (no 2LB-key sort a split; not yet timed on a GPU):
-# DSV4_RAW_BLOCK_LISTS=1 (default) decides per row in the kernel; 2 compiles the LB-tile merge out where max_entries
-# bounds every chunk to LB blocks (a quarter of the code; but then max_model_len picks the compiled variant, which
-# the decode's independence of max_model_len must not depend on until timed); 0 keeps the sorted LB-tile merges
+# Block lists of a split chunk of at most LB blocks kept unsorted (no 2LB-key sort a split): DSV4_RAW_BLOCK_LISTS=1
+# (default) decides per row in the kernel; 2 compiles the LB-tile merge out where max_entries bounds every chunk to
+# LB blocks (a quarter of the code, but max_model_len then picks the compiled variant); 0 keeps the sorted LB-tile
+# merges. With the radix merge on an H100 a 131K candidate row took 370 us with 0, 245 with 1, 243 with 2
+# (2026-12-06-h100-decode-select-radix): 1 stays the default, 2 gains nothing measurable.
 RAW_BLOCK_LISTS = int(os.environ.get("DSV4_RAW_BLOCK_LISTS", "1"))
-# The merge as a radix select (`_radix_*` below) instead of sorted cuts: opt-in until timed on a GPU.
-RADIX_SELECT = os.environ.get("DSV4_SELECT_RADIX", "0") == "1"
+# The merge as a radix select (`_radix_*` below) instead of sorted cuts. Its 18 launches cost ~20 us more than the
+# sort merge's 1-2 on short rows, and it gains from 4K entries on: timed on an H100, the whole selection at batch 1
+# and 131K entries 664 -> 132 us (candidate rows), 242 -> 75 (plain), 89 -> 52 (pooled); at batch 32 and 1-4K
+# entries it lost (plain 24 -> 55 us, candidate 69 -> 103); benchmarks/results/2026-12-06-h100-decode-select-radix.
+# So by default (DSV4_SELECT_RADIX unset or "auto") it merges where the sort merge would take >= RADIX_MIN_SPLITS
+# splits a row (batch <= 16 on 132 SMs: measured at 1 and 8, where it won from 4K entries); "1" / "0" force it.
+_RADIX_ENV = os.environ.get("DSV4_SELECT_RADIX", "auto")
+if _RADIX_ENV not in ("auto", "0", "1"):
+    raise ValueError(f"DSV4_SELECT_RADIX must be auto, 0 or 1, not {_RADIX_ENV!r}")
+RADIX_SELECT: bool | None = None if _RADIX_ENV == "auto" else _RADIX_ENV == "1"
+RADIX_MIN_SPLITS = 16
+# Split cap with the radix merge, whose cost grows with the keys (2L a split) rather than with sorted lists: at
+# batch 1 and 131K entries 256 splits beat 64 (candidate 245 -> 132 us, plain 172 -> 75) and cost ~1 us at 1K
+# entries; at batch 8 the 2x-SM rule's 33 beat 128 and 256
+RADIX_MAX_SPLITS = 256
 RADIX_ROUNDS = 8  # 8-bit digits of an int64 key
 RADIX_TILE = 256  # keys a count / gather step
 # int64 places a row: [0, 4) the entries' state (prefix, need, done), [4, 8) the blocks', [8, 264) and [264, 520)
@@ -591,7 +606,7 @@ if triton is not None:
             bid = 2147483647 - (bkey % 2147483648)
             tl.store(cands_ptr + r * KEEP + jb, tl.where(bkey >= 0, bid, -1), mask=jbm)
 
-    # ---- the merge as a radix select (DSV4_SELECT_RADIX=1) ------------------------------------------------------
+    # ---- the merge as a radix select (`select_plan`) ------------------------------------------------------------
     # The sort-based merge above cuts 2L-key (candidate blocks: up to 4,096-key) tiles with bitonic sorts, a few
     # of them one after another in one program a row. Here the top K of a row's split keys are found digit by
     # digit instead: keys are unique int64 (score order, then id), so the K-th largest is fixed by its 8-bit
@@ -731,10 +746,19 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-def select_splits(R: int, device: torch.device) -> int:
-    """Programs per row of the scoring kernel, from shapes only: enough that rows x splits fills the GPU twice.
-    Each split scores ceil(n / splits) entries (in 32-entry steps), so short rows use few of them."""
-    return max(1, min(MAX_SPLITS, -(-2 * _sm_count(device) // max(1, R))))
+def select_splits(R: int, device: torch.device, cap: int = MAX_SPLITS) -> int:
+    """Programs per row of the scoring kernel, from shapes only: enough that rows x splits fills the GPU twice, at
+    most `cap`. Each split scores ceil(n / splits) entries (in 32-entry steps), so short rows use few of them."""
+    return max(1, min(cap, -(-2 * _sm_count(device) // max(1, R))))
+
+
+def select_plan(R: int, device: torch.device, radix: bool | None = None) -> tuple[int, bool]:
+    """(splits a row, whether the merge is a radix select) for R rows, from shapes only (the decode step is
+    captured): `radix` None picks by RADIX_SELECT, else by the sort merge's split count (RADIX_MIN_SPLITS)."""
+    radix = RADIX_SELECT if radix is None else radix
+    if radix is None:
+        radix = select_splits(R, device) >= RADIX_MIN_SPLITS
+    return select_splits(R, device, RADIX_MAX_SPLITS if radix else MAX_SPLITS), radix
 
 
 def merge_groups(S: int) -> int:
@@ -753,7 +777,7 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
     max_entries: scores of the visible entries into per-row scratch of splits x next_pow2(k) keys with running
     top-k lists, with many splits a first merge into `groups` lists a row, then a merge per row. `max_entries`
     only bounds k (as the reference's width does). `splits` / `groups` / `merge_warps` override the shape-derived
-    counts and `split_warps` the scoring kernel's warps (tests, benchmarks); `radix` (default: DSV4_SELECT_RADIX)
+    counts and `split_warps` the scoring kernel's warps (tests, benchmarks); `radix` (default: `select_plan`)
     merges by radix select."""
     assert triton is not None, "triton is not installed"
     R, H, D = q.shape
@@ -772,9 +796,9 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
     SUB = max(32, cand_block)
     L = max(triton.next_power_of_2(k), SUB)
     LB = max(triton.next_power_of_2(keep_blocks), L // cand_block) if blocks else 1
-    S = splits or select_splits(R, dev)
+    S, radix = select_plan(R, dev, radix)
+    S = splits or S
     G = min(groups or merge_groups(S), max(1, S // 2))  # the group lists reuse the split kernel's tiles (S x L)
-    radix = RADIX_SELECT if radix is None else radix
     LW = 2 * L if radix else L  # list places a split (the radix merge's lists are appended, not sorted)
     row = torch.empty(R, S * LW, dtype=torch.int64, device=dev)
     tile = torch.empty(R, S * L, dtype=torch.int64, device=dev)
