@@ -2,7 +2,7 @@
 them under `--max-num-batched-tokens D + CHUNK` (issue 23's TPOT point).
 
 usage: PYTHONPATH=. python3 benchmarks/mixed_step.py MODEL_DIR [--decodes 64] [--chunk 512] [--prompt-len 1024]
-       [--new 4] [--top 25]
+       [--new 4] [--top 25] [--cprofile 30]
 
 Why. `bench serve` 1024 in / 128 out at concurrency 64 with `--max-num-batched-tokens 576` (64 decodes + a 512-token
 chunk in every step) gave a median ITL of ~41 ms on an H100 (benchmarks/results/2026-12-06-h100-mixed-load-b576),
@@ -15,7 +15,9 @@ prints, for the mixed steps and for the decode-only steps after them:
   with the GPU idle is where a host-bound step goes);
 - the GPU's kernel time of a round of mixed steps alone (torch.profiler), and the count of kernels and aten ops;
 - the synchronizing CUDA calls made by the mixed steps, by dsv4 source line (CUDA's sync debug mode);
-- the top kernels by GPU time.
+- the top kernels by GPU time;
+- with --cprofile N, a Python profile of one more round of mixed steps: host time by source file (self time summed)
+  and the N functions of most self time and of most cumulative time (where the eager forward's host time goes).
 
 Set-up: D requests of PROMPT_LEN random tokens are prefilled and decode (kernels compiled, graphs captured); then
 NEW more requests of PROMPT_LEN arrive at once. Their prompts are computed CHUNK tokens a step beside the D..D+NEW
@@ -27,6 +29,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import io
+import pstats
 import statistics
 import time
 import traceback
@@ -54,6 +59,44 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _file_key(filename: str) -> str:
+    """dsv4's files by their path in the package, the rest by package (or file name)."""
+    if "/dsv4/" in filename:
+        return "dsv4/" + filename.split("/dsv4/")[-1]
+    if "site-packages/" in filename:
+        return filename.split("site-packages/")[-1].split("/")[0]
+    return filename if filename.startswith("<") else filename.rsplit("/", 1)[-1]
+
+
+def python_profile(run: Any, top: int) -> None:
+    """cProfile of `run()`: self time summed by source file, a built-in's (a torch op, a kernel launch in C) counted
+    to the file of the function that called it; then the `top` functions by self time and by cumulative time."""
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    run()
+    prof.disable()
+    _sync()
+    wall = time.perf_counter() - t0
+    stats = pstats.Stats(prof)
+    by_file: collections.Counter[str] = collections.Counter()
+    for (filename, _, _), (_, _, tottime, _, callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if filename == "~" and callers:  # a built-in: its time per calling function, to that function's file
+            for (caller_file, _, _), (_, _, tt, _) in callers.items():
+                by_file[_file_key(caller_file)] += tt
+        else:
+            by_file[_file_key(filename)] += tottime
+    print(f"Python profile of one round of mixed steps: {wall * 1e3:.1f} ms wall (profiler on); self time by file "
+          "(built-ins to their caller's):")
+    for key, t in by_file.most_common(top):
+        print(f"  {t * 1e3:9.1f} ms  {key}")
+    for order in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(top)
+        print(f"top {top} by {order}:")
+        print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[-12000:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
@@ -62,6 +105,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new", type=int, default=4)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="profile one more round of mixed steps in Python and print its top N functions")
     args = ap.parse_args()
     d, rounds = args.decodes, 4
     mixed_per_round = args.new * args.prompt_len // args.chunk
@@ -150,6 +195,9 @@ def main() -> None:
             host = statistics.median(r[1] for r in rows) * 1e3
             wall = statistics.median(r[2] for r in rows) * 1e3
             print(f"{kind:6s} steps: {len(rows)}, median wall {wall:.2f} ms, host time of step() {host:.2f} ms")
+
+    if args.cprofile:
+        python_profile(lambda: run_round(None, decode_steps=0), args.cprofile)
 
     prof_steps: list[tuple[str, float, float]] = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

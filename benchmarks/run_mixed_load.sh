@@ -24,7 +24,9 @@
 #             Triton cache is what a new server meets)
 #   step      not a server: benchmarks/mixed_step.py, one mixed step (64 decodes + a CHUNK-token prompt chunk, CHUNKS
 #             default "512 1984": b576's and base's steps) timed as wall against host time, with its kernel time
-#             and host syncs: is the ~41 ms step of b576 (2026-12-06) host-bound?
+#             and host syncs: is the ~41 ms step of b576 (2026-12-06) host-bound? (yes: 40 ms host, 28 ms kernels,
+#             benchmarks/results/2026-12-06-h100-mixed-step-host); CPROFILE=N adds a Python profile of a round (where
+#             the host time goes: by file, top N functions)
 #   syncs     not a server: benchmarks/host_syncs.py, the synchronizing CUDA calls of a 512-token prefill and of the
 #             batch-1 decode steps after it
 # Compare TPOT / ITL (step length) against TTFT and throughput (prefill spread over more steps) across the parts.
@@ -87,7 +89,8 @@ part_step() {
   make_preset $p
   local c
   for c in ${CHUNKS:-512 1984}; do
-    timeout 240 python3 -u benchmarks/mixed_step.py /tmp/$p --chunk "$c" --top 40 > "$out/mixed_step-$c.log" 2>&1
+    timeout 240 python3 -u benchmarks/mixed_step.py /tmp/$p --chunk "$c" --top 40 ${CPROFILE:+--cprofile $CPROFILE} \
+      > "$out/mixed_step-$c.log" 2>&1
     echo "mixed_step chunk $c (rc $?):"; grep -E "start-up|set-up:|steps:|profiled|synchronizing" "$out/mixed_step-$c.log"
   done
 }
