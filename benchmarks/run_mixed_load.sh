@@ -29,6 +29,8 @@
 #             the host time goes: by file, top N functions)
 #   syncs     not a server: benchmarks/host_syncs.py, the synchronizing CUDA calls of a 512-token prefill and of the
 #             batch-1 decode steps after it
+#   kernels   not a server: kernels of the mixed step far off their floor, by their opt-in variants:
+#             benchmarks/mhc_rows_splits.py (mHC's rows projection by column splits, DSV4_MHC_ROWS_SPLIT_K)
 # Compare TPOT / ITL (step length) against TTFT and throughput (prefill spread over more steps) across the parts.
 . "$(dirname "$0")/device_lib.sh"
 p=${PRESET:-v41-flash-8l}
@@ -99,6 +101,11 @@ part_syncs() {
   make_preset $p
   timeout 200 python3 -u benchmarks/host_syncs.py /tmp/$p > "$out/host_syncs.log" 2>&1
   echo "host_syncs (rc $?):"; grep -E "steps," "$out/host_syncs.log"
+}
+
+part_kernels() {
+  timeout 120 python3 -u benchmarks/mhc_rows_splits.py > "$out/mhc_rows_splits.log" 2>&1
+  echo "mhc_rows_splits (rc $?):"; tail -5 "$out/mhc_rows_splits.log"
 }
 
 run_parts "$@"

@@ -102,17 +102,30 @@ def test_mhc_dots_rows_match_the_composed_projection() -> None:
             h = (torch.randn(T, n, D, generator=g) * 3).to(torch.bfloat16)
             h[1] = 0
             got = hc_dots_rows(h, fn, eps)
+            # in column splits (the last one short, or one a 64-column step) added by a second launch: the same
+            # bound; one split is the single pass's bits
+            split = [hc_dots_rows(h, fn, eps, splits=S) for S in (2, 3, K)]
+            assert torch.equal(hc_dots_rows(h, fn, eps, splits=1), got)
             flat64 = unweighted_rms_norm_torch(h.flatten(1).double(), eps)
             ref = F.linear(flat64, fn.double())
             r = flat64.abs().sum(1) / h.flatten(1).double().abs().sum(1).clamp(min=1e-30)  # the rows' norm factors
             bound = (K * 2.0 ** -24 + 2.0 ** -21) * (h.flatten(1).double().abs() @ fn.double().abs().T) * r[:, None]
             old = F.linear(unweighted_rms_norm_torch(h.flatten(1).float(), eps), fn.float())
-            assert got.dtype == torch.float32 and got.shape == (T, M)
-            assert ((got.double() - ref).abs() <= bound).all(), ((got.double() - ref).abs() / bound).max()
+            for m in [got] + split:
+                assert m.dtype == torch.float32 and m.shape == (T, M)
+                assert ((m.double() - ref).abs() <= bound).all(), ((m.double() - ref).abs() / bound).max()
+                assert not m[1].any()
             assert ((old.double() - ref).abs() <= bound).all()
-            assert not got[1].any()
         print("ok")
     """)
+
+
+def test_mhc_rows_splits_fill_the_sms() -> None:
+    """`rows_splits`: row blocks (64 rows) x splits >= twice the SMs, each split >= 1,024 columns, at least 1."""
+    mhc = pytest.importorskip("dsv4.ops.mhc")
+    K = 4 * 5120
+    assert [mhc.rows_splits(T, K, 132) for T in (9, 576, 2048, 8192, 16384, 65536)] == [20, 20, 9, 3, 2, 1]
+    assert mhc.rows_splits(2048, 1000, 132) == 1  # too few columns to split
 
 
 def test_collapse_rms_norm_kernel_equals_the_two_kernels() -> None:

@@ -43,6 +43,13 @@ _MIX_CHUNK = 256
 # `hc_dots_rows` for steps of more than FUSED_MAX_ROWS bf16 rows on CUDA; DSV4_MHC_ROWS=0 keeps the composed path
 MHC_ROWS = os.environ.get("DSV4_MHC_ROWS", "1") != "0"
 _ROWS_M = 32  # fn's rows padded to a tensor-core tile ((2+N)N = 24 at N = 4; the final collapse's N = 4)
+_ROWS_BLOCK_T, _ROWS_BLOCK_K = 64, 64  # rows a program, columns a step
+# `hc_dots_rows` in column splits (DSV4_MHC_ROWS_SPLIT_K=1; opt-in until timed). A program of the single pass walks
+# all N*D columns of its 64 rows in 64-column steps (320 for V4.1): at 2,048 rows that is 32 programs for 132 SMs,
+# 168 us a call on an H100 against ~20 us for the 84 MB read (2026-12-06-h100-mixed-step-host, 16 calls a step);
+# splits make row blocks x splits fill the SMs, and a second launch adds the splits' sums in order.
+ROWS_SPLIT_K = os.environ.get("DSV4_MHC_ROWS_SPLIT_K", "0") == "1"
+_ROWS_MIN_SPLIT_COLS = 1024
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -153,9 +160,11 @@ if triton is not None:
         _store_outputs(pre_ptr, post_ptr, comb_ptr, t, pre, post, comb, N)
 
     @triton.jit
-    def _hc_rows_kernel(h_ptr, parts_ptr, m_ptr, T, K, M, norm_eps, inv_k, BLOCK_T: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRET: tl.constexpr):
-        """BLOCK_T rows: m[t, :M] = rsqrt(mean(h_t^2) + eps) * sum over the three bf16 parts of fn of h_t . part."""
+    def _hc_rows_kernel(h_ptr, parts_ptr, m_ptr, ws_ptr, ss_ptr, T, K, M, KS, norm_eps, inv_k, BLOCK_T: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
+        """BLOCK_T rows: m[t, :M] = rsqrt(mean(h_t^2) + eps) * sum over the three bf16 parts of fn of h_t . part.
+        SPLIT: program (rows, s) takes columns [s KS, (s + 1) KS) only and writes its dots and sum of squares to
+        the workspaces [S, T, BLOCK_M] / [S, T] for `_hc_rows_sum_kernel`."""
         norm_eps = tl.cast(norm_eps, tl.float32)
         inv_k = tl.cast(inv_k, tl.float32)
         t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -163,16 +172,43 @@ if triton is not None:
         mm = tl.arange(0, BLOCK_M)
         acc = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
         sq = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_lo = 0
+        k_hi = K
+        if SPLIT:
+            k_lo = tl.program_id(1) * KS
+            k_hi = tl.minimum(k_lo + KS, K)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            km = k < K
+            km = k < k_hi
             x = tl.load(h_ptr + t[:, None] * K + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
             xf = x.to(tl.float32)
             sq += xf * xf
             for p in tl.static_range(3):
                 w = tl.load(parts_ptr + (p * BLOCK_M + mm[:, None]) * K + k[None, :], mask=km[None, :], other=0.0)
                 acc = bf16_dot(x, tl.trans(w), acc, INTERPRET)
-        r = rms_factor(tl.sum(sq, axis=1), K, inv_k, norm_eps, INTERPRET)
+        if SPLIT:
+            s = tl.program_id(1).to(tl.int64)
+            tl.store(ws_ptr + (s * T + t[:, None]) * BLOCK_M + mm[None, :], acc, mask=tm[:, None])
+            tl.store(ss_ptr + s * T + t, tl.sum(sq, axis=1), mask=tm)
+        else:
+            r = rms_factor(tl.sum(sq, axis=1), K, inv_k, norm_eps, INTERPRET)
+            tl.store(m_ptr + t[:, None] * M + mm[None, :], acc * r[:, None], mask=tm[:, None] & (mm < M)[None, :])
+
+    @triton.jit
+    def _hc_rows_sum_kernel(ws_ptr, ss_ptr, m_ptr, T, K, M, S, norm_eps, inv_k, BLOCK_T: tl.constexpr,
+                            BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
+        """The split programs' dots and sums of squares added in split order, then the rows' norm factor."""
+        norm_eps = tl.cast(norm_eps, tl.float32)
+        inv_k = tl.cast(inv_k, tl.float32)
+        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = t < T
+        mm = tl.arange(0, BLOCK_M)
+        acc = tl.zeros([BLOCK_T, BLOCK_M], dtype=tl.float32)
+        ss = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for s in range(0, S):
+            acc += tl.load(ws_ptr + (s * T + t[:, None]) * BLOCK_M + mm[None, :], mask=tm[:, None], other=0.0)
+            ss += tl.load(ss_ptr + s * T + t, mask=tm, other=0.0)
+        r = rms_factor(ss, K, inv_k, norm_eps, INTERPRET)
         tl.store(m_ptr + t[:, None] * M + mm[None, :], acc * r[:, None], mask=tm[:, None] & (mm < M)[None, :])
 
 
@@ -255,20 +291,38 @@ def bf16_parts(fn: torch.Tensor) -> torch.Tensor:
     return parts
 
 
-def hc_dots_rows(h: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+def rows_splits(T: int, K: int, sms: int) -> int:
+    """Column splits of `hc_dots_rows` for T rows of K columns on `sms` SMs: enough that row blocks x splits fill
+    the SMs twice, each split at least _ROWS_MIN_SPLIT_COLS columns (1 = the single pass)."""
+    return max(1, min(-(-2 * sms // -(-T // _ROWS_BLOCK_T)), K // _ROWS_MIN_SPLIT_COLS))
+
+
+def hc_dots_rows(h: torch.Tensor, fn: torch.Tensor, norm_eps: float, splits: int | None = None) -> torch.Tensor:
     """m [T, M] fp32 = unweighted_rms_norm(h.flatten(1)) @ fn^T for bf16 streams h [T, N, D] and fp32 fn [M, N*D]
-    (M <= 32), one launch: the composed path's value to fp32 rounding and summation order."""
+    (M <= 32): one launch; with `splits` > 1 (default: `rows_splits` under ROWS_SPLIT_K, else 1) column splits and a
+    second launch that adds them in order. The composed path's value to fp32 rounding and summation order."""
     assert triton is not None, "triton is not installed"
     T = h.shape[0]
     M, K = fn.shape
     assert M <= _ROWS_M and h.dtype == torch.bfloat16, (M, h.dtype)
     h2 = h.reshape(T, K).contiguous()
     m = torch.empty(T, M, dtype=torch.float32, device=h.device)
-    if T:
-        block_t = 64
-        _hc_rows_kernel[(triton.cdiv(T, block_t),)](h2, bf16_parts(fn), m, T, K, M, norm_eps, 1.0 / K,
-                                                    BLOCK_T=block_t, BLOCK_M=_ROWS_M, BLOCK_K=64,
-                                                    INTERPRET=INTERPRET, num_warps=4)
+    if not T:
+        return m
+    if splits is None:
+        sms = torch.cuda.get_device_properties(h.device).multi_processor_count if h.is_cuda else 1
+        splits = rows_splits(T, K, sms) if ROWS_SPLIT_K else 1
+    KS = triton.cdiv(triton.cdiv(K, splits), _ROWS_BLOCK_K) * _ROWS_BLOCK_K  # a split's columns, whole tiles
+    S = triton.cdiv(K, KS)
+    ws = torch.empty(S, T, _ROWS_M, dtype=torch.float32, device=h.device) if S > 1 else m
+    ss = torch.empty(S, T, dtype=torch.float32, device=h.device) if S > 1 else m
+    blocks = triton.cdiv(T, _ROWS_BLOCK_T)
+    _hc_rows_kernel[(blocks, S)](h2, bf16_parts(fn), m, ws, ss, T, K, M, KS, norm_eps, 1.0 / K,
+                                 BLOCK_T=_ROWS_BLOCK_T, BLOCK_M=_ROWS_M, BLOCK_K=_ROWS_BLOCK_K, SPLIT=S > 1,
+                                 INTERPRET=INTERPRET, num_warps=4)
+    if S > 1:
+        _hc_rows_sum_kernel[(blocks,)](ws, ss, m, T, K, M, S, norm_eps, 1.0 / K, BLOCK_T=_ROWS_BLOCK_T,
+                                       BLOCK_M=_ROWS_M, INTERPRET=INTERPRET, num_warps=4)
     return m
 
 
