@@ -30,7 +30,8 @@
 #   syncs     not a server: benchmarks/host_syncs.py, the synchronizing CUDA calls of a 512-token prefill and of the
 #             batch-1 decode steps after it
 #   kernels   not a server: kernels of the mixed step far off their floor, by their opt-in variants:
-#             benchmarks/mhc_rows_splits.py (mHC's rows projection by column splits, DSV4_MHC_ROWS_SPLIT_K)
+#             benchmarks/mhc_rows_splits.py (mHC's rows projection by column splits, DSV4_MHC_ROWS_SPLIT_K),
+#             benchmarks/rope_inplace_forms.py (the in-place rope's pairs strided or contiguous, DSV4_ROPE_VEC)
 # Compare TPOT / ITL (step length) against TTFT and throughput (prefill spread over more steps) across the parts.
 . "$(dirname "$0")/device_lib.sh"
 p=${PRESET:-v41-flash-8l}
@@ -106,6 +107,8 @@ part_syncs() {
 part_kernels() {
   timeout 120 python3 -u benchmarks/mhc_rows_splits.py > "$out/mhc_rows_splits.log" 2>&1
   echo "mhc_rows_splits (rc $?):"; tail -5 "$out/mhc_rows_splits.log"
+  timeout 90 python3 -u benchmarks/rope_inplace_forms.py > "$out/rope_inplace_forms.log" 2>&1
+  echo "rope_inplace_forms (rc $?):"; tail -7 "$out/rope_inplace_forms.log"
 }
 
 run_parts "$@"

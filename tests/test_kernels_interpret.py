@@ -201,7 +201,8 @@ def test_group_rows_kernel_at_its_row_limit() -> None:
                + "assert CASES[-1][0] == PLAN_KERNEL_MAX_ROWS")
 
 
-@pytest.mark.parametrize("shape,half", [((5, 64), 8), ((3, 4, 32), 4), ((2, 3, 128), 32), ((1, 16), 8)])
+@pytest.mark.parametrize("shape,half", [((5, 64), 8), ((3, 4, 32), 4), ((2, 3, 128), 32), ((1, 16), 8),
+                                        ((5, 2, 20), 6)])
 def test_rope_kernel_matches_torch(shape: tuple, half: int) -> None:
     _interpret(f"""
         import torch
@@ -226,11 +227,15 @@ def test_rope_kernel_matches_torch(shape: tuple, half: int) -> None:
             for fn, want in ((apply_rope_triton_, got), (apply_rope_torch_, ref)):
                 y = x.clone()
                 assert fn(y, table[:, :{half}], table[:, {half}:], inverse) is y and torch.equal(y, want)
+            y = x.clone()  # the pairs as one contiguous run a row: the same bits
+            assert apply_rope_triton_(y, table[:, :{half}], table[:, {half}:], inverse, vec=True) is y
+            assert torch.equal(y, got)
             xt = x.transpose(0, -1).contiguous().transpose(0, -1)  # same values, not contiguous
             assert torch.equal(apply_rope_triton_(xt, cos, sin, inverse), got)
         rows = torch.randn(70, *x.shape[1:], generator=g)  # 70 * heads rows: partial last program
         c, s_ = torch.randn(70, {half}, generator=g), torch.randn(70, {half}, generator=g)
-        assert torch.equal(apply_rope_triton_(rows.clone(), c, s_), apply_rope_triton(rows, c, s_))
+        for vec in (False, True):
+            assert torch.equal(apply_rope_triton_(rows.clone(), c, s_, vec=vec), apply_rope_triton(rows, c, s_))
         print("ok")
     """)
 

@@ -20,6 +20,10 @@ import os
 import torch
 
 ROPE_INPLACE = os.environ.get("DSV4_ROPE_INPLACE", "1") != "0"
+# The in-place kernel's pairs loaded as one contiguous run a row (DSV4_ROPE_VEC=1; opt-in until timed). The strided
+# form took 99.5 us a call for 2,048 tokens x 64 heads on an H100 (2026-12-06-h100-mixed-step-host: 19 calls a
+# mixed step), ~10% of the bandwidth its 34 MB need: `benchmarks/rope_inplace_forms.py` compares the two.
+ROPE_VEC = os.environ.get("DSV4_ROPE_VEC", "0") == "1"
 
 try:
     import triton
@@ -91,10 +95,12 @@ if triton is not None:
 
     @triton.jit
     def _rope_inplace_kernel(x_ptr, cos_ptr, sin_ptr, rows, heads, sign, cos_stride, sin_stride, D: tl.constexpr,
-                             HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+                             HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, VEC: tl.constexpr,
                              INTERPRET: tl.constexpr):
         """BLOCK_R (token, head) rows a program, their rope pairs only (one row's are 2 * HALF elements: a program a
-        row would be a million tiny programs at 16K tokens x 64 heads)."""
+        row would be a million tiny programs at 16K tokens x 64 heads). VEC: each row's pairs are loaded and stored
+        as one contiguous run of 2 * HALF elements and split into (a, b) in registers, instead of two strided
+        element loads; the same arithmetic, the same bits."""
         sign = tl.cast(sign, tl.float32)
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
         i = tl.arange(0, BLOCK_H)
@@ -102,12 +108,20 @@ if triton is not None:
         t = r // heads
         c = tl.load(cos_ptr + t[:, None] * cos_stride + i[None, :], mask=m)
         s = tl.load(sin_ptr + t[:, None] * sin_stride + i[None, :], mask=m)
-        base = x_ptr + r[:, None] * D + (D - 2 * HALF) + 2 * i[None, :]
-        a = tl.load(base, mask=m).to(tl.float32)
-        b = tl.load(base + 1, mask=m).to(tl.float32)
-        ra, rb = rope_rotate(a, b, c, s, sign, x_ptr.dtype.element_ty, INTERPRET)
-        tl.store(base, ra, mask=m)
-        tl.store(base + 1, rb, mask=m)
+        if VEC:
+            j = tl.arange(0, 2 * BLOCK_H)
+            mj = (r < rows)[:, None] & (j < 2 * HALF)[None, :]
+            run = x_ptr + r[:, None] * D + (D - 2 * HALF) + j[None, :]
+            a, b = tl.split(tl.reshape(tl.load(run, mask=mj).to(tl.float32), [BLOCK_R, BLOCK_H, 2]))
+            ra, rb = rope_rotate(a, b, c, s, sign, x_ptr.dtype.element_ty, INTERPRET)
+            tl.store(run, tl.reshape(tl.join(ra, rb), [BLOCK_R, 2 * BLOCK_H]), mask=mj)
+        else:
+            base = x_ptr + r[:, None] * D + (D - 2 * HALF) + 2 * i[None, :]
+            a = tl.load(base, mask=m).to(tl.float32)
+            b = tl.load(base + 1, mask=m).to(tl.float32)
+            ra, rb = rope_rotate(a, b, c, s, sign, x_ptr.dtype.element_ty, INTERPRET)
+            tl.store(base, ra, mask=m)
+            tl.store(base + 1, rb, mask=m)
 
 
 def _tables(cos: torch.Tensor, sin: torch.Tensor, half: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,9 +146,10 @@ def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inv
     return out
 
 
-def apply_rope_triton_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
-                       ) -> torch.Tensor:
-    """`apply_rope_triton` in place, rope channels only; x (a non-contiguous x: the copy, written back)."""
+def apply_rope_triton_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+                       vec: bool | None = None) -> torch.Tensor:
+    """`apply_rope_triton` in place, rope channels only; x (a non-contiguous x: the copy, written back). `vec`
+    (default ROPE_VEC): each row's pairs as one contiguous load and store."""
     assert triton is not None, "triton is not installed"
     if not x.is_contiguous():
         return x.copy_(apply_rope_triton(x, cos, sin, inverse))
@@ -145,8 +160,8 @@ def apply_rope_triton_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, in
         block_r = 32
         _rope_inplace_kernel[(triton.cdiv(rows, block_r),)](
             x, cos, sin, rows, rows // x.shape[0], -1.0 if inverse else 1.0, cos.stride(0), sin.stride(0), D=D,
-            HALF=half, BLOCK_H=triton.next_power_of_2(half), BLOCK_R=block_r, INTERPRET=INTERPRET,
-            enable_fp_fusion=False)
+            HALF=half, BLOCK_H=triton.next_power_of_2(half), BLOCK_R=block_r,
+            VEC=ROPE_VEC if vec is None else vec, INTERPRET=INTERPRET, enable_fp_fusion=False)
     return x
 
 

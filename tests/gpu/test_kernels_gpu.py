@@ -77,8 +77,9 @@ def test_rope(dtype: torch.dtype, shape: tuple, half: int) -> None:
         got = apply_rope_triton(x, ang.cos(), ang.sin(), inverse)
         tol = 1e-6 if dtype == torch.float32 else 1e-2
         assert torch.allclose(ref.float(), got.float(), rtol=tol, atol=tol)
-        y = x.clone()  # in place, rope channels only: the same bits as the copying kernel
-        assert apply_rope_triton_(y, ang.cos(), ang.sin(), inverse) is y and torch.equal(y, got)
+        for vec in (False, True):  # in place, rope channels only (strided or contiguous pairs): the same bits
+            y = x.clone()
+            assert apply_rope_triton_(y, ang.cos(), ang.sin(), inverse, vec=vec) is y and torch.equal(y, got)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
