@@ -17,6 +17,9 @@
 #           merge at batch <= 16 (`select_plan`; DSV4_SELECT_RADIX=0 for the sort merge in `profile131k`)
 #   splitwarps  the scoring (split) kernel at 4 and 8 warps (SPLIT_WARPS; 4 spills in the sm_90 build,
 #           benchmarks/select_kernels_sass.py), the three kinds at 32K and 131K entries, batch 1 and 8
+#   latency131k  issue 23's measure of the 131K point: `dsv4 bench latency`, batch 1, 131,072 prompt tokens
+#           (16,384-token chunks), 32 output tokens, 1 timed batch: its decode step and fraction of the floor
+#           (target >= 50%; the step was 5.30 ms by profile131k with the radix merge at 64 splits, 2026-12-06)
 #   profile131k  batch-1 decode after a 131,072-token prompt, its graph's kernels (benchmarks/profile_graph.py
 #           --context): the indexer selection was 3.5 of 7.0 ms a replay on an H100 (2026-12-05); target >= 50% of
 #           the floor
@@ -85,6 +88,14 @@ part_splitwarps() {  # the scoring kernel at 4 warps (spills on sm_90) and 8 (do
     echo "decode_select_split_warps $m (rc $?):"; tail -5 "$out/decode_select_split_warps-$m.log"
   done
 }
+part_latency131k() {
+  make_preset $p
+  local args="bench latency --model /tmp/$p --batch-size 1 --input-len 131072 --output-len 32 --num-iters 1"
+  args="$args --num-iters-warmup 0 --cudagraph-capture-sizes 1 --max-model-len 131200 --max-num-batched-tokens 16384"
+  timeout 400 python3 -m dsv4.cli $args --output-json "$out/latency131k.json" > "$out/latency131k.log" 2>&1
+  summary "bench latency 131K b1" $? "$out/latency131k.log" 'decode step|floor|Error'
+}
+
 part_profile131k() {
   make_preset $p
   timeout 300 python3 benchmarks/profile_graph.py /tmp/$p 1 20 --context=131072 > "$out/decode131k.log" 2>&1
