@@ -95,6 +95,24 @@ class StepEntries(NamedTuple):
     latent: torch.Tensor
 
 
+class RowProjections(NamedTuple):
+    """The token-wise part of a layer's attention on a step's token rows (`AttentionV41.project_rows`): roped queries
+    [T, H, D], the FP8 key/value latents [T, D], the index queries [T, IH, d] and head weights [T, IH] (None off an
+    index source), the rope tables of the rows' positions [T, rope/2]. Nothing in it depends on the step's layout,
+    so a piecewise CUDA graph computes it for a padded row count (dsv4.runtime.piecewise_graphs)."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    qi: torch.Tensor | None
+    iw: torch.Tensor | None
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def head(self, T: int) -> RowProjections:
+        """The first T rows (a padded piece's real rows)."""
+        return RowProjections(*(None if t is None else t[:T] for t in self))
+
+
 class Compressor(nn.Module):
     """KV-source compressor: ratio 2 = gated softmax pooling of aligned pairs (fp32, no position bias), ratio 1 =
     one projected latent per token. Produces the pre-rope latent of every entry that completes this step."""
@@ -260,16 +278,29 @@ class AttentionV41(nn.Module):
 
     def forward(self, x: torch.Tensor, md: AttnMetadata, caches: list[LayerKVCache], step: StepState) -> torch.Tensor:
         """Any step (prefill, chunked prefill, mixed): one row per token, attended in chunks of CHUNK rows."""
+        rows = self.project_rows(x, md.positions)
+        return self._output(self.attend_step(x, rows, md, caches, step), rows.cos, rows.sin)
+
+    def project_rows(self, x: torch.Tensor, positions: torch.Tensor) -> RowProjections:
+        """The token-wise projections of rows x [T, hidden] at `positions` [T]: no metadata, no cache."""
+        cos, sin = self.rope(positions)
+        q, qr, kv = self._project(x, cos, sin)
+        qi, iw = self.indexer.queries(x, qr, cos, sin) if self.is_index_source else (None, None)
+        return RowProjections(q, kv, qi, iw, cos, sin)
+
+    def attend_step(self, x: torch.Tensor, rows: RowProjections, md: AttnMetadata, caches: list[LayerKVCache],
+                    step: StepState) -> torch.Tensor:
+        """What follows the step's layout, from the rows' projections: the window KV written, the compressor's
+        completed entries published, the selection, and the sink attention of every row -> [T, H, D] (before the
+        output projection)."""
         T = x.shape[0]
         cache = caches[self.layer]
-        cos, sin = self.rope(md.positions)
-        q, qr, kv = self._project(x, cos, sin)
-        write_slots(cache.window, md.window_slot_mapping, kv)
+        q, qi, iw = rows.q, rows.qi, rows.iw
+        write_slots(cache.window, md.window_slot_mapping, rows.kv)
         if self.is_kv_source:
             self._publish_entries(x, md, cache)
         if step.keys is None:  # the same for every layer of the step (token_key_slots also caches it on md)
             step.keys = token_key_slots(md, self.window)
-        qi, iw = self.indexer.queries(x, qr, cos, sin) if self.is_index_source else (None, None)
         outs: list[torch.Tensor] = []
         topk: list[torch.Tensor | None] = []
         cands: list[torch.Tensor | None] = []
@@ -296,7 +327,7 @@ class AttentionV41(nn.Module):
             step.topk = self._join_rows(topk)
         if self.is_candidate:
             step.candidates = self._join_rows(cands)
-        return self._output(self._join_rows(outs), cos, sin)
+        return self._join_rows(outs)
 
     # ---- uniform decode: request rows (fixed shapes, capturable) ---------------------------------------------
     def _publish_decode(self, x: torch.Tensor, dmd: DecodeMetadata, cache: LayerKVCache) -> None:
@@ -525,22 +556,42 @@ class DecoderLayerV41(nn.Module):
 
     def forward(self, h: torch.Tensor, pre_prev: torch.Tensor, is_image: torch.Tensor, md: AttnMetadata,
                 caches: list[LayerKVCache], step: StepState) -> tuple[torch.Tensor, torch.Tensor]:
-        pre_a, post_a, comb_a = hc_mixes(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc)
+        mixes = hc_mixes(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc)
         y = self.attn(collapse_norm(h, pre_prev, self.attn_norm), md, caches, step)
+        return self.ffn_half(y, h, mixes, is_image)
+
+    # The same forward in three pieces, for piecewise CUDA graphs (dsv4.runtime.piecewise_graphs): `attn_in` and
+    # `attn_out` + `ffn_half` are token-wise (a graph each, at a padded row count), `attn.attend_step` between them
+    # follows the step's layout (eager, on the real rows).
+    def attn_in(self, h: torch.Tensor, pre_prev: torch.Tensor, positions: torch.Tensor
+                ) -> tuple[torch.Tensor, RowProjections, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The attention input x, its projections, and the attention site's mixes (pre, post, comb)."""
+        mixes = hc_mixes(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc)
+        x = collapse_norm(h, pre_prev, self.attn_norm)
+        return x, self.attn.project_rows(x, positions), mixes
+
+    def attn_out(self, out: torch.Tensor, rows: RowProjections, h: torch.Tensor,
+                 mixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 is_image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """From the attention rows' output [T, H, D]: the output projection, then `ffn_half`."""
+        return self.ffn_half(self.attn._output(out, rows.cos, rows.sin), h, mixes, is_image)
+
+    def ffn_half(self, y: torch.Tensor, h: torch.Tensor, mixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 is_image: torch.Tensor, fixed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention output y expanded into the streams h with the attention site's mixes, then the FFN
+        site: (streams, the FFN site's pre) for the next layer. `fixed`: the MoE of a captured decode step."""
+        pre_a, post_a, comb_a = mixes
         h = expand(y, h, post_a, comb_a)
         pre_f, post_f, comb_f = hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc)
-        z = self.ffn(collapse_norm(h, pre_a, self.ffn_norm), is_image)
+        z = self.ffn(collapse_norm(h, pre_a, self.ffn_norm), is_image, fixed=fixed)
         return expand(z, h, post_f, comb_f), pre_f
 
 
     def forward_decode(self, h: torch.Tensor, pre_prev: torch.Tensor, is_image: torch.Tensor, dmd: DecodeMetadata,
                        caches: list[LayerKVCache], step: StepState) -> tuple[torch.Tensor, torch.Tensor]:
-        pre_a, post_a, comb_a = hc_mixes(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc)
+        mixes = hc_mixes(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc)
         y = self.attn.forward_decode(collapse_norm(h, pre_prev, self.attn_norm), dmd, caches, step)
-        h = expand(y, h, post_a, comb_a)
-        pre_f, post_f, comb_f = hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc)
-        z = self.ffn(collapse_norm(h, pre_a, self.ffn_norm), is_image, fixed=True)
-        return expand(z, h, post_f, comb_f), pre_f
+        return self.ffn_half(y, h, mixes, is_image, fixed=True)
 
 
 class DeepseekV41Model(nn.Module):
