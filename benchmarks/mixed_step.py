@@ -2,7 +2,7 @@
 them under `--max-num-batched-tokens D + CHUNK` (issue 23's TPOT point).
 
 usage: PYTHONPATH=. python3 benchmarks/mixed_step.py MODEL_DIR [--decodes 64] [--chunk 512] [--prompt-len 1024]
-       [--new 4] [--top 25] [--cprofile 30]
+       [--new 4] [--top 25] [--cprofile 30] [--piecewise]
 
 Why. `bench serve` 1024 in / 128 out at concurrency 64 with `--max-num-batched-tokens 576` (64 decodes + a 512-token
 chunk in every step) gave a median ITL of ~41 ms on an H100 (benchmarks/results/2026-12-06-h100-mixed-load-b576),
@@ -105,6 +105,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--new", type=int, default=4)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--piecewise", action="store_true",
+                    help="the engine's --piecewise-cudagraphs (prefill / mixed steps replay layer pieces as graphs)")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="profile one more round of mixed steps in Python and print its top N functions")
     args = ap.parse_args()
@@ -116,7 +118,7 @@ def main() -> None:
     eng = LLMEngine.from_args(args.model, dtype="bfloat16" if cuda else "float32", device="cuda" if cuda else "cpu",
                               max_model_len=args.prompt_len + max_tokens + 8,
                               max_num_seqs=d + rounds * args.new, max_num_batched_tokens=d + args.chunk,
-                              load_tokenizer=False)
+                              load_tokenizer=False, piecewise_cudagraphs=args.piecewise)
     print(f"engine start-up {time.perf_counter() - t_start:.1f} s", flush=True)
     vocab = eng.config.model.vocab_size
     g = torch.Generator().manual_seed(0)

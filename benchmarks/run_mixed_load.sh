@@ -19,6 +19,8 @@
 #             (17.0 ms on an H100) is about (prefill time + decode-only steps) / 127: spreading the same prefill over
 #             every step removes the decode-only steps, if a 576-row step costs <= ~15 ms (unmeasured)
 #   b1088     --max-num-batched-tokens 1088: between the two
+#   basepw, b576pw  base and b576 with --piecewise-cudagraphs (the prefill / mixed steps' token-wise layer pieces as
+#             CUDA graphs: dsv4/runtime/piecewise_graphs.py)
 #   first     not a server: benchmarks/first_steps.py, a fresh engine's first steps under one wave of 64 x 1024-token
 #             prompts with the Triton compiles each step waited for (run it first on a fresh machine: a cold
 #             Triton cache is what a new server meets)
@@ -26,7 +28,7 @@
 #             default "512 1984": b576's and base's steps) timed as wall against host time, with its kernel time
 #             and host syncs: is the ~41 ms step of b576 (2026-12-06) host-bound? (yes: 40 ms host, 28 ms kernels,
 #             benchmarks/results/2026-12-06-h100-mixed-step-host); CPROFILE=N adds a Python profile of a round (where
-#             the host time goes: by file, top N functions)
+#             the host time goes: by file, top N functions); PIECEWISE=1 with --piecewise (logs *-pw.log)
 #   syncs     not a server: benchmarks/host_syncs.py, the synchronizing CUDA calls of a 512-token prefill and of the
 #             batch-1 decode steps after it
 #   kernels   not a server: kernels of the mixed step far off their floor, by their opt-in variants:
@@ -80,6 +82,8 @@ part_t256l1() {
 }
 
 part_b576() { serve_and_bench b576 --max-num-batched-tokens 576; }
+part_basepw() { serve_and_bench basepw --piecewise-cudagraphs; }
+part_b576pw() { serve_and_bench b576pw --max-num-batched-tokens 576 --piecewise-cudagraphs; }
 part_b1088() { serve_and_bench b1088 --max-num-batched-tokens 1088; }
 
 part_first() {
@@ -93,8 +97,9 @@ part_step() {
   local c
   for c in ${CHUNKS:-512 1984}; do
     timeout 240 python3 -u benchmarks/mixed_step.py /tmp/$p --chunk "$c" --top 40 ${CPROFILE:+--cprofile $CPROFILE} \
-      > "$out/mixed_step-$c.log" 2>&1
-    echo "mixed_step chunk $c (rc $?):"; grep -E "start-up|set-up:|steps:|profiled|synchronizing" "$out/mixed_step-$c.log"
+      ${PIECEWISE:+--piecewise} > "$out/mixed_step-$c${PIECEWISE:+-pw}.log" 2>&1
+    echo "mixed_step chunk $c${PIECEWISE:+ piecewise} (rc $?):"
+    grep -E "start-up|set-up:|steps:|profiled|synchronizing" "$out/mixed_step-$c${PIECEWISE:+-pw}.log"
   done
 }
 

@@ -176,7 +176,8 @@ def _make_model(args: argparse.Namespace) -> None:
     print(f"wrote {what}{args.preset} (seed {args.seed}, {dtype}{quant}) to {out}")
 
 
-_GPU_ARGS = ("enforce_eager", "gpu_memory_utilization", "encoder_cudagraphs", "compile_decode", "async_scheduling",
+_GPU_ARGS = ("enforce_eager", "gpu_memory_utilization", "encoder_cudagraphs", "piecewise_cudagraphs",
+             "compile_decode", "async_scheduling",
              "enable_prefix_caching", "swa_bounded_replay", "decode_backend", "tensor_parallel_size",
              "expert_parallel", "quantization", "load_format", "skip_tokenizer_init", "scheduling_policy",
              "engram_placement", "speculative_config")
@@ -220,6 +221,9 @@ def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
                         help="share of the GPU for weights, activations and the KV cache (default 0.9)")
     parser.add_argument("--encoder-cudagraphs", action="store_true", default=None,
                         help="CUDA graphs for the vision encoder (experimental)")
+    parser.add_argument("--piecewise-cudagraphs", action="store_true", default=None,
+                        help="prefill and mixed steps replay their layers' token-wise parts as CUDA graphs, one set "
+                             "per padded token count (DeepSeek-V4.1 on one GPU; experimental)")
     parser.add_argument("--compile-decode", action="store_true", default=None,
                         help="torch.compile the decode forward before capturing its CUDA graphs (faster decode; "
                              "adds about 30-60 s per distinct graph size to start-up)")

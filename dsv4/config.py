@@ -155,6 +155,10 @@ class EngineConfig:
     # Vision-encoder CUDA graphs: opt-in until they have been run on a GPU (and their attention no longer builds
     # an O(rows^2) mask over the whole padded budget)
     encoder_cudagraphs: bool = False
+    # prefill / mixed steps: the token-wise pieces of each layer as CUDA graphs per padded token count, the parts
+    # that follow the step's layout eager between them (dsv4.runtime.piecewise_graphs; V4.1, one GPU); opt-in
+    # until timed on a GPU
+    piecewise_cudagraphs: bool = False
     # torch.compile the fixed-shape decode forward before its graphs are captured (fuses the small elementwise
     # ops between the Triton kernels and GEMMs); CUDA only, opt-in: compiling costs minutes at start-up
     compile_decode: bool = False

@@ -27,6 +27,7 @@ from dsv4.runtime.attn_metadata import DecodeMetadata
 from dsv4.runtime.block_tables import BlockTables
 from dsv4.runtime.cudagraphs import CudaGraphManager, default_capture_sizes, round_capture_sizes
 from dsv4.runtime.encoder_cudagraphs import EncoderCudaGraphManager
+from dsv4.runtime.piecewise_graphs import PiecewiseGraphs, default_piecewise_sizes, unsupported
 from dsv4.runtime.input_batch import InputBatch, InputBuffers
 from dsv4.runtime.kv_cache import allocate_kv_caches
 from dsv4.runtime.model_state import (DeepseekV41ModelState, DeepseekV41SpecializedDecodeModelState,
@@ -133,6 +134,10 @@ class ModelRunner:
                       and self._graph_safe())
         sizes = graph_sizes or sizes
         self.graphs = CudaGraphManager(sizes, enabled=use_graphs)
+        # prefill / mixed steps' token-wise pieces as CUDA graphs (opt-in; captured in capture_graphs)
+        self.piecewise: PiecewiseGraphs | None = None
+        if config.piecewise_cudagraphs and unsupported(model) is not None:
+            raise ValueError(f"--piecewise-cudagraphs: {unsupported(model)}")
         state_args = (groups, sc.max_num_seqs, sc.max_model_len, config.model.sliding_window, self.device)
         if config.decode_backend == "latency_specialized":
             self.model_state: DefaultModelState = DeepseekV41SpecializedDecodeModelState(
@@ -189,6 +194,14 @@ class ModelRunner:
             self.model.encoder_graphs = encoder_graphs
         if self.speculator is not None:
             self.speculator.capture_graphs()  # multi-row verify and drafter graphs, when switched on
+        if self.config.piecewise_cudagraphs and self.device.type == "cuda" and not self.config.enforce_eager:
+            self.piecewise = None  # a recapture drops the old graphs first
+            before = torch.cuda.memory_allocated(self.device)
+            sizes = default_piecewise_sizes(self.config.scheduler.max_num_batched_tokens)
+            with torch.inference_mode():
+                self.piecewise = PiecewiseGraphs(self.model, sizes, graphs=True)
+            logger.info("piecewise CUDA graphs for prefill / mixed steps of up to %s tokens: %.2f GiB",
+                        sizes, (torch.cuda.memory_allocated(self.device) - before) / 2 ** 30)
         if not self.graphs.enabled:
             return
         # graphs hold the addresses of everything they read: a recapture drops the old ones first
@@ -304,7 +317,11 @@ class ModelRunner:
             taps = dict.fromkeys(tap_ids) if tap_ids else None
             if taps is not None:
                 extra["taps"] = taps
-            hidden = self.model(batch.input_ids, md, self.kv_caches, **extra)
+            pw = self.piecewise
+            if pw is not None and image_rows is None and taps is None and pw.bucket(batch.num_tokens) is not None:
+                hidden = pw.forward(batch.input_ids, md, self.kv_caches, **extra)
+            else:
+                hidden = self.model(batch.input_ids, md, self.kv_caches, **extra)
             tap_values = torch.cat([taps[i] for i in tap_ids], dim=-1) if taps is not None else None
         if tap_values is not None:  # the drafter's tap ring stays fresh while speculation is off
             assert self.speculator is not None
