@@ -17,9 +17,11 @@ The cut (`DecoderLayerV41.attn_in` / `attn_out`, `AttentionV41.attend_step`), pe
 A step of T rows replays the smallest bucket P >= T: rows [T, P) are padding that holds whatever an earlier step
 left there (finite values; nothing in a piece mixes rows), and the eager part reads and writes rows [0, T) only.
 
-Memory: every bucket keeps its graphs' tensors (one pool, captured largest first; a piece's outputs stay
-allocated, so buckets do not share them): about P x 190 KB a layer at V4.1-Flash's width; the runner logs what the
-capture took.
+Memory: the step's inputs and the attention output are one buffer of the largest bucket's rows, shared by every
+bucket and layer. The pieces' outputs stay allocated in the graphs' pool (captured largest first), per bucket and
+layer: about P x 124 KB a layer at V4.1-Flash's width (the queries are half of it), ~0.47 GB a layer for buckets
+of 256-2,048 rows (3.8 GB for V4.1-Flash-8l, 20 GB for 43 layers); the runner logs what the capture took. Holding them through non-owning aliases (the pool could
+then reuse a layer's blocks for the next layer's, as the replays run in capture order) is the next step.
 
 Not covered (the step runs eagerly): images in the step, drafter taps, tensor / expert parallelism, steps of
 more rows than the largest bucket. Without CUDA (tests), `graphs=False` runs the same pieces eagerly at the padded
@@ -94,17 +96,19 @@ class _Layer:
 
     h: torch.Tensor  # streams in [P, N, D] (layer 0: the bucket's embedding buffer; else the previous out piece's)
     pre: torch.Tensor  # the previous site's pre [P, N]
-    o: torch.Tensor  # the attention rows' output [P, H, D], written by the eager part
     piece_in: _Piece | None = None
     piece_out: _Piece | None = None
 
 
 @dataclass
 class _Bucket:
+    """A bucket's inputs (views of the shared buffers' first P rows) and its layers."""
+
     size: int
     h0: torch.Tensor  # embedded streams [P, N, D]
     positions: torch.Tensor  # [P] int64
     is_image: torch.Tensor  # [P] bool
+    o: torch.Tensor  # the attention rows' output [P, H, D], written by the eager part of every layer in turn
     layers: list[_Layer] = field(default_factory=list)
 
 
@@ -119,6 +123,15 @@ class PiecewiseGraphs:
         self.sizes = sorted(set(sizes))
         self.graphs = graphs
         self.pool: Any = None
+        # the steps' inputs and the attention output, one buffer of the largest bucket's rows for every bucket and
+        # layer: a step runs one bucket, and a layer's eager part writes `o` after the previous layer's out piece
+        # read it (one stream)
+        cfg, w = model.cfg, model.lm_head.weight
+        rows = self.sizes[-1]
+        self._h0 = torch.zeros(rows, cfg.hc_mult, cfg.hidden_size, dtype=w.dtype, device=w.device)
+        self._positions = torch.zeros(rows, dtype=torch.int64, device=w.device)
+        self._is_image = torch.zeros(rows, dtype=torch.bool, device=w.device)
+        self._o = torch.zeros(rows, cfg.num_attention_heads, cfg.head_dim, dtype=w.dtype, device=w.device)
         self.buckets: dict[int, _Bucket] = {}
         for P in sorted(self.sizes, reverse=True):  # largest first: the pool's later graphs reuse its blocks
             self.buckets[P] = self._build(P)
@@ -129,20 +142,15 @@ class PiecewiseGraphs:
 
     def _build(self, P: int) -> _Bucket:
         m = self.model
-        cfg, w = m.cfg, m.lm_head.weight
-        n, D = cfg.hc_mult, cfg.hidden_size
-        H, hd = cfg.num_attention_heads, cfg.head_dim
-        b = _Bucket(P, torch.zeros(P, n, D, dtype=w.dtype, device=w.device),
-                    torch.zeros(P, dtype=torch.int64, device=w.device),
-                    torch.zeros(P, dtype=torch.bool, device=w.device))
-        pre = torch.zeros(P, n, dtype=torch.float32, device=w.device)
+        b = _Bucket(P, self._h0[:P], self._positions[:P], self._is_image[:P], self._o[:P])
+        pre = torch.zeros(P, m.cfg.hc_mult, dtype=torch.float32, device=b.h0.device)
         pre[:, 0] = 1.0  # one-hot start, as DeepseekV41ForCausalLM.forward
         h = b.h0
-        for i, layer in enumerate(m.model.layers):
-            lay = _Layer(h, pre, torch.zeros(P, H, hd, dtype=w.dtype, device=w.device))
+        for layer in m.model.layers:
+            lay = _Layer(h, pre)
             lay.piece_in = _Piece(lambda lay=lay, layer=layer: layer.attn_in(lay.h, lay.pre, b.positions))
             lay.piece_out = _Piece(lambda lay=lay, layer=layer: layer.attn_out(
-                lay.o, lay.piece_in.out[1], lay.h, lay.piece_in.out[2], b.is_image))
+                b.o, lay.piece_in.out[1], lay.h, lay.piece_in.out[2], b.is_image))
             b.layers.append(lay)
             if self.graphs:
                 lay.piece_in.capture(self._pool())
@@ -179,7 +187,7 @@ class PiecewiseGraphs:
                 lay.h[:T] = m._engram(i, layer.engram, lay.h[:T], input_ids, is_image, qsl, md.num_reqs,
                                       lookback_token_ids)
             x, rows, _ = lay.piece_in.run()
-            lay.o[:T] = layer.attn.attend_step(x[:T], rows.head(T), md, caches, step)
+            b.o[:T] = layer.attn.attend_step(x[:T], rows.head(T), md, caches, step)
             h, pre = lay.piece_out.run()
             if not self.graphs and i + 1 < len(b.layers):  # eager pieces: the next layer reads this one's output
                 b.layers[i + 1].h, b.layers[i + 1].pre = h, pre
