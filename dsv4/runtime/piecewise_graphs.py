@@ -20,8 +20,9 @@ left there (finite values; nothing in a piece mixes rows), and the eager part re
 Memory: the step's inputs and the attention output are one buffer of the largest bucket's rows, shared by every
 bucket and layer. The pieces' outputs stay allocated in the graphs' pool (captured largest first), per bucket and
 layer: about P x 124 KB a layer at V4.1-Flash's width (the queries are half of it), ~0.47 GB a layer for buckets
-of 256-2,048 rows (3.8 GB for V4.1-Flash-8l, 20 GB for 43 layers); the runner logs what the capture took. Holding them through non-owning aliases (the pool could
-then reuse a layer's blocks for the next layer's, as the replays run in capture order) is the next step.
+of 256-2,048 rows (3.8 GB for V4.1-Flash-8l, 20 GB for 43 layers); the runner logs what the capture took.
+Holding them through non-owning aliases (the pool could then reuse a layer's blocks for the next layer's, as the
+replays run in capture order) is the next step.
 
 Not covered (the step runs eagerly): images in the step, drafter taps, tensor / expert parallelism, steps of
 more rows than the largest bucket. Without CUDA (tests), `graphs=False` runs the same pieces eagerly at the padded
@@ -71,16 +72,19 @@ def unsupported(model: torch.nn.Module) -> str | None:
 class _Piece:
     """One token-wise piece: `fn()` (reading the bucket's current inputs) eagerly, or its captured graph."""
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn = fn
+    def __init__(self, fn: Callable[[], Any], name: str) -> None:
+        self.fn, self.name = fn, name
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: Any = None
 
     def capture(self, pool: Any) -> None:
         self.fn()  # warm: every kernel compiled, every lazy cache (bf16 parts of mHC's fn) made outside the graph
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            self.out = self.fn()
+        try:
+            with torch.cuda.graph(self.graph, pool=pool):
+                self.out = self.fn()
+        except RuntimeError as e:  # e.g. a host sync in a piece (quantized experts dequantized in chunks)
+            raise RuntimeError(f"--piecewise-cudagraphs: capturing {self.name} failed ({e}); run without it") from e
 
     def run(self) -> Any:
         if self.graph is None:
@@ -146,11 +150,12 @@ class PiecewiseGraphs:
         pre = torch.zeros(P, m.cfg.hc_mult, dtype=torch.float32, device=b.h0.device)
         pre[:, 0] = 1.0  # one-hot start, as DeepseekV41ForCausalLM.forward
         h = b.h0
-        for layer in m.model.layers:
+        for i, layer in enumerate(m.model.layers):
             lay = _Layer(h, pre)
-            lay.piece_in = _Piece(lambda lay=lay, layer=layer: layer.attn_in(lay.h, lay.pre, b.positions))
+            lay.piece_in = _Piece(lambda lay=lay, layer=layer: layer.attn_in(lay.h, lay.pre, b.positions),
+                                  f"layer {i}'s attention input at {P} rows")
             lay.piece_out = _Piece(lambda lay=lay, layer=layer: layer.attn_out(
-                b.o, lay.piece_in.out[1], lay.h, lay.piece_in.out[2], b.is_image))
+                b.o, lay.piece_in.out[1], lay.h, lay.piece_in.out[2], b.is_image), f"layer {i}'s FFN half at {P} rows")
             b.layers.append(lay)
             if self.graphs:
                 lay.piece_in.capture(self._pool())
