@@ -18,11 +18,13 @@ A step of T rows replays the smallest bucket P >= T: rows [T, P) are padding tha
 left there (finite values; nothing in a piece mixes rows), and the eager part reads and writes rows [0, T) only.
 
 Memory: the step's inputs and the attention output are one buffer of the largest bucket's rows, shared by every
-bucket and layer. The pieces' outputs stay allocated in the graphs' pool (captured largest first), per bucket and
-layer: about P x 124 KB a layer at V4.1-Flash's width (the queries are half of it), ~0.47 GB a layer for buckets
-of 256-2,048 rows (3.8 GB for V4.1-Flash-8l, 20 GB for 43 layers); the runner logs what the capture took.
-Holding them through non-owning aliases (the pool could then reuse a layer's blocks for the next layer's, as the
-replays run in capture order) is the next step.
+bucket and layer. The pieces' outputs live in the graphs' pool (one pool, captured largest first). Kept allocated
+they would take about P x 124 KB a layer at V4.1-Flash's width (the queries half of it): ~0.47 GB a layer for
+buckets of 256-2,048 rows, 20 GB for 43 layers. So once the capture that last reads an output is done, it is held
+through a non-owning alias (`_alias`) and its blocks return to the pool: a later capture (the next layer's, a
+smaller bucket's) may take them, which is safe because replays run in capture order on one stream and a step
+replays one bucket, so every use of an output comes before the replay that overwrites it. The runner logs the
+pool's size.
 
 Not covered (the step runs eagerly): images in the step, drafter taps, tensor / expert parallelism, steps of
 more rows than the largest bucket. Without CUDA (tests), `graphs=False` runs the same pieces eagerly at the padded
@@ -32,6 +34,7 @@ size: the plumbing and the padding are what the CPU checks.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -47,6 +50,24 @@ if TYPE_CHECKING:
     from dsv4.runtime.kv_cache import LayerKVCache
 
 logger = logging.getLogger(__name__)
+
+
+# Pieces' outputs held through non-owning aliases once no later capture reads them (the docstring's memory note);
+# DSV4_PIECEWISE_ALIAS=0 keeps them allocated (comparisons)
+ALIAS_OUTPUTS = os.environ.get("DSV4_PIECEWISE_ALIAS", "1") != "0"
+
+
+def _alias(t: Any) -> Any:
+    """Tensors (in tuples, None kept) replaced by tensors on the same memory that do not keep it allocated: the
+    graphs' pool may give the blocks to a later capture, which replays after every use of these (one stream,
+    captures replayed in capture order, one bucket a step)."""
+    if t is None:
+        return None
+    if isinstance(t, tuple):
+        return type(t)(*(_alias(x) for x in t)) if hasattr(t, "_fields") else tuple(_alias(x) for x in t)
+    storage = torch._C._construct_storage_from_data_pointer(t.untyped_storage().data_ptr(), t.device,
+                                                            t.untyped_storage().nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, t.storage_offset(), t.size(), t.stride())
 
 
 def default_piecewise_sizes(max_num_batched_tokens: int) -> list[int]:
@@ -160,10 +181,17 @@ class PiecewiseGraphs:
             if self.graphs:
                 lay.piece_in.capture(self._pool())
                 lay.piece_out.capture(self._pool())
+                if ALIAS_OUTPUTS:  # no later capture reads these: the pool may reuse their blocks (docstring)
+                    lay.piece_in.out = _alias(lay.piece_in.out)
+                    if i > 0:
+                        lay.h, lay.pre = b.layers[i - 1].piece_out.out = _alias((lay.h, lay.pre))
             else:  # eager pieces: run once so the next layer has its inputs' shapes (values do not matter)
                 lay.piece_in.run()
                 lay.piece_out.run()
             h, pre = lay.piece_out.out
+        if self.graphs and ALIAS_OUTPUTS:
+            del h, pre
+            b.layers[-1].piece_out.out = _alias(b.layers[-1].piece_out.out)
         return b
 
     def _pool(self) -> Any:

@@ -196,12 +196,12 @@ class ModelRunner:
             self.speculator.capture_graphs()  # multi-row verify and drafter graphs, when switched on
         if self.config.piecewise_cudagraphs and self.device.type == "cuda" and not self.config.enforce_eager:
             self.piecewise = None  # a recapture drops the old graphs first
-            before = torch.cuda.memory_allocated(self.device)
+            before = torch.cuda.memory_reserved(self.device)
             sizes = default_piecewise_sizes(self.config.scheduler.max_num_batched_tokens)
             with torch.inference_mode():
                 self.piecewise = PiecewiseGraphs(self.model, sizes, graphs=True)
             logger.info("piecewise CUDA graphs for prefill / mixed steps of up to %s tokens: %.2f GiB",
-                        sizes, (torch.cuda.memory_allocated(self.device) - before) / 2 ** 30)
+                        sizes, (torch.cuda.memory_reserved(self.device) - before) / 2 ** 30)
         if not self.graphs.enabled:
             return
         # graphs hold the addresses of everything they read: a recapture drops the old ones first
