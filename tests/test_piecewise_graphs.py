@@ -93,3 +93,20 @@ def test_a_v4_checkpoint_is_refused_by_name(tmp_path: os.PathLike) -> None:
     with pytest.raises(ValueError, match="piecewise-cudagraphs: piecewise CUDA graphs cover DeepSeek-V4.1"):
         LLMEngine.from_args(out, load_tokenizer=False, piecewise_cudagraphs=True)
     assert unsupported(_engine().runner.model) is None
+
+
+def test_alias_shares_memory_and_keeps_structure() -> None:
+    """`_alias`: tensors (in tuples and NamedTuples, None kept) become tensors on the same memory, same views."""
+    from dsv4.models.deepseek_v41 import RowProjections
+    from dsv4.runtime.piecewise_graphs import _alias
+
+    base = torch.arange(24.0).view(4, 6)
+    rows = RowProjections(base[1:], base[:, 2:4], None, None, base[:, :2], base[:, 4:])
+    got = _alias((base[1:3], rows))
+    assert isinstance(got[1], RowProjections) and got[1].qi is None and got[1].iw is None
+    for a, b in zip((base[1:3], *rows), (got[0], *got[1])):
+        if a is None:
+            continue
+        assert torch.equal(a, b) and a.data_ptr() == b.data_ptr() and a.stride() == b.stride()
+    base.add_(1)  # writes through
+    assert torch.equal(got[1].cos, base[:, :2])
