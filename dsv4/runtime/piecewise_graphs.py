@@ -33,7 +33,6 @@ size: the plumbing and the padding are what the CPU checks.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,8 +47,6 @@ from dsv4.ops.host_copy import to_device
 if TYPE_CHECKING:
     from dsv4.runtime.attn_metadata import AttnMetadata
     from dsv4.runtime.kv_cache import LayerKVCache
-
-logger = logging.getLogger(__name__)
 
 
 # Pieces' outputs held through non-owning aliases once no later capture reads them (the docstring's memory note);

@@ -27,11 +27,11 @@ from dsv4.runtime.attn_metadata import DecodeMetadata
 from dsv4.runtime.block_tables import BlockTables
 from dsv4.runtime.cudagraphs import CudaGraphManager, default_capture_sizes, round_capture_sizes
 from dsv4.runtime.encoder_cudagraphs import EncoderCudaGraphManager
-from dsv4.runtime.piecewise_graphs import PiecewiseGraphs, default_piecewise_sizes, unsupported
 from dsv4.runtime.input_batch import InputBatch, InputBuffers
 from dsv4.runtime.kv_cache import allocate_kv_caches
 from dsv4.runtime.model_state import (DeepseekV41ModelState, DeepseekV41SpecializedDecodeModelState,
                                       DefaultModelState)
+from dsv4.runtime.piecewise_graphs import PiecewiseGraphs, default_piecewise_sizes, unsupported
 from dsv4.runtime.request_state import RequestState
 from dsv4.runtime.sampler import SampledLogprobs, Sampler, SamplingTensors, greedy_sample, needs_output_values
 from dsv4.spec_decode.speculator import PlainSpecOutput, SpecOutput, Speculator, make_speculator
@@ -200,7 +200,7 @@ class ModelRunner:
             sizes = default_piecewise_sizes(self.config.scheduler.max_num_batched_tokens)
             with torch.inference_mode():
                 self.piecewise = PiecewiseGraphs(self.model, sizes, graphs=True)
-            logger.info("piecewise CUDA graphs for prefill / mixed steps of up to %s tokens: %.2f GiB",
+            logger.info("piecewise CUDA graphs of prefill / mixed steps at %s tokens: %.2f GiB reserved",
                         sizes, (torch.cuda.memory_reserved(self.device) - before) / 2 ** 30)
         if not self.graphs.enabled:
             return
