@@ -70,6 +70,10 @@ if triton is not None:
     from dsv4.ops.indexer import _cut, _order_keys, _score_dot, _sm_count, _take
 
 MAX_SPLITS = 16  # programs per row block when there are few row blocks (see `prefill_splits`)
+# Warps of a merge program (one a row). The decode merge gained 8-34% from 4 to 8 on an H100
+# (2026-12-06-h100-decode-select-merge-warps); here 4 until tests/gpu/test_indexer_prefill_gpu.py's mixed-step
+# timing says otherwise (a 576-row mixed step's merge took 244 us a call, 2026-12-06-h100-mixed-step-host).
+MERGE_WARPS = 4
 
 Selection = tuple[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"]
 
@@ -302,11 +306,12 @@ def prefill_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
                           n: torch.Tensor, scale: float, k: int, pool: torch.Tensor | None = None,
                           cand_block: int = 1, keep_blocks: int = 0, *, rows_of: torch.Tensor | None = None,
                           splits: int | None = None, block_m: int = 64, block_n: int = 128, sub_n: int = 32,
-                          num_warps: int = 8) -> Selection:
+                          num_warps: int = 8, merge_warps: int | None = None) -> Selection:
     """`prefill_select_torch` in two launches (module docstring). q and keys must be exact in bf16 (the model's
     FP4-quantized ones are); cand_block a power of two. `rows_of` as the reference's: the kernels read eslots
     through it, so no [R, M] slot matrix is made. `splits` overrides the shape-derived split count and
-    block_m / block_n / sub_n / num_warps the tiling (tests, tuning; powers of two)."""
+    block_m / block_n / sub_n / num_warps the tiling, merge_warps the merge's warps (tests, tuning; powers of
+    two)."""
     assert triton is not None, "triton is not installed"
     assert cand_block & (cand_block - 1) == 0, cand_block  # the block max reshapes a tile into [*, cand_block]
     R, H, D = q.shape
@@ -361,7 +366,7 @@ def prefill_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, 
     _prefill_merge_kernel[(R,)](
         buf, cnt, estr, acc, bbuf, bcnt, bstr, bacc, S, es, es.stride(0), req, n.contiguous(), M, picks, slots, mask, K,
         cands if blocks else picks, keep_blocks, L=L, LB=LB, KP=triton.next_power_of_2(max(k, 1)),
-        KEEPP=triton.next_power_of_2(max(keep_blocks, 1)), BLOCKS=blocks, num_warps=4)
+        KEEPP=triton.next_power_of_2(max(keep_blocks, 1)), BLOCKS=blocks, num_warps=merge_warps or MERGE_WARPS)
     return picks, slots, mask, cands
 
 

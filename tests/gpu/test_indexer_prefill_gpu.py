@@ -175,3 +175,21 @@ def test_prefill_select_timing(T: int) -> None:
         torch.cuda.empty_cache()
     print(f"T={T} all index layers: fused {sum(f for f, _ in layers) * 1e3:.1f} ms, "
           f"current {sum(c for _, c in layers) * 1e3:.1f} ms")
+
+
+@pytest.mark.parametrize("ratio,mode", [(2, "plain"), (1, "candidate"), (1, "pooled")])
+def test_prefill_select_mixed_step_merge_warps(ratio: int, mode: str) -> None:
+    """A mixed step of the 1024-in / 128-out load (64 decode rows at ~1,100 tokens of context beside a 512-token
+    chunk, benchmarks/results/2026-12-06-h100-mixed-step-host): the merge at 4 and 8 warps gives the same
+    selection; both times printed (which MERGE_WARPS to keep)."""
+    reqs = [(1024 + 7 * i, 1) for i in range(64)] + [(512, 512)]
+    q, w, keys, eslots, n = _step(reqs, ratio, seed=11)
+    keep = KEEP if mode == "candidate" else 0
+    pool = prefill_select_triton(q, w, keys, eslots, n, SCALE, K, None, CB, KEEP)[3] if mode == "pooled" else None
+    got = {mw: prefill_select_triton(q, w, keys, eslots, n, SCALE, K, pool, CB, keep, merge_warps=mw) for mw in (4, 8)}
+    for a, b in zip(got[4], got[8]):
+        assert (a is None and b is None) or torch.equal(a, b)
+    times = {mw: _time(lambda mw=mw: prefill_select_triton(q, w, keys, eslots, n, SCALE, K, pool, CB, keep,
+                                                           merge_warps=mw), reps=20) for mw in (4, 8)}
+    print(f"\nmixed step, {mode} (ratio {ratio}), {q.shape[0]} rows: whole selection {times[4] * 1e6:.0f} us "
+          f"(merge 4 warps), {times[8] * 1e6:.0f} us (8 warps)")
