@@ -160,6 +160,12 @@ if triton is not None:
         _store_outputs(pre_ptr, post_ptr, comb_ptr, t, pre, post, comb, N)
 
     @triton.jit
+    def _store_normed_rows(m_ptr, acc, ss, t, tm, mm, M, K, inv_k, norm_eps, INTERPRET: tl.constexpr):
+        """m[t, :M] = the rows' dots acc [BLOCK_T, BLOCK_M] times their norm factor from the sums of squares ss."""
+        r = rms_factor(ss, K, inv_k, norm_eps, INTERPRET)
+        tl.store(m_ptr + t[:, None] * M + mm[None, :], acc * r[:, None], mask=tm[:, None] & (mm < M)[None, :])
+
+    @triton.jit
     def _hc_rows_kernel(h_ptr, parts_ptr, m_ptr, ws_ptr, ss_ptr, T, K, M, KS, norm_eps, inv_k, BLOCK_T: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, INTERPRET: tl.constexpr):
         """BLOCK_T rows: m[t, :M] = rsqrt(mean(h_t^2) + eps) * sum over the three bf16 parts of fn of h_t . part.
@@ -191,8 +197,7 @@ if triton is not None:
             tl.store(ws_ptr + (s * T + t[:, None]) * BLOCK_M + mm[None, :], acc, mask=tm[:, None])
             tl.store(ss_ptr + s * T + t, tl.sum(sq, axis=1), mask=tm)
         else:
-            r = rms_factor(tl.sum(sq, axis=1), K, inv_k, norm_eps, INTERPRET)
-            tl.store(m_ptr + t[:, None] * M + mm[None, :], acc * r[:, None], mask=tm[:, None] & (mm < M)[None, :])
+            _store_normed_rows(m_ptr, acc, tl.sum(sq, axis=1), t, tm, mm, M, K, inv_k, norm_eps, INTERPRET)
 
     @triton.jit
     def _hc_rows_sum_kernel(ws_ptr, ss_ptr, m_ptr, T, K, M, S, norm_eps, inv_k, BLOCK_T: tl.constexpr,
@@ -208,8 +213,7 @@ if triton is not None:
         for s in range(0, S):
             acc += tl.load(ws_ptr + (s * T + t[:, None]) * BLOCK_M + mm[None, :], mask=tm[:, None], other=0.0)
             ss += tl.load(ss_ptr + s * T + t, mask=tm, other=0.0)
-        r = rms_factor(ss, K, inv_k, norm_eps, INTERPRET)
-        tl.store(m_ptr + t[:, None] * M + mm[None, :], acc * r[:, None], mask=tm[:, None] & (mm < M)[None, :])
+        _store_normed_rows(m_ptr, acc, ss, t, tm, mm, M, K, inv_k, norm_eps, INTERPRET)
 
 
 def hc_post_triton(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,

@@ -126,7 +126,6 @@ class _Layer:
 class _Bucket:
     """A bucket's inputs (views of the shared buffers' first P rows) and its layers."""
 
-    size: int
     h0: torch.Tensor  # embedded streams [P, N, D]
     positions: torch.Tensor  # [P] int64
     is_image: torch.Tensor  # [P] bool
@@ -164,7 +163,7 @@ class PiecewiseGraphs:
 
     def _build(self, P: int) -> _Bucket:
         m = self.model
-        b = _Bucket(P, self._h0[:P], self._positions[:P], self._is_image[:P], self._o[:P])
+        b = _Bucket(self._h0[:P], self._positions[:P], self._is_image[:P], self._o[:P])
         pre = torch.zeros(P, m.cfg.hc_mult, dtype=torch.float32, device=b.h0.device)
         pre[:, 0] = 1.0  # one-hot start, as DeepseekV41ForCausalLM.forward
         h = b.h0
@@ -203,8 +202,7 @@ class PiecewiseGraphs:
         P = self.bucket(T)
         assert P is not None, (T, self.sizes)
         b = self.buckets[P]
-        cfg = m.cfg
-        is_image = input_ids == cfg.v41.image_token_id
+        is_image = input_ids == m.cfg.v41.image_token_id
         b.h0[:T] = m.model.embed(input_ids).unsqueeze(1)  # broadcast over the N streams
         b.positions[:T] = md.positions
         b.is_image[:T] = is_image

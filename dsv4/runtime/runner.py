@@ -136,8 +136,9 @@ class ModelRunner:
         self.graphs = CudaGraphManager(sizes, enabled=use_graphs)
         # prefill / mixed steps' token-wise pieces as CUDA graphs (opt-in; captured in capture_graphs)
         self.piecewise: PiecewiseGraphs | None = None
-        if config.piecewise_cudagraphs and unsupported(model) is not None:
-            raise ValueError(f"--piecewise-cudagraphs: {unsupported(model)}")
+        reason = unsupported(model) if config.piecewise_cudagraphs else None
+        if reason is not None:
+            raise ValueError(f"--piecewise-cudagraphs: {reason}")
         state_args = (groups, sc.max_num_seqs, sc.max_model_len, config.model.sliding_window, self.device)
         if config.decode_backend == "latency_specialized":
             self.model_state: DefaultModelState = DeepseekV41SpecializedDecodeModelState(
