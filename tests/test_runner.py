@@ -126,7 +126,7 @@ def _greedy_tokens(eng: LLMEngine) -> list[list[int]]:
 
 
 def test_start_up_warms_the_step_kernels_outside_the_forward(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Engine construction launches the decode-metadata build and the engram lookback gather once (their JIT
+    """Engine construction launches the decode-metadata build and the engram lookback gather (their JIT
     compilation then happens at start-up, not in the first request's step), and the warm-up changes no token."""
     import dsv4.runtime.model_state as ms
     from dsv4.runtime.attn_metadata import DecodeMetadataBuffers
@@ -137,7 +137,8 @@ def test_start_up_warms_the_step_kernels_outside_the_forward(monkeypatch: pytest
     monkeypatch.setattr(DecodeMetadataBuffers, "build", lambda self, *a: calls.append("build") or build(self, *a))
     monkeypatch.setattr(ms, "gather_lookback", lambda *a: calls.append("gather") or gather(*a))
     eng = LLMEngine.from_args(GOLDEN_V41, load_tokenizer=False, max_model_len=64)
-    assert eng.runner.num_warm_ups == 1 and calls == ["build", "gather"]  # before any request
+    # before any request, at 1, 2 and 16 requests (the Triton integer classes of the request count)
+    assert eng.runner.num_warm_ups == 1 and calls == ["build", "gather"] * 3
     # poison what the warm-up wrote: every step must rewrite it before reading it
     eng.runner.model_state.lookback_token_ids.fill_(7)
     eng.runner.model_state.decode.window_slots.fill_(3)

@@ -34,6 +34,7 @@ from dsv4.runtime.model_state import (DeepseekV41ModelState, DeepseekV41Speciali
 from dsv4.runtime.piecewise_graphs import PiecewiseGraphs, default_piecewise_sizes, unsupported
 from dsv4.runtime.request_state import RequestState
 from dsv4.runtime.sampler import SampledLogprobs, Sampler, SamplingTensors, greedy_sample, needs_output_values
+from dsv4.runtime.warm_up import WARM_UP_REQS, step_warm_up_shapes
 from dsv4.spec_decode.speculator import PlainSpecOutput, SpecOutput, Speculator, make_speculator
 from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
 from dsv4.structured import GrammarCompiler, GrammarMatchers
@@ -177,14 +178,33 @@ class ModelRunner:
         """JIT-compile the kernels a step launches outside the model's forward (model state's `warm_up`, on a
         one-request dummy decode batch) now, not in the first request's step. Called before memory profiling and
         before graph capture (compiled kernels are cached per process: the second call only relaunches them)."""
-        batch = InputBatch.make_dummy(self.buffers, 1, 1)
-        self.model_state.warm_up(batch, self.block_tables, self.req_state)
+        for reqs in WARM_UP_REQS:  # the request count is an integer argument of both: one per Triton class
+            if reqs <= self.config.scheduler.max_num_seqs:
+                batch = InputBatch.make_dummy(self.buffers, reqs, reqs)
+                self.model_state.warm_up(batch, self.block_tables, self.req_state)
         self.num_warm_ups += 1
+
+    def warm_up_steps(self) -> int:
+        """Run the eager forward once at each of `step_warm_up_shapes` (dsv4/runtime/warm_up.py says why), so a
+        served step of any size compiles no Triton kernel; dummy batches write no KV a request reads. Returns the
+        number of steps run."""
+        sc = self.config.scheduler
+        shapes = step_warm_up_shapes(sc.max_num_batched_tokens, sc.max_num_seqs, sc.max_model_len)
+        t0 = time.perf_counter()
+        for reqs, tokens in shapes:
+            self.dummy_run(reqs, tokens)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        logger.info("warm-up: %d dummy steps of 1-%d tokens in %.1f s", len(shapes), sc.max_num_batched_tokens,
+                    time.perf_counter() - t0)
+        return len(shapes)
 
     def capture_graphs(self) -> None:
         """Capture the vision encoder at every token budget (a V4.1 checkpoint with a vision tower) and the decode
         forward at every capture size (warm-up included); no-op when graphs are off (CPU, enforce_eager)."""
         self.warm_up_kernels()
+        if self.device.type == "cuda":  # Triton kernels (the CPU runs torch's ops): compiled now, not in a request
+            self.warm_up_steps()
         if (self.device.type == "cuda" and not self.config.enforce_eager and self.config.encoder_cudagraphs
                 and hasattr(self.model, "vision_encoder")):
             # the model's encode_images replays these; engram tables in host memory do not matter to the encoder
