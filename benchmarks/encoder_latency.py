@@ -16,7 +16,8 @@ span embeddings on the device, `torch.cuda.synchronize()` before and after, wall
 - eager: `VisionEncoder.forward` (what `encode_images` runs with enforce_eager: one packed ViT pass, attention per
   image, the aligner and the span assembly per image);
 - graphs: `EncoderCudaGraphManager.encode` (sorted greedy packing, one replay per batch, one gather per batch; images
-  larger than every budget run eagerly, reported as misses).
+  larger than every budget run eagerly, reported as misses; so does a whole call above `--eager-above` span tokens,
+  as the engine's manager does: GRAPH_MAX_SPAN_TOKENS, 0 for none).
 Budgets follow the engine's limits (`--max-num-batched-tokens`, `--max-model-len`) and `--budget-steps` per octave
 (1: the powers of two measured until 2026-12-05). The graph attention is `--graph-attention`: the Triton varlen
 kernel (O(sum of len^2) per image, nothing for the budget's unused rows) or FlashAttention's varlen forward (the
@@ -41,9 +42,9 @@ import torch
 from dsv4.models.image_processor import plan_image
 from dsv4.models.vision import VisionConfig, VisionEncoder, vision_param_dtype
 from dsv4.ops import varlen_attention as varlen_ops
-from dsv4.runtime.encoder_cudagraphs import (BUDGET_STEPS, EncoderCudaGraphManager, budget_range,
-                                             default_max_batch_size, llm_grid_of, plan_batches, span_tokens,
-                                             token_budgets)
+from dsv4.runtime.encoder_cudagraphs import (BUDGET_STEPS, GRAPH_MAX_SPAN_TOKENS, EncoderCudaGraphManager,
+                                             budget_range, default_max_batch_size, llm_grid_of, plan_call,
+                                             span_tokens, token_budgets)
 
 VISIONS: dict[str, tuple[VisionConfig, int, list[str]]] = {
     # (tower config, text hidden size, default pixel sizes)
@@ -104,12 +105,23 @@ def kernel_table(fn: Callable[[], Any], sync: Callable[[], None], rows: int = 15
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
 
 
+def bench_budgets(args: argparse.Namespace) -> tuple[list[int], int | None]:
+    """The budget ladder and the eager-above limit of the manager the engine would build (`from_limits`), with
+    `--budget-steps` per octave; `--eager-above 0`: no limit, every budget up to the engine's limits."""
+    eager_above = args.eager_above or None
+    lo, hi = budget_range(args.max_num_batched_tokens, args.max_model_len)
+    if eager_above is not None:
+        hi = min(hi, eager_above)
+        lo = min(lo, hi)
+    return token_budgets(lo, hi, steps=args.budget_steps), eager_above
+
+
 def plan_table(args: argparse.Namespace) -> dict[str, Any]:
     """The work of every case under the budget ladder, from shapes alone: real ViT rows against the rows the graphs
     run (the budget's), and the tower's TFLOP (linear layers over the rows a path runs; attention over the images'
     own rows, which both paths do)."""
     cfg = VISIONS[args.vision][0]
-    budgets = token_budgets(*budget_range(args.max_num_batched_tokens, args.max_model_len), steps=args.budget_steps)
+    budgets, eager_above = bench_budgets(args)
     mbs = default_max_batch_size(budgets)  # the manager's default
     d, f, n_layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
     linear_per_row = 2 * n_layers * (d * 3 * d + d * d + d * 2 * f + f * d)  # wqkv, wo, w1 (gate | up), w2
@@ -122,7 +134,7 @@ def plan_table(args: argparse.Namespace) -> dict[str, Any]:
         grid = image_grid(size, cfg)
         tokens = span_tokens(*llm_grid_of(grid, cfg.downsample_ratio))
         for count in args.counts:
-            batches = plan_batches([tokens] * count, budgets, mbs)
+            batches = plan_call([tokens] * count, budgets, mbs, eager_above)
             real = count * grid[0] * grid[1]
             graph_rows = sum(cfg.downsample_ratio ** 2 * b.budget if b.budget else grid[0] * grid[1] * len(b.indices)
                              for b in batches)
@@ -152,6 +164,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="the graphs' attention kernel (DSV4_ENCODER_GRAPH_ATTENTION)")
     ap.add_argument("--budget-steps", type=int, default=BUDGET_STEPS,
                     help="budgets per octave of the graph ladder (1: powers of two)")
+    ap.add_argument("--eager-above", type=int, default=GRAPH_MAX_SPAN_TOKENS,
+                    help="calls of more span tokens run eagerly and no budget is above it, as in the engine "
+                         "(0: every call through the graphs, budgets up to the engine's limits)")
     ap.add_argument("--profile", action="store_true",
                     help="also print the top CUDA kernels of one eager call and one graphs call per case")
     ap.add_argument("--plan-only", action="store_true",
@@ -169,8 +184,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cuda = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     enc = build_encoder(cfg, hidden, DTYPES[args.dtype], device)
-    budgets = token_budgets(*budget_range(args.max_num_batched_tokens, args.max_model_len), steps=args.budget_steps)
-    mgr = EncoderCudaGraphManager(enc, budgets, device=device)
+    budgets, eager_above = bench_budgets(args)
+    mgr = EncoderCudaGraphManager(enc, budgets, device=device, eager_above=eager_above)
     capture_s, graph_bytes = 0.0, 0
     if cuda:
         sync()
@@ -196,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 eager = time_calls(lambda: enc(torch.cat(patches), grids), sync, args.warmup, args.iters)
                 graphs = time_calls(lambda: mgr.encode(patches, grids), sync, args.warmup, args.iters)
             # every call plans the same batches: hits and misses per call follow from the plan
-            batches = plan_batches([tokens] * count, mgr.budgets, mgr.max_batch_size)
+            batches = plan_call([tokens] * count, mgr.budgets, mgr.max_batch_size, mgr.eager_above)
             results.append({
                 "size": size, "vit_grid": list(grid), "span_tokens": tokens, "images": count,
                 "batches": [{"budget": b.budget, "images": len(b.indices), "span_tokens": b.tokens} for b in batches],
@@ -217,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "text_hidden": hidden, "dtype": args.dtype,
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "torch": torch.__version__,
         "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
-        "graph_attention": args.graph_attention, "budget_steps": args.budget_steps,
+        "graph_attention": args.graph_attention, "budget_steps": args.budget_steps, "eager_above": eager_above,
         "budgets": mgr.budgets, "max_batch_size": mgr.max_batch_size, "graphs_captured": sorted(mgr.graphs),
         "capture_s": capture_s, "graph_memory_reserved_bytes": graph_bytes, "warmup": args.warmup,
         "iters": args.iters, "results": results,

@@ -20,10 +20,10 @@ from dsv4.engine.async_engine import AsyncLLMEngine
 from dsv4.engine.multimodal import IMAGE_PLACEHOLDER
 from dsv4.make_model import make_model
 from dsv4.models.vision import VisionAttention, VisionConfig, VisionEncoder, block_diagonal_attention
-from dsv4.runtime.encoder_cudagraphs import (EncoderCudaGraphManager, EncoderGraphError, budget_range,
-                                             capture_grids, check_capturable, default_max_batch_size, llm_grid_of,
-                                             padded_cu_seqlens, plan_batches, span_gather_index, span_tokens,
-                                             token_budgets)
+from dsv4.runtime.encoder_cudagraphs import (GRAPH_MAX_SPAN_TOKENS, EncoderBatch, EncoderCudaGraphManager,
+                                             EncoderGraphError, budget_range, capture_grids, check_capturable,
+                                             default_max_batch_size, llm_grid_of, padded_cu_seqlens, plan_batches,
+                                             plan_call, span_gather_index, span_tokens, token_budgets)
 from dsv4.serve.metrics import EngineMetrics
 
 TINY = VisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
@@ -202,6 +202,30 @@ def test_replay_equivalent_equals_per_image_eager(enc: VisionEncoder, attention:
             ref = enc(p, [g])[0]
             assert span.shape == ref.shape == (span_tokens(*llm_grid_of(g, R)), HIDDEN)
             torch.testing.assert_close(span, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_calls_above_the_limit_run_eagerly(enc: VisionEncoder) -> None:
+    """A call whose images take more span tokens together than `eager_above` runs as one eager batch (misses,
+    outputs of the eager encoder); one at the limit is packed into budgets as before (hits). The engine's manager
+    (from_limits) sets GRAPH_MAX_SPAN_TOKENS and captures no budget above it."""
+    m = EncoderCudaGraphManager.from_limits(enc, 256, 4096, eager_above=100)
+    assert m.budgets == [64, 80, 96, 100] and m.eager_above == 100
+    small = [(4, 5), (3, 3), (6, 6)]  # 2x2, 1x1, 2x2 aligner grids: 8 + 4 + 8 = 20 span tokens
+    big = [(12, 12)] * 4 + [(3, 3), (9, 9)]  # 4 x 22 + 4 + 14 = 106 span tokens; 92 without the last
+    tokens = [span_tokens(*llm_grid_of(g, R)) for g in big]
+    assert sum(tokens) == 106 and all(t <= 100 for t in tokens)  # each alone would fit a budget
+    assert plan_call(tokens, m.budgets, m.max_batch_size, 100) == [EncoderBatch(tuple(range(6)), 106, None)]
+    assert all(b.budget is not None for b in plan_call(tokens[:-1], m.budgets, m.max_batch_size, 100))
+    assert plan_call(tokens, m.budgets, 4, None) == plan_batches(tokens, m.budgets, 4)
+    with torch.no_grad():
+        for grids, hits, misses in ((small, 3, 0), (big, 3, 6), (big[:-1], 8, 6)):
+            patches = _patches(grids, 5)
+            out = m.encode(patches, grids)
+            assert (m.hits, m.misses) == (hits, misses)
+            for p, g, span in zip(patches, grids, out):
+                torch.testing.assert_close(span, enc(p, [g])[0], rtol=1e-4, atol=1e-4)
+    default = EncoderCudaGraphManager.from_limits(enc, 2048, 4096)
+    assert default.eager_above == GRAPH_MAX_SPAN_TOKENS == default.budgets[-1]
 
 
 def test_outputs_are_not_aliased_across_calls(enc: VisionEncoder) -> None:

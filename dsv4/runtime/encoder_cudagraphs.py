@@ -17,7 +17,9 @@ result is a fresh tensor that later replays cannot clobber.
 
 Images are sorted by span tokens and packed greedily into batches of at most `max_batch_size` images and the largest
 budget; the smallest budget holding a batch is replayed. An image larger than every budget runs through the eager
-encoder (`VisionEncoder.forward`); such images count as misses, replayed images as hits.
+encoder (`VisionEncoder.forward`); such images count as misses, replayed images as hits. The engine's manager
+(`from_limits`) runs a call of more than GRAPH_MAX_SPAN_TOKENS span tokens eagerly as a whole (misses too): at
+those sizes the tower is compute-bound and the graphs, measured, were not faster.
 
 Cost: the graph-safe attention is the Triton varlen flash-attention kernel (dsv4/ops/varlen_attention.py): work
 O(sum of len^2) over the images, plus a little for query blocks straddling an image boundary, nothing for the
@@ -59,6 +61,13 @@ MIN_BUDGET = 64  # comfortably above the smallest span (4 tokens, a 1x1 grid)
 # span tokens in budget 256, 1.51x the rows), with 4 steps up to 1.25x (budget 192: 1.14x). Graphs share one memory
 # pool and the input buffers, so a step costs capture time (~0.25 s a graph at the released shapes, 2026-11-30).
 BUDGET_STEPS = 4
+# Above this many span tokens in one encode call, the engine's manager runs the whole call eagerly (and captures no
+# budget above it). Graphs save launches, which matter only while the tower is small: on an H200 at the released
+# shapes (benchmarks/results/2026-12-05-h200-encoder-graphs) they gave 3.16x eager for one 544x544 image (184 span
+# tokens), 1.17x for four (736), 1.00x for one 1024x768 (496); and 0.79-0.98x from one 1536x1536 (994) up, where
+# the tower is compute-bound and the budget's padding rows cost more than the launches saved. Eager there is >= the
+# graphs by construction.
+GRAPH_MAX_SPAN_TOKENS = 768
 
 
 class EncoderGraphError(ValueError):
@@ -138,6 +147,15 @@ def plan_batches(tokens: Sequence[int], budgets: Sequence[int], max_batch_size: 
     return batches
 
 
+def plan_call(tokens: Sequence[int], budgets: Sequence[int], max_batch_size: int,
+              eager_above: int | None) -> list[EncoderBatch]:
+    """The batches one encode call runs: all its images as one eager batch when they take more than `eager_above`
+    span tokens together, else `plan_batches`."""
+    if eager_above is not None and sum(tokens) > eager_above:
+        return [EncoderBatch(tuple(range(len(tokens))), sum(tokens), None)]
+    return plan_batches(tokens, budgets, max_batch_size)
+
+
 def capture_grids(budget: int, max_batch_size: int, ratio: int) -> list[Grid]:
     """The dummy ViT grids a capture runs: `max_batch_size` images, each one aligner row tall (r x r*k patches),
     whose aligner rows sum to exactly `budget` and patches to r^2 * budget: the buffers' sizes, which bound every
@@ -203,10 +221,13 @@ class EncoderCudaGraphManager:
     """
 
     def __init__(self, encoder: VisionEncoder, budgets: Sequence[int], max_batch_size: int | None = None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, eager_above: int | None = None) -> None:
+        """`eager_above`: a call whose images take more span tokens than this runs eagerly as one batch (None:
+        every call is packed into budget batches; `from_limits` sets GRAPH_MAX_SPAN_TOKENS)."""
         if not budgets or min(budgets) < 1:
             raise EncoderGraphError(f"token budgets must be positive, got {list(budgets)}")
         self.encoder = encoder
+        self.eager_above = eager_above
         self.budgets = sorted(set(budgets))
         self.max_batch_size = default_max_batch_size(self.budgets) if max_batch_size is None else max_batch_size
         if not 1 <= self.max_batch_size <= self.budgets[0]:
@@ -228,15 +249,19 @@ class EncoderCudaGraphManager:
         self.pool = None
         self.released = False
         self.hits = 0  # images encoded by a budget's graph
-        self.misses = 0  # images encoded eagerly (larger than every budget)
+        self.misses = 0  # images encoded eagerly (larger than every budget, or in a call above eager_above)
 
     @classmethod
     def from_limits(cls, encoder: VisionEncoder, max_num_batched_tokens: int, max_model_len: int,
-                    device: torch.device | None = None, max_batch_size: int | None = None
-                    ) -> EncoderCudaGraphManager:
-        """A manager with the budgets of the engine's limits (`budget_range`, `token_budgets`)."""
-        return cls(encoder, token_budgets(*budget_range(max_num_batched_tokens, max_model_len)), max_batch_size,
-                   device)
+                    device: torch.device | None = None, max_batch_size: int | None = None,
+                    eager_above: int | None = GRAPH_MAX_SPAN_TOKENS) -> EncoderCudaGraphManager:
+        """A manager with the budgets of the engine's limits (`budget_range`, `token_budgets`), none above
+        `eager_above`, where calls run eagerly."""
+        lo, hi = budget_range(max_num_batched_tokens, max_model_len)
+        if eager_above is not None:
+            hi = min(hi, eager_above)
+            lo = min(lo, hi)
+        return cls(encoder, token_budgets(lo, hi), max_batch_size, device, eager_above)
 
     def buffer_rows(self, budget: int) -> tuple[int, int]:
         """(aligner rows, ViT patches) of a budget's buffers: B and r^2 * B."""
@@ -335,7 +360,8 @@ class EncoderCudaGraphManager:
             return self.encoder(torch.cat(list(patches)), grids) if grids else []
         llm_grids = [llm_grid_of(g, self.ratio) for g in grids]
         out: list[torch.Tensor | None] = [None] * len(grids)
-        for batch in plan_batches([span_tokens(*g) for g in llm_grids], self.budgets, self.max_batch_size):
+        tokens = [span_tokens(*g) for g in llm_grids]
+        for batch in plan_call(tokens, self.budgets, self.max_batch_size, self.eager_above):
             sel = list(batch.indices)
             if batch.budget is None:
                 spans = self.encoder(torch.cat([patches[i] for i in sel]), [grids[i] for i in sel])
