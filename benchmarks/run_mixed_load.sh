@@ -31,6 +31,11 @@
 #             the host time goes: by file, top N functions); PIECEWISE=1 with --piecewise (logs *-pw.log)
 #   syncs     not a server: benchmarks/host_syncs.py, the synchronizing CUDA calls of a 512-token prefill and of the
 #             batch-1 decode steps after it
+#   warmup    not a server: tests/gpu/test_warm_up_gpu.py (no Triton compile after start-up under a served
+#             workload; dsv4/runtime/warm_up.py, built 2026-12-06 after base's first request waited 1.48 s for the
+#             expert plan's sort: TTFT p90 2.52 s, all of it the first wave of 64); then run base again for its TTFT
+#   decode64  not a server: benchmarks/profile_graph.py at batch 64 (the decode-only step of this load: ~10.6 ms of
+#             ITL on an H100, ~41% of its stored-bytes floor, half of TPOT), its kernels and timeline
 #   kernels   not a server: kernels of the mixed step far off their floor, by their opt-in variants:
 #             benchmarks/mhc_rows_splits.py (mHC's rows projection by column splits, DSV4_MHC_ROWS_SPLIT_K),
 #             benchmarks/rope_inplace_forms.py (the in-place rope's pairs strided or contiguous, DSV4_ROPE_VEC)
@@ -107,6 +112,17 @@ part_syncs() {
   make_preset $p
   timeout 200 python3 -u benchmarks/host_syncs.py /tmp/$p > "$out/host_syncs.log" 2>&1
   echo "host_syncs (rc $?):"; grep -E "steps," "$out/host_syncs.log"
+}
+
+part_warmup() {
+  gpu_pytest 300 warm_up_gpu.log tests/gpu/test_warm_up_gpu.py -x
+  grep -E "compiles after start-up" "$out/warm_up_gpu.log" | cut -c1-1500 | head -3
+}
+
+part_decode64() {
+  make_preset $p
+  timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 64 20 --timeline > "$out/decode_b64.log" 2>&1
+  echo "profile batch 64 (rc $?):"; grep -E "step|replay|of floor" "$out/decode_b64.log" | head -12
 }
 
 part_kernels() {
