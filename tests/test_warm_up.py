@@ -80,7 +80,7 @@ def _greedy(eng: LLMEngine) -> list[list[int]]:
 def test_warm_up_steps_change_no_tokens() -> None:
     """The dummy steps (run on CUDA at start-up; here on the CPU by hand, every shape of a 64-token budget) leave
     the engine giving the same greedy tokens as a fresh one: they write no KV, state or history a request reads."""
-    kw = dict(load_tokenizer=False, max_model_len=64, max_num_batched_tokens=64, max_num_seqs=16)
+    kw = {"load_tokenizer": False, "max_model_len": 64, "max_num_batched_tokens": 64, "max_num_seqs": 16}
     want = _greedy(LLMEngine.from_args(GOLDEN_V41, **kw))
     eng = LLMEngine.from_args(GOLDEN_V41, **kw)
     ran: list[tuple[int, int]] = []

@@ -175,9 +175,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up_kernels(self) -> None:
-        """JIT-compile the kernels a step launches outside the model's forward (model state's `warm_up`, on a
-        one-request dummy decode batch) now, not in the first request's step. Called before memory profiling and
-        before graph capture (compiled kernels are cached per process: the second call only relaunches them)."""
+        """JIT-compile the kernels a step launches outside the model's forward (model state's `warm_up`, on dummy
+        decode batches of 1, 2 and 16 requests) now, not in the first request's step. Called before memory
+        profiling and before graph capture (compiled kernels are cached per process: a second call relaunches them)."""
         for reqs in WARM_UP_REQS:  # the request count is an integer argument of both: one per Triton class
             if reqs <= self.config.scheduler.max_num_seqs:
                 batch = InputBatch.make_dummy(self.buffers, reqs, reqs)
