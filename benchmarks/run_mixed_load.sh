@@ -38,7 +38,9 @@
 #             ITL on an H100, ~41% of its stored-bytes floor, half of TPOT), its kernels and timeline
 #   kernels   not a server: kernels of the mixed step far off their floor, by their opt-in variants:
 #             benchmarks/mhc_rows_splits.py (mHC's rows projection by column splits, DSV4_MHC_ROWS_SPLIT_K),
-#             benchmarks/rope_inplace_forms.py (the in-place rope's pairs strided or contiguous, DSV4_ROPE_VEC)
+#             benchmarks/rope_inplace_forms.py (the in-place rope's pairs strided or contiguous, DSV4_ROPE_VEC),
+#             benchmarks/fp32_linear_blocks.py (V4.1's fp32 router / compressor linears at decode sizes: the Triton
+#             path's narrow tiles against the wide default, DSV4_FP32_LINEAR_BLOCKS)
 # Compare TPOT / ITL (step length) against TTFT and throughput (prefill spread over more steps) across the parts.
 . "$(dirname "$0")/device_lib.sh"
 p=${PRESET:-v41-flash-8l}
@@ -130,6 +132,8 @@ part_kernels() {
   echo "mhc_rows_splits (rc $?):"; tail -5 "$out/mhc_rows_splits.log"
   timeout 90 python3 -u benchmarks/rope_inplace_forms.py > "$out/rope_inplace_forms.log" 2>&1
   echo "rope_inplace_forms (rc $?):"; tail -7 "$out/rope_inplace_forms.log"
+  timeout 90 python3 -u benchmarks/fp32_linear_blocks.py > "$out/fp32_linear_blocks.log" 2>&1
+  echo "fp32_linear_blocks (rc $?):"; tail -13 "$out/fp32_linear_blocks.log"
 }
 
 run_parts "$@"

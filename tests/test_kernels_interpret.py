@@ -1009,15 +1009,22 @@ def test_fp32_linear_kernel_matches_torch() -> None:
     tiles; bf16 values whose products and sums are exact on a coarse grid give bit-equal outputs."""
     _interpret("""
         import torch
-        from dsv4.ops.fp32_linear import fp32_linear_torch, fp32_linear_triton
+        from dsv4.ops.fp32_linear import decode_blocks, fp32_linear_torch, fp32_linear_triton
         g = torch.Generator().manual_seed(5)
-        for R, N, K, dtype in ((1, 16, 320, torch.bfloat16), (5, 37, 300, torch.bfloat16), (3, 24, 64, torch.float32)):
+        tiles = set()
+        for R, N, K, dtype in ((1, 16, 320, torch.bfloat16), (5, 37, 300, torch.bfloat16), (3, 24, 64, torch.float32),
+                               (64, 37, 300, torch.bfloat16), (40, 100, 96, torch.bfloat16),
+                               (200, 9, 40, torch.bfloat16), (1, 1030, 64, torch.bfloat16)):
             x = torch.randn(R, K, generator=g).to(dtype)
             w = torch.randn(N, K, generator=g).to(dtype)
-            ref, got = fp32_linear_torch(x, w), fp32_linear_triton(x, w)
-            assert got.dtype == torch.float32 and got.shape == (R, N)
+            ref = fp32_linear_torch(x, w)
             s = x.float().abs() @ w.float().abs().t()
-            assert ((got - ref).abs() <= K * 2.0 ** -23 * s).all(), (got - ref).abs().max()
+            for blocks in ("wide", "narrow"):  # every tile shape: 1-16 outputs a program, K in one step or several
+                tiles.add(decode_blocks(R, N, K, blocks))
+                got = fp32_linear_triton(x, w, blocks)
+                assert got.dtype == torch.float32 and got.shape == (R, N)
+                assert ((got - ref).abs() <= K * 2.0 ** -23 * s).all(), (blocks, (got - ref).abs().max())
+        assert {n for n, _ in tiles} == {1, 4, 8, 16}, tiles
         w = torch.randn(10, 96, generator=g).to(torch.bfloat16)
         for xs in (torch.randn(4, 2 * 96, generator=g).to(torch.bfloat16)[:, ::2],  # strided columns: copied
                    torch.randn(4, 96 + 7, generator=g).to(torch.bfloat16)[:, :96]):  # rows read through their stride

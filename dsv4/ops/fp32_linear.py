@@ -28,6 +28,17 @@ except ImportError:  # CPU-only installs use the torch reference
     triton = None
 
 DECODE_ROWS = 64  # up to this many rows the Triton path; it re-reads the weight per row (from L2 after the first)
+# The Triton path's tiles (`decode_blocks`). "wide" (default): few outputs and most of K a program, so that a
+# one-row call spreads over the SMs and each program has K in 2-3 wide loads. "narrow": the first tiles (8-16
+# outputs x 256 of K a program, 20 steps over K = 5120), kept for comparison: a one-row call of V4.1-Flash-8l took
+# 30.6 us on average on an H100 (10 a decode step: 0.31 of a 3.9 ms graph replay,
+# benchmarks/results/2026-12-06-h100-decode-select-radix/decode131k-radix-s64.log) for weights of 0.16-5.2 MB,
+# 2-64 programs each walking 20 dependent load steps (latency-bound: the weight's bytes need ~2 us).
+BLOCKS = os.environ.get("DSV4_FP32_LINEAR_BLOCKS", "wide")
+if BLOCKS not in ("wide", "narrow"):
+    raise ValueError(f"DSV4_FP32_LINEAR_BLOCKS={BLOCKS!r}: expected 'wide' or 'narrow'")
+PROGRAMS_PER_CALL = 512  # ~4 a streaming multiprocessor: enough loads in flight to stream the weight
+TILE_ELEMENTS = 8192  # a program's BLOCK_N x BLOCK_K weight tile: 64 fp32 partial sums a thread at 4 warps
 HALF_DTYPES = (torch.bfloat16, torch.float16)  # operands whose products fp32 holds exactly
 # the tensor-core path needs torch's `mm.dtype` overload (torch >= 2.8); DSV4_FP32_LINEAR_MM=0 keeps the fp32
 # expression at prefill sizes (comparisons)
@@ -56,8 +67,9 @@ if triton is not None:
         tl.store(out_ptr + r * N + n, tl.sum(acc, axis=1), mask=nm)
 
 
-def fp32_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The same in one launch: a program per (row, block of outputs), the weight read in its stored dtype."""
+def fp32_linear_triton(x: torch.Tensor, w: torch.Tensor, blocks: str = BLOCKS) -> torch.Tensor:
+    """The same in one launch: a program per (row, block of outputs), the weight read in its stored dtype; `blocks`
+    picks the tiles (`decode_blocks`)."""
     assert triton is not None, "triton is not installed"
     N, K = w.shape
     lead = x.shape[:-1]
@@ -68,12 +80,24 @@ def fp32_linear_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     R = x2.shape[0]
     out = torch.empty(R, N, dtype=torch.float32, device=x.device)
     if R and N:
-        # narrow outputs (a router's 16-384 experts) get narrow blocks, so the rows' programs spread over the SMs
-        block_n = 8 if N <= 1024 else 16
-        block_k = min(256, max(16, triton.next_power_of_2(K)))
+        block_n, block_k = decode_blocks(R, N, K, blocks)
         _fp32_linear_kernel[(R, triton.cdiv(N, block_n))](x2, w, out, N, K, x2.stride(0), BLOCK_N=block_n,
                                                           BLOCK_K=block_k, num_warps=4)
     return out.view(*lead, N)
+
+
+def decode_blocks(R: int, N: int, K: int, blocks: str = "wide") -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of the Triton path for R rows of N outputs over K. "wide": BLOCK_N the power of two that
+    gives each row ~PROGRAMS_PER_CALL / R programs (1-16 outputs a program), BLOCK_K the rest of a TILE_ELEMENTS
+    tile (up to 4,096, K's power of two if smaller): one row of a [512, 5120] weight is 512 programs of 2 steps
+    over K. "narrow": the tiles before 2026-12-06."""
+    k_pow2 = max(16, triton.next_power_of_2(K)) if triton is not None else max(16, 1 << (K - 1).bit_length())
+    if blocks == "narrow":
+        return (8 if N <= 1024 else 16), min(256, k_pow2)
+    per_row = max(1, PROGRAMS_PER_CALL // R)
+    want = -(-N // per_row)  # outputs a program for ~per_row programs a row
+    block_n = min(16, 1 << max(0, (want - 1).bit_length()))
+    return block_n, min(k_pow2, 4096, TILE_ELEMENTS // block_n)
 
 
 def fp32_linear_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

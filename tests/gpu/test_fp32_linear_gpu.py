@@ -22,7 +22,8 @@ def test_fp32_linear_at_released_shapes(N: int, K: int, rows: int) -> None:
     w = (torch.randn(N, K, device="cuda", generator=g) * K ** -0.5).to(torch.bfloat16)
     ref = x.double() @ w.double().t()  # the exact sum of the exact products
     s = x.double().abs() @ w.double().abs().t()
-    for got in (fl.fp32_linear_triton(x, w), fl.fp32_linear(x, w), fl.fp32_linear_torch(x, w), fl.fp32_linear_mm(x, w)):
+    for got in (fl.fp32_linear_triton(x, w), fl.fp32_linear_triton(x, w, "narrow"), fl.fp32_linear(x, w),
+                fl.fp32_linear_torch(x, w), fl.fp32_linear_mm(x, w)):
         assert got.dtype == torch.float32
         # fp32 accumulation of K exact products: within K * 2^-24 * S of the exact sum (cuBLAS may reduce split-K
         # partials in another order, as may the kernel: the same bound for both)
