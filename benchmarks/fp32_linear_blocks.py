@@ -3,6 +3,7 @@ gate rows, fp32 math on the stored bf16 weight) with the Triton path's two tile 
 "wide" (the default since 2026-12-06), at the released shapes and the 8-layer preset's router.
 
 usage: PYTHONPATH=. python3 benchmarks/fp32_linear_blocks.py [--rows 1 4 32 64]
+       PYTHONPATH=.:benchmarks python3 benchmarks/fp32_linear_blocks.py --sass   (no GPU: sm_90 builds of the tiles)
 
 Why: in a batch-1 decode of V4.1-Flash-8l the narrow kernel took 30.6 us a call on average on an H100, 10 calls a
 step (0.31 ms of a 3.9 ms replay, benchmarks/results/2026-12-06-h100-decode-select-radix), for weights of 0.16-5.2
@@ -23,10 +24,36 @@ import triton.testing
 from dsv4.ops.fp32_linear import decode_blocks, fp32_linear_triton
 
 
+def sass(rows: list[int]) -> None:
+    """Each tile the two choices take at these rows, built for sm_90 with the local Triton (its ptxas; no driver):
+    registers, stack (spills) and the K loop's opcodes per thread (a lead, not a time)."""
+    from grouped_q_sass import analyse  # benchmarks/ on the path
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dsv4.ops import fp32_linear
+
+    print(f"triton {triton.__version__}, sm_90, bf16 x and w, 4 warps")
+    fn = fp32_linear._fp32_linear_kernel
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32", "N": "i32", "K": "i32", "x_stride": "i32",
+           "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(6)}  # aligned pointers, K and strides multiples of 16
+    tiles = sorted({decode_blocks(R, N, 5120, b) for R in rows for N in (16, 384, 512) for b in ("narrow", "wide")})
+    for bn, bk in tiles:
+        src = ASTSource(fn=fn, signature=sig, constexprs={"BLOCK_N": bn, "BLOCK_K": bk}, attrs=attrs)
+        a = analyse(triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["cubin"])
+        top = " ".join(f"{o} {v}" for o, v in list(a["loop_ops"].items())[:8])
+        print(f"BLOCK_N {bn:2d} BLOCK_K {bk:4d}: {a['registers']:3d} registers, stack {a['stack']} B, K loop "
+              f"{a['loop_instructions']} instructions: {top}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32, 64])
+    ap.add_argument("--sass", action="store_true", help="build the tiles for sm_90 and count; no GPU needed")
     args = ap.parse_args()
+    if args.sass:
+        return sass(args.rows)
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
     bw = 3.35e12 if "H100" in name else 4.8e12  # HBM bytes/s (H100 SXM, H200)
