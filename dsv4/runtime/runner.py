@@ -217,12 +217,12 @@ class ModelRunner:
             self.speculator.capture_graphs()  # multi-row verify and drafter graphs, when switched on
         if self.config.piecewise_cudagraphs and self.device.type == "cuda" and not self.config.enforce_eager:
             self.piecewise = None  # a recapture drops the old graphs first
-            before = torch.cuda.memory_reserved(self.device)
+            before, t0 = torch.cuda.memory_reserved(self.device), time.perf_counter()
             sizes = default_piecewise_sizes(self.config.scheduler.max_num_batched_tokens)
             with torch.inference_mode():
                 self.piecewise = PiecewiseGraphs(self.model, sizes, graphs=True)
-            logger.info("piecewise CUDA graphs of prefill / mixed steps at %s tokens: %.2f GiB reserved",
-                        sizes, (torch.cuda.memory_reserved(self.device) - before) / 2 ** 30)
+            logger.info("piecewise CUDA graphs of prefill / mixed steps at %s tokens in %.1f s: %.2f GiB reserved",
+                        sizes, time.perf_counter() - t0, (torch.cuda.memory_reserved(self.device) - before) / 2 ** 30)
         if not self.graphs.enabled:
             return
         # graphs hold the addresses of everything they read: a recapture drops the old ones first
