@@ -1013,8 +1013,7 @@ def test_fp32_linear_kernel_matches_torch() -> None:
         g = torch.Generator().manual_seed(5)
         tiles = set()
         for R, N, K, dtype in ((1, 16, 320, torch.bfloat16), (5, 37, 300, torch.bfloat16), (3, 24, 64, torch.float32),
-                               (64, 37, 300, torch.bfloat16), (40, 100, 96, torch.bfloat16),
-                               (200, 9, 40, torch.bfloat16), (1, 1030, 64, torch.bfloat16)):
+                               (40, 100, 96, torch.bfloat16), (1, 1030, 64, torch.bfloat16)):
             x = torch.randn(R, K, generator=g).to(dtype)
             w = torch.randn(N, K, generator=g).to(dtype)
             ref = fp32_linear_torch(x, w)
