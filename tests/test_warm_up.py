@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dsv4.engine.engine import LLMEngine
+from dsv4.ops.moe import PLAN_KERNEL_MAX_ROWS
 from dsv4.runtime.warm_up import WARM_UP_REQS, step_warm_up_shapes, warm_up_token_counts
 from dsv4.sampling_params import SamplingParams
 
@@ -38,14 +39,18 @@ def test_token_counts_cover_every_bucket_and_class(budget: int) -> None:
 
 
 def test_route_row_buckets_are_all_warmed() -> None:
-    """The expert plan's sort takes the next power of two of tokens x top-k as a constexpr: every such bucket a
-    step of up to the budget reaches is reached by a warm-up count too (top-k 6, V4.1's; 2, tiny presets')."""
-    for budget in (64, 576, 4096):
+    """The expert plan's sort takes the next power of two of tokens x top-k as a constexpr (and the route rows as
+    an integer, up to PLAN_KERNEL_MAX_ROWS where it runs): every such bucket, and every (bucket, class) of the
+    sort's rows, a step of up to the budget reaches is reached by a warm-up count too (top-k 6, V4.1's; 2, tiny
+    presets')."""
+    for budget in (64, 128, 576, 1024, 4096):
         counts = warm_up_token_counts(budget)
         for k in (2, 6, 8):
             reached = {_pow2(t * k) for t in range(1, budget + 1)}
             assert reached == {_pow2(t * k) for t in counts}, (budget, k, sorted(reached - {_pow2(t * k)
                                                                                               for t in counts}))
+            sorted_rows = {_classes(t * k) for t in range(1, budget + 1) if t * k <= PLAN_KERNEL_MAX_ROWS}
+            assert sorted_rows == {_classes(t * k) for t in counts if t * k <= PLAN_KERNEL_MAX_ROWS}, (budget, k)
 
 
 @pytest.mark.parametrize("budget,seqs,max_len", [(64, 8, 256), (4096, 64, 4096), (2048, 4, 300), (576, 64, 128),
