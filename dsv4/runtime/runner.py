@@ -195,6 +195,7 @@ class ModelRunner:
             self.dummy_run(reqs, tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # their activations' cached blocks would count as the graphs' memory after
         logger.info("warm-up: %d dummy steps of 1-%d tokens in %.1f s", len(shapes), sc.max_num_batched_tokens,
                     time.perf_counter() - t0)
         return len(shapes)
