@@ -43,8 +43,8 @@ from dsv4.models.image_processor import plan_image
 from dsv4.models.vision import VisionConfig, VisionEncoder, vision_param_dtype
 from dsv4.ops import varlen_attention as varlen_ops
 from dsv4.runtime.encoder_cudagraphs import (BUDGET_STEPS, GRAPH_MAX_SPAN_TOKENS, EncoderCudaGraphManager,
-                                             budget_range, default_max_batch_size, llm_grid_of, plan_call,
-                                             span_tokens, token_budgets)
+                                             default_max_batch_size, engine_budgets, llm_grid_of, plan_call,
+                                             span_tokens)
 
 VISIONS: dict[str, tuple[VisionConfig, int, list[str]]] = {
     # (tower config, text hidden size, default pixel sizes)
@@ -109,11 +109,7 @@ def bench_budgets(args: argparse.Namespace) -> tuple[list[int], int | None]:
     """The budget ladder and the eager-above limit of the manager the engine would build (`from_limits`), with
     `--budget-steps` per octave; `--eager-above 0`: no limit, every budget up to the engine's limits."""
     eager_above = args.eager_above or None
-    lo, hi = budget_range(args.max_num_batched_tokens, args.max_model_len)
-    if eager_above is not None:
-        hi = min(hi, eager_above)
-        lo = min(lo, hi)
-    return token_budgets(lo, hi, steps=args.budget_steps), eager_above
+    return engine_budgets(args.max_num_batched_tokens, args.max_model_len, eager_above, args.budget_steps), eager_above
 
 
 def plan_table(args: argparse.Namespace) -> dict[str, Any]:

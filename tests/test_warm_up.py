@@ -5,17 +5,13 @@ tokens (dummy batches write no KV a request reads). That no kernel compiles afte
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from test_runner import GOLDEN_V41, _greedy_tokens  # tests/ is on the path
 
 from dsv4.engine.engine import LLMEngine
 from dsv4.ops.moe import PLAN_KERNEL_MAX_ROWS
 from dsv4.runtime.warm_up import WARM_UP_REQS, step_warm_up_shapes, warm_up_token_counts
-from dsv4.sampling_params import SamplingParams
-
-GOLDEN_V41 = os.path.join(os.path.dirname(__file__), "data", "deepseek-v41-tiny")
 
 
 def _pow2(n: int) -> int:
@@ -70,23 +66,11 @@ def test_shapes_are_schedulable_steps(budget: int, seqs: int, max_len: int) -> N
             t, seqs)}
 
 
-def _greedy(eng: LLMEngine) -> list[list[int]]:
-    for i, n in enumerate((9, 30, 3)):
-        eng.add_request([5 + (3 * i + j) % 200 for j in range(n)],
-                        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), request_id=str(i))
-    done: dict[str, list[int]] = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = list(out.outputs[0].token_ids)
-    return [done[str(i)] for i in range(3)]
-
-
 def test_warm_up_steps_change_no_tokens() -> None:
     """The dummy steps (run on CUDA at start-up; here on the CPU by hand, every shape of a 64-token budget) leave
     the engine giving the same greedy tokens as a fresh one: they write no KV, state or history a request reads."""
     kw = {"load_tokenizer": False, "max_model_len": 64, "max_num_batched_tokens": 64, "max_num_seqs": 16}
-    want = _greedy(LLMEngine.from_args(GOLDEN_V41, **kw))
+    want = _greedy_tokens(LLMEngine.from_args(GOLDEN_V41, **kw))
     eng = LLMEngine.from_args(GOLDEN_V41, **kw)
     ran: list[tuple[int, int]] = []
     dummy = eng.runner.dummy_run
@@ -94,4 +78,4 @@ def test_warm_up_steps_change_no_tokens() -> None:
     with torch.inference_mode():
         n = eng.runner.warm_up_steps()
     assert n == len(ran) and ran == step_warm_up_shapes(64, 16, 64) and (16, 64) in ran and (1, 63) in ran
-    assert _greedy(eng) == want
+    assert _greedy_tokens(eng) == want

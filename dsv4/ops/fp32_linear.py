@@ -91,7 +91,7 @@ def decode_blocks(R: int, N: int, K: int, blocks: str = "wide") -> tuple[int, in
     gives each row ~PROGRAMS_PER_CALL / R programs (1-16 outputs a program), BLOCK_K the rest of a TILE_ELEMENTS
     tile (up to 4,096, K's power of two if smaller): one row of a [512, 5120] weight is 512 programs of 2 steps
     over K. "narrow": the tiles before 2026-12-06."""
-    k_pow2 = max(16, triton.next_power_of_2(K)) if triton is not None else max(16, 1 << (K - 1).bit_length())
+    k_pow2 = max(16, 1 << (K - 1).bit_length())  # K's power of two
     if blocks == "narrow":
         return (8 if N <= 1024 else 16), min(256, k_pow2)
     per_row = max(1, PROGRAMS_PER_CALL // R)

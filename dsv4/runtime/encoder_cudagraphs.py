@@ -106,6 +106,17 @@ def token_budgets(lo: int, hi: int, steps: int = BUDGET_STEPS) -> list[int]:
     return sorted(out)
 
 
+def engine_budgets(max_num_batched_tokens: int, max_model_len: int, eager_above: int | None,
+                   steps: int = BUDGET_STEPS) -> list[int]:
+    """The budgets of the engine's limits (`budget_range`, `token_budgets`), none above `eager_above` (where calls
+    run eagerly; None: no such limit)."""
+    lo, hi = budget_range(max_num_batched_tokens, max_model_len)
+    if eager_above is not None:
+        hi = min(hi, eager_above)
+        lo = min(lo, hi)
+    return token_budgets(lo, hi, steps)
+
+
 def default_max_batch_size(budgets: Sequence[int]) -> int:
     """min(largest // smallest, smallest) (runtime.md 4.2): never above the smallest budget, so every dummy image of
     a capture gets at least one aligner row."""
@@ -255,13 +266,9 @@ class EncoderCudaGraphManager:
     def from_limits(cls, encoder: VisionEncoder, max_num_batched_tokens: int, max_model_len: int,
                     device: torch.device | None = None, max_batch_size: int | None = None,
                     eager_above: int | None = GRAPH_MAX_SPAN_TOKENS) -> EncoderCudaGraphManager:
-        """A manager with the budgets of the engine's limits (`budget_range`, `token_budgets`), none above
-        `eager_above`, where calls run eagerly."""
-        lo, hi = budget_range(max_num_batched_tokens, max_model_len)
-        if eager_above is not None:
-            hi = min(hi, eager_above)
-            lo = min(lo, hi)
-        return cls(encoder, token_budgets(lo, hi), max_batch_size, device, eager_above)
+        """A manager with `engine_budgets`: none above `eager_above`, where calls run eagerly."""
+        return cls(encoder, engine_budgets(max_num_batched_tokens, max_model_len, eager_above), max_batch_size,
+                   device, eager_above)
 
     def buffer_rows(self, budget: int) -> tuple[int, int]:
         """(aligner rows, ViT patches) of a budget's buffers: B and r^2 * B."""
