@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     capture_s, graph_bytes = 0.0, 0
     if cuda:
         sync()
+        # torch.cuda.graph empties the allocator's cache on entry: without this the cache built up before capture
+        # would count against the graphs (a negative "graph memory" in 2026-12-06-h100-encoder-graphs-eager-above)
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved(device)
         t0 = time.perf_counter()
         mgr.capture()

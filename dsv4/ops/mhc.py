@@ -44,11 +44,12 @@ _MIX_CHUNK = 256
 MHC_ROWS = os.environ.get("DSV4_MHC_ROWS", "1") != "0"
 _ROWS_M = 32  # fn's rows padded to a tensor-core tile ((2+N)N = 24 at N = 4; the final collapse's N = 4)
 _ROWS_BLOCK_T, _ROWS_BLOCK_K = 64, 64  # rows a program, columns a step
-# `hc_dots_rows` in column splits (DSV4_MHC_ROWS_SPLIT_K=1; opt-in until timed). A program of the single pass walks
-# all N*D columns of its 64 rows in 64-column steps (320 for V4.1): at 2,048 rows that is 32 programs for 132 SMs,
-# 168 us a call on an H100 against ~20 us for the 84 MB read (2026-12-06-h100-mixed-step-host, 16 calls a step);
-# splits make row blocks x splits fill the SMs, and a second launch adds the splits' sums in order.
-ROWS_SPLIT_K = os.environ.get("DSV4_MHC_ROWS_SPLIT_K", "0") == "1"
+# `hc_dots_rows` in column splits (the default; DSV4_MHC_ROWS_SPLIT_K=0 is the single pass). A program of the single
+# pass walks all N*D columns of its 64 rows in 64-column steps (320 for V4.1): at 2,048 rows that is 32 programs for
+# 132 SMs, 168 us a call on an H100 against ~20 us for the 84 MB read (2026-12-06-h100-mixed-step-host, 16 calls a
+# step); splits make row blocks x splits fill the SMs, and a second launch adds the splits' sums in order. Timed in
+# 2026-12-06-h100-decode-b64-splits: 131 -> 16 us a call at 64 rows; the batch-64 decode replay 9.56 -> 7.29 ms.
+ROWS_SPLIT_K = os.environ.get("DSV4_MHC_ROWS_SPLIT_K", "1") == "1"
 _ROWS_MIN_SPLIT_COLS = 1024
 
 

@@ -20,10 +20,11 @@ import os
 import torch
 
 ROPE_INPLACE = os.environ.get("DSV4_ROPE_INPLACE", "1") != "0"
-# The in-place kernel's pairs loaded as one contiguous run a row (DSV4_ROPE_VEC=1; opt-in until timed). The strided
-# form took 99.5 us a call for 2,048 tokens x 64 heads on an H100 (2026-12-06-h100-mixed-step-host: 19 calls a
-# mixed step), ~10% of the bandwidth its 34 MB need: `benchmarks/rope_inplace_forms.py` compares the two.
-ROPE_VEC = os.environ.get("DSV4_ROPE_VEC", "0") == "1"
+# The in-place kernel's pairs loaded as one contiguous run a row (the default; DSV4_ROPE_VEC=0 is the strided form).
+# The strided form took 99.5 us a call for 2,048 tokens x 64 heads on an H100 (2026-12-06-h100-mixed-step-host: 19
+# calls a mixed step), ~10% of the bandwidth its 34 MB need: `benchmarks/rope_inplace_forms.py` compares the two
+# (2026-12-06-h100-decode-b64-splits: 151 -> 8 us at 2,048 tokens x 64 heads).
+ROPE_VEC = os.environ.get("DSV4_ROPE_VEC", "1") == "1"
 
 try:
     import triton
