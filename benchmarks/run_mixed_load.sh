@@ -35,7 +35,11 @@
 #             workload; dsv4/runtime/warm_up.py, built 2026-12-06 after base's first request waited 1.48 s for the
 #             expert plan's sort: TTFT p90 2.52 s, all of it the first wave of 64); then run base again for its TTFT
 #   decode64  not a server: benchmarks/profile_graph.py at batch 64 (the decode-only step of this load: ~10.6 ms of
-#             ITL on an H100, ~41% of its stored-bytes floor, half of TPOT), its kernels and timeline
+#             ITL on an H100, ~41% of its stored-bytes floor, half of TPOT; 7.2 ms replay / 8.2 ms ITL since the
+#             mHC splits, 2026-12-06-h100-decode-b64-splits), its kernels and timeline
+#   moe64     not a server: decode64 with DSV4_MOE_TOKEN_MAJOR=0 and =1 (the every-expert MoE path's rows in token
+#             order: two copies a layer fewer, dsv4/models/layers/moe.py; built 2026-12-06, untimed), then the GPU
+#             tests that run it (tests/gpu -k "moe or engine_cuda or golden") with it on
 #   kernels   not a server: kernels of the mixed step far off their floor, by their opt-in variants:
 #             benchmarks/mhc_rows_splits.py (mHC's rows projection by column splits, DSV4_MHC_ROWS_SPLIT_K),
 #             benchmarks/rope_inplace_forms.py (the in-place rope's pairs strided or contiguous, DSV4_ROPE_VEC),
@@ -125,6 +129,18 @@ part_decode64() {
   make_preset $p
   timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 64 20 --timeline > "$out/decode_b64.log" 2>&1
   echo "profile batch 64 (rc $?):"; grep -E "step|replay|of floor" "$out/decode_b64.log" | head -12
+}
+
+part_moe64() {
+  make_preset $p
+  local v
+  for v in 0 1; do
+    DSV4_MOE_TOKEN_MAJOR=$v timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 64 20 --timeline \
+      > "$out/decode_b64-moe-token-major$v.log" 2>&1
+    echo "profile batch 64, DSV4_MOE_TOKEN_MAJOR=$v (rc $?):"
+    grep -E "replay alone|engine step \(" "$out/decode_b64-moe-token-major$v.log"
+  done
+  DSV4_MOE_TOKEN_MAJOR=1 gpu_pytest 300 moe_token_major_gpu.log tests/gpu -k "moe or engine_cuda or golden" -x
 }
 
 part_kernels() {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -19,6 +20,15 @@ from dsv4.ops.swiglu import swiglu
 
 if TYPE_CHECKING:
     from dsv4.distributed import ExpertShard
+
+# The every-expert decode path (captured steps with more routes than experts) in token-major row order
+# (DSV4_MOE_TOKEN_MAJOR=1; opt-in until timed on a GPU). Expert-major rows cost two copies a layer that token-major
+# rows do not: the gate_up einsum is one [T, D] x [D, E*2I] GEMM whose token-major output it permutes and clones
+# into expert-major rows (8 MB at batch 64 on V4.1-Flash-8l, ~13 us), and the [E, T, D] down output was cast to
+# fp32 as a whole before the sum over experts (16 MB, ~9.5 us); 2026-12-06-h100-decode-b64-splits's timeline.
+# Token-major: one F.linear on gate_up viewed [E*2I, D], routing weights wmat [T, E] flat as they lie, the down bmm
+# over a transposed view of h, and the sum over experts accumulated in fp32 from bf16.
+MOE_TOKEN_MAJOR = os.environ.get("DSV4_MOE_TOKEN_MAJOR", "0") == "1"
 
 
 class SharedExpert(nn.Module):
@@ -150,6 +160,8 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
         return combine_experts(matmul(h, down, 1), weights.flatten(), shared, k)
     # (other ranks' routes, id -1, weigh 0: clamped onto expert 0 they add nothing, hence add, not set)
     wmat = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, idx.clamp(min=0), weights.float())
+    if MOE_TOKEN_MAJOR:
+        return _every_expert_token_major(x, wmat, gate_up, down, limit, weight_before_down, shared)
     gu = torch.einsum("td,efd->etf", x, gate_up).reshape(E * T, 2 * inter)  # expert-major rows
     g, u = gu[:, :inter], gu[:, inter:]
     if weight_before_down:
@@ -158,6 +170,22 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
         routed = torch.bmm(h, down.transpose(1, 2)).float().sum(dim=0)
         return (routed + shared.float()).to(x.dtype)
     y = torch.einsum("eti,edi->etd", swiglu(g, u, limit, fp32=False).view(E, T, inter), down)
+    return (y.float() * wmat.t()[:, :, None]).sum(dim=0).to(x.dtype) + shared
+
+
+def _every_expert_token_major(x: torch.Tensor, wmat: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                              limit: float, weight_before_down: bool, shared: torch.Tensor) -> torch.Tensor:
+    """`moe_output`'s every-expert branch with rows in (token, expert) order (MOE_TOKEN_MAJOR): the same products
+    and the same fp32 weighting and sum, without the expert-major copies."""
+    T, E, inter = x.shape[0], gate_up.shape[0], down.shape[2]
+    gu = F.linear(x, gate_up.reshape(E * 2 * inter, gate_up.shape[2])).view(T * E, 2 * inter)
+    g, u = gu[:, :inter], gu[:, inter:]
+    if weight_before_down:
+        h = swiglu(g, u, limit, wmat.reshape(T * E), fp32=True)
+        y = torch.bmm(h.view(T, E, inter).transpose(0, 1), down.transpose(1, 2))  # [E, T, D]
+        return torch.add(y.sum(dim=0, dtype=torch.float32), shared).to(x.dtype)
+    h = swiglu(g, u, limit, fp32=False)
+    y = torch.bmm(h.view(T, E, inter).transpose(0, 1), down.transpose(1, 2))
     return (y.float() * wmat.t()[:, :, None]).sum(dim=0).to(x.dtype) + shared
 
 
