@@ -1,6 +1,7 @@
 """V4.1's fp32 linears at decode sizes (dsv4.ops.fp32_linear: the router logits and the ratio-2 compressor's kv /
 gate rows, fp32 math on the stored bf16 weight) with the Triton path's two tile choices, "narrow" (the first) and
-"wide" (the default since 2026-12-06), at the released shapes and the 8-layer preset's router.
+"wide" (the default since 2026-12-06), and the fp32-output tensor-core GEMM (column "mm": where
+DSV4_FP32_LINEAR_MM_ROWS would hand 8-64 rows), at the released shapes and the 8-layer preset's router.
 
 usage: PYTHONPATH=. python3 benchmarks/fp32_linear_blocks.py [--rows 1 4 32 64]
        PYTHONPATH=.:benchmarks python3 benchmarks/fp32_linear_blocks.py --sass   (no GPU: sm_90 builds of the tiles)
@@ -21,7 +22,7 @@ import argparse
 import torch
 import triton.testing
 
-from dsv4.ops.fp32_linear import decode_blocks, fp32_linear_triton
+from dsv4.ops.fp32_linear import decode_blocks, fp32_linear_mm, fp32_linear_triton
 
 
 def sass(rows: list[int]) -> None:
@@ -49,7 +50,7 @@ def sass(rows: list[int]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 32, 64])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
     ap.add_argument("--sass", action="store_true", help="build the tiles for sm_90 and count; no GPU needed")
     args = ap.parse_args()
     if args.sass:
@@ -61,7 +62,7 @@ def main() -> None:
     K = 5120
     copies = 16  # 16 weights of up to 5.2 MB rotate past the 50 MB L2
     print(f"{name}; us a call (CUDA-graph replay)")
-    print(f"{'rows':>4s} {'N':>5s} {'floor':>6s} {'narrow':>8s} {'tiles':>9s} {'wide':>8s} {'tiles':>9s}")
+    print(f"{'rows':>4s} {'N':>5s} {'floor':>6s} {'narrow':>8s} {'tiles':>9s} {'wide':>8s} {'tiles':>9s} {'mm':>8s}")
     for N in (16, 384, 512):  # V4.1-Flash-8l's router; V4.1-Flash's router; the ratio-2 compressor's kv / gate
         ws = [(torch.randn(N, K, device=dev, generator=g) * K ** -0.5).to(torch.bfloat16) for _ in range(copies)]
         for R in args.rows:
@@ -78,9 +79,16 @@ def main() -> None:
 
                 row.append((triton.testing.do_bench_cudagraph(calls, rep=50) * 1e3 / copies,
                             decode_blocks(R, N, K, blocks)))
+            # the fp32-output tensor-core GEMM (DSV4_FP32_LINEAR_MM_ROWS): the weight read once for all rows
+            assert ((fp32_linear_mm(x, ws[0]).double() - ref).abs() <= bound + 1e-30).all(), "mm"
+
+            def mm_calls(x: torch.Tensor = x, ws: list[torch.Tensor] = ws) -> None:
+                for w in ws:
+                    fp32_linear_mm(x, w)
+            mm_us = triton.testing.do_bench_cudagraph(mm_calls, rep=50) * 1e3 / copies
             floor = N * K * 2 / bw * 1e6
             print(f"{R:4d} {N:5d} {floor:6.2f} {row[0][0]:8.2f} {row[0][1]!s:>9} {row[1][0]:8.2f} "
-                  f"{row[1][1]!s:>9}", flush=True)
+                  f"{row[1][1]!s:>9} {mm_us:8.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,11 @@
 #   decode64  not a server: benchmarks/profile_graph.py at batch 64 (the decode-only step of this load: ~10.6 ms of
 #             ITL on an H100, ~41% of its stored-bytes floor, half of TPOT; 7.2 ms replay / 8.2 ms ITL since the
 #             mHC splits, 2026-12-06-h100-decode-b64-splits), its kernels and timeline
-#   moe64     not a server: decode64 with DSV4_MOE_TOKEN_MAJOR=0 and =1 (the every-expert MoE path's rows in token
-#             order: two copies a layer fewer, dsv4/models/layers/moe.py; built 2026-12-06, untimed), then the GPU
-#             tests that run it (tests/gpu -k "moe or engine_cuda or golden") with it on
+#   optins64  not a server: decode64 (replay and engine step, no timeline) with each untimed opt-in of the batch-64
+#             step, then both, then the GPU tests that run them (tests/gpu -k "moe or fp32 or engine_cuda or golden")
+#             with both on: DSV4_MOE_TOKEN_MAJOR=1 (the every-expert MoE path's rows in token order, two copies a
+#             layer fewer, dsv4/models/layers/moe.py) and DSV4_FP32_LINEAR_MM_ROWS=8 (V4.1's fp32 linears as one
+#             tensor-core GEMM from 8 rows, dsv4/ops/fp32_linear.py); both built 2026-12-06
 #   kernels   not a server: kernels of the mixed step far off their floor, by their opt-in variants:
 #             benchmarks/mhc_rows_splits.py (mHC's rows projection by column splits, DSV4_MHC_ROWS_SPLIT_K),
 #             benchmarks/rope_inplace_forms.py (the in-place rope's pairs strided or contiguous, DSV4_ROPE_VEC),
@@ -131,16 +133,16 @@ part_decode64() {
   echo "profile batch 64 (rc $?):"; grep -E "step|replay|of floor" "$out/decode_b64.log" | head -12
 }
 
-part_moe64() {
+part_optins64() {
   make_preset $p
   local v
-  for v in 0 1; do
-    DSV4_MOE_TOKEN_MAJOR=$v timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 64 20 --timeline \
-      > "$out/decode_b64-moe-token-major$v.log" 2>&1
-    echo "profile batch 64, DSV4_MOE_TOKEN_MAJOR=$v (rc $?):"
-    grep -E "replay alone|engine step \(" "$out/decode_b64-moe-token-major$v.log"
+  for v in none DSV4_MOE_TOKEN_MAJOR=1 DSV4_FP32_LINEAR_MM_ROWS=8 "DSV4_MOE_TOKEN_MAJOR=1 DSV4_FP32_LINEAR_MM_ROWS=8"; do
+    local tag; tag=$(echo "$v" | tr " =" "+-")
+    env ${v/none/} timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 64 20 > "$out/decode_b64-$tag.log" 2>&1
+    echo "profile batch 64, $v (rc $?):"; grep -E "replay alone|engine step \(" "$out/decode_b64-$tag.log"
   done
-  DSV4_MOE_TOKEN_MAJOR=1 gpu_pytest 300 moe_token_major_gpu.log tests/gpu -k "moe or engine_cuda or golden" -x
+  DSV4_MOE_TOKEN_MAJOR=1 DSV4_FP32_LINEAR_MM_ROWS=8 gpu_pytest 300 optins64_gpu.log tests/gpu \
+    -k "moe or fp32 or engine_cuda or golden" -x
 }
 
 part_kernels() {

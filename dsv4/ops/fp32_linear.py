@@ -43,6 +43,13 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)  # operands whose products fp32 ho
 # the tensor-core path needs torch's `mm.dtype` overload (torch >= 2.8); DSV4_FP32_LINEAR_MM=0 keeps the fp32
 # expression at prefill sizes (comparisons)
 MM_PREFILL = os.environ.get("DSV4_FP32_LINEAR_MM", "1") == "1" and "dtype" in torch.ops.aten.mm.overloads()
+# The fewest rows that take that GEMM instead of the Triton kernel (16-bit operands). The kernel re-reads the whole
+# weight for every row (from L2), so its time grows with the rows: 37-49 us at 64 rows of V4.1's [384 / 512, 5120]
+# weights on an H100 against a ~1.2-1.6 us byte floor (2026-12-06-h100-fp32-linear-tiles; two such calls a batch-64
+# decode step of V4.1-Flash-8l took 50 + 61 us, 2026-12-06-h100-decode-b64-splits). The GEMM reads it once for all
+# rows. Default DECODE_ROWS + 1 (the kernel up to 64 rows, as timed); DSV4_FP32_LINEAR_MM_ROWS=8 (say) hands 8+
+# rows to the GEMM: untimed at these sizes (`benchmarks/fp32_linear_blocks.py` has its column).
+MM_FROM_ROWS = int(os.environ.get("DSV4_FP32_LINEAR_MM_ROWS", str(DECODE_ROWS + 1)))
 
 
 def fp32_linear_torch(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -108,11 +115,23 @@ def fp32_linear_mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(x.reshape(-1, K), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
 
 
+def path(rows: int, on_cuda: bool, half_pair: bool) -> str:
+    """Which implementation `fp32_linear` takes for `rows` rows: "mm" (the fp32-output tensor-core GEMM: CUDA,
+    16-bit operands of one dtype (`half_pair`), from MM_FROM_ROWS rows), else "triton" (CUDA, up to DECODE_ROWS
+    rows), else "mm" again where it may, else "torch"."""
+    mm = MM_PREFILL and on_cuda and half_pair
+    if mm and rows >= MM_FROM_ROWS:
+        return "mm"
+    if on_cuda and triton is not None and rows <= DECODE_ROWS:
+        return "triton"
+    return "mm" if mm else "torch"
+
+
 def fp32_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """On CUDA: Triton at decode sizes (up to DECODE_ROWS rows), the fp32-output tensor-core GEMM beyond for 16-bit
-    operands; torch elsewhere."""
-    if x.is_cuda and triton is not None and x.numel() <= DECODE_ROWS * x.shape[-1]:
+    operands (from MM_FROM_ROWS rows, where set lower); torch elsewhere (`path`)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    which = path(rows, x.is_cuda, x.dtype == w.dtype and x.dtype in HALF_DTYPES)
+    if which == "triton":
         return fp32_linear_triton(x, w)
-    if MM_PREFILL and x.is_cuda and x.dtype == w.dtype and x.dtype in HALF_DTYPES:
-        return fp32_linear_mm(x, w)
-    return fp32_linear_torch(x, w)
+    return fp32_linear_mm(x, w) if which == "mm" else fp32_linear_torch(x, w)

@@ -61,6 +61,16 @@ def test_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     calls.clear()
     fl.fp32_linear(torch.randn(big, 64, device="cuda").bfloat16(), torch.randn(16, 64, device="cuda"))
     assert calls == [("fp32_linear_torch", big)]
+    # DSV4_FP32_LINEAR_MM_ROWS=8: the GEMM from 8 rows for 16-bit operands, the kernel below and for fp32 ones
+    calls.clear()
+    monkeypatch.setattr(fl, "MM_FROM_ROWS", 8)
+    for dtype in (torch.bfloat16, torch.float32):
+        w = torch.randn(16, 64, device="cuda").to(dtype)
+        for rows in (7, 8, fl.DECODE_ROWS):
+            fl.fp32_linear(torch.randn(rows, 64, device="cuda").to(dtype), w)
+    assert calls == [("fp32_linear_triton", 7), ("fp32_linear_mm", 8), ("fp32_linear_mm", fl.DECODE_ROWS),
+                     ("fp32_linear_triton", 7), ("fp32_linear_triton", 8), ("fp32_linear_triton", fl.DECODE_ROWS)]
+    monkeypatch.setattr(fl, "MM_FROM_ROWS", fl.DECODE_ROWS + 1)
     # DSV4_FP32_LINEAR_MM=0 (MM_PREFILL off, for comparisons): the fp32 expression at prefill sizes
     calls.clear()
     monkeypatch.setattr(fl, "MM_PREFILL", False)
