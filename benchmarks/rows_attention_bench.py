@@ -53,17 +53,20 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=989.0)
     ap.add_argument("--block-n", default="16,32", help="key tiles of the rows kernel to time (ROWS_BLOCK_N)")
     ap.add_argument("--stages", type=int, default=None, help="ROWS_STAGES for every rows-kernel timing")
+    ap.add_argument("--row-splits", default="", help="key splits of the rows kernel to time too, e.g. 2,4 (at the "
+                    "default BLOCK_N, merged by the split kernel's merge: DSV4_ROWS_SPLITS)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     sm = _sm_count(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}, {sm} SMs, torch {torch.__version__}, triton {triton.__version__}")
     block_ns = [int(b) for b in args.block_n.split(",")]
+    row_splits = [int(x) for x in args.row_splits.split(",") if x]
     if args.stages is not None:
         decode_attention.ROWS_STAGES = args.stages
     default_bn = decode_attention.ROWS_BLOCK_N
     print(f"{'case':11s} {'R':>6s} {'split us':>10s} " + " ".join(f"{f'rows n{b} us':>12s}" for b in block_ns)
-          + f" {'speed-up':>8s} {'rows %peak':>10s} default (rows: BLOCK_N {default_bn}, "
+          + "".join(f" {f'rows s{x} us':>12s}" for x in row_splits) + f" {'speed-up':>8s} {'rows %peak':>10s} default (rows: BLOCK_N {default_bn}, "
           f"stages {decode_attention.ROWS_STAGES})")
     out = []
     for case in ("window", "window+512", "window+hca128"):
@@ -82,12 +85,21 @@ def main() -> None:
                 assert diff < 3e-2, (case, R, bn, diff)
                 t_rows[bn] = _time_us(lambda: decode_sink_attention_triton(q, sources, sinks, D ** -0.5, rows=True), R)
             decode_attention.ROWS_BLOCK_N = default_bn
-            best = min(t_rows.values())
+            t_splits = {}
+            for x in row_splits:
+                rows = decode_sink_attention_triton(q, sources, sinks, D ** -0.5, rows=True, row_splits=x).float()
+                diff = max(diff, (split - rows).abs().max().item())
+                assert diff < 3e-2, (case, R, x, diff)
+                def call(x: int = x, q: torch.Tensor = q, sources: list = sources, sinks: torch.Tensor = sinks) -> None:
+                    decode_sink_attention_triton(q, sources, sinks, D ** -0.5, rows=True, row_splits=x)
+                t_splits[x] = _time_us(call, R)
+            best = min(list(t_rows.values()) + list(t_splits.values()))
             frac = 4 * R * H * D * keys / (best * 1e-6) / (args.peak_tflops * 1e12)
             default = "rows" if use_rows_kernel(R, H, sm) else "split"
             print(f"{case:11s} {R:6d} {t_split:10.1f} " + " ".join(f"{t_rows[b]:12.1f}" for b in block_ns)
-                  + f" {t_split / best:7.2f}x {100 * frac:9.1f}% {default}", flush=True)
-            out.append(dict(case=case, rows=R, keys=keys, split_us=t_split, rows_us=t_rows, max_diff=diff,
+                  + "".join(f" {t_splits[x]:12.1f}" for x in row_splits) + f" {t_split / best:7.2f}x {100 * frac:9.1f}% {default}", flush=True)
+            out.append(dict(case=case, rows=R, keys=keys, split_us=t_split, rows_us=t_rows, rows_splits_us=t_splits,
+                            max_diff=diff,
                             best_rows_peak_fraction=frac, default=default))
             del sources, q
     if args.json:

@@ -62,10 +62,14 @@ def main() -> None:
               dict(common, BLOCK_H=decode_attention.BLOCK_H, BLOCK_N=decode_attention.BLOCK_N, TABLE2=False),
               {**POINTERS, "ws_m": "*fp32", "ws_l": "*fp32", "ws_acc": "*fp32"}, decode_attention.SPLIT_WARPS,
               decode_attention.SPLIT_STAGES)]
-    for bh, dv, bn, warps, stages in ROWS_CONFIGS:
-        consts = dict(D=512, BLOCK_DV=dv, HALVES=dv < 512, TC=True, UPCAST=False, BLOCK_H=bh, BLOCK_N=bn, TABLE2=False)
-        cases.append(("rows", decode_attention._rows_kernel, consts,
-                      {**POINTERS, "sinks_ptr": "*fp32", "out_ptr": "*bf16"}, warps, stages))
+    rows_pointers = {**POINTERS, "sinks_ptr": "*fp32", "out_ptr": "*bf16", "ws_m": "*fp32", "ws_l": "*fp32",
+                     "ws_acc": "*fp32"}
+    # the rows kernel whole (SPLIT off), and its default tiles with key splits (DSV4_ROWS_SPLITS: decode batches)
+    for (bh, dv, bn, warps, stages), split in [(c, False) for c in ROWS_CONFIGS] + [(ROWS_CONFIGS[1], True)]:
+        consts = dict(D=512, BLOCK_DV=dv, HALVES=dv < 512, TC=True, UPCAST=False, BLOCK_H=bh, BLOCK_N=bn, TABLE2=False,
+                      SPLIT=split)
+        cases.append(("rows+split" if split else "rows", decode_attention._rows_kernel, consts, rows_pointers, warps,
+                      stages))
     rows = []
     for name, fn, consts, pointers, warps, stages in cases:
         cubin, shared = compile_kernel(fn, consts, pointers, warps, stages)
@@ -73,7 +77,7 @@ def main() -> None:
                    block_n=consts["BLOCK_N"], warps=warps, stages=stages, shared=shared, **analyse(cubin))
         rows.append(row)
         top = " ".join(f"{k} {v}" for k, v in list(row["loop_ops"].items())[:10])
-        print(f"{name:5s} BLOCK_H {row['block_h']:3d} BLOCK_DV {row['block_dv']:3d} BLOCK_N {row['block_n']:3d} "
+        print(f"{name:10s} BLOCK_H {row['block_h']:3d} BLOCK_DV {row['block_dv']:3d} BLOCK_N {row['block_n']:3d} "
               f"{warps:2d} warps {stages} stages: {row['registers']} registers, stack {row['stack']:5d} B, "
               f"shared {shared // 1024:3d} KB, loop {row['loop_instructions']:5d} instructions: {top}", flush=True)
     if args.json:

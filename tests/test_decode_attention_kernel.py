@@ -133,7 +133,7 @@ def test_rows_kernel_matches_reference() -> None:
     columns halved (64, 128) and whole (32), one source and two, rows with no visible key or no window key; and
     through a block table with each row's n from 0 to the width (NaN past n and in unread cache rows)."""
     _interpret(_SETUP + """
-    from dsv4.ops.decode_attention import TableSource, decode_sink_attention_torch, use_rows_kernel
+    from dsv4.ops.decode_attention import TableSource, decode_sink_attention_torch, rows_splits, use_rows_kernel
     g = torch.Generator().manual_seed(4)
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         for R, H, D, W, L2 in ((3, 8, 64, 40, 33), (3, 20, 32, 8, 0), (2, 4, 128, 70, 5)):
@@ -166,9 +166,33 @@ def test_rows_kernel_matches_reference() -> None:
         got = decode_sink_attention_triton(q, [(window, ws, wm), src], sinks, D ** -0.5, rows=True)
         assert not torch.isnan(got).any()
         assert torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol), (got.float() - ref.float()).abs().max()
+        # key splits of the rows kernel (decode batches, DSV4_ROWS_SPLITS): the same outputs through the workspace
+        # and the merge; here through the block table, the rows with n 0 and 3 leaving whole splits empty
+        got = decode_sink_attention_triton(q, [(window, ws, wm), src], sinks, D ** -0.5, rows=True, row_splits=4)
+        assert not torch.isnan(got).any()
+        assert torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol), (got.float() - ref.float()).abs().max()
+        # and over slot lists: one source or both, splits across the window only or both, more splits than keys
+        for R, H, D, W, L2, splits in ((3, 8, 64, 40, 33, 2), (3, 20, 32, 8, 0, 3), (2, 4, 128, 70, 5, 4),
+                                       (3, 8, 64, 100, 90, 3)):
+            q, sources, sinks, mask, ref = case(g, R, H, D, W, L2, dtype, two=L2 > 0)
+            got = decode_sink_attention_triton(q, sources, sinks, D ** -0.5, rows=True, row_splits=splits)
+            assert torch.allclose(got.float(), ref.float(), rtol=tol, atol=tol), (R, splits, (got - ref).abs().max())
+            assert torch.equal(got[~mask.any(1)], torch.zeros_like(got[~mask.any(1)]))
     # the default: the rows kernel from rows x head blocks >= 3/8 of the SMs (132 SMs, 64 heads: 50 rows)
     assert not use_rows_kernel(32, 64, 132) and not use_rows_kernel(49, 64, 132)
     assert use_rows_kernel(50, 64, 132) and use_rows_kernel(64, 64, 132) and use_rows_kernel(25, 128, 132)
+    # the rows kernel's split rule (ROWS_SPLITS on): at 64 rows of 64 heads (128 programs for 132 SMs, 2 each) two
+    # splits, each half the window and half the 512 keys; none once the programs fill the SMs, none on few keys,
+    # none when off; shares rounded up to 16-key tiles
+    from dsv4.ops import decode_attention as da
+    assert rows_splits(64, 64, [128, 512], 132, True) == (1, [128, 512])  # off by default
+    da.ROWS_SPLITS = True
+    assert rows_splits(64, 64, [128, 512], 132, True) == (2, [64, 256])
+    assert rows_splits(50, 64, [128, 512], 132, True) == (2, [64, 256])
+    assert rows_splits(132, 64, [128, 512], 132, True) == (1, [128, 512])
+    assert rows_splits(64, 64, [100, 0], 132, True) == (1, [100, 0])  # fewer than 2 x 64 keys
+    assert rows_splits(16, 64, [128, 40], 132, True) == (2, [64, 32])  # 8 wanted, 168 keys: 2
+    assert rows_splits(16, 64, [128, 512], 132, True) == (8, [16, 64])
     print("ok")
     """)
 

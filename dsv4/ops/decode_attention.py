@@ -89,6 +89,17 @@ ROWS_MIN_HALF_D = 32  # value columns are halved from D 64 on (a dot's K is at l
 # takes 0.47-0.67x the split kernel's time (window; window + 512; window + 128 table entries), at 32 rows 0.83-1.28x
 ROWS_MIN_ROWS_PER_SM = 3 / 8
 ROWS_KERNEL = os.environ.get("DSV4_ROWS_ATTENTION", "1") == "1"  # 0: the split kernel at every size (comparisons)
+# Key splits of the rows kernel for decode batches (DSV4_ROWS_SPLITS=1; opt-in until timed). A program's time is
+# its walk over the row's keys, one tile after another: 86 us for window + 512 keys at 16, 32 and 64 rows alike on
+# an H100 (results/2026-12-05-h100-rows-attention), and 96-124 us a layer in a batch-64 decode step of
+# V4.1-Flash-8l (0.81 of a 7.3 ms replay, results/2026-12-06-h100-decode-b64-splits), where 64 rows x 2 value
+# halves are 128 programs for 132 SMs with room for 2 each. Splitting the keys gives each program a share of the
+# walk; the partials (max, sum, unnormalised values: fp32) go through the split kernel's workspace and merge.
+# Splits are added while the programs stay under ROWS_SPLIT_PROGRAMS_PER_SM per SM, one per ROWS_MIN_SPLIT_KEYS
+# keys at most; each split takes an equal share of each source's keys.
+ROWS_SPLITS = os.environ.get("DSV4_ROWS_SPLITS", "0") == "1"
+ROWS_SPLIT_PROGRAMS_PER_SM = 2
+ROWS_MIN_SPLIT_KEYS = 64
 
 
 def decode_sink_attention_torch(q: torch.Tensor, sources: Sequence[AnySource], sinks: torch.Tensor,
@@ -221,23 +232,36 @@ if triton is not None:
     # The sources' widths and row strides change from one prefill step to the next (and the row stride of q with
     # the projection it is a view of): kept out of Triton's specialization (== 1, divisible by 16), so a serving
     # step reuses the variants start-up compiled instead of compiling one mid-request.
-    @triton.jit(do_not_specialize=["sq_r", "s1_stride", "v1_stride", "L1", "s2_stride", "v2_stride", "L2"])
+    @triton.jit(do_not_specialize=["sq_r", "s1_stride", "v1_stride", "L1", "s2_stride", "v2_stride", "L2", "S",
+                                   "chunk1", "chunk2"])
     def _rows_kernel(q_ptr, sq_r, sq_h, c1_ptr, c1_stride, s1_ptr, s1_stride, v1_ptr, v1_stride, L1,
                      c2_ptr, c2_stride, s2_ptr, s2_stride, v2_ptr, v2_stride, L2, BS2, H, scale, sinks_ptr,
-                     out_ptr, so_r, so_h, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     BLOCK_N: tl.constexpr, TC: tl.constexpr, UPCAST: tl.constexpr, TABLE2: tl.constexpr,
-                     HALVES: tl.constexpr):
+                     out_ptr, so_r, so_h, S, chunk1, chunk2, ws_m, ws_l, ws_acc, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr, UPCAST: tl.constexpr,
+                     TABLE2: tl.constexpr, HALVES: tl.constexpr, SPLIT: tl.constexpr):
         """One program per (row, block of heads, half of the value columns when HALVES) over both sources' whole
         key ranges, finished with the sink in place: no split, no workspace, no merge launch. For many rows
         (prefill), where the rows alone fill the GPU and every key tile loaded serves all the heads of a program.
         A half of the columns keeps the [heads, columns] fp32 accumulator in a warp group's registers; the
-        logits need every column, so each half loads the other half's key columns too and recomputes them."""
+        logits need every column, so each half loads the other half's key columns too and recomputes them.
+        SPLIT (decode batches, `rows_splits`): the third axis is (split, half); split s walks keys
+        [s * chunk1, (s + 1) * chunk1) of source 1, then [s * chunk2, (s + 1) * chunk2) of source 2 (one call
+        site a source, as unsplit: a branch a source would keep both loops' shared buffers, 160 KB against 96, one
+        program an SM), and writes its partial to the split kernel's workspace ([R, S, H] max and sum from the
+        first half, [R, S, H, D] values), which `_combine_kernel` merges with the sink. Unsplit: S 1, chunk1 L1,
+        chunk2 L2."""
         r = tl.program_id(0)
         scale = tl.cast(scale, tl.float32)
         heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         hm = heads < H
-        d = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
-        d_other = (1 - tl.program_id(2)) * BLOCK_DV + tl.arange(0, BLOCK_DV)  # unused unless HALVES
+        if HALVES:
+            half = tl.program_id(2) % 2
+            split = tl.program_id(2) // 2
+        else:
+            half = tl.program_id(2) * 0
+            split = tl.program_id(2)
+        d = half * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        d_other = (1 - half) * BLOCK_DV + tl.arange(0, BLOCK_DV)  # unused unless HALVES
         dm, dm_other = d < D, d_other < D
         q_row = q_ptr + r * sq_r + heads[:, None] * sq_h
         q = tl.load(q_row + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
@@ -253,17 +277,24 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
         m_i, l_i, acc = _source_partial(q, q_other, m_i, l_i, acc, c1_ptr, c1_stride, s1_ptr + r * s1_stride,
-                                        v1_ptr + r * v1_stride, L1, 0, L1, scale, d, dm, d_other, dm_other, 1,
-                                        BLOCK_N, TC, UPCAST, False, HALVES)
+                                        v1_ptr + r * v1_stride, L1, split * chunk1, chunk1, scale, d, dm, d_other,
+                                        dm_other, 1, BLOCK_N, TC, UPCAST, False, HALVES)
         m_i, l_i, acc = _source_partial(q, q_other, m_i, l_i, acc, c2_ptr, c2_stride, s2_ptr + r * s2_stride,
-                                        v2_ptr + r * v2_stride, L2, 0, L2, scale, d, dm, d_other, dm_other, BS2,
-                                        BLOCK_N, TC, UPCAST, TABLE2, HALVES)
-        sink = tl.load(sinks_ptr + heads, mask=hm, other=0.0).to(tl.float32)
-        big = tl.maximum(m_i, sink)  # finite: the sink's logit; no visible key (m -inf) gives alpha 0, output 0
-        alpha = tl.exp(m_i - big)
-        w = alpha / (l_i * alpha + tl.exp(sink - big))
-        tl.store(out_ptr + r * so_r + heads[:, None] * so_h + d[None, :],
-                 (acc * w[:, None]).to(out_ptr.dtype.element_ty), mask=hm[:, None] & dm[None, :])
+                                        v2_ptr + r * v2_stride, L2, split * chunk2, chunk2, scale, d, dm, d_other,
+                                        dm_other, BS2, BLOCK_N, TC, UPCAST, TABLE2, HALVES)
+        if SPLIT:
+            base = (r * S + split) * H + heads
+            first = hm & (heads * 0 + half == 0)  # both halves computed the same max and sum: one writes them
+            tl.store(ws_m + base, m_i, mask=first)
+            tl.store(ws_l + base, l_i, mask=first)
+            tl.store(ws_acc + base[:, None] * D + d[None, :], acc, mask=hm[:, None] & dm[None, :])
+        else:
+            sink = tl.load(sinks_ptr + heads, mask=hm, other=0.0).to(tl.float32)
+            big = tl.maximum(m_i, sink)  # finite: the sink's logit; no visible key (m -inf) gives alpha 0, output 0
+            alpha = tl.exp(m_i - big)
+            w = alpha / (l_i * alpha + tl.exp(sink - big))
+            tl.store(out_ptr + r * so_r + heads[:, None] * so_h + d[None, :],
+                     (acc * w[:, None]).to(out_ptr.dtype.element_ty), mask=hm[:, None] & dm[None, :])
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when kernels are defined, as triton does
@@ -296,11 +327,32 @@ def use_rows_kernel(R: int, H: int, sm_count: int) -> bool:
     return ROWS_KERNEL and R * triton.cdiv(H, ROWS_BLOCK_H) >= ROWS_MIN_ROWS_PER_SM * sm_count
 
 
+def rows_splits(R: int, H: int, lengths: Sequence[int], sm_count: int, halves: bool,
+                splits: int | None = None) -> tuple[int, list[int]]:
+    """(splits, keys a split of each source) of the rows kernel from shapes only; (1, lengths) for no split
+    (ROWS_SPLITS off, the programs filling the SMs already, or too few keys). Splits: the programs that fit
+    ROWS_SPLIT_PROGRAMS_PER_SM per SM over the unsplit ones, at most one per ROWS_MIN_SPLIT_KEYS keys; each split
+    takes an equal share of each source, in ROWS_BLOCK_N multiples. `splits` forces the wanted count (tests,
+    benchmarks) past ROWS_SPLITS and the rule."""
+    total = sum(lengths)
+    if splits is None:
+        if not ROWS_SPLITS:
+            return 1, list(lengths)
+        programs = R * triton.cdiv(H, ROWS_BLOCK_H) * (2 if halves else 1)
+        splits = min(ROWS_SPLIT_PROGRAMS_PER_SM * sm_count // max(1, programs), total // ROWS_MIN_SPLIT_KEYS)
+    if splits < 2:
+        return 1, list(lengths)
+    chunks = [triton.cdiv(triton.cdiv(L, splits), ROWS_BLOCK_N) * ROWS_BLOCK_N for L in lengths]
+    return splits, chunks
+
+
 def decode_sink_attention_triton(q: torch.Tensor, sources: Sequence[AnySource], sinks: torch.Tensor, scale: float,
-                                 chunk: int | None = None, rows: bool | None = None) -> torch.Tensor:
+                                 chunk: int | None = None, rows: bool | None = None,
+                                 row_splits: int | None = None) -> torch.Tensor:
     """The same on the GPU. Few rows (decode): split partials into an fp32 workspace, then the merge with the sink
-    (two launches). Many rows (prefill; `use_rows_kernel`): one launch of the rows kernel. `rows` / `chunk` force
-    the kernel / the split size (tests, benchmarks)."""
+    (two launches). Many rows (prefill; `use_rows_kernel`): one launch of the rows kernel, or with key splits for
+    decode batches (`rows_splits`, opt-in): its partials merged by the split kernel's merge. `rows` / `chunk` /
+    `row_splits` force the kernel / the split size / the rows kernel's wanted splits (tests, benchmarks)."""
     assert triton is not None, "triton is not installed"
     assert 1 <= len(sources) <= 2, len(sources)
     assert not isinstance(sources[0], TableSource), "a TableSource is the second source"
@@ -337,12 +389,23 @@ def decode_sink_attention_triton(q: torch.Tensor, sources: Sequence[AnySource], 
     if rows:
         block_h = max(16, min(ROWS_BLOCK_H, triton.next_power_of_2(H)))
         halves = block_d >= 2 * ROWS_MIN_HALF_D
-        _rows_kernel[(R, triton.cdiv(H, block_h), 2 if halves else 1)](
+        S, (chunk1, chunk2) = rows_splits(R, H, lengths, sm, halves, row_splits)
+        if S > 1:
+            ws_m = torch.empty(R, S, H, dtype=torch.float32, device=q.device)
+            ws_l = torch.empty_like(ws_m)
+            ws_acc = torch.empty(R, S, H, D, dtype=torch.float32, device=q.device)
+        else:  # (unused: the kernel finishes each row itself)
+            ws_m = ws_l = ws_acc = out
+        _rows_kernel[(R, triton.cdiv(H, block_h), (2 if halves else 1) * S)](
             q, q.stride(0), q.stride(1), c1, c1.stride(0), s1, s1.stride(0), v1, v1.stride(0), lengths[0],
             c2, c2.stride(0), s2, s2.stride(0), v2, v2.stride(0) if v2.dim() > 1 else 1, lengths[1], bs2, H,
-            float(scale), sinks.contiguous(), out, out.stride(0), out.stride(1), D=D, BLOCK_H=block_h,
-            BLOCK_DV=block_d // 2 if halves else block_d, BLOCK_N=ROWS_BLOCK_N, TC=tc, UPCAST=_INTERPRET,
-            TABLE2=table2, HALVES=halves, num_warps=ROWS_WARPS, num_stages=ROWS_STAGES)
+            float(scale), sinks.contiguous(), out, out.stride(0), out.stride(1), S, chunk1, chunk2, ws_m, ws_l,
+            ws_acc, D=D, BLOCK_H=block_h, BLOCK_DV=block_d // 2 if halves else block_d, BLOCK_N=ROWS_BLOCK_N, TC=tc,
+            UPCAST=_INTERPRET, TABLE2=table2, HALVES=halves, SPLIT=S > 1, num_warps=ROWS_WARPS,
+            num_stages=ROWS_STAGES)
+        if S > 1:
+            _combine_kernel[(R, H)](ws_m, ws_l, ws_acc, sinks.contiguous(), out, out.stride(0), out.stride(1), S, H,
+                                    D=D, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(S)))
         return out
     chunk, (S1, S2) = decode_splits(R, H, lengths, sm, chunk)
     S = S1 + S2
