@@ -21,8 +21,8 @@ def test_golden_v41_and_v4_on_the_triton_path() -> None:
         from hf_reference import build_hf_model, make_prompt, save_hf_model, tiny_config
         from dsv4.engine.engine import LLMEngine
         from dsv4.models import deepseek_v41
-        from dsv4.ops import (compress_pool, decode_attention, engram, fake_quant, indexer, lookback, mhc, mhc_streams,
-                              moe, norm_rope, rmsnorm, rope, router, swiglu, window_kv)
+        from dsv4.ops import (compress_pool, decode_attention, engram, engram_hash, fake_quant, indexer, lookback, mhc,
+                              mhc_streams, moe, norm_rope, rmsnorm, rope, router, swiglu, window_kv)
         from dsv4.models.layers import norm
         from dsv4.runtime import attn_metadata
         from dsv4.sampling_params import SamplingParams
@@ -33,6 +33,7 @@ def test_golden_v41_and_v4_on_the_triton_path() -> None:
             moe.expert_gemv: moe.expert_gemv_triton, moe.expert_grouped: moe.expert_grouped_triton,
             moe.combine_experts: moe.combine_experts_triton, indexer.indexer_scores: indexer.indexer_scores_triton,
             indexer.pick_sources: indexer.pick_sources_triton, engram.engram_update: engram.engram_update_triton,
+            engram_hash.engram_hash_rows: engram_hash.engram_hash_triton,
             indexer.decode_select: indexer.decode_select_triton,
             indexer.pick_table_sources: indexer.pick_table_sources_triton,
             decode_attention.decode_sink_attention: decode_attention.decode_sink_attention_triton,

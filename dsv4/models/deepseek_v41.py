@@ -18,7 +18,7 @@ from torch import nn
 
 from dsv4.kv.spec import PAD_SLOT
 from dsv4.models.config import ModelConfig
-from dsv4.models.engram import Engram, EngramLayout, HostTable, engram_hash
+from dsv4.models.engram import Engram, EngramLayout, HostTable
 from dsv4.models.layers.attention import project_groups, write_slots
 from dsv4.models.layers.merged import project
 from dsv4.models.layers.mhc import collapse_norm, hc_mixes
@@ -28,6 +28,7 @@ from dsv4.models.layers.rope import RotaryTable
 from dsv4.models.verify_rows import pool_verify_rows
 from dsv4.models.vision import VisionEncoder
 from dsv4.ops.decode_attention import decode_sink_attention
+from dsv4.ops.engram_hash import engram_hash_rows
 from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant
 from dsv4.ops.fp32_linear import fp32_linear
 from dsv4.ops.host_copy import to_device, to_device_all
@@ -692,9 +693,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         R = num_reqs
         window = lookback[:R] if lookback is not None else torch.full(
             (R, self.token_lookback_depth), -1, dtype=torch.int64, device=h.device)
-        rows = engram_hash(self.token_map[input_ids], qsl, window.long(), is_image, self.token_map,
-                           self.compressed_pad, self.engram_layout, layer,
-                           self.cfg.v41.image_token_id)
+        rows = engram_hash_rows(self.token_map[input_ids], qsl, window.long(), is_image, self.token_map,
+                                self.compressed_pad, self.engram_layout, layer, self.cfg.v41.image_token_id)
         emb = self.engram_tables[layer].gather(rows, dtype=h.dtype, device=h.device)
         return module(h, emb, is_image)
 
