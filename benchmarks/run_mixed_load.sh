@@ -37,6 +37,8 @@
 #   decode64  not a server: benchmarks/profile_graph.py at batch 64 (the decode-only step of this load: ~10.6 ms of
 #             ITL on an H100, ~41% of its stored-bytes floor, half of TPOT; 7.2 ms replay / 8.2 ms ITL since the
 #             mHC splits, 2026-12-06-h100-decode-b64-splits), its kernels and timeline
+#   decode1   decode64 at batch 1 (issue 24's 75%-of-floor point: where a batch-1 replay's time goes beyond the
+#             weights' bytes; with DSV4_ENGRAM_HASH_KERNEL=1 set before the call, the hash's share)
 #   optins64  not a server: the rows kernel's key splits against the whole walk at 16-128 rows
 #             (benchmarks/rows_attention_bench.py --row-splits 2,4), then decode64 (replay and engine step, no
 #             timeline) with each untimed opt-in of the batch-64 step, then all four, then the GPU tests that run
@@ -130,6 +132,12 @@ part_syncs() {
 part_warmup() {
   gpu_pytest 300 warm_up_gpu.log tests/gpu/test_warm_up_gpu.py -x
   grep -E "compiles after start-up" "$out/warm_up_gpu.log" | cut -c1-1500 | head -3
+}
+
+part_decode1() {
+  make_preset $p
+  timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 1 20 --timeline > "$out/decode_b1.log" 2>&1
+  echo "profile batch 1 (rc $?):"; grep -E "step|replay|of floor" "$out/decode_b1.log" | head -12
 }
 
 part_decode64() {
