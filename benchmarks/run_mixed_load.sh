@@ -41,14 +41,15 @@
 #             weights' bytes; with DSV4_ENGRAM_HASH_KERNEL=1 set before the call, the hash's share)
 #   optins64  not a server: the rows kernel's key splits against the whole walk at 16-128 rows
 #             (benchmarks/rows_attention_bench.py --row-splits 2,4), then decode64 (replay and engine step, no
-#             timeline) with each untimed opt-in of the batch-64 step, then all four, then the GPU tests that run
-#             them (tests/gpu -k "moe or fp32 or attention or engram or engine_cuda or golden") with all on:
+#             timeline) with each untimed opt-in of the batch-64 step, then all five, then the GPU tests that run
+#             them (tests/gpu -k "moe or fp32 or attention or engram or mhc or engine_cuda or golden") with all on:
 #             DSV4_MOE_TOKEN_MAJOR=1 (the every-expert MoE path's rows in token order, two copies a layer fewer,
 #             dsv4/models/layers/moe.py), DSV4_FP32_LINEAR_MM_ROWS=8 (V4.1's fp32 linears as one tensor-core GEMM
 #             from 8 rows, dsv4/ops/fp32_linear.py), DSV4_ROWS_SPLITS=1 (the rows kernel's keys in 2 splits at
 #             batch 64, dsv4/ops/decode_attention.py), DSV4_ENGRAM_HASH_KERNEL=1 (Engram's n-gram hash in one launch,
-#             not ~43, dsv4/ops/engram_hash.py); all built 2026-12-06; predicted together ~-0.65 ms of the 7.2 ms
-#             replay on an H100 (-0.2, -0.1, -0.3, -0.06; the last at batch 1 too)
+#             not ~43, dsv4/ops/engram_hash.py), DSV4_MHC_SUM_TILE=1 (mHC's split sums as one tile, 8 rows a
+#             program, dsv4/ops/mhc.py); all built 2026-12-06; predicted together ~-0.75 ms of the 7.2 ms replay on
+#             an H100 (-0.2, -0.1, -0.3, -0.06, -0.1; the Engram one at batch 1 too)
 #   kernels   not a server: kernels of the mixed step far off their floor, by their opt-in variants:
 #             benchmarks/mhc_rows_splits.py (mHC's rows projection by column splits, DSV4_MHC_ROWS_SPLIT_K),
 #             benchmarks/rope_inplace_forms.py (the in-place rope's pairs strided or contiguous, DSV4_ROPE_VEC),
@@ -153,14 +154,15 @@ part_optins64() {
     --json "$out/rows_splits.json" > "$out/rows_splits.log" 2>&1
   echo "rows_attention_bench --row-splits 2,4 (rc $?):"; tail -12 "$out/rows_splits.log"
   local all="DSV4_MOE_TOKEN_MAJOR=1 DSV4_FP32_LINEAR_MM_ROWS=8 DSV4_ROWS_SPLITS=1 DSV4_ENGRAM_HASH_KERNEL=1"
+  all="$all DSV4_MHC_SUM_TILE=1"
   for v in none DSV4_MOE_TOKEN_MAJOR=1 DSV4_FP32_LINEAR_MM_ROWS=8 DSV4_ROWS_SPLITS=1 DSV4_ENGRAM_HASH_KERNEL=1 \
-      "$all"; do
+      DSV4_MHC_SUM_TILE=1 "$all"; do
     local tag; tag=$(echo "$v" | tr " =" "+-")
     env ${v/none/} timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 64 20 > "$out/decode_b64-$tag.log" 2>&1
     echo "profile batch 64, $v (rc $?):"; grep -E "replay alone|engine step \(" "$out/decode_b64-$tag.log"
   done
   env $all timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu -k \
-    "moe or fp32 or attention or engram or engine_cuda or golden" -x > "$out/optins64_gpu.log" 2>&1
+    "moe or fp32 or attention or engram or mhc or engine_cuda or golden" -x > "$out/optins64_gpu.log" 2>&1
   tail -3 "$out/optins64_gpu.log"
 }
 

@@ -104,7 +104,7 @@ def test_mhc_dots_rows_match_the_composed_projection() -> None:
             got = hc_dots_rows(h, fn, eps)
             # in column splits (the last one short, or one a 64-column step) added by a second launch: the same
             # bound; one split is the single pass's bits
-            split = [hc_dots_rows(h, fn, eps, splits=S) for S in (2, 3, K)]
+            split = [hc_dots_rows(h, fn, eps, splits=S, sum_tile=tile) for S in (2, 3, K) for tile in (False, True)]
             assert torch.equal(hc_dots_rows(h, fn, eps, splits=1), got)
             flat64 = unweighted_rms_norm_torch(h.flatten(1).double(), eps)
             ref = F.linear(flat64, fn.double())

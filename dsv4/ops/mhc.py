@@ -50,6 +50,13 @@ _ROWS_BLOCK_T, _ROWS_BLOCK_K = 64, 64  # rows a program, columns a step
 # step); splits make row blocks x splits fill the SMs, and a second launch adds the splits' sums in order. Timed in
 # 2026-12-06-h100-decode-b64-splits: 131 -> 16 us a call at 64 rows; the batch-64 decode replay 9.56 -> 7.29 ms.
 ROWS_SPLIT_K = os.environ.get("DSV4_MHC_ROWS_SPLIT_K", "1") == "1"
+# The splits' sums added as one [splits, rows, 32] tile a program of 8 rows (DSV4_MHC_SUM_TILE=1; opt-in until
+# timed) instead of a loop over the splits a program of 64 rows: at a batch-64 decode step that loop is one program
+# walking 20 dependent loads, 8.5 us a call against ~1 us of data, 16 calls a step of V4.1-Flash-8l on an H100
+# (2026-12-06-h100-decode-b64-splits, b64-both-on.log). The tile's sum over the splits is a tree, not split order:
+# the same fp32 bound.
+SUM_TILE = os.environ.get("DSV4_MHC_SUM_TILE", "0") == "1"
+_SUM_TILE_T = 8
 _ROWS_MIN_SPLIT_COLS = 1024
 
 
@@ -216,6 +223,23 @@ if triton is not None:
             ss += tl.load(ss_ptr + s * T + t, mask=tm, other=0.0)
         _store_normed_rows(m_ptr, acc, ss, t, tm, mm, M, K, inv_k, norm_eps, INTERPRET)
 
+    @triton.jit
+    def _hc_rows_sum_tile_kernel(ws_ptr, ss_ptr, m_ptr, T, K, M, S, norm_eps, inv_k, BLOCK_T: tl.constexpr,
+                                 BLOCK_S: tl.constexpr, BLOCK_M: tl.constexpr, INTERPRET: tl.constexpr):
+        """`_hc_rows_sum_kernel` with every split of BLOCK_T rows loaded as one tile and summed over the splits."""
+        norm_eps = tl.cast(norm_eps, tl.float32)
+        inv_k = tl.cast(inv_k, tl.float32)
+        t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = t < T
+        mm = tl.arange(0, BLOCK_M)
+        s = tl.arange(0, BLOCK_S).to(tl.int64)
+        sm = s < S
+        parts = tl.load(ws_ptr + ((s[:, None, None] * T + t[None, :, None]) * BLOCK_M + mm[None, None, :]),
+                        mask=sm[:, None, None] & tm[None, :, None], other=0.0)
+        sq = tl.load(ss_ptr + s[:, None] * T + t[None, :], mask=sm[:, None] & tm[None, :], other=0.0)
+        _store_normed_rows(m_ptr, tl.sum(parts, axis=0), tl.sum(sq, axis=0), t, tm, mm, M, K, inv_k, norm_eps,
+                           INTERPRET)
+
 
 def hc_post_triton(m: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
                    hc_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -302,10 +326,12 @@ def rows_splits(T: int, K: int, sms: int) -> int:
     return max(1, min(-(-2 * sms // -(-T // _ROWS_BLOCK_T)), K // _ROWS_MIN_SPLIT_COLS))
 
 
-def hc_dots_rows(h: torch.Tensor, fn: torch.Tensor, norm_eps: float, splits: int | None = None) -> torch.Tensor:
+def hc_dots_rows(h: torch.Tensor, fn: torch.Tensor, norm_eps: float, splits: int | None = None,
+                 sum_tile: bool | None = None) -> torch.Tensor:
     """m [T, M] fp32 = unweighted_rms_norm(h.flatten(1)) @ fn^T for bf16 streams h [T, N, D] and fp32 fn [M, N*D]
     (M <= 32): one launch; with `splits` > 1 (default: `rows_splits` under ROWS_SPLIT_K, else 1) column splits and a
-    second launch that adds them in order. The composed path's value to fp32 rounding and summation order."""
+    second launch that adds them in order (or as one tile a program, `sum_tile`: default SUM_TILE). The composed
+    path's value to fp32 rounding and summation order."""
     assert triton is not None, "triton is not installed"
     T = h.shape[0]
     M, K = fn.shape
@@ -325,7 +351,11 @@ def hc_dots_rows(h: torch.Tensor, fn: torch.Tensor, norm_eps: float, splits: int
     _hc_rows_kernel[(blocks, S)](h2, bf16_parts(fn), m, ws, ss, T, K, M, KS, norm_eps, 1.0 / K,
                                  BLOCK_T=_ROWS_BLOCK_T, BLOCK_M=_ROWS_M, BLOCK_K=_ROWS_BLOCK_K, SPLIT=S > 1,
                                  INTERPRET=INTERPRET, num_warps=4)
-    if S > 1:
+    if S > 1 and (SUM_TILE if sum_tile is None else sum_tile):
+        _hc_rows_sum_tile_kernel[(triton.cdiv(T, _SUM_TILE_T),)](
+            ws, ss, m, T, K, M, S, norm_eps, 1.0 / K, BLOCK_T=_SUM_TILE_T, BLOCK_S=max(2, triton.next_power_of_2(S)),
+            BLOCK_M=_ROWS_M, INTERPRET=INTERPRET, num_warps=4)
+    elif S > 1:
         _hc_rows_sum_kernel[(blocks,)](ws, ss, m, T, K, M, S, norm_eps, 1.0 / K, BLOCK_T=_ROWS_BLOCK_T,
                                        BLOCK_M=_ROWS_M, INTERPRET=INTERPRET, num_warps=4)
     return m

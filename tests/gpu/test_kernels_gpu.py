@@ -20,9 +20,10 @@ def test_hc_post(T: int) -> None:
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("T,M,splits", [(9, 24, None), (4096, 24, None), (1000, 4, None), (9, 24, 20),
-                                         (2048, 24, 9), (1000, 4, 7)])
-def test_mhc_dots_rows(T: int, M: int, splits: int | None) -> None:
+@pytest.mark.parametrize("T,M,splits,tile", [(9, 24, None, None), (4096, 24, None, None), (1000, 4, None, None),
+                                              (9, 24, 20, None), (2048, 24, 9, None), (1000, 4, 7, None),
+                                              (64, 24, None, True), (2048, 24, 9, True), (1000, 4, 7, True)])
+def test_mhc_dots_rows(T: int, M: int, splits: int | None, tile: bool | None) -> None:
     """`hc_dots_rows` (normed bf16 streams times fp32 fn in one tensor-core pass, or in column splits added by a
     second launch) against fp64 at V4.1's width (4 x 5120): within the fp32 summation bound (K 2^-24 + 2^-21) of
     sum |fn h| r, where the composed fp32 path (norm, then cuBLAS fp32 GEMM) lands too."""
@@ -35,7 +36,7 @@ def test_mhc_dots_rows(T: int, M: int, splits: int | None) -> None:
     K = 4 * 5120
     fn = torch.nn.Parameter(torch.randn(M, K, device="cuda", generator=g) * K ** -0.5)
     h = (torch.randn(T, 4, 5120, device="cuda", generator=g) * 3).to(torch.bfloat16)
-    got = hc_dots_rows(h, fn, 1e-6, splits=splits)
+    got = hc_dots_rows(h, fn, 1e-6, splits=splits, sum_tile=tile)  # tile: the splits summed as one tile
     hd = h.flatten(1).double()
     r = torch.rsqrt(hd.square().mean(1) + 1e-6)
     ref = (hd @ fn.double().T) * r[:, None]
