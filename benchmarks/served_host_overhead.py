@@ -45,10 +45,9 @@ def serve(model: str, port: int, stack: str, stub: bool, max_model_len: int, con
                                    max_model_len=max_model_len, max_num_seqs=concurrency,
                                    enforce_eager=stub or device == "cpu")
     if stub:
-        runner = eng.engine.runner
-        hidden = torch.randn(concurrency, eng.engine.config.model.hidden_size, generator=torch.Generator()
-                             .manual_seed(1)).to(runner.device, dtype=next(runner.model.parameters()).dtype)
-        runner._decode = lambda b: hidden[: b.num_reqs]
+        from host_overhead import stub_decode  # benchmarks/: this script's folder, first on sys.path
+
+        stub_decode(eng.engine, concurrency)
     http, loop = stack.split("/")
     uvicorn.run(build_app(eng, "m"), host="127.0.0.1", port=port, http=http, loop=loop, log_level="warning")
 

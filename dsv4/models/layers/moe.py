@@ -180,12 +180,10 @@ def _every_expert_token_major(x: torch.Tensor, wmat: torch.Tensor, gate_up: torc
     T, E, inter = x.shape[0], gate_up.shape[0], down.shape[2]
     gu = F.linear(x, gate_up.reshape(E * 2 * inter, gate_up.shape[2])).view(T * E, 2 * inter)
     g, u = gu[:, :inter], gu[:, inter:]
+    h = swiglu(g, u, limit, wmat.reshape(T * E), fp32=True) if weight_before_down else swiglu(g, u, limit, fp32=False)
+    y = torch.bmm(h.view(T, E, inter).transpose(0, 1), down.transpose(1, 2))  # [E, T, D]
     if weight_before_down:
-        h = swiglu(g, u, limit, wmat.reshape(T * E), fp32=True)
-        y = torch.bmm(h.view(T, E, inter).transpose(0, 1), down.transpose(1, 2))  # [E, T, D]
         return torch.add(y.sum(dim=0, dtype=torch.float32), shared).to(x.dtype)
-    h = swiglu(g, u, limit, fp32=False)
-    y = torch.bmm(h.view(T, E, inter).transpose(0, 1), down.transpose(1, 2))
     return (y.float() * wmat.t()[:, :, None]).sum(dim=0).to(x.dtype) + shared
 
 
