@@ -526,6 +526,7 @@ def test_decode_select_kernels_equal_torch() -> None:
     """))
 
 
+@pytest.mark.slow  # ~36 s interpreted, the main tier's longest: the slow tier keeps that tier under 10 minutes
 def test_decode_select_radix_merge_equals_torch() -> None:
     """The decode selection with its merge as a radix select (`radix=True`: digit counts, scans, gather, one
     sort) against the reference, as the test above checks the sort-based merge (the same exact-product grids, so
