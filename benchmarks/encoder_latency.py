@@ -94,15 +94,27 @@ def time_calls(fn: Callable[[], Any], sync: Callable[[], None], warmup: int, ite
 
 
 def kernel_table(fn: Callable[[], Any], sync: Callable[[], None], rows: int = 15) -> str:
-    """The `rows` CUDA kernels of one call of `fn` with the most device time (torch.profiler), as a table."""
+    """The `rows` CUDA kernels of one call of `fn` with the most device time (torch.profiler), as a table, after a
+    line with the call's kernel time against its wall time: a call whose kernels fill its wall time is
+    device-bound, and no graph (which only removes launch gaps) can make it faster than wall / kernel time."""
     from torch.profiler import ProfilerActivity, profile
     with torch.inference_mode():
         fn()
         sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        wall = time.perf_counter() - t0
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             fn()
             sync()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
+    # kernels carry the self device time; CPU ops have none of their own (children's time is not self time)
+    kernel_us = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0.0))
+                    for e in prof.key_averages())
+    head = (f"kernel time {kernel_us / 1e3:.3f} ms of an unprofiled call's wall {wall * 1e3:.3f} ms "
+            f"(device busy {kernel_us / 1e3 / (wall * 1e3):.0%}; graphs can gain at most "
+            f"{wall * 1e6 / max(kernel_us, 1e-9):.2f}x)\n")
+    return head + prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=60)
 
 
 def bench_budgets(args: argparse.Namespace) -> tuple[list[int], int | None]:

@@ -6,7 +6,8 @@
 #           the forward graph's device time and step time of default, default:sidestream, latency_specialized and
 #           its serial / nostage / serial,nostage variants (benchmarks/metadata_host.py): what slows the forward
 #           graph of a specialized engine; first benchmarks/graph_streams_repro.py (the same question, no engine).
-#           DUMP=1: each forward graph also goes to OUTDIR/dot/VARIANT-b1.dot (Graphviz, to diff fast and slow)
+#           DUMP=1: each forward graph also goes to OUTDIR/dot/VARIANT-b1.dot (Graphviz, to diff fast and slow:
+#           benchmarks/graph_dot_diff.py); VARIANTS="v1 v2 ..." runs only those (and not the repro)
 #   bench   V4.1-Flash-8l decode at batch $BATCHES (default "1 4 16 64"), FULL graphs (capture size = batch) and
 #           async scheduling, with --decode-backend default and latency_specialized; each JSON carries the decode
 #           step time, the host launch time per step and the metadata build's host time inside it
@@ -20,11 +21,11 @@ part_tests() {
 }
 
 part_variants() {
-  timeout 60 python3 benchmarks/graph_streams_repro.py 2>&1 | tee "$out/graph_streams_repro.log"
+  [ -n "$VARIANTS" ] || timeout 60 python3 benchmarks/graph_streams_repro.py 2>&1 | tee "$out/graph_streams_repro.log"
   make_preset $p
   local v
-  for v in default default:sidestream latency_specialized latency_specialized:serial latency_specialized:nostage \
-           latency_specialized:serial,nostage default; do
+  for v in ${VARIANTS:-default default:sidestream latency_specialized latency_specialized:serial \
+           latency_specialized:nostage latency_specialized:serial,nostage default}; do
     timeout 120 python3 benchmarks/metadata_host.py /tmp/$p --batch 1 --steps 60 --backends $v ${DUMP:+--dump $out/dot} 2>&1 \
       | grep "^{" | tee -a "$out/variants.log"
   done
