@@ -49,7 +49,9 @@
 #             batch 64, dsv4/ops/decode_attention.py), DSV4_ENGRAM_HASH_KERNEL=1 (Engram's n-gram hash in one launch,
 #             not ~43, dsv4/ops/engram_hash.py), DSV4_MHC_SUM_TILE=1 (mHC's split sums as one tile, 8 rows a
 #             program, dsv4/ops/mhc.py); all built 2026-12-06; predicted together ~-0.75 ms of the 7.2 ms replay on
-#             an H100 (-0.2, -0.1, -0.3, -0.06, -0.1; the Engram one at batch 1 too)
+#             an H100 (-0.2, -0.1, -0.3, -0.06, -0.1; the Engram one at batch 1 too); DSV4_DECODE_SIDE_STREAM=1
+#             (compressor / picks / shared expert forked onto a side stream, dsv4/models/layers/side_stream.py)
+#             at batch 64 alone and, after its GPU test, at batch 1
 #   kernels   not a server: kernels of the mixed step far off their floor, by their opt-in variants:
 #             benchmarks/mhc_rows_splits.py (mHC's rows projection by column splits, DSV4_MHC_ROWS_SPLIT_K),
 #             benchmarks/rope_inplace_forms.py (the in-place rope's pairs strided or contiguous, DSV4_ROPE_VEC),
@@ -156,10 +158,16 @@ part_optins64() {
   local all="DSV4_MOE_TOKEN_MAJOR=1 DSV4_FP32_LINEAR_MM_ROWS=8 DSV4_ROWS_SPLITS=1 DSV4_ENGRAM_HASH_KERNEL=1"
   all="$all DSV4_MHC_SUM_TILE=1"
   for v in none DSV4_MOE_TOKEN_MAJOR=1 DSV4_FP32_LINEAR_MM_ROWS=8 DSV4_ROWS_SPLITS=1 DSV4_ENGRAM_HASH_KERNEL=1 \
-      DSV4_MHC_SUM_TILE=1 "$all"; do
+      DSV4_MHC_SUM_TILE=1 DSV4_DECODE_SIDE_STREAM=1 "$all"; do
     local tag; tag=$(echo "$v" | tr " =" "+-")
     env ${v/none/} timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 64 20 > "$out/decode_b64-$tag.log" 2>&1
     echo "profile batch 64, $v (rc $?):"; grep -E "replay alone|engine step \(" "$out/decode_b64-$tag.log"
+  done
+  gpu_pytest 200 side_stream_gpu.log tests/gpu/test_side_stream_gpu.py
+  for v in none DSV4_DECODE_SIDE_STREAM=1; do
+    local tag; tag=$(echo "$v" | tr " =" "+-")
+    env ${v/none/} timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 1 20 > "$out/decode_b1-$tag.log" 2>&1
+    echo "profile batch 1, $v (rc $?):"; grep -E "replay alone|engine step \(" "$out/decode_b1-$tag.log"
   done
   env $all timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu -k \
     "moe or fp32 or attention or engram or mhc or engine_cuda or golden" -x > "$out/optins64_gpu.log" 2>&1

@@ -9,6 +9,7 @@ engram tables live outside the module in host memory (`HostTable`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -25,6 +26,7 @@ from dsv4.models.layers.mhc import collapse_norm, hc_mixes
 from dsv4.models.layers.norm import rms_norm_v41_torch
 from dsv4.models.layers.moe import Experts, moe_output
 from dsv4.models.layers.rope import RotaryTable
+from dsv4.models.layers.side_stream import SIDE
 from dsv4.models.verify_rows import pool_verify_rows
 from dsv4.models.vision import VisionEncoder
 from dsv4.ops.decode_attention import decode_sink_attention
@@ -360,13 +362,21 @@ class AttentionV41(nn.Module):
         """A uniform decode step: one row per (padded) request, fixed shapes and no host sync."""
         cache = caches[self.layer]
         cos, sin = self.rope(dmd.positions)
-        q, qr, kv_lat = self._q_and_kv(x, cos, sin)
+        # The compressor's publish (from x) and the picks (the indexer's queries from x and qr, its selection over
+        # the published keys) do not read the queries or the window: they may run on a side stream beside the
+        # query projection and the window write (SIDE; inline, in this order, unless switched on).
+        with SIDE.fork(x):
+            if self.is_kv_source:
+                self._publish_decode(x, dmd, cache)
+        qr, kv_lat = self._latents(x)
+        with SIDE.fork(x):
+            qi, iw = self.indexer.queries(x, qr, cos, sin) if self.is_index_source else (None, None)
+            sel = self._decode_picks(qi, iw, caches, dmd, step.topk, step.candidates)
+        q = self._queries(qr, cos, sin)
         kvn = self.kv_norm
         write_window_kv(kv_lat, kvn.weight, kvn.eps, cos, sin, cache.window, dmd.write_slots)
-        if self.is_kv_source:
-            self._publish_decode(x, dmd, cache)
-        qi, iw = self.indexer.queries(x, qr, cos, sin) if self.is_index_source else (None, None)
-        out, step.topk, step.candidates = self._attend_rows(q, qi, iw, caches, dmd, step.topk, step.candidates)
+        SIDE.join(x)
+        out, step.topk, step.candidates = self._attend_rows(q, qi, iw, caches, dmd, step.topk, step.candidates, sel)
         return self._output(out, cos, sin)
 
     # ---- shared by both paths ----------------------------------------------------------------------------------
@@ -391,9 +401,17 @@ class AttentionV41(nn.Module):
                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Roped queries [T, H, D], the query latent qr (the indexer's input) and the raw key/value latent wkv(x)
         [T, D] (wq_a and wkv one product once merged: dsv4.models.layers.merged)."""
+        qr, kv_lat = self._latents(x)
+        return self._queries(qr, cos, sin), qr, kv_lat
+
+    def _latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The normed query latent qr and the raw key/value latent wkv(x) (one product once merged)."""
         q_lat, kv_lat = project(self, x, "wq_a", "wkv")
-        qr = self.q_norm(q_lat)
-        return apply_rope_(self.wq_b(qr).view(x.shape[0], self.n_heads, self.head_dim), cos, sin), qr, kv_lat
+        return self.q_norm(q_lat), kv_lat
+
+    def _queries(self, qr: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Roped queries [T, H, D] from the query latent."""
+        return apply_rope_(self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim), cos, sin)
 
     def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The attention output back to the hidden size: inverse rope (keys are roped values), grouped wo_a, wo_b."""
@@ -408,17 +426,12 @@ class AttentionV41(nn.Module):
         """Sink attention of query rows q [R, H, D] over their window keys and, on a compressed layer, the entries
         of their top-k picks; an index source picks them here from its indexer queries qi / weights iw. `topk` /
         `candidates`: the rows' picks / candidate blocks published by earlier layers (None: none yet); `sel`: these
-        rows' (picks, slots, mask, candidates) when `_select_rows` selected them already. Returns the
-        output [R, H, D] and the rows' picks / candidate blocks after this layer (None where there are none)."""
+        rows' (picks, slots, mask, candidates) when `_select_rows` / `_decode_picks` selected them already. Returns
+        the output [R, H, D] and the rows' picks / candidate blocks after this layer (None where there are none)."""
         sources = [(caches[self.layer].window, keys.window_slots, keys.window_mask)]
         if self.ratio > 0 and isinstance(keys, DecodeMetadata):
-            # decode rows read their entries through the block table, to their own n (no [R, max_len] matrix)
-            ent, src = keys.entries(f"compressed_{self.ratio}"), caches[self.kv_source]
-            if self.is_index_source:
-                topk, cslots, cmask, candidates = self._select_decode(qi, iw, src.index_keys, ent, candidates)
-            else:
-                topk, cslots, cmask = pick_table_sources(topk, ent.table, ent.block_size)
-            sources.append((src.compressed, cslots, cmask))
+            topk, cslots, cmask, candidates = sel or self._decode_picks(qi, iw, caches, keys, topk, candidates)
+            sources.append((caches[self.kv_source].compressed, cslots, cmask))
         elif self.ratio > 0:
             group = f"compressed_{self.ratio}"
             if keys.width(group) == 0:
@@ -439,6 +452,19 @@ class AttentionV41(nn.Module):
                 sources.append((src.compressed, cslots, cmask))
         out = decode_sink_attention(q, sources, self.attn_sink, self.head_dim ** -0.5)
         return out, topk, candidates
+
+    def _decode_picks(self, qi: torch.Tensor | None, iw: torch.Tensor | None, caches: list[LayerKVCache],
+                      dmd: DecodeMetadata, topk: torch.Tensor | None, candidates: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """Decode rows' (picks, slots, mask, candidates) on a compressed layer (None on a window-only one): an
+        index source selects from its queries; the others read the group's picks through the block table. Rows
+        read their entries to their own n (no [R, max_len] matrix)."""
+        if self.ratio == 0:
+            return None
+        ent, src = dmd.entries(f"compressed_{self.ratio}"), caches[self.kv_source]
+        if self.is_index_source:
+            return self._select_decode(qi, iw, src.index_keys, ent, candidates)
+        return (*pick_table_sources(topk, ent.table, ent.block_size), candidates)
 
     def _select(self, qi: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor, eslots: torch.Tensor, n: torch.Tensor,
                 candidates: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -526,12 +552,16 @@ class MoEV41(nn.Module):
 
     def forward(self, x: torch.Tensor, is_image: torch.Tensor, fixed: bool = False) -> torch.Tensor:
         """fixed: shapes fixed by the batch and no host sync (captured decode steps), see `moe_output`."""
-        weights, idx = self.route(x, is_image)
         se = self.shared_experts
-        gate, up = project(se, x, "w1", "w3")  # one product once merged (dsv4.models.layers.merged)
-        shared = se.w2(swiglu(gate, up, self.limit, fp32=True))
+        # a captured decode step's shared expert may run on a side stream beside the router and the routed
+        # products (SIDE; inline unless switched on), joined just before the sum reads it
+        with SIDE.fork(x) if fixed else contextlib.nullcontext():
+            gate, up = project(se, x, "w1", "w3")  # one product once merged (dsv4.models.layers.merged)
+            shared = se.w2(swiglu(gate, up, self.limit, fp32=True))
+        weights, idx = self.route(x, is_image)
         return moe_output(x, weights, idx, self.experts.gate_up, self.experts.down, self.limit,
-                          weight_before_down=True, fixed=fixed, shared=shared, ep=self.ep)
+                          weight_before_down=True, fixed=fixed, shared=shared, ep=self.ep,
+                          join=(lambda: SIDE.join(x)) if fixed else None)
 
 
 class DecoderLayerV41(nn.Module):

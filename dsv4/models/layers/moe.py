@@ -111,7 +111,8 @@ class MoE(nn.Module):
 
 def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor | QuantWeight,
                down: torch.Tensor | QuantWeight, limit: float, weight_before_down: bool, fixed: bool,
-               shared: torch.Tensor, ep: ExpertShard | None = None, missing: bool = False) -> torch.Tensor:
+               shared: torch.Tensor, ep: ExpertShard | None = None, missing: bool = False,
+               join: Callable[[], None] | None = None) -> torch.Tensor:
     """The MoE layer's output [T, D] in x's dtype: the routed experts as per-(token, slot) rows, summed over the
     slots with the shared expert's output `shared` [T, D] (`combine_experts` gives the numerics).
 
@@ -131,14 +132,18 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
     weigh 0 and have id -1 (the matmuls skip them: a decode step reads only this rank's hit experts) and the partial
     outputs are summed over the ranks, with the shared expert's parts when it is split too
     (else the replicated shared expert is added after the sum); `missing` says that routes may be -1.
+    `join`: called before the first read of `shared` (a shared expert computed on a side stream is joined there,
+    after the routed products are enqueued, so that the two overlap).
     """
+    join = join or _nothing
     if ep is not None:
         w, i = ep.local_routes(weights, idx)
         if ep.shared_split:  # `shared` is this rank's part of the shared expert: one all-reduce sums everything
             return ep.par.all_reduce_(moe_output(x, w, i, gate_up, down, limit, weight_before_down, fixed, shared,
-                                                 missing=True))
+                                                 missing=True, join=join))
         part = moe_output(x, w, i, gate_up, down, limit, weight_before_down, fixed, torch.zeros_like(shared),
                           missing=True)
+        join()
         return ep.par.all_reduce_(part) + shared
     T, k = idx.shape
     E = gate_up.shape[0]
@@ -147,6 +152,7 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
     if not fixed and moe_sorted.use_sorted_experts(x, gate_up, down, T * k):
         routed, at = moe_sorted.experts_sorted_rows(x, weights, idx, gate_up, down, limit, weight_before_down,
                                                     missing)
+        join()
         return combine_experts(routed, None if weight_before_down else weights.flatten(), shared, k, at)
     if not fixed or T * k <= E or quant:
         flat = idx.flatten()
@@ -154,27 +160,33 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
         gu = matmul(x, gate_up, k)  # [T*k, 2I]
         g, u = gu[:, :inter], gu[:, inter:]
         if weight_before_down:
-            h = swiglu(g, u, limit, weights.flatten(), fp32=True)
-            return combine_experts(matmul(h, down, 1), None, shared, k)
-        h = swiglu(g, u, limit, fp32=False)
-        return combine_experts(matmul(h, down, 1), weights.flatten(), shared, k)
+            routed = matmul(swiglu(g, u, limit, weights.flatten(), fp32=True), down, 1)
+            join()
+            return combine_experts(routed, None, shared, k)
+        routed = matmul(swiglu(g, u, limit, fp32=False), down, 1)
+        join()
+        return combine_experts(routed, weights.flatten(), shared, k)
     # (other ranks' routes, id -1, weigh 0: clamped onto expert 0 they add nothing, hence add, not set)
     wmat = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, idx.clamp(min=0), weights.float())
     if MOE_TOKEN_MAJOR:
-        return _every_expert_token_major(x, wmat, gate_up, down, limit, weight_before_down, shared)
+        return _every_expert_token_major(x, wmat, gate_up, down, limit, weight_before_down, shared, join)
     gu = torch.einsum("td,efd->etf", x, gate_up).reshape(E * T, 2 * inter)  # expert-major rows
     g, u = gu[:, :inter], gu[:, inter:]
     if weight_before_down:
         h = swiglu(g, u, limit, wmat.t().reshape(E * T), fp32=True).view(E, T, inter)
         # batched over experts, then summed: an einsum contracting (e, i) at once would copy all of `down`
         routed = torch.bmm(h, down.transpose(1, 2)).float().sum(dim=0)
+        join()
         return (routed + shared.float()).to(x.dtype)
     y = torch.einsum("eti,edi->etd", swiglu(g, u, limit, fp32=False).view(E, T, inter), down)
-    return (y.float() * wmat.t()[:, :, None]).sum(dim=0).to(x.dtype) + shared
+    routed = (y.float() * wmat.t()[:, :, None]).sum(dim=0).to(x.dtype)
+    join()
+    return routed + shared
 
 
 def _every_expert_token_major(x: torch.Tensor, wmat: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                              limit: float, weight_before_down: bool, shared: torch.Tensor) -> torch.Tensor:
+                              limit: float, weight_before_down: bool, shared: torch.Tensor,
+                              join: Callable[[], None]) -> torch.Tensor:
     """`moe_output`'s every-expert branch with rows in (token, expert) order (MOE_TOKEN_MAJOR): the same products
     and the same fp32 weighting and sum, without the expert-major copies."""
     T, E, inter = x.shape[0], gate_up.shape[0], down.shape[2]
@@ -183,8 +195,16 @@ def _every_expert_token_major(x: torch.Tensor, wmat: torch.Tensor, gate_up: torc
     h = swiglu(g, u, limit, wmat.reshape(T * E), fp32=True) if weight_before_down else swiglu(g, u, limit, fp32=False)
     y = torch.bmm(h.view(T, E, inter).transpose(0, 1), down.transpose(1, 2))  # [E, T, D]
     if weight_before_down:
-        return torch.add(y.sum(dim=0, dtype=torch.float32), shared).to(x.dtype)
-    return (y.float() * wmat.t()[:, :, None]).sum(dim=0).to(x.dtype) + shared
+        routed = y.sum(dim=0, dtype=torch.float32)
+        join()
+        return torch.add(routed, shared).to(x.dtype)
+    routed = (y.float() * wmat.t()[:, :, None]).sum(dim=0).to(x.dtype)
+    join()
+    return routed + shared
+
+
+def _nothing() -> None:
+    """moe_output's `join` when the shared expert's output is ready where it stands."""
 
 
 def _routed_matmul(x: torch.Tensor, flat: torch.Tensor, E: int, quant: bool,

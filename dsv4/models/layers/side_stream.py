@@ -1,0 +1,66 @@
+"""A second CUDA stream for the independent chains of a decode forward (issue 24; the side-stream pattern of the
+seeds, and SGLang's alternate stream in DeepSeek's decode graphs at small batch).
+
+At small batch a decode layer is a chain of launches, most of them a few microseconds of fixed latency next to a
+few bandwidth-bound products. Some chains do not depend on each other: the compressor's publish and the indexer's
+selection read the attention input and the query latent but not the queries or the window write; the shared expert
+reads the FFN input but not the router. Forking one onto a side stream lets the GPU run it beside the other; under
+CUDA graph capture the fork and join become edges of the graph (the driver runs the branches concurrently).
+
+`SIDE.fork(t)` runs its body on the side stream after everything the current stream has enqueued so far; `SIDE.join(t)`
+makes the current stream wait for everything the side stream has enqueued so far. Off (the default until timed:
+`DSV4_DECODE_SIDE_STREAM=1` turns it on), off the GPU and while torch.compile traces, both run inline: the body runs
+on the current stream where it stands, so the results are the same values in the same order of dependent work.
+
+Memory: a tensor the side stream allocates goes back to the side stream's blocks when freed, and the side stream
+reuses them only after its next fork's wait, i.e. after every main-stream kernel enqueued before that fork (the
+consumers). A main-stream tensor the side stream reads must stay referenced until the main stream has joined,
+which every caller here does by holding it to the end of the forward that forks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+ENABLED = os.environ.get("DSV4_DECODE_SIDE_STREAM", "0") == "1"
+
+
+class SideStream:
+    """One side stream per device, created on first use and kept (a capture and its warm-up use the same one)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[int, torch.cuda.Stream] = {}
+        self.enabled = ENABLED
+
+    def active(self, t: torch.Tensor) -> bool:
+        """Whether forks on t's device go to a side stream (else they run inline)."""
+        return self.enabled and t.is_cuda and not torch.compiler.is_compiling()
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in self._streams:
+            self._streams[index] = torch.cuda.Stream(device=index)
+        return self._streams[index]
+
+    @contextmanager
+    def fork(self, t: torch.Tensor) -> Iterator[None]:
+        """Run the body on the side stream, after the work the current stream has enqueued so far."""
+        if not self.active(t):
+            yield
+            return
+        side = self._stream(t.device)
+        side.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(side):
+            yield
+
+    def join(self, t: torch.Tensor) -> None:
+        """The current stream waits for the work the side stream has enqueued so far."""
+        if self.active(t):
+            torch.cuda.current_stream(t.device).wait_stream(self._stream(t.device))
+
+
+SIDE = SideStream()
