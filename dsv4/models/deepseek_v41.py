@@ -708,10 +708,16 @@ class DeepseekV41ForCausalLM(nn.Module):
         pre = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32, device=h.device)
         pre[:, 0] = 1.0
         step = StepState()
+        # Engram's hash and table rows read only the tokens: all its layers' rows may be gathered on a lane of
+        # their own from the start (SIDE; inline unless switched on), joined at the first layer that reads them
+        with SIDE.fork(h, lane="engram"):
+            embs = {i: self._engram_rows(i, input_ids, is_image, dmd.query_start_loc, dmd.num_padded // dmd.query_len,
+                                         lookback_token_ids, h.dtype, h.device)
+                    for i, layer in enumerate(self.model.layers) if hasattr(layer, "engram")}
         for i, layer in enumerate(self.model.layers):
-            if hasattr(layer, "engram"):
-                h = self._engram(i, layer.engram, h, input_ids, is_image, dmd.query_start_loc,
-                                 dmd.num_padded // dmd.query_len, lookback_token_ids)
+            if i in embs:
+                SIDE.join(h, lane="engram")
+                h = layer.engram(h, embs[i], is_image)
             if taps is not None and i in taps:
                 taps[i] = h.mean(dim=1)
             h, pre = layer.forward_decode(h, pre, is_image, dmd, caches, step)
@@ -719,14 +725,21 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def _engram(self, layer: int, module: Engram, h: torch.Tensor, input_ids: torch.Tensor, is_image: torch.Tensor,
                 qsl: torch.Tensor, num_reqs: int, lookback: torch.Tensor | None) -> torch.Tensor:
+        emb = self._engram_rows(layer, input_ids, is_image, qsl, num_reqs, lookback, h.dtype, h.device)
+        return module(h, emb, is_image)
+
+    def _engram_rows(self, layer: int, input_ids: torch.Tensor, is_image: torch.Tensor, qsl: torch.Tensor,
+                     num_reqs: int, lookback: torch.Tensor | None, dtype: torch.dtype,
+                     device: torch.device) -> torch.Tensor:
+        """The engram layer's table rows for the tokens: the n-gram hash over the chunks (with the lookback
+        window before each) and the table gather."""
         assert self.token_map.numel() > 0, "engram needs bind_engram() with the tokenizer's token map"
         R = num_reqs
         window = lookback[:R] if lookback is not None else torch.full(
-            (R, self.token_lookback_depth), -1, dtype=torch.int64, device=h.device)
+            (R, self.token_lookback_depth), -1, dtype=torch.int64, device=device)
         rows = engram_hash_rows(self.token_map[input_ids], qsl, window.long(), is_image, self.token_map,
                                 self.compressed_pad, self.engram_layout, layer, self.cfg.v41.image_token_id)
-        emb = self.engram_tables[layer].gather(rows, dtype=h.dtype, device=h.device)
-        return module(h, emb, is_image)
+        return self.engram_tables[layer].gather(rows, dtype=dtype, device=device)
 
     def encode_images(self, images: list) -> list[tuple[int, torch.Tensor]]:
         """(prompt offset, span embeddings [lh*(lw+1)+2, D]) of each ImageInput: one packed ViT pass, or packed

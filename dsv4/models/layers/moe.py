@@ -14,9 +14,9 @@ from dsv4.models.layers.merged import project
 from dsv4.ops import moe_sorted
 from dsv4.ops.moe import GROUPED_BLOCK_M, combine_experts, expert_gemv, expert_grouped, group_rows
 from dsv4.ops.moe_quant import expert_gemv_q, expert_grouped_q, grouped_q_block_m
-from dsv4.quant.weight import QuantWeight
 from dsv4.ops.router import route_v4
 from dsv4.ops.swiglu import swiglu
+from dsv4.quant.weight import QuantWeight
 
 if TYPE_CHECKING:
     from dsv4.distributed import ExpertShard

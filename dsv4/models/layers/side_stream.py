@@ -6,6 +6,7 @@ few bandwidth-bound products. Some chains do not depend on each other: the compr
 selection read the attention input and the query latent but not the queries or the window write; the shared expert
 reads the FFN input but not the router. Forking one onto a side stream lets the GPU run it beside the other; under
 CUDA graph capture the fork and join become edges of the graph (the driver runs the branches concurrently).
+Engram's hash and table rows read only the tokens: they start at the top of the forward, on a lane of their own.
 
 `SIDE.fork(t)` runs its body on the side stream after everything the current stream has enqueued so far; `SIDE.join(t)`
 makes the current stream wait for everything the side stream has enqueued so far. Off (the default until timed:
@@ -30,37 +31,38 @@ ENABLED = os.environ.get("DSV4_DECODE_SIDE_STREAM", "0") == "1"
 
 
 class SideStream:
-    """One side stream per device, created on first use and kept (a capture and its warm-up use the same one)."""
+    """Side streams per (device, lane), created on first use and kept (a capture and its warm-up use the same ones).
+    Work on one lane runs in order: a chain that should not queue behind another one takes a lane of its own."""
 
     def __init__(self) -> None:
-        self._streams: dict[int, torch.cuda.Stream] = {}
+        self._streams: dict[tuple[int, str], torch.cuda.Stream] = {}
         self.enabled = ENABLED
 
     def active(self, t: torch.Tensor) -> bool:
         """Whether forks on t's device go to a side stream (else they run inline)."""
         return self.enabled and t.is_cuda and not torch.compiler.is_compiling()
 
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in self._streams:
-            self._streams[index] = torch.cuda.Stream(device=index)
-        return self._streams[index]
+    def _stream(self, device: torch.device, lane: str) -> torch.cuda.Stream:
+        key = (device.index if device.index is not None else torch.cuda.current_device(), lane)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device=key[0])
+        return self._streams[key]
 
     @contextmanager
-    def fork(self, t: torch.Tensor) -> Iterator[None]:
-        """Run the body on the side stream, after the work the current stream has enqueued so far."""
+    def fork(self, t: torch.Tensor, lane: str = "layer") -> Iterator[None]:
+        """Run the body on the lane's side stream, after the work the current stream has enqueued so far."""
         if not self.active(t):
             yield
             return
-        side = self._stream(t.device)
+        side = self._stream(t.device, lane)
         side.wait_stream(torch.cuda.current_stream(t.device))
         with torch.cuda.stream(side):
             yield
 
-    def join(self, t: torch.Tensor) -> None:
-        """The current stream waits for the work the side stream has enqueued so far."""
+    def join(self, t: torch.Tensor, lane: str = "layer") -> None:
+        """The current stream waits for the work the lane's side stream has enqueued so far."""
         if self.active(t):
-            torch.cuda.current_stream(t.device).wait_stream(self._stream(t.device))
+            torch.cuda.current_stream(t.device).wait_stream(self._stream(t.device, lane))
 
 
 SIDE = SideStream()
