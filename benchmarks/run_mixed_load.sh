@@ -39,9 +39,9 @@
 #             mHC splits, 2026-12-06-h100-decode-b64-splits), its kernels and timeline
 #   decode1   decode64 at batch 1 (issue 24's 75%-of-floor point: where a batch-1 replay's time goes beyond the
 #             weights' bytes; with DSV4_ENGRAM_HASH_KERNEL=1 set before the call, the hash's share)
-#   optins64  not a server: the rows kernel's key splits against the whole walk at 16-128 rows
-#             (benchmarks/rows_attention_bench.py --row-splits 2,4), then decode64 (replay and engine step, no
-#             timeline) with each untimed opt-in of the batch-64 step, then all five, then the GPU tests that run
+#   optins64  not a server: decode64 (replay and engine step, no timeline) with each untimed opt-in of the
+#             batch-64 step, then all five; `optinstests`: the rows kernel's key splits against the whole walk at
+#             16-128 rows (benchmarks/rows_attention_bench.py --row-splits 2,4), then the GPU tests that run
 #             them (tests/gpu -k "moe or fp32 or attention or engram or mhc or engine_cuda or golden") with all on:
 #             DSV4_MOE_TOKEN_MAJOR=1 (the every-expert MoE path's rows in token order, two copies a layer fewer,
 #             dsv4/models/layers/moe.py), DSV4_FP32_LINEAR_MM_ROWS=8 (V4.1's fp32 linears as one tensor-core GEMM
@@ -149,14 +149,12 @@ part_decode64() {
   echo "profile batch 64 (rc $?):"; grep -E "step|replay|of floor" "$out/decode_b64.log" | head -12
 }
 
+optins_all="DSV4_MOE_TOKEN_MAJOR=1 DSV4_FP32_LINEAR_MM_ROWS=8 DSV4_ROWS_SPLITS=1 DSV4_ENGRAM_HASH_KERNEL=1"
+optins_all="$optins_all DSV4_MHC_SUM_TILE=1"
+
 part_optins64() {
   make_preset $p
-  local v
-  timeout 200 python3 -u benchmarks/rows_attention_bench.py --rows 16,32,64,128 --row-splits 2,4 \
-    --json "$out/rows_splits.json" > "$out/rows_splits.log" 2>&1
-  echo "rows_attention_bench --row-splits 2,4 (rc $?):"; tail -12 "$out/rows_splits.log"
-  local all="DSV4_MOE_TOKEN_MAJOR=1 DSV4_FP32_LINEAR_MM_ROWS=8 DSV4_ROWS_SPLITS=1 DSV4_ENGRAM_HASH_KERNEL=1"
-  all="$all DSV4_MHC_SUM_TILE=1"
+  local v all=$optins_all
   for v in none DSV4_MOE_TOKEN_MAJOR=1 DSV4_FP32_LINEAR_MM_ROWS=8 DSV4_ROWS_SPLITS=1 DSV4_ENGRAM_HASH_KERNEL=1 \
       DSV4_MHC_SUM_TILE=1 DSV4_DECODE_SIDE_STREAM=1 "$all"; do
     local tag; tag=$(echo "$v" | tr " =" "+-")
@@ -169,7 +167,13 @@ part_optins64() {
     env ${v/none/} timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 1 20 > "$out/decode_b1-$tag.log" 2>&1
     echo "profile batch 1, $v (rc $?):"; grep -E "replay alone|engine step \(" "$out/decode_b1-$tag.log"
   done
-  env $all timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu -k \
+}
+
+part_optinstests() {
+  timeout 200 python3 -u benchmarks/rows_attention_bench.py --rows 16,32,64,128 --row-splits 2,4 \
+    --json "$out/rows_splits.json" > "$out/rows_splits.log" 2>&1
+  echo "rows_attention_bench --row-splits 2,4 (rc $?):"; tail -12 "$out/rows_splits.log"
+  env $optins_all timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu -k \
     "moe or fp32 or attention or engram or mhc or engine_cuda or golden" -x > "$out/optins64_gpu.log" 2>&1
   tail -3 "$out/optins64_gpu.log"
 }
