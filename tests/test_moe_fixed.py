@@ -116,3 +116,33 @@ def test_token_major_rows_copy_nothing_per_expert(before: bool, monkeypatch: pyt
         assert got.dtype == torch.bfloat16
         assert torch.allclose(got.double(), ref, atol=0.05 * ref.abs().max().item()), token_major
     assert torch.allclose(outs[True].float(), outs[False].float(), atol=2e-2 * outs[False].abs().max().item())
+
+
+@pytest.mark.parametrize("T,k,E,world", [(1, 2, 8, 1), (8, 3, 6, 1), (40, 2, 3, 1), (3, 2, 8, 2), (40, 2, 4, 2)])
+@pytest.mark.parametrize("before", [False, True])
+@pytest.mark.parametrize("split", [False, True])
+def test_join_comes_before_the_shared_output_is_read(T: int, k: int, E: int, world: int, before: bool, split: bool,
+                                                     row_order: bool) -> None:
+    """`join` (a side stream's shared expert joined, dsv4/models/layers/side_stream.py) runs once, after the routed
+    products and before anything reads `shared`: here `shared` holds NaN until join fills it, so a read before the
+    join poisons the output. Every fixed branch (per-slot GEMV, every expert in both row orders), with and without
+    expert parallelism (shared split or added after the sum)."""
+    x, gate_up, down, idx, weights, shared = _layer(T * 100 + k * 10 + E + world, T, k, E)
+    D, n = x.shape[1], E // world
+    total = torch.zeros(T, D, dtype=torch.float64)
+    for rank in range(world):
+        ep = None if world == 1 else ExpertShard(rank * n, n, Parallel(), shared_split=split)
+        part_shared = shared / world if ep is not None and split else shared
+        pending = torch.full_like(shared, float("nan"))
+        calls = []
+
+        def join(dst: torch.Tensor = pending, src: torch.Tensor = part_shared) -> None:
+            calls.append(1)
+            dst.copy_(src)
+        part = moe_output(x, weights, idx, gate_up[rank * n:(rank + 1) * n], down[rank * n:(rank + 1) * n], 1.5,
+                          weight_before_down=before, fixed=True, shared=pending, ep=ep, join=join)
+        assert len(calls) == 1
+        # without a split, each rank adds the whole shared output after its sum: count it once
+        total += part.double() - (shared.double() if ep is not None and not split and rank > 0 else 0)
+    ref = _reference(x, weights, idx, gate_up, down, 1.5, before) + shared.double()
+    assert torch.allclose(total, ref, atol=1e-4), (total - ref).abs().max()

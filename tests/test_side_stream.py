@@ -1,0 +1,160 @@
+"""The decode forward's forks onto side streams (dsv4/models/layers/side_stream.py), checked on the CPU with a
+recording stand-in: every fork of a forward is joined before the forward returns (a CUDA graph capture with an
+unjoined side stream fails), each lane's join follows its fork, the forks cover the work they are meant to (the
+engram rows, the publish / picks of the compressed layers, the shared expert), and the main chain neither reads
+what a fork wrote nor writes what a fork read before that fork's join."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dsv4.engine.engine import LLMEngine
+from dsv4.models import deepseek_v41
+from dsv4.models.layers.side_stream import SIDE
+from dsv4.sampling_params import SamplingParams
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "data", "deepseek-v41-tiny")
+
+
+def _storages(obj: object) -> list[int]:
+    """Storage addresses of the tensors in an op's arguments (nested lists / tuples too)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj.untyped_storage().data_ptr()] if obj.numel() else []
+    if isinstance(obj, (list, tuple)):
+        return [p for o in obj for p in _storages(o)]
+    return []
+
+
+class _Recorder(TorchDispatchMode):
+    """Forks run inline (the CPU has no streams) but are logged, and every aten op is checked as streams would
+    order it: an op of the main chain must not read what a fork wrote, nor write what a fork read, before that
+    fork's lane joined (until then the side stream may not have run, or may still be reading). The tensors a fork
+    touched are held until its join, so their storage addresses are not reused meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[tuple[str, str]] = []
+        self.violations: list[str] = []
+        self.written: dict[str, dict[int, torch.Tensor]] = {}
+        self.read: dict[str, dict[int, torch.Tensor]] = {}
+        self._lane: str | None = None
+
+    @contextmanager
+    def fork(self, t: torch.Tensor, lane: str = "layer") -> Iterator[None]:
+        self.log.append(("fork", lane))
+        self._lane = lane
+        try:
+            yield
+        finally:
+            self._lane = None
+
+    def join(self, t: torch.Tensor, lane: str = "layer") -> None:
+        self.log.append(("join", lane))
+        self.written.pop(lane, None)
+        self.read.pop(lane, None)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        schema = func._schema
+        ins = list(args) + list(kwargs.values())
+        writes = [a for arg, a in zip(schema.arguments, args) if arg.alias_info is not None and arg.alias_info.is_write]
+        out = func(*args, **kwargs)
+        outs = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, torch.Tensor)]
+        lane = self._lane
+        if lane is None:
+            for other, done in self.written.items():
+                hit = set(_storages(ins)) & done.keys()
+                if hit:
+                    self.violations.append(f"{func} reads what lane {other} wrote before its join")
+            for other, seen in self.read.items():
+                if set(_storages(writes)) & seen.keys():
+                    self.violations.append(f"{func} writes what lane {other} reads before its join")
+        else:
+            # an output that shares an input's storage (a view, or `.to` / `.float()` of what already matches) is
+            # not a write; the in-place arguments are
+            fresh = [t for t in outs if not set(_storages(t)) & set(_storages(ins))]
+            for t in [*fresh, *writes]:
+                for p in _storages(t):
+                    self.written.setdefault(lane, {})[p] = t
+            for t in ins:
+                if isinstance(t, torch.Tensor):
+                    for p in _storages(t):
+                        self.read.setdefault(lane, {})[p] = t
+        return out
+
+
+def _forward_logs(monkeypatch: pytest.MonkeyPatch) -> tuple[list[_Recorder], LLMEngine]:
+    """Run the golden V4.1 engine through several decode steps; one recorder per decode forward."""
+    recs: list[_Recorder] = []
+    real = deepseek_v41.DeepseekV41ForCausalLM.forward_decode
+
+    def recorded(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        rec = _Recorder()
+        monkeypatch.setattr(SIDE, "fork", rec.fork)
+        monkeypatch.setattr(SIDE, "join", rec.join)
+        with rec:
+            out = real(self, *args, **kwargs)
+        recs.append(rec)
+        return out
+    monkeypatch.setattr(deepseek_v41.DeepseekV41ForCausalLM, "forward_decode", recorded)
+    eng = LLMEngine.from_args(GOLDEN, max_model_len=96, max_num_seqs=4, load_tokenizer=False)
+    for i, n in enumerate((13, 5, 30)):
+        ids = torch.randint(3, 280, (n,), generator=torch.Generator().manual_seed(i)).tolist()
+        eng.add_request(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), request_id=str(i))
+    while eng.has_unfinished_requests():
+        eng.step()
+    return recs, eng
+
+
+def test_every_fork_is_joined_in_its_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    recs, eng = _forward_logs(monkeypatch)
+    assert len(recs) >= 7  # decode steps went through forward_decode
+    logs = [rec.log for rec in recs]
+    cfg = eng.config.model
+    layers = eng.runner.model.model.layers
+    n_engram = sum(hasattr(layer, "engram") for layer in layers)
+    assert n_engram > 0
+    for log in logs:
+        open_lanes: dict[str, int] = {}
+        for kind, lane in log:
+            if kind == "fork":
+                open_lanes[lane] = open_lanes.get(lane, 0) + 1
+            else:
+                assert open_lanes.get(lane, 0) > 0, f"join of lane {lane} without a fork before it: {log}"
+                open_lanes[lane] = 0
+        assert not any(open_lanes.values()), f"forks left unjoined at the end of the forward: {open_lanes}"
+        forks = [lane for kind, lane in log if kind == "fork"]
+        # one engram fork; per layer: the attention's two (publish, picks) and the shared expert's one
+        assert forks.count("engram") == 1
+        assert forks.count("layer") == 3 * cfg.num_hidden_layers
+        assert [k for k, lane in log if lane == "engram"] == ["fork"] + ["join"] * n_engram
+
+
+def test_the_main_chain_waits_for_what_forks_touch(monkeypatch: pytest.MonkeyPatch) -> None:
+    recs, _ = _forward_logs(monkeypatch)
+    assert recs and all(not rec.violations for rec in recs), recs[0].violations[:5]
+    # the check sees the forks' work: each forward's forks wrote something the main chain read after a join
+    assert all(any(kind == "join" for kind, _ in rec.log) for rec in recs)
+
+
+def test_side_stream_is_inline_off_the_gpu() -> None:
+    """Switched on, forks still run inline on CPU tensors (no CUDA stream is ever made)."""
+    was = SIDE.enabled
+    SIDE.enabled = True
+    try:
+        t = torch.zeros(3)
+        assert not SIDE.active(t)
+        with SIDE.fork(t, lane="x"):
+            t += 1
+        SIDE.join(t, lane="x")
+        assert t.tolist() == [1.0, 1.0, 1.0] and not SIDE._streams
+    finally:
+        SIDE.enabled = was
