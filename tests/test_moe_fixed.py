@@ -136,7 +136,7 @@ def test_join_comes_before_the_shared_output_is_read(T: int, k: int, E: int, wor
         pending = torch.full_like(shared, float("nan"))
         calls = []
 
-        def join(dst: torch.Tensor = pending, src: torch.Tensor = part_shared) -> None:
+        def join(dst: torch.Tensor = pending, src: torch.Tensor = part_shared, calls: list = calls) -> None:
             calls.append(1)
             dst.copy_(src)
         part = moe_output(x, weights, idx, gate_up[rank * n:(rank + 1) * n], down[rank * n:(rank + 1) * n], 1.5,

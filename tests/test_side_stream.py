@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-
 from typing import Any
 
 import pytest
@@ -96,7 +95,7 @@ def _forward_logs(monkeypatch: pytest.MonkeyPatch) -> tuple[list[_Recorder], LLM
     recs: list[_Recorder] = []
     real = deepseek_v41.DeepseekV41ForCausalLM.forward_decode
 
-    def recorded(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+    def recorded(self, *args, **kwargs):
         rec = _Recorder()
         monkeypatch.setattr(SIDE, "fork", rec.fork)
         monkeypatch.setattr(SIDE, "join", rec.join)
