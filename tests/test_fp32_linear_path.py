@@ -17,14 +17,16 @@ def with_mm(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_default_rule() -> None:
-    assert fl.MM_FROM_ROWS == fl.DECODE_ROWS + 1  # the default changes nothing below DECODE_ROWS rows
+    assert fl.MM_FROM_ROWS == 8  # timed default: 8+ 16-bit rows take the GEMM (results/2026-12-06-h100-decode-optins)
     D = fl.DECODE_ROWS
-    assert [fl.path(r, True, True) for r in (0, 1, D, D + 1, 10_000)] == ["triton"] * 3 + ["mm"] * 2
+    assert [fl.path(r, True, True) for r in (0, 1, 7, 8, D, D + 1, 10_000)] == ["triton"] * 3 + ["mm"] * 4
     assert [fl.path(r, True, False) for r in (1, D, D + 1)] == ["triton", "triton", "torch"]
     assert {fl.path(r, False, h) for r in (1, D + 1) for h in (False, True)} == {"torch"}
 
 
 def test_mm_from_fewer_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fl, "MM_FROM_ROWS", fl.DECODE_ROWS + 1)  # DSV4_FP32_LINEAR_MM_ROWS=65: the kernel to 64 rows
+    assert [fl.path(r, True, True) for r in (1, 8, 64, 65)] == ["triton", "triton", "triton", "mm"]
     monkeypatch.setattr(fl, "MM_FROM_ROWS", 8)
     assert [fl.path(r, True, True) for r in (1, 7, 8, 64, 65)] == ["triton", "triton", "mm", "mm", "mm"]
     assert [fl.path(r, True, False) for r in (7, 8, 64, 65)] == ["triton", "triton", "triton", "torch"]

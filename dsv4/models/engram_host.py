@@ -16,6 +16,7 @@ The choice and its numbers go to the start-up log. Ranks of a tensor-parallel gr
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import mmap
 from typing import TYPE_CHECKING
@@ -110,5 +111,22 @@ def register_host_memory(t: torch.Tensor) -> None:
     flags = _REGISTER_PORTABLE | _REGISTER_MAPPED | _REGISTER_READ_ONLY
     err = torch.cuda.cudart().cudaHostRegister(start, size, flags)
     if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {size / _GIB:.2f} GiB of engram table failed ({err}); the host may "
-                           "lack the memory to lock it (ulimit -l, or the table is larger than RAM)")
+        _clear_last_cuda_error()
+        raise RuntimeError(f"cudaHostRegister of {size / _GIB:.2f} GiB of engram table failed (CUDA error "
+                           f"{int(err)}): its pages overlap memory registered before (712: e.g. an earlier engine's "
+                           "map of the same file in this process), or the host lacks the memory to lock it "
+                           "(ulimit -l, or the table is larger than RAM)")
+
+
+def _clear_last_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed call: the next kernel launch's check would otherwise
+    report it as its own (measured: a failed registration raised in an unrelated linear layer's launch).
+    torch exposes no cudaGetLastError, so it is called in the libcudart this process loaded (no-op if none is
+    found, e.g. a runtime linked statically)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    except OSError:
+        return
+    for path in sorted(paths):
+        ctypes.CDLL(path).cudaGetLastError()

@@ -89,15 +89,16 @@ ROWS_MIN_HALF_D = 32  # value columns are halved from D 64 on (a dot's K is at l
 # takes 0.47-0.67x the split kernel's time (window; window + 512; window + 128 table entries), at 32 rows 0.83-1.28x
 ROWS_MIN_ROWS_PER_SM = 3 / 8
 ROWS_KERNEL = os.environ.get("DSV4_ROWS_ATTENTION", "1") == "1"  # 0: the split kernel at every size (comparisons)
-# Key splits of the rows kernel for decode batches (DSV4_ROWS_SPLITS=1; opt-in until timed). A program's time is
+# Key splits of the rows kernel for decode batches (default; DSV4_ROWS_SPLITS=0: one walk). A program's time is
 # its walk over the row's keys, one tile after another: 86 us for window + 512 keys at 16, 32 and 64 rows alike on
 # an H100 (results/2026-12-05-h100-rows-attention), and 96-124 us a layer in a batch-64 decode step of
 # V4.1-Flash-8l (0.81 of a 7.3 ms replay, results/2026-12-06-h100-decode-b64-splits), where 64 rows x 2 value
 # halves are 128 programs for 132 SMs with room for 2 each. Splitting the keys gives each program a share of the
 # walk; the partials (max, sum, unnormalised values: fp32) go through the split kernel's workspace and merge.
 # Splits are added while the programs stay under ROWS_SPLIT_PROGRAMS_PER_SM per SM, one per ROWS_MIN_SPLIT_KEYS
-# keys at most; each split takes an equal share of each source's keys.
-ROWS_SPLITS = os.environ.get("DSV4_ROWS_SPLITS", "0") == "1"
+# keys at most; each split takes an equal share of each source's keys. Timed (2026-12-06-h100-decode-optins): the batch-64 replay
+# 7.19 -> 6.97 ms on an H100.
+ROWS_SPLITS = os.environ.get("DSV4_ROWS_SPLITS", "1") == "1"
 ROWS_SPLIT_PROGRAMS_PER_SM = 2
 ROWS_MIN_SPLIT_KEYS = 64
 

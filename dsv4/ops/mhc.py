@@ -50,12 +50,12 @@ _ROWS_BLOCK_T, _ROWS_BLOCK_K = 64, 64  # rows a program, columns a step
 # step); splits make row blocks x splits fill the SMs, and a second launch adds the splits' sums in order. Timed in
 # 2026-12-06-h100-decode-b64-splits: 131 -> 16 us a call at 64 rows; the batch-64 decode replay 9.56 -> 7.29 ms.
 ROWS_SPLIT_K = os.environ.get("DSV4_MHC_ROWS_SPLIT_K", "1") == "1"
-# The splits' sums added as one [splits, rows, 32] tile a program of 8 rows (DSV4_MHC_SUM_TILE=1; opt-in until
-# timed) instead of a loop over the splits a program of 64 rows: at a batch-64 decode step that loop is one program
+# The splits' sums added as one [splits, rows, 32] tile a program of 8 rows (default; DSV4_MHC_SUM_TILE=0: the
+# loop) instead of a loop over the splits a program of 64 rows: at a batch-64 decode step that loop is one program
 # walking 20 dependent loads, 8.5 us a call against ~1 us of data, 16 calls a step of V4.1-Flash-8l on an H100
 # (2026-12-06-h100-decode-b64-splits, b64-both-on.log). The tile's sum over the splits is a tree, not split order:
-# the same fp32 bound.
-SUM_TILE = os.environ.get("DSV4_MHC_SUM_TILE", "0") == "1"
+# the same fp32 bound. Timed (2026-12-06-h100-decode-optins): the batch-64 replay 7.19 -> 7.10 ms on an H100.
+SUM_TILE = os.environ.get("DSV4_MHC_SUM_TILE", "1") == "1"
 _SUM_TILE_T = 8
 _ROWS_MIN_SPLIT_COLS = 1024
 
