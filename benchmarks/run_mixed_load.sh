@@ -37,6 +37,8 @@
 #   decode64  not a server: benchmarks/profile_graph.py at batch 64 (the decode-only step of this load: ~10.6 ms of
 #             ITL on an H100, ~41% of its stored-bytes floor, half of TPOT; 7.2 ms replay / 8.2 ms ITL since the
 #             mHC splits, 2026-12-06-h100-decode-b64-splits), its kernels and timeline
+#   latency   `dsv4 bench latency` at batch $BATCHES (default "1 32"), 512 in / 64 out, FULL graphs + async: issue 24's
+#             decode-step points (the step against the floor)
 #   decode1   decode64 at batch 1 (issue 24's 75%-of-floor point: where a batch-1 replay's time goes beyond the
 #             weights' bytes; with DSV4_ENGRAM_HASH_KERNEL=1 set before the call, the hash's share)
 #   optins64  not a server: decode64 (replay and engine step, no timeline) with each untimed opt-in of the
@@ -135,6 +137,16 @@ part_syncs() {
 part_warmup() {
   gpu_pytest 300 warm_up_gpu.log tests/gpu/test_warm_up_gpu.py -x
   grep -E "compiles after start-up" "$out/warm_up_gpu.log" | cut -c1-1500 | head -3
+}
+
+part_latency() {
+  make_preset $p
+  local b
+  for b in ${BATCHES:-1 32}; do
+    timeout 150 python3 -m dsv4.cli bench latency --model /tmp/$p --batch-size $b --input-len 512 --output-len 64 \
+      --num-iters 3 --max-model-len 4096 --output-json "$out/lat-b$b.json" > "$out/lat-b$b.log" 2>&1
+    summary "bench latency b$b" $? "$out/lat-b$b.log" "decode step|floor|Error"
+  done
 }
 
 part_decode1() {

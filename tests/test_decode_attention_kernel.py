@@ -181,11 +181,13 @@ def test_rows_kernel_matches_reference() -> None:
     # the default: the rows kernel from rows x head blocks >= 3/8 of the SMs (132 SMs, 64 heads: 50 rows)
     assert not use_rows_kernel(32, 64, 132) and not use_rows_kernel(49, 64, 132)
     assert use_rows_kernel(50, 64, 132) and use_rows_kernel(64, 64, 132) and use_rows_kernel(25, 128, 132)
-    # the rows kernel's split rule (ROWS_SPLITS on): at 64 rows of 64 heads (128 programs for 132 SMs, 2 each) two
-    # splits, each half the window and half the 512 keys; none once the programs fill the SMs, none on few keys,
-    # none when off; shares rounded up to 16-key tiles
+    # the rows kernel's split rule (ROWS_SPLITS, the default): at 64 rows of 64 heads (128 programs for 132 SMs, 2
+    # each) two splits, each half the window and half the 512 keys; none once the programs fill the SMs, none on
+    # few keys, none when off; shares rounded up to 16-key tiles
     from dsv4.ops import decode_attention as da
-    assert rows_splits(64, 64, [128, 512], 132, True) == (1, [128, 512])  # off by default
+    assert da.ROWS_SPLITS  # on by default since timed (results/2026-12-06-h100-decode-optins)
+    da.ROWS_SPLITS = False  # DSV4_ROWS_SPLITS=0
+    assert rows_splits(64, 64, [128, 512], 132, True) == (1, [128, 512])
     da.ROWS_SPLITS = True
     assert rows_splits(64, 64, [128, 512], 132, True) == (2, [64, 256])
     assert rows_splits(50, 64, [128, 512], 132, True) == (2, [64, 256])
