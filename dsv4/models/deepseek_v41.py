@@ -363,8 +363,9 @@ class AttentionV41(nn.Module):
         cache = caches[self.layer]
         cos, sin = self.rope(dmd.positions)
         # The compressor's publish (from x) and the picks (the indexer's queries from x and qr, its selection over
-        # the published keys) do not read the queries or the window: they may run on a side stream beside the
-        # query projection and the window write (SIDE; inline, in this order, unless switched on).
+        # the published keys) do not read the queries or the window: they run on a side stream beside the query
+        # projection and the window write (SIDE; inline, in this order, off the GPU or with it switched off). Both
+        # forks are joined below, before the attention reads the picks.
         with SIDE.fork(x):
             if self.is_kv_source:
                 self._publish_decode(x, dmd, cache)
@@ -553,8 +554,8 @@ class MoEV41(nn.Module):
     def forward(self, x: torch.Tensor, is_image: torch.Tensor, fixed: bool = False) -> torch.Tensor:
         """fixed: shapes fixed by the batch and no host sync (captured decode steps), see `moe_output`."""
         se = self.shared_experts
-        # a captured decode step's shared expert may run on a side stream beside the router and the routed
-        # products (SIDE; inline unless switched on), joined just before the sum reads it
+        # a captured decode step's shared expert runs on a side stream beside the router and the routed products
+        # (SIDE; inline off the GPU or with it switched off), joined just before the sum reads it
         with SIDE.fork(x) if fixed else contextlib.nullcontext():
             gate, up = project(se, x, "w1", "w3")  # one product once merged (dsv4.models.layers.merged)
             shared = se.w2(swiglu(gate, up, self.limit, fp32=True))
@@ -708,12 +709,16 @@ class DeepseekV41ForCausalLM(nn.Module):
         pre = torch.zeros(h.shape[0], cfg.hc_mult, dtype=torch.float32, device=h.device)
         pre[:, 0] = 1.0
         step = StepState()
-        # Engram's hash and table rows read only the tokens: all its layers' rows may be gathered on a lane of
-        # their own from the start (SIDE; inline unless switched on), joined at the first layer that reads them
-        with SIDE.fork(h, lane="engram"):
-            embs = {i: self._engram_rows(i, input_ids, is_image, dmd.query_start_loc, dmd.num_padded // dmd.query_len,
-                                         lookback_token_ids, h.dtype, h.device)
-                    for i, layer in enumerate(self.model.layers) if hasattr(layer, "engram")}
+        # Engram's hash and table rows read only the tokens: all its layers' rows are gathered on a lane of their
+        # own from the start (SIDE), joined at each layer that reads them. No engram layer, no fork: a fork that is
+        # never joined would leave its stream unjoined at the end of a graph capture.
+        engram_layers = [i for i, layer in enumerate(self.model.layers) if hasattr(layer, "engram")]
+        embs: dict[int, torch.Tensor] = {}
+        if engram_layers:
+            with SIDE.fork(h, lane="engram"):
+                embs = {i: self._engram_rows(i, input_ids, is_image, dmd.query_start_loc,
+                                             dmd.num_padded // dmd.query_len, lookback_token_ids, h.dtype, h.device)
+                        for i in engram_layers}
         for i, layer in enumerate(self.model.layers):
             if i in embs:
                 SIDE.join(h, lane="engram")

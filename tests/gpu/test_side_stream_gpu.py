@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 from dsv4.engine.engine import LLMEngine
+from dsv4.make_model import make_model
 from dsv4.models.layers.side_stream import SIDE
 from dsv4.sampling_params import SamplingParams
 
@@ -45,17 +47,22 @@ def test_golden_greedy_with_side_stream(side_on: None, eager: bool) -> None:
         assert eng.runner.graphs.enabled
 
 
-@pytest.mark.parametrize("batch", [1, 3, 8])
-def test_bf16_batch_same_tokens_on_and_off(monkeypatch: pytest.MonkeyPatch, batch: int) -> None:
+@pytest.mark.parametrize("batch,preset", [(1, None), (3, None), (8, None), (3, "tiny-v41-noengram")])
+def test_bf16_batch_same_tokens_on_and_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, batch: int,
+                                           preset: str | None) -> None:
     """bf16, several requests of different lengths: the forks change where work runs, not what it computes, so
-    the greedy tokens are the same as the inline forward's, token for token."""
+    the greedy tokens are the same as the inline forward's, token for token. Also a V4.1 model without engram (no
+    engram fork: a fork left unjoined would fail the graph capture)."""
+    path = GOLDEN if preset is None else make_model(preset, str(tmp_path / preset), seed=0)
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(10, 200, (int(n),), generator=g).tolist()
                for n in torch.randint(5, 60, (batch,), generator=g)]
     runs = []
     for on in (False, True):
         monkeypatch.setattr(SIDE, "enabled", on)
-        eng = LLMEngine.from_args(GOLDEN, device="cuda", dtype="bfloat16", max_model_len=160, max_num_seqs=8)
+        eng = LLMEngine.from_args(path, device="cuda", dtype="bfloat16", max_model_len=160, max_num_seqs=8,
+                                  load_tokenizer=preset is None)
+        assert eng.runner.graphs.enabled
         runs.append(_greedy(eng, prompts, 24))
         del eng
         torch.cuda.empty_cache()
