@@ -88,7 +88,12 @@ class _DebugGraph(torch.cuda.CUDAGraph):
     """A CUDAGraph that keeps its graph description after instantiation, so that it can be dumped."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        # torch 2.11 on the H100 (2026-12-06): with debug mode alone `debug_dump` wrote no file. keep_graph (newer
+        # torch) keeps the captured cudaGraph_t past instantiation, which the dump reads.
+        try:
+            super().__init__(*args, keep_graph=True, **kwargs)
+        except TypeError:
+            super().__init__(*args, **kwargs)
         self.enable_debug_mode()
 
 
@@ -168,7 +173,7 @@ def run(model: str, backend: str, batch: int, steps: int, profile: bool, trace: 
         fwd = eng.runner.graphs.graphs
         path = os.path.join(dump, f"{backend.replace(':', '-').replace(',', '-')}-b{batch}.dot")
         fwd[next(iter(fwd))][0].debug_dump(path)
-        out["dot"] = path
+        out["dot"] = path if os.path.exists(path) else f"not written: {path}"
     del eng
     torch.cuda.empty_cache()
     return out

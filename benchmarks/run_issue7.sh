@@ -27,7 +27,7 @@ part_variants() {
   for v in ${VARIANTS:-default default:sidestream latency_specialized latency_specialized:serial \
            latency_specialized:nostage latency_specialized:serial,nostage default}; do
     timeout 120 python3 benchmarks/metadata_host.py /tmp/$p --batch 1 --steps 60 --backends $v ${DUMP:+--dump $out/dot} 2>&1 \
-      | grep "^{" | tee -a "$out/variants.log"
+      | grep -E "^\{|debug|Debug|DEBUG" | tee -a "$out/variants.log"
   done
 }
 
