@@ -14,8 +14,8 @@ makes the current stream wait for everything the side stream has enqueued so far
 on the current stream where it stands, so the results are the same values in the same order of dependent work.
 
 Memory: a tensor the side stream allocates goes back to the side stream's blocks when freed, and the side stream
-reuses them only after its next fork's wait, i.e. after every main-stream kernel enqueued before that fork (the
-consumers). A main-stream tensor the side stream reads must stay referenced until the main stream has joined,
+allocates again only inside a fork, after that fork's wait, i.e. after every main-stream kernel enqueued before it
+(the consumers of what it made before). A main-stream tensor the side stream reads must stay referenced until the main stream has joined,
 which every caller here does by holding it to the end of the forward that forks.
 """
 
@@ -27,8 +27,8 @@ from contextlib import contextmanager
 
 import torch
 
-# Timed (2026-12-06-h100-decode-optins, H100, V4.1-Flash-8l): the batch-1 replay 3.377 -> 3.317 ms, batch 64 unchanged (7.19 / 7.20 ms):
-# at 64 rows the products fill the GPU and the forked chains only queue beside them.
+# Timed (2026-12-06-h100-decode-optins, H100, V4.1-Flash-8l): the batch-1 replay 3.377 -> 3.317 ms, batch 64
+# unchanged (7.19 / 7.20 ms): at 64 rows the products fill the GPU and the forked chains only queue beside them.
 ENABLED = os.environ.get("DSV4_DECODE_SIDE_STREAM", "1") == "1"
 
 
