@@ -152,12 +152,13 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     cudagraph_capture_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, ... up to max_num_seqs
     gpu_memory_utilization: float = 0.9  # CUDA: the share of the GPU the engine may use (weights, steps, KV)
-    # Vision-encoder CUDA graphs: opt-in until they have been run on a GPU (and their attention no longer builds
-    # an O(rows^2) mask over the whole padded budget)
+    # Vision-encoder CUDA graphs: opt-in. On an H100 they win only for small images (one 544x544 image 2.08x) and
+    # tie eager elsewhere (calls above 768 span tokens run eagerly; the others are device-bound):
+    # benchmarks/results/2026-12-06-h100-encoder-graphs-eager-above
     encoder_cudagraphs: bool = False
     # prefill / mixed steps: the token-wise pieces of each layer as CUDA graphs per padded token count, the parts
-    # that follow the step's layout eager between them (dsv4.runtime.piecewise_graphs; V4.1, one GPU); opt-in
-    # until timed on a GPU
+    # that follow the step's layout eager between them (dsv4.runtime.piecewise_graphs; V4.1, one GPU); opt-in:
+    # served load within 1% of the base on an H100 (benchmarks/results/2026-12-06-h100-mixed-load-warm-up)
     piecewise_cudagraphs: bool = False
     # torch.compile the fixed-shape decode forward before its graphs are captured (fuses the small elementwise
     # ops between the Triton kernels and GEMMs); CUDA only, opt-in: compiling costs minutes at start-up
