@@ -371,3 +371,25 @@ def test_engram_module_loads_golden_weights() -> None:
         sd = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix) and ".embed." not in k}
     mod = Engram(4, 64, (3 - 1) * 2 * 32, eps=1e-20)
     mod.load_state_dict(sd, strict=True)
+
+
+def test_failed_registration_clears_the_cuda_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed cudaHostRegister (e.g. 712: pages registered before by an earlier engine's map in this process)
+    raises one error naming the code, and clears the runtime's last error first (left set, the next unrelated
+    kernel launch's check raised it: seen on an H100, 2026-12-06); the clear is a no-op without a libcudart."""
+    from dsv4.models import engram_host
+
+    class FakeCudart:
+        def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+            return 712
+
+    cleared = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart())
+    monkeypatch.setattr(engram_host, "_clear_last_cuda_error", lambda: cleared.append(1))
+    with pytest.raises(RuntimeError, match="CUDA error 712"):
+        engram_host.register_host_memory(torch.zeros(4096, dtype=torch.uint8))
+    assert cleared == [1]
+    engram_host.register_host_memory(torch.zeros(0, dtype=torch.uint8))  # nothing to register: no call at all
+    assert cleared == [1]
+    monkeypatch.undo()
+    engram_host._clear_last_cuda_error()  # this CPU process loaded no libcudart: returns quietly
