@@ -40,20 +40,17 @@
 #   latency   `dsv4 bench latency` at batch $BATCHES (default "1 32"), 512 in / 64 out, FULL graphs + async: issue 24's
 #             decode-step points (the step against the floor)
 #   decode1   decode64 at batch 1 (issue 24's 75%-of-floor point: where a batch-1 replay's time goes beyond the
-#             weights' bytes; with DSV4_ENGRAM_HASH_KERNEL=1 set before the call, the hash's share)
-#   optins64  not a server: decode64 (replay and engine step, no timeline) with each untimed opt-in of the
-#             batch-64 step, then all five; `optinstests`: the rows kernel's key splits against the whole walk at
-#             16-128 rows (benchmarks/rows_attention_bench.py --row-splits 2,4), then the GPU tests that run
-#             them (tests/gpu -k "moe or fp32 or attention or engram or mhc or engine_cuda or golden") with all on:
-#             DSV4_MOE_TOKEN_MAJOR=1 (the every-expert MoE path's rows in token order, two copies a layer fewer,
-#             dsv4/models/layers/moe.py), DSV4_FP32_LINEAR_MM_ROWS=8 (V4.1's fp32 linears as one tensor-core GEMM
-#             from 8 rows, dsv4/ops/fp32_linear.py), DSV4_ROWS_SPLITS=1 (the rows kernel's keys in 2 splits at
-#             batch 64, dsv4/ops/decode_attention.py), DSV4_ENGRAM_HASH_KERNEL=1 (Engram's n-gram hash in one launch,
-#             not ~43, dsv4/ops/engram_hash.py), DSV4_MHC_SUM_TILE=1 (mHC's split sums as one tile, 8 rows a
-#             program, dsv4/ops/mhc.py); all built 2026-12-06; predicted together ~-0.75 ms of the 7.2 ms replay on
-#             an H100 (-0.2, -0.1, -0.3, -0.06, -0.1; the Engram one at batch 1 too); DSV4_DECODE_SIDE_STREAM=1
-#             (compressor / picks / shared expert forked onto a side stream, dsv4/models/layers/side_stream.py)
-#             at batch 64 alone and, after its GPU test, at batch 1
+#             weights' bytes; a switch set before the call, e.g. DSV4_DECODE_SIDE_STREAM=0, times the step without it)
+#   switches  not a server: decode64 (replay and engine step, no timeline) on the defaults, with each decode switch
+#             of the batch-64 step turned off, and with all of them off; then batch 1 on the defaults and with the
+#             side stream off. The switches (on by default since results/2026-12-06-h100-decode-optins, which ran
+#             this as `optins64` with them off by default): DSV4_MOE_TOKEN_MAJOR (the every-expert MoE path's rows
+#             in token order), DSV4_FP32_LINEAR_MM_ROWS (65: the fp32 linears' Triton kernel up to 64 rows),
+#             DSV4_ROWS_SPLITS (the rows kernel's keys in splits), DSV4_ENGRAM_HASH_KERNEL (Engram's hash in one
+#             launch), DSV4_MHC_SUM_TILE (mHC's split sums as one tile), DSV4_DECODE_SIDE_STREAM (independent
+#             chains of a decode forward on side streams)
+#   rowsplits not a server: the rows kernel's key splits against the whole walk at 16-128 rows
+#             (benchmarks/rows_attention_bench.py --row-splits 2,4)
 #   kernels   not a server: kernels of the mixed step far off their floor, by their opt-in variants:
 #             benchmarks/mhc_rows_splits.py (mHC's rows projection by column splits, DSV4_MHC_ROWS_SPLIT_K),
 #             benchmarks/rope_inplace_forms.py (the in-place rope's pairs strided or contiguous, DSV4_ROPE_VEC),
@@ -161,33 +158,28 @@ part_decode64() {
   echo "profile batch 64 (rc $?):"; grep -E "step|replay|of floor" "$out/decode_b64.log" | head -12
 }
 
-optins_all="DSV4_MOE_TOKEN_MAJOR=1 DSV4_FP32_LINEAR_MM_ROWS=8 DSV4_ROWS_SPLITS=1 DSV4_ENGRAM_HASH_KERNEL=1"
-optins_all="$optins_all DSV4_MHC_SUM_TILE=1"
+switches_off="DSV4_MOE_TOKEN_MAJOR=0 DSV4_FP32_LINEAR_MM_ROWS=65 DSV4_ROWS_SPLITS=0 DSV4_ENGRAM_HASH_KERNEL=0"
+switches_off="$switches_off DSV4_MHC_SUM_TILE=0 DSV4_DECODE_SIDE_STREAM=0"
 
-part_optins64() {
+part_switches() {
   make_preset $p
-  local v all=$optins_all
-  for v in none DSV4_MOE_TOKEN_MAJOR=1 DSV4_FP32_LINEAR_MM_ROWS=8 DSV4_ROWS_SPLITS=1 DSV4_ENGRAM_HASH_KERNEL=1 \
-      DSV4_MHC_SUM_TILE=1 DSV4_DECODE_SIDE_STREAM=1 "$all"; do
-    local tag; tag=$(echo "$v" | tr " =" "+-")
-    env ${v/none/} timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 64 20 > "$out/decode_b64-$tag.log" 2>&1
+  local v tag
+  for v in defaults $switches_off "$switches_off"; do
+    tag=$(echo "$v" | tr "=" "-"); [[ "$v" == *" "* ]] && tag=all-off
+    env ${v/defaults/} timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 64 20 > "$out/decode_b64-$tag.log" 2>&1
     echo "profile batch 64, $v (rc $?):"; grep -E "replay alone|engine step \(" "$out/decode_b64-$tag.log"
   done
-  gpu_pytest 200 side_stream_gpu.log tests/gpu/test_side_stream_gpu.py
-  for v in none DSV4_DECODE_SIDE_STREAM=1; do
-    local tag; tag=$(echo "$v" | tr " =" "+-")
-    env ${v/none/} timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 1 20 > "$out/decode_b1-$tag.log" 2>&1
+  for v in defaults DSV4_DECODE_SIDE_STREAM=0; do
+    tag=$(echo "$v" | tr "=" "-")
+    env ${v/defaults/} timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 1 20 > "$out/decode_b1-$tag.log" 2>&1
     echo "profile batch 1, $v (rc $?):"; grep -E "replay alone|engine step \(" "$out/decode_b1-$tag.log"
   done
 }
 
-part_optinstests() {
+part_rowsplits() {
   timeout 200 python3 -u benchmarks/rows_attention_bench.py --rows 16,32,64,128 --row-splits 2,4 \
     --json "$out/rows_splits.json" > "$out/rows_splits.log" 2>&1
   echo "rows_attention_bench --row-splits 2,4 (rc $?):"; tail -12 "$out/rows_splits.log"
-  env $optins_all timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu -k \
-    "moe or fp32 or attention or engram or mhc or engine_cuda or golden" -x > "$out/optins64_gpu.log" 2>&1
-  tail -3 "$out/optins64_gpu.log"
 }
 
 part_kernels() {

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_runs import run_to_completion
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4.engine.engine import LLMEngine
@@ -108,11 +109,9 @@ def _forward_logs(monkeypatch: pytest.MonkeyPatch, path: str = GOLDEN) -> tuple[
         return out
     monkeypatch.setattr(deepseek_v41.DeepseekV41ForCausalLM, "forward_decode", recorded)
     eng = LLMEngine.from_args(path, max_model_len=96, max_num_seqs=4, load_tokenizer=False)
-    for i, n in enumerate((13, 5, 30)):
-        ids = torch.randint(3, 280, (n,), generator=torch.Generator().manual_seed(i)).tolist()
-        eng.add_request(ids, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), request_id=str(i))
-    while eng.has_unfinished_requests():
-        eng.step()
+    prompts = {str(i): torch.randint(3, 280, (n,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i, n in enumerate((13, 5, 30))}
+    run_to_completion(eng, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     return recs, eng
 
 

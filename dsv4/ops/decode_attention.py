@@ -96,8 +96,8 @@ ROWS_KERNEL = os.environ.get("DSV4_ROWS_ATTENTION", "1") == "1"  # 0: the split 
 # halves are 128 programs for 132 SMs with room for 2 each. Splitting the keys gives each program a share of the
 # walk; the partials (max, sum, unnormalised values: fp32) go through the split kernel's workspace and merge.
 # Splits are added while the programs stay under ROWS_SPLIT_PROGRAMS_PER_SM per SM, one per ROWS_MIN_SPLIT_KEYS
-# keys at most; each split takes an equal share of each source's keys. Timed (2026-12-06-h100-decode-optins): the batch-64 replay
-# 7.19 -> 6.97 ms on an H100.
+# keys at most; each split takes an equal share of each source's keys. Timed (2026-12-06-h100-decode-optins):
+# the batch-64 replay 7.19 -> 6.97 ms on an H100.
 ROWS_SPLITS = os.environ.get("DSV4_ROWS_SPLITS", "1") == "1"
 ROWS_SPLIT_PROGRAMS_PER_SM = 2
 ROWS_MIN_SPLIT_KEYS = 64

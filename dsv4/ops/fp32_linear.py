@@ -47,8 +47,9 @@ MM_PREFILL = os.environ.get("DSV4_FP32_LINEAR_MM", "1") == "1" and "dtype" in to
 # weight for every row (from L2), so its time grows with the rows: 37-49 us at 64 rows of V4.1's [384 / 512, 5120]
 # weights on an H100 against a ~1.2-1.6 us byte floor (2026-12-06-h100-fp32-linear-tiles; two such calls a batch-64
 # decode step of V4.1-Flash-8l took 50 + 61 us, 2026-12-06-h100-decode-b64-splits). The GEMM reads it once for all
-# rows. Default 8: 8+ rows take the GEMM (the batch-64 decode replay 7.19 -> 7.14 ms on an H100, 2026-12-06-h100-decode-optins);
-# DSV4_FP32_LINEAR_MM_ROWS=65 keeps the kernel up to 64 rows (`benchmarks/fp32_linear_blocks.py` has its column).
+# rows. Default 8: 8+ rows take the GEMM (the batch-64 decode replay 7.19 -> 7.14 ms on an H100,
+# 2026-12-06-h100-decode-optins); DSV4_FP32_LINEAR_MM_ROWS=65 keeps the kernel up to 64 rows
+# (`benchmarks/fp32_linear_blocks.py` has its column).
 MM_FROM_ROWS = int(os.environ.get("DSV4_FP32_LINEAR_MM_ROWS", "8"))
 
 

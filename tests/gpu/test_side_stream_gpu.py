@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_runs import run_to_completion
 
 from dsv4.engine.engine import LLMEngine
 from dsv4.make_model import make_model
@@ -19,14 +20,8 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "..", "data", "deepseek-v41-tin
 
 
 def _greedy(eng: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
-    for i, ids in enumerate(prompts):
-        eng.add_request(ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), request_id=str(i))
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return done
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return run_to_completion(eng, {str(i): ids for i, ids in enumerate(prompts)}, params)
 
 
 @pytest.fixture

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 # into expert-major rows (8 MB at batch 64 on V4.1-Flash-8l, ~13 us), and the [E, T, D] down output was cast to
 # fp32 as a whole before the sum over experts (16 MB, ~9.5 us); 2026-12-06-h100-decode-b64-splits's timeline.
 # Token-major: one F.linear on gate_up viewed [E*2I, D], routing weights wmat [T, E] flat as they lie, the down bmm
-# over a transposed view of h, and the sum over experts accumulated in fp32 from bf16. Timed (2026-12-06-h100-decode-optins): the
-# batch-64 replay 7.19 -> 6.88 ms on an H100.
+# over a transposed view of h, and the sum over experts accumulated in fp32 from bf16. Timed
+# (2026-12-06-h100-decode-optins): the batch-64 replay 7.19 -> 6.88 ms on an H100.
 MOE_TOKEN_MAJOR = os.environ.get("DSV4_MOE_TOKEN_MAJOR", "1") == "1"
 
 

@@ -15,8 +15,8 @@ on the current stream where it stands, so the results are the same values in the
 
 Memory: a tensor the side stream allocates goes back to the side stream's blocks when freed, and the side stream
 allocates again only inside a fork, after that fork's wait, i.e. after every main-stream kernel enqueued before it
-(the consumers of what it made before). A main-stream tensor the side stream reads must stay referenced until the main stream has joined,
-which every caller here does by holding it to the end of the forward that forks.
+(the consumers of what it made before). A main-stream tensor the side stream reads must stay referenced until the
+main stream has joined, which every caller here does by holding it to the end of the forward that forks.
 """
 
 from __future__ import annotations
