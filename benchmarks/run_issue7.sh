@@ -7,7 +7,8 @@
 #           its serial / nostage / serial,nostage variants (benchmarks/metadata_host.py): what slows the forward
 #           graph of a specialized engine; first benchmarks/graph_streams_repro.py (the same question, no engine).
 #           DUMP=1: each forward graph also goes to OUTDIR/dot/VARIANT-b1.dot (Graphviz, to diff fast and slow:
-#           benchmarks/graph_dot_diff.py); VARIANTS="v1 v2 ..." runs only those (and not the repro)
+#           benchmarks/graph_dot_diff.py, run on the first two into OUTDIR/dot_diff.log; the dumps are then packed
+#           into OUTDIR/dots.tgz); VARIANTS="v1 v2 ..." runs only those (and not the repro)
 #   bench   V4.1-Flash-8l decode at batch $BATCHES (default "1 4 16 64"), FULL graphs (capture size = batch) and
 #           async scheduling, with --decode-backend default and latency_specialized; each JSON carries the decode
 #           step time, the host launch time per step and the metadata build's host time inside it
@@ -29,6 +30,13 @@ part_variants() {
     timeout 120 python3 benchmarks/metadata_host.py /tmp/$p --batch 1 --steps 60 --backends $v ${DUMP:+--dump $out/dot} 2>&1 \
       | grep -E "^\{|debug|Debug|DEBUG" | tee -a "$out/variants.log"
   done
+  # the dumps are large and many (a device call brings back at most 8 files of 16 MiB): diff the first two here,
+  # then keep them only compressed
+  if [ -n "$DUMP" ]; then
+    local dots=("$out"/dot/*.dot)
+    [ ${#dots[@]} -ge 2 ] && python3 benchmarks/graph_dot_diff.py "${dots[0]}" "${dots[1]}" > "$out/dot_diff.log" 2>&1
+    tar -czf "$out/dots.tgz" -C "$out" dot && rm -r "$out/dot"
+  fi
 }
 
 part_bench() {

@@ -1,0 +1,63 @@
+"""The one-row GEMV (dsv4/ops/gemv.py) against the exact product, under TRITON_INTERPRET=1, and its plan."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels_interpret import _interpret
+
+from dsv4.ops.gemv import gemv, gemv_plan, use_gemv
+
+
+def test_gemv_matches_the_exact_product() -> None:
+    """Every plan shape (one launch; K split into chunks with the reduce; chunks that do not divide K; a last
+    partial output block; K not a multiple of BLOCK_K) within the fp32 reordering bound of an fp64 product plus the
+    output's bf16 / fp16 rounding (one ulp). A dropped or doubled K chunk, a shifted row or a lost partial block breaks it."""
+    _interpret("""
+        import torch
+        from dsv4.ops.gemv import GemvPlan, gemv_triton
+        g = torch.Generator().manual_seed(0)
+        cases = [(40, 300, GemvPlan(16, 64, 1, 4)), (40, 300, GemvPlan(16, 64, 3, 4)),
+                 (33, 1000, GemvPlan(8, 128, 4, 4)), (16, 512, GemvPlan(16, 128, 2, 4)),
+                 (7, 130, GemvPlan(8, 32, 5, 4)), (64, 256, GemvPlan(32, 64, 8, 4))]
+        for dt in (torch.bfloat16, torch.float16):
+            for N, K, plan in cases:
+                w = (torch.randn(N, K, generator=g) * K ** -0.5).to(dt)
+                x = torch.randn(1, K, generator=g).to(dt)
+                got = gemv_triton(x, w, plan)
+                assert got.shape == (1, N) and got.dtype == dt, (got.shape, got.dtype)
+                ref = x.double() @ w.double().t()
+                # one unit in the last place of the output dtype: the interpreter's fp32 -> bf16 cast truncates
+                eps = 2.0 ** -7 if dt == torch.bfloat16 else 2.0 ** -10
+                bound = K * 2.0 ** -24 * (x.double().abs() @ w.double().abs().t()) + ref.abs() * eps
+                assert ((got.double() - ref).abs() <= bound + 1e-30).all(), (dt, N, K, plan)
+                # a 1-D x gives a 1-D result; a strided weight view (rows of a wider matrix) reads its own rows
+                assert torch.equal(gemv_triton(x[0], w, plan), got[0])
+                wide = torch.randn(N, K + 24, generator=g).to(dt)
+                wide[:, :K] = w
+                assert torch.equal(gemv_triton(x, wide[:, :K], plan), got), (N, K, plan)
+        print("ok")
+    """)
+
+
+@pytest.mark.parametrize("N,K,sms", [(32768, 1280, 132), (512, 5120, 132), (5120, 8192, 132), (16, 5120, 78),
+                                     (129280, 5120, 132), (1, 64, 132)])
+def test_gemv_plan_fills_the_gpu_and_keeps_chunks_whole(N: int, K: int, sms: int) -> None:
+    """Output blocks x splits reach PROGRAMS_PER_SM programs a SM when K has the steps for it; each chunk keeps at
+    least 4 BLOCK_K steps; wide outputs are not split."""
+    p = gemv_plan(N, K, sms)
+    blocks, steps = -(-N // p.block_n), -(-K // p.block_k)
+    assert p.splits >= 1 and (p.splits == 1 or steps // p.splits >= 4)
+    if blocks >= 4 * sms:
+        assert p.splits == 1
+    else:
+        assert blocks * p.splits >= 4 * sms or p.splits == max(1, steps // 4)
+
+
+def test_gemv_dispatch_off_the_gpu_is_f_linear() -> None:
+    """On the CPU (and for several rows, or mixed dtypes) `gemv` is F.linear itself."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(24, 40, generator=g).to(torch.bfloat16)
+    x = torch.randn(1, 40, generator=g).to(torch.bfloat16)
+    assert not use_gemv(x, w)
+    assert torch.equal(gemv(x, w), torch.nn.functional.linear(x, w))
