@@ -142,7 +142,6 @@ def dense_rows(shapes: Counter[tuple[Any, ...]], bw: float, sms: int, quick: boo
         print(f"{N:6d} x {K:5d} x{count:3d} {row['MB']:7.1f} MB floor {row['floor_us']:7.1f}  cuBLAS "
               f"{row['cublas_us']:7.1f}  gemv {forms[0][0]:7.1f} ({tuple(default)})  best {best[0][0]:7.1f} "
               f"{tuple(best[0][1])}", flush=True)
-        del ws
     return rows
 
 
@@ -165,13 +164,14 @@ def expert_rows(info: dict[str, Any], bw: float, quick: bool) -> list[dict[str, 
         for bn, bk, nw in sweep:
             out = torch.empty(top_k, N, dtype=x.dtype, device="cuda")
 
-            def call(i: torch.Tensor, bn: int = bn, bk: int = bk, nw: int = nw, out: torch.Tensor = out) -> None:
+            def call(i: torch.Tensor, bn: int = bn, bk: int = bk, nw: int = nw, out: torch.Tensor = out,
+                     x: torch.Tensor = x, w: torch.Tensor = w, N: int = N, K: int = K) -> None:
                 moe_ops._expert_gemv_kernel[(top_k, triton.cdiv(N, bn))](x, w, i, out, N, K, 1, BLOCK_N=bn,
                                                                          BLOCK_K=bk, num_warps=nw)
             call(idx[0])
             assert torch.allclose(out.float(), ref.float(), rtol=2e-2, atol=2e-2), (name, bn, bk, nw)
 
-            def calls(call: Any = call) -> None:
+            def calls(call: Any = call, idx: list[torch.Tensor] = idx) -> None:
                 for i in idx:
                     call(i)
 
@@ -182,7 +182,6 @@ def expert_rows(info: dict[str, Any], bw: float, quick: bool) -> list[dict[str, 
         print(f"experts {name} {top_k} x [{N}, {K}] of {E}: floor {row['floor_us']:.1f}  current (16, 256, 4) "
               f"{cur['us']:.1f}  best {row['forms'][0]['us']:.1f} {row['forms'][0]}", flush=True)
         rows.append(row)
-        del w
     return rows
 
 

@@ -49,6 +49,8 @@
 #             DSV4_ROWS_SPLITS (the rows kernel's keys in splits), DSV4_ENGRAM_HASH_KERNEL (Engram's hash in one
 #             launch), DSV4_MHC_SUM_TILE (mHC's split sums as one tile), DSV4_DECODE_SIDE_STREAM (independent
 #             chains of a decode forward on side streams)
+#   gemv      not a server: benchmarks/bf16_gemv_forms.py (the batch-1 step's cuBLAS products against the Triton GEMV of
+#             dsv4/ops/gemv.py, tiles swept; the expert gemv's tiles), then the batch-1 replay with DSV4_BF16_GEMV 0 / 1
 #   rowsplits not a server: the rows kernel's key splits against the whole walk at 16-128 rows
 #             (benchmarks/rows_attention_bench.py --row-splits 2,4)
 #   kernels   not a server: kernels of the mixed step far off their floor, by their opt-in variants:
@@ -156,6 +158,17 @@ part_decode64() {
   make_preset $p
   timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 64 20 --timeline > "$out/decode_b64.log" 2>&1
   echo "profile batch 64 (rc $?):"; grep -E "step|replay|of floor" "$out/decode_b64.log" | head -12
+}
+
+part_gemv() {
+  make_preset $p
+  timeout 300 python3 -u benchmarks/bf16_gemv_forms.py /tmp/$p --json "$out/gemv_forms.json" > "$out/gemv_forms.log" 2>&1
+  echo "bf16_gemv_forms (rc $?):"; grep -E "one-row products|experts" "$out/gemv_forms.log"
+  local v
+  for v in 0 1; do
+    DSV4_BF16_GEMV=$v timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 1 20 > "$out/decode_b1-gemv$v.log" 2>&1
+    echo "profile batch 1, DSV4_BF16_GEMV=$v (rc $?):"; grep -E "replay alone|engine step \(" "$out/decode_b1-gemv$v.log"
+  done
 }
 
 switches_off="DSV4_MOE_TOKEN_MAJOR=0 DSV4_FP32_LINEAR_MM_ROWS=65 DSV4_ROWS_SPLITS=0 DSV4_ENGRAM_HASH_KERNEL=0"

@@ -16,6 +16,7 @@ from dsv4.config import LOAD_FORMATS
 from dsv4.distributed import Parallel, shard_attention, shard_experts, shard_vocab
 from dsv4.models.config import ConfigError, ModelConfig
 from dsv4.models.deepseek_v4 import DeepseekV4ForCausalLM
+from dsv4.models.layers import gemv_linear
 from dsv4.models.layers.merged import merge_siblings
 from dsv4.models.layers.rope import RotaryTable
 from dsv4.models.loader import (DUMMY_FILE, VISION_MODULE, CheckpointError, dummy_infos, load_into_module,
@@ -106,6 +107,8 @@ def build_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, dev
             bind_engram(model, model_dir, torch.device(device), par, layout, engram_placement)
         if merge:
             merge_siblings(model)
+            if gemv_linear.GEMV_LINEARS:  # the engine's one-row products as a Triton GEMV (opt-in)
+                logger.info("bf16 GEMV: %d linears", gemv_linear.use_gemv_linears(model))
     return model.eval()
 
 

@@ -83,7 +83,7 @@ if triton is not None:
         n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         nm = n < N
         s = tl.zeros([BLOCK], dtype=tl.float32)
-        for c in range(0, S):  # in chunk order: the result does not depend on scheduling
+        for c in range(S):  # in chunk order: the result does not depend on scheduling
             s += tl.load(part_ptr + c * N + n, mask=nm, other=0.0)
         tl.store(out_ptr + n, s.to(out_ptr.dtype.element_ty), mask=nm)
 

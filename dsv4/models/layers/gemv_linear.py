@@ -1,0 +1,45 @@
+"""Dense 16-bit linears whose one-row products (batch-1 decode) run as the Triton GEMV of dsv4/ops/gemv.py.
+
+`GemvLinear` is an nn.Linear (same parameters, same state dict) whose forward hands a single row on CUDA to
+`gemv_triton` and everything else (prefill, several rows, the CPU, torch.compile traces) to F.linear. The engine's
+model swaps its plain bias-free linears for it once loaded and merged (`use_gemv_linears`), when
+DSV4_BF16_GEMV=1; quantized layers keep their own kernels, and the vision tower's linears (biased, many rows) stay.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4.ops.gemv import gemv_triton, use_gemv
+
+# Off by default until timed in a decode step (benchmarks/bf16_gemv_forms.py, then the batch-1 replay)
+GEMV_LINEARS = os.environ.get("DSV4_BF16_GEMV", "0") == "1"
+
+
+class GemvLinear(nn.Linear):
+    """nn.Linear with the one-row product as a Triton GEMV (bias-free only: `use_gemv_linears` swaps no others)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling() and use_gemv(x, self.weight):
+            return gemv_triton(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
+
+
+def use_gemv_linears(model: nn.Module) -> int:
+    """Swap every plain nn.Linear of `model` without a bias and with a 16-bit weight for a GemvLinear holding the
+    same Parameter (nothing is copied). Returns how many were swapped."""
+    swapped = 0
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not nn.Linear or mod.bias is not None or mod.weight.dtype not in (torch.bfloat16,
+                                                                                          torch.float16):
+            continue
+        new = GemvLinear(mod.in_features, mod.out_features, bias=False, device="meta", dtype=mod.weight.dtype)
+        new.weight = mod.weight
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, new)
+        swapped += 1
+    return swapped
