@@ -1,7 +1,7 @@
 """The decode forward's forks onto side streams (dsv4/models/layers/side_stream.py), checked on the CPU with a
 recording stand-in: every fork of a forward is joined before the forward returns (a CUDA graph capture with an
 unjoined side stream fails), each lane's join follows its fork, the forks cover the work they are meant to (the
-engram rows, the publish / picks of the compressed layers, the shared expert), and the main chain neither reads
+engram rows, the publish / picks of the compressed layers, the shared expert, the mHC sites' mixes), and the main chain neither reads
 what a fork wrote nor writes what a fork read before that fork's join."""
 
 from __future__ import annotations
@@ -139,6 +139,9 @@ def test_every_fork_is_joined_in_its_forward(monkeypatch: pytest.MonkeyPatch, tm
         forks = [lane for kind, lane in log if kind == "fork"]
         # one engram fork; per layer: the attention's two (publish, picks) and the shared expert's one
         assert forks.count("layer") == 3 * cfg.num_hidden_layers
+        # each layer's two mHC sites' mixes, each joined before its expand (the next fork)
+        mhc = [k for k, lane in log if lane == "mhc"]
+        assert mhc == ["fork", "join"] * 2 * cfg.num_hidden_layers
         assert [k for k, lane in log if lane == "engram"] == (["fork"] + ["join"] * n_engram if n_engram else [])
 
 

@@ -565,6 +565,9 @@ class MoEV41(nn.Module):
                           join=(lambda: SIDE.join(x)) if fixed else None)
 
 
+MHC_LANE = "mhc"  # the side lane of the decode step's mHC mixes (`DecoderLayerV41.forward_decode`)
+
+
 class DecoderLayerV41(nn.Module):
     """Delayed mHC: the attention input collapses with the previous site's pre, the FFN input with this
     layer's attention-site pre; Engram (if any) edits the streams before the mixes."""
@@ -614,15 +617,24 @@ class DecoderLayerV41(nn.Module):
         site: (streams, the FFN site's pre) for the next layer. `fixed`: the MoE of a captured decode step."""
         pre_a, post_a, comb_a = mixes
         h = expand(y, h, post_a, comb_a)
-        pre_f, post_f, comb_f = hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc)
+        with SIDE.fork(h, MHC_LANE) if fixed else contextlib.nullcontext():  # beside the FFN (`forward_decode`)
+            pre_f, post_f, comb_f = hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc)
         z = self.ffn(collapse_norm(h, pre_a, self.ffn_norm), is_image, fixed=fixed)
+        if fixed:
+            SIDE.join(h, MHC_LANE)
         return expand(z, h, post_f, comb_f), pre_f
 
 
     def forward_decode(self, h: torch.Tensor, pre_prev: torch.Tensor, is_image: torch.Tensor, dmd: DecodeMetadata,
                        caches: list[LayerKVCache], step: StepState) -> tuple[torch.Tensor, torch.Tensor]:
-        mixes = hc_mixes(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc)
+        # Delayed mHC: a site's mixes feed its own expand and the next site's input, never its own sublayer's input
+        # (collapsed with the previous site's pre). So a decode step computes them (the projection's two launches,
+        # ~9 us at batch 1, 32 sites on the critical path of V4.1-Flash) on a side lane beside the sublayer,
+        # joined before the expand; here the attention site's, in `ffn_half` the FFN site's.
+        with SIDE.fork(h, MHC_LANE):
+            mixes = hc_mixes(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc)
         y = self.attn.forward_decode(collapse_norm(h, pre_prev, self.attn_norm), dmd, caches, step)
+        SIDE.join(h, MHC_LANE)
         return self.ffn_half(y, h, mixes, is_image, fixed=True)
 
 

@@ -7,6 +7,8 @@ selection read the attention input and the query latent but not the queries or t
 reads the FFN input but not the router. Forking one onto a side stream lets the GPU run it beside the other; under
 CUDA graph capture the fork and join become edges of the graph (the driver runs the branches concurrently).
 Engram's hash and table rows read only the tokens: they start at the top of the forward, on a lane of their own.
+V4.1's delayed mHC lets each site's mixes (pre, post, comb) run beside its sublayer on the "mhc" lane: the
+sublayer's input is collapsed with the previous site's pre, and the mixes are first read by the site's expand.
 
 `SIDE.fork(t)` runs its body on the side stream after everything the current stream has enqueued so far; `SIDE.join(t)`
 makes the current stream wait for everything the side stream has enqueued so far. On by default
