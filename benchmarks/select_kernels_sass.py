@@ -81,8 +81,8 @@ def main() -> None:
     print(f"_radix_gather_kernel: {build(ix._radix_gather_kernel, gather_sig, radix, 4)}")
     write_sig = dict(sel_ptr="*i64", acc_ptr="*i64", bacc_ptr="*i64", table_ptr="*i32", t_stride="i32", BS="i32",
                      picks_ptr="*i64", slots_ptr="*i64", mask_ptr="*i1", K="i32", cands_ptr="*i64", KEEP="i32")
-    write = dict(L=L, LB=LB, KP=L, KEEPP=KEEP, BLOCKS=True, ST=ix.RADIX_STATE)
-    print(f"_radix_write_kernel: {build(ix._radix_write_kernel, write_sig, write, ix.MERGE_WARPS)}")
+    write = dict(L=L, LB=LB, BLOCKS=True, ST=ix.RADIX_STATE, TI=ix.RADIX_WRITE_KEYS, TJ=ix.RADIX_WRITE_TILE)
+    print(f"_radix_write_kernel: {build(ix._radix_write_kernel, write_sig, write, 4)}")
 
 
 if __name__ == "__main__":

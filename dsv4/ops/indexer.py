@@ -295,6 +295,8 @@ RADIX_MIN_SPLITS = 16
 RADIX_MAX_SPLITS = 256
 RADIX_ROUNDS = 8  # 8-bit digits of an int64 key
 RADIX_TILE = 256  # keys a count / gather step
+RADIX_WRITE_KEYS = 32  # keys a program of the final write ranks (and places)
+RADIX_WRITE_TILE = 256  # keys it compares them with a step
 # int64 places a row: [0, 4) the entries' state (prefix, need, done), [4, 8) the blocks', [8, 264) and [264, 520)
 # their digit counts, 520 / 521 their gather counts
 RADIX_STATE = 522
@@ -614,8 +616,8 @@ if triton is not None:
     # digit (a 256-bin histogram a row, added with atomics) and one program a row (`_radix_scan`, the next launch)
     # picks the digit the K-th key has; a row is done once its bucket's keys are all taken (for spread scores
     # expected within 2-4 of the 8 rounds, not yet measured: later launches return at once). Then every key >= the
-    # threshold is gathered (any order) and one L-wide sort orders the K (the sort-based merge's output, bit for
-    # bit).
+    # threshold is gathered (any order) and placed by its rank among the row's gathered keys (the sort-based
+    # merge's output, bit for bit).
 
     @triton.jit
     def _radix_count(src, nk, W, V, st, hist, ROUND, pid, P, TILE: tl.constexpr):
@@ -728,17 +730,47 @@ if triton is not None:
                           pid, P, TILE)
 
     @triton.jit
+    def _rank_keys(src, c, i, TJ: tl.constexpr):
+        """Keys src[i] of the first c (unique, >= 0; -1 where i >= c) and their places in a descending sort of
+        those c: how many of them are larger."""
+        ki = tl.load(src + i, mask=i < c, other=-1)
+        rank = tl.zeros_like(i)
+        for j0 in range(0, c, TJ):
+            j = j0 + tl.arange(0, TJ)
+            kj = tl.load(src + j, mask=j < c, other=-1)
+            rank += tl.sum((kj[None, :] > ki[:, None]).to(tl.int32), axis=1)
+        return ki, rank
+
+    @triton.jit
     def _radix_write_kernel(sel_ptr, acc_ptr, bacc_ptr, table_ptr, t_stride, BS, picks_ptr, slots_ptr, mask_ptr,
-                            K, cands_ptr, KEEP, L: tl.constexpr, LB: tl.constexpr, KP: tl.constexpr,
-                            KEEPP: tl.constexpr, BLOCKS: tl.constexpr, ST: tl.constexpr):
-        """Grid (R,): the gathered keys sorted (L wide; blocks LB wide), then the row's outputs."""
+                            K, cands_ptr, KEEP, L: tl.constexpr, LB: tl.constexpr, BLOCKS: tl.constexpr,
+                            ST: tl.constexpr, TI: tl.constexpr, TJ: tl.constexpr):
+        """Grid (R, P): program p places the gathered keys p TI .. (p+1) TI - 1 of row r at their ranks (a
+        descending sort: the outputs `_write_selection` writes from sorted keys, place for place) and fills the
+        places past the row's keys; the candidate blocks alike. A single program sorting 2,048 block keys took
+        ~44 us at batch 1 (2026-12-06-h100-decode-optins, decode_b1-all-on-side.log); ranks spread over P
+        programs compare each key with the row's others instead."""
         r = tl.program_id(0).to(tl.int64)
+        i = tl.program_id(1) * TI + tl.arange(0, TI)
         sel = sel_ptr + r * ST
-        _sort_head(acc_ptr + r * (2 * L), tl.minimum(tl.load(sel + 520), L).to(tl.int32), L, L)
+        c = tl.minimum(tl.load(sel + 520), L).to(tl.int32)
+        key, rank = _rank_keys(acc_ptr + r * (2 * L), c, i, TJ)
+        ok = i < c
+        e = tl.where(ok, 2147483647 - (key % 2147483648), 0)
+        # a place without a key reads the row's first table block, as `_write_selection` writes it
+        blk = tl.load(table_ptr + r * t_stride + e // BS, mask=i < tl.maximum(c, K), other=0).to(tl.int64)
+        at = tl.where(ok, rank, i)
+        w = (ok | (i < K)) & (at < K)
+        tl.store(picks_ptr + r * K + at, tl.where(ok, e, -1), mask=w)
+        tl.store(slots_ptr + r * K + at, blk * BS + e % BS, mask=w)
+        tl.store(mask_ptr + r * K + at, ok, mask=w)
         if BLOCKS:
-            _sort_head(bacc_ptr + r * (2 * LB), tl.minimum(tl.load(sel + 521), LB).to(tl.int32), LB, LB)
-        _write_selection(r, acc_ptr, bacc_ptr, table_ptr, t_stride, BS, picks_ptr, slots_ptr, mask_ptr, K,
-                         cands_ptr, KEEP, L, LB, KP, KEEPP, BLOCKS)
+            cb = tl.minimum(tl.load(sel + 521), LB).to(tl.int32)
+            bkey, brank = _rank_keys(bacc_ptr + r * (2 * LB), cb, i, TJ)
+            bok = i < cb
+            bat = tl.where(bok, brank, i)
+            tl.store(cands_ptr + r * KEEP + bat, tl.where(bok, 2147483647 - (bkey % 2147483648), -1),
+                     mask=(bok | (i < KEEP)) & (bat < KEEP))
 
 
 @functools.lru_cache(maxsize=None)
@@ -840,7 +872,7 @@ def decode_select_triton(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, t
 def _radix_merge(n: torch.Tensor, C: int, S: int, row: torch.Tensor, brow: torch.Tensor, acc: torch.Tensor,
                  bacc: torch.Tensor, rest: tuple, meta: dict) -> None:
     """The merge of `decode_select_triton` as a radix select: 2 launches a digit round (8 rounds, fixed for
-    graph capture; a done row's programs return at once), a gather and the sorting write: 18 launches, plus the
+    graph capture; a done row's programs return at once), a gather and the ranking write: 18 launches, plus the
     state's zero fill. P = S programs a row count and gather (each a share of the row's S lists of LW places: 2L,
     appended by the split kernel)."""
     R = row.shape[0]
@@ -854,9 +886,11 @@ def _radix_merge(n: torch.Tensor, C: int, S: int, row: torch.Tensor, brow: torch
         _radix_scan_kernel[(R,)](sel, k, keep, rnd, BLOCKS=meta["BLOCKS"], LAST=rnd == RADIX_ROUNDS - 1,
                                  ST=RADIX_STATE, num_warps=1)
     _radix_gather_kernel[(R, P)](n, C, S, row, brow, sel, acc, bacc, P, **lists, num_warps=4)
-    _radix_write_kernel[(R,)](sel, acc, bacc, table, t_stride, block_size, picks, slots, mask, k, cands, keep,
-                              L=meta["L"], LB=meta["LB"], KP=meta["KP"], KEEPP=meta["KEEPP"],
-                              BLOCKS=meta["BLOCKS"], ST=RADIX_STATE, num_warps=meta["num_warps"])
+    places = max(meta["L"], meta["LB"] if meta["BLOCKS"] else 0, k, keep)  # keys and places a row
+    _radix_write_kernel[(R, triton.cdiv(places, RADIX_WRITE_KEYS))](
+        sel, acc, bacc, table, t_stride, block_size, picks, slots, mask, k, cands, keep, L=meta["L"],
+        LB=meta["LB"], BLOCKS=meta["BLOCKS"], ST=RADIX_STATE, TI=RADIX_WRITE_KEYS, TJ=RADIX_WRITE_TILE,
+        num_warps=4)
 
 
 def decode_select(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, table: torch.Tensor, block_size: int,
