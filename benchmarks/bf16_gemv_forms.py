@@ -37,7 +37,8 @@ L2_ROTATE_BYTES = 512 << 20  # weights rotated through per graph: 10x the H100's
 
 
 class _Products(TorchDispatchMode):
-    """Records (op, M, K, N[, batch]) of every matrix product."""
+    """Records (op, M, K, N[, batch]) of every matrix product. (Its first GPU run, 2026-12-06, recorded no linear:
+    under torch.inference_mode the mode sees aten.linear undecomposed.)"""
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,7 +46,10 @@ class _Products(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         name = func.overloadpacket.__name__
-        if name in ("mm", "addmm"):
+        if name == "linear":  # under inference mode the mode sees linear itself, not the mm it decomposes into
+            x, w = args[0], args[1]
+            self.seen[("mm", x.numel() // x.shape[-1], w.shape[1], w.shape[0], str(w.dtype))] += 1
+        elif name in ("mm", "addmm"):
             a, b = (args[1], args[2]) if name == "addmm" else (args[0], args[1])
             self.seen[("mm", a.shape[0], a.shape[1], b.shape[1], str(b.dtype))] += 1
         elif name == "bmm":

@@ -10,7 +10,10 @@ reduction at the end, no cross-warp traffic inside the loop); narrow outputs (fe
 programs (`gemv_plan`) and a second launch adds the chunks' fp32 sums in order. The products and sums are fp32,
 as cuBLAS's; only the order of the sums differs.
 
-`gemv_plan`'s numbers come from `benchmarks/bf16_gemv_forms.py` (a sweep over the decode's shapes, cold L2).
+Status: opt-in (DSV4_BF16_GEMV=1, dsv4/models/layers/gemv_linear.py). With `gemv_plan`'s first tiles a batch-1
+replay was 0.25 ms slower than with cuBLAS on an H100 (2026-12-06-h100-decode-b1-lanes-expert-tiles); the per-shape
+sweep of `benchmarks/bf16_gemv_forms.py` (cold L2) is what should set the plan, and has not run yet. The same
+sweep found the routed experts' gemv (dsv4/ops/moe.py, the same loop) 13% faster at 8 outputs a program than at 16.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ another rank's expert): its output row is 0 and none of W is read for it. Two sh
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -51,13 +52,21 @@ if triton is not None:
         tl.store(out_ptr + r * N + n, acc.to(out_ptr.dtype.element_ty), mask=nm)
 
 
+# Outputs a program of the per-row expert gemv. On an H100 at V4.1-Flash-8l's shapes (6 rows of distinct experts,
+# weights past L2; benchmarks/bf16_gemv_forms.py) 8 takes the gate_up product from 112.3 to 97.6 us (copy floor
+# 94.9) and the down product from 54.9 to 50.0 (floor 47.5), the best of 18 tiles; the batch-1 replay 3.169 ->
+# 3.005 ms, batch 64 6.298 -> 6.272 (2026-12-06-h100-decode-b1-lanes-expert-tiles). DSV4_EXPERT_GEMV_BLOCK_N=16
+# gives the earlier tiles.
+EXPERT_GEMV_BLOCK_N = int(os.environ.get("DSV4_EXPERT_GEMV_BLOCK_N", "8"))
+
+
 def expert_gemv_triton(x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor, x_div: int) -> torch.Tensor:
     """The same in one launch: a program per (row, block of outputs)."""
     assert triton is not None, "triton is not installed"
     R, (N, K) = idx.numel(), w.shape[1:]
     out = torch.empty(R, N, dtype=x.dtype, device=x.device)
     if R:
-        block_n = 16
+        block_n = EXPERT_GEMV_BLOCK_N
         _expert_gemv_kernel[(R, triton.cdiv(N, block_n))](x.contiguous(), w, idx.contiguous(), out, N, K, x_div,
                                                           BLOCK_N=block_n, BLOCK_K=256)
     return out

@@ -16,7 +16,10 @@ from torch import nn
 
 from dsv4.ops.gemv import gemv_triton, use_gemv
 
-# Off by default until timed in a decode step (benchmarks/bf16_gemv_forms.py, then the batch-1 replay)
+# Off by default: timed on an H100 with `gemv_plan`'s first tiles (16 x 256, 4 warps, 4 programs an SM), the
+# batch-1 replay of V4.1-Flash-8l went from 3.163 to 3.411 ms (2026-12-06-h100-decode-b1-lanes-expert-tiles): slower
+# than cuBLAS overall. Which shapes lose (and whether other tiles win) is what benchmarks/bf16_gemv_forms.py sweeps;
+# its first run recorded no dense product (fixed since), so that is still to be measured.
 GEMV_LINEARS = os.environ.get("DSV4_BF16_GEMV", "0") == "1"
 
 
