@@ -40,7 +40,8 @@
 #   latency   `dsv4 bench latency` at batch $BATCHES (default "1 32"), 512 in / 64 out, FULL graphs + async: issue 24's
 #             decode-step points (the step against the floor)
 #   decode1   decode64 at batch 1 (issue 24's 75%-of-floor point: where a batch-1 replay's time goes beyond the
-#             weights' bytes; a switch set before the call, e.g. DSV4_DECODE_SIDE_STREAM=0, times the step without it)
+#             weights' bytes; a switch set before the call, e.g. DSV4_DECODE_SIDE_STREAM=0, times the step without it),
+#             then benchmarks/timeline_exposed.py on its timeline (the small kernels no big product hides)
 #   switches  not a server: decode64 (replay and engine step, no timeline) on the defaults, with each decode switch
 #             of the batch-64 step turned off, and with all of them off; then batch 1 on the defaults and with the
 #             side stream off. The switches (on by default since results/2026-12-06-h100-decode-optins, which ran
@@ -152,6 +153,8 @@ part_decode1() {
   make_preset $p
   timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 1 20 --timeline > "$out/decode_b1.log" 2>&1
   echo "profile batch 1 (rc $?):"; grep -E "step|replay|of floor" "$out/decode_b1.log" | head -12
+  python3 benchmarks/timeline_exposed.py "$out/decode_b1.log" --top 20 > "$out/decode_b1_exposed.log" 2>&1
+  head -12 "$out/decode_b1_exposed.log"
 }
 
 part_decode64() {
