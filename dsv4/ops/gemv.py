@@ -18,6 +18,7 @@ sweep found the routed experts' gemv (dsv4/ops/moe.py, the same loop) 13% faster
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -117,6 +118,7 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, plan: GemvPlan | None = None) 
     return out.view(*x.shape[:-1], N)
 
 
+@functools.cache  # (a device-properties query per linear per step would be host time on every eager step)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
