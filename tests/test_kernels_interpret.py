@@ -931,6 +931,42 @@ def test_v4_router_kernel_matches_torch() -> None:
     """)
 
 
+def test_v41_decode_pool_kernel_matches_torch() -> None:
+    """V4.1's ratio-2 decode pooling (`pool_decode_v41`: the decode pool kernel with fp32 rows, weights and products,
+    no position bias) against its reference (the model's former torch path): the rings after the push bitwise equal,
+    the pooled latents of every row that closes its pair within a few fp32 ulps (the interpreter's exp is numpy's,
+    the reference's torch's; on the GPU both are expf) and, for bf16 streams, nearly all equal; rings of exactly
+    two rows (slot order = position order) and with slack (speculation), the first pair of a sequence. Planted
+    bf16 roundings of the weights or of the ring rows (V4's numerics) fail it."""
+    _interpret("""
+        import torch
+        from dsv4.ops.compress_pool import pool_decode_triton, pool_decode_v41_torch
+        g = torch.Generator().manual_seed(5)
+        for dtype in (torch.bfloat16, torch.float32):
+            for dim, slack in ((48, 0), (512, 0), (40, 3)):
+                cap, blocks = 2 + slack, 6
+                ring_kv = torch.randn(blocks, cap, dim, generator=g) * 2
+                ring_gate = torch.randn(blocks, cap, dim, generator=g) * 3
+                pos = torch.tensor([1, 0, 7, 2 * cap + 1, 998, 1001])  # rows 1 and 4 leave their pair open
+                blk = torch.tensor([5, 0, 2, 1, 3, 4])
+                kv = torch.randn(6, dim, generator=g) * 2
+                gate = torch.randn(6, dim, generator=g) * 3
+                rings = [(ring_kv.clone(), ring_gate.clone()) for _ in range(2)]
+                ref = pool_decode_v41_torch(*rings[0], blk, pos, kv, gate, 2, dtype)
+                got = pool_decode_triton(*rings[1], blk, pos, rings[1][0], 2, False, dtype, kv, gate, fp32=True)
+                assert torch.equal(rings[0][0], rings[1][0]) and torch.equal(rings[0][1], rings[1][1])
+                assert not torch.equal(rings[0][0], ring_kv)  # the push happened
+                closed = (pos + 1) % 2 == 0
+                r, o = ref[closed].float(), got[closed].float()
+                assert ref.dtype == got.dtype == dtype and got.shape == (6, dim)
+                if dtype == torch.float32:
+                    assert ((r - o).abs() <= 4 * 2.0 ** -23 * (r.abs() + kv.abs().amax())).all(), (r - o).abs().max()
+                else:
+                    assert ((r - o).abs() <= 2.0 ** -7 * r.abs()).all() and (r != o).float().mean() < 0.02
+        print("ok")
+    """)
+
+
 def test_compressor_decode_pool_kernel_matches_torch() -> None:
     """Overlapping (CSA) and plain (HCA) compressors, short and long rings (and rings longer than their window, as
     under speculation), rows early in their sequence (masked ring rows), bf16 and fp32 streams: within one ulp of

@@ -47,6 +47,9 @@ def test_golden_v41_and_v4_on_the_triton_path() -> None:
             swiglu.swiglu: swiglu.swiglu_triton, router.route: router.route_triton,
             router.route_v4: router.route_v4_triton,
             compress_pool.pool_decode: compress_pool.pool_decode_triton,
+            compress_pool.pool_decode_v41: lambda ring_kv, ring_gate, blk, pos, kv, gate, ratio, dtype:
+                compress_pool.pool_decode_triton(ring_kv, ring_gate, blk, pos, ring_kv, ratio, False, dtype, kv, gate,
+                                                 fp32=True),
             compress_pool.write_entries: compress_pool.write_entries_triton,
             window_kv.write_window_kv: window_kv.write_window_kv_triton,
             norm_rope.rms_norm_rope: norm_rope.rms_norm_rope_triton,

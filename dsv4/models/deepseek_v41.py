@@ -29,6 +29,7 @@ from dsv4.models.layers.rope import RotaryTable
 from dsv4.models.layers.side_stream import SIDE
 from dsv4.models.verify_rows import pool_verify_rows
 from dsv4.models.vision import VisionEncoder
+from dsv4.ops.compress_pool import pool_decode_v41
 from dsv4.ops.decode_attention import decode_sink_attention
 from dsv4.ops.engram_hash import engram_hash_rows
 from dsv4.ops.fake_quant import fp4_fake_quant_e4m3, fp4_fake_quant_ue8m0, fp8_fake_quant
@@ -342,18 +343,10 @@ class AttentionV41(nn.Module):
             latent, ent = pool_verify_rows(c, x, dmd, cache)
         else:
             kv, gate = c.project(x)
-            blk, cap = dmd.state_blocks, cache.ring_kv.shape[1]
-            cache.ring_kv[blk, pos % cap] = kv
-            cache.ring_gate[blk, pos % cap] = gate
-            # every row pools (fixed shapes), and a row whose pair is still open writes to TRASH_SLOT (entry_write).
-            # Once the pair closes, a ring of `ratio` rows holds it in position order (slot 0 = even position); a
-            # ring with slack (speculation, kv.spec.ring_slack) holds it at slots pos - 1, pos (mod cap)
-            if cap == self.ratio:
-                wkv, wgate = cache.ring_kv[blk], cache.ring_gate[blk]
-            else:
-                src = (pos[:, None] - self.ratio + 1 + torch.arange(self.ratio, device=pos.device)) % cap
-                wkv, wgate = cache.ring_kv[blk[:, None], src], cache.ring_gate[blk[:, None], src]
-            latent = c.pool(wkv, wgate, x.dtype)
+            # push the pair's new row into the ring and pool the pair (one launch on CUDA); every row pools (fixed
+            # shapes), and a row whose pair is still open writes to TRASH_SLOT (entry_write)
+            latent = c.norm(pool_decode_v41(cache.ring_kv, cache.ring_gate, dmd.state_blocks, pos, kv, gate,
+                                            self.ratio, x.dtype))
             ent = ((pos + 1) // self.ratio - 1).clamp(min=0)
         self._write_entries(cache, latent, ent, dmd.entry_write[f"compressed_{self.ratio}"])
 

@@ -111,7 +111,8 @@ if triton is not None:
     def _pool_decode_kernel(kv_ptr, gate_ptr, blk_ptr, pos_ptr, pb_ptr, out_ptr, new_kv_ptr, new_gate_ptr, cap, dim,
                             ring_stride_b, ring_stride_r, new_stride, q, M: tl.constexpr, OVERLAP: tl.constexpr,
                             PUSH: tl.constexpr, STEP: tl.constexpr, WIN: tl.constexpr, BLOCK_L: tl.constexpr,
-                            BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr):
+                            BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, FP32: tl.constexpr = False,
+                            BIAS: tl.constexpr = True):
         r = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         cm = c < dim
@@ -168,13 +169,18 @@ if triton is not None:
                                                            other=0.0).to(tl.float32), kdt, INTERPRET), mask=cm)
                 tl.store(gate_ptr + at + c, cast_rne(tl.load(new_gate_ptr + r * new_stride + c, mask=cm,
                                                              other=0.0).to(tl.float32), gdt, INTERPRET), mask=cm)
-        # the reference reads the ring rows in the stream dtype
-        kv = cast_rne(kv.to(tl.float32), dt, INTERPRET).to(tl.float32)
-        g = cast_rne(g.to(tl.float32), dt, INTERPRET).to(tl.float32)
-        pb_cols = (2 * dim) if OVERLAP else dim
-        pb = tl.load(pb_ptr + pb_row[:, None] * pb_cols + ch[:, None] + c[None, :], mask=km[:, None] & cm[None, :],
-                     other=0.0).to(tl.float32)
-        g = tl.where(m2, g + pb, float("-inf"))
+        if FP32:  # V4.1: the ring rows as they are (fp32)
+            kv = kv.to(tl.float32)
+            g = g.to(tl.float32)
+        else:  # the reference reads the ring rows in the stream dtype
+            kv = cast_rne(kv.to(tl.float32), dt, INTERPRET).to(tl.float32)
+            g = cast_rne(g.to(tl.float32), dt, INTERPRET).to(tl.float32)
+        if BIAS:
+            pb_cols = (2 * dim) if OVERLAP else dim
+            pb = tl.load(pb_ptr + pb_row[:, None] * pb_cols + ch[:, None] + c[None, :],
+                         mask=km[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            g = g + pb
+        g = tl.where(m2, g, float("-inf"))
         mx = tl.max(g, axis=0)  # the newest row is always valid (p = pos >= 0): mx is finite
         if INTERPRET:  # no libdevice in the interpreter
             e = tl.exp(g - mx[None, :])
@@ -182,8 +188,11 @@ if triton is not None:
             e = libdevice.exp(g - mx[None, :])
         e = tl.where(m2, e, 0.0)
         w = tl.math.div_rn(e, tl.zeros([BLOCK_L, BLOCK_D], dtype=tl.float32) + tl.sum(e, axis=0)[None, :])
-        w = cast_rne(w, dt, INTERPRET).to(tl.float32)
-        prod = cast_rne(kv * w, dt, INTERPRET).to(tl.float32)
+        if FP32:  # V4.1: fp32 weights and products, one rounding at the end
+            prod = kv * w
+        else:
+            w = cast_rne(w, dt, INTERPRET).to(tl.float32)
+            prod = cast_rne(kv * w, dt, INTERPRET).to(tl.float32)
         pooled = tl.sum(prod, axis=0)
         tl.store(out_ptr + r * dim + c, cast_rne(pooled, dt, INTERPRET), mask=cm)
 
@@ -194,10 +203,11 @@ POOL_MIN_PROGRAMS = 128  # about the H200's SM count: the decode pool's channel 
 def pool_decode_triton(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torch.Tensor, pos: torch.Tensor,
                        position_bias: torch.Tensor, ratio: int, overlap: bool, dtype: torch.dtype,
                        new_kv: torch.Tensor | None = None, new_gate: torch.Tensor | None = None,
-                       query_len: int = 1) -> torch.Tensor:
+                       query_len: int = 1, fp32: bool = False) -> torch.Tensor:
     """The same in one launch (rings with contiguous rows, the same strides for kv and gate). `query_len` q > 1: a
     verify step's rows, q a request at consecutive positions (`pool_verify_decode`): new_kv / new_gate are the
-    step's rows, read where a window reaches into the step; the rings are only read."""
+    step's rows, read where a window reaches into the step; the rings are only read. `fp32`: V4.1's pooling
+    (`pool_decode_v41`: fp32 rows, weights and products, no position bias; `position_bias` is not read)."""
     assert triton is not None, "triton is not installed"
     assert ring_kv.shape == ring_gate.shape and ring_kv.stride() == ring_gate.stride()
     R, cap = pos.shape[0], ring_kv.shape[1]
@@ -221,11 +231,12 @@ def pool_decode_triton(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torc
         # (7.0 us on the H200; the indexer's 128 channels 4.7 us), each program now takes 32-64 of them
         while block_d > 32 and R * triton.cdiv(dim, block_d) < POOL_MIN_PROGRAMS:
             block_d //= 2
+        bias = out if fp32 else position_bias.float().contiguous()  # (fp32: not read)
         _pool_decode_kernel[(R, triton.cdiv(dim, block_d))](
-            ring_kv, ring_gate, blk.contiguous(), pos.contiguous(), position_bias.float().contiguous(), out,
+            ring_kv, ring_gate, blk.contiguous(), pos.contiguous(), bias, out,
             new_kv if push or step else out, new_gate if push or step else out, cap, dim, ring_kv.stride(0),
             ring_kv.stride(1), new_stride, query_len, M=ratio, OVERLAP=overlap, PUSH=push, STEP=step, WIN=win,
-            BLOCK_L=block_l, BLOCK_D=block_d, INTERPRET=INTERPRET, enable_fp_fusion=False)
+            BLOCK_L=block_l, BLOCK_D=block_d, INTERPRET=INTERPRET, FP32=fp32, BIAS=not fp32, enable_fp_fusion=False)
     return out
 
 
@@ -245,6 +256,40 @@ def pool_decode(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torch.Tenso
                                  new_gate, query_len)
     return pool_decode_torch(ring_kv, ring_gate, blk, pos, position_bias, ratio, overlap, dtype, new_kv, new_gate)
 
+
+
+# ---- DeepSeek-V4.1's ratio-2 compressor (model.md 12): fp32 rows, no position bias --------------------------------
+def pool_decode_v41_torch(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torch.Tensor, pos: torch.Tensor,
+                          kv: torch.Tensor, gate: torch.Tensor, ratio: int, dtype: torch.dtype) -> torch.Tensor:
+    """Reference: push the rows' fp32 kv / gate projections [R, D] into their rings (fp32, [blocks, cap, D]) at pos %
+    cap, then pool each row's window of `ratio` ring rows, positions pos - ratio + 1 .. pos: softmax of the gates
+    over the window (fp32), the weighted rows summed (fp32), cast to `dtype` once. A row whose window is still open
+    pools whatever its ring holds (its entry goes to the trash slot). Returns the pre-norm latents [R, D]."""
+    cap = ring_kv.shape[1]
+    ring_kv[blk, pos % cap] = kv
+    ring_gate[blk, pos % cap] = gate
+    # a ring of exactly `ratio` rows holds a closed window in position order (slot 0 = its first position); a ring
+    # with slack (speculation, kv.spec.ring_slack) holds it at slots pos - ratio + 1 .. pos (mod cap)
+    if cap == ratio:
+        wkv, wgate = ring_kv[blk], ring_gate[blk]
+    else:
+        src = (pos[:, None] - ratio + 1 + torch.arange(ratio, device=pos.device)) % cap
+        wkv, wgate = ring_kv[blk[:, None], src], ring_gate[blk[:, None], src]
+    return (wkv * wgate.softmax(dim=1)).sum(dim=1).to(dtype)
+
+
+def pool_decode_v41(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torch.Tensor, pos: torch.Tensor,
+                    kv: torch.Tensor, gate: torch.Tensor, ratio: int, dtype: torch.dtype) -> torch.Tensor:
+    """One launch on CUDA (the decode pool kernel in its fp32 form, no bias) for fp32 rings, torch elsewhere: the
+    reference's ~9 kernels (two pushes, two gathers, softmax, product, sum, cast) sat on the critical path of a
+    batch-1 step (the publish / picks side chain of an index layer: 30 us of 180, H100,
+    2026-12-06-h100-decode-optins). The same values for every row that closes a window (the softmax as torch's:
+    expf, IEEE division; two-row sums in either order are the same)."""
+    if (pos.is_cuda and triton is not None and ring_kv.dtype == ring_gate.dtype == torch.float32
+            and ring_kv.shape == ring_gate.shape and ring_kv.stride() == ring_gate.stride()
+            and ring_kv.stride(2) == 1 and ratio == 2):
+        return pool_decode_triton(ring_kv, ring_gate, blk, pos, ring_kv, ratio, False, dtype, kv, gate, fp32=True)
+    return pool_decode_v41_torch(ring_kv, ring_gate, blk, pos, kv, gate, ratio, dtype)
 
 # ---- the entry: norm, rope at the window's first position, write -----------------------------------------------
 def entry_start(pos: torch.Tensor, ratio: int) -> torch.Tensor:

@@ -457,6 +457,35 @@ def test_compressor_decode_pool(dtype: torch.dtype, m: int, overlap: bool, dim: 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slack", [0, 5])
+def test_v41_decode_pool(dtype: torch.dtype, slack: int) -> None:
+    """V4.1's ratio-2 decode pooling kernel (`pool_decode_v41` on CUDA) against its torch reference on the GPU, 64
+    rows at V4.1-Flash's head_dim: the rings after the push bit for bit; the latents of the rows that close their
+    pair within one rounding of the stream dtype plus a few fp32 ulps of the rows (two-term sums add in either order;
+    the softmax's exp and division may round differently from torch's kernel)."""
+    from dsv4.ops.compress_pool import pool_decode_v41, pool_decode_v41_torch
+
+    g = torch.Generator(device="cuda").manual_seed(41 + slack)
+    R, dim, blocks = 64, 512, 70
+    ring_kv = torch.randn(blocks, 2 + slack, dim, device="cuda", generator=g) * 2
+    ring_gate = torch.randn(blocks, 2 + slack, dim, device="cuda", generator=g) * 3
+    pos = torch.randint(0, 4000, (R,), device="cuda", generator=g)
+    pos[:2] = torch.tensor([1, 0], device="cuda")
+    blk = torch.randperm(blocks, device="cuda", generator=g)[:R]
+    kv = torch.randn(R, dim, device="cuda", generator=g) * 2
+    gate = torch.randn(R, dim, device="cuda", generator=g) * 3
+    rings = [(ring_kv.clone(), ring_gate.clone()) for _ in range(2)]
+    ref = pool_decode_v41_torch(*rings[0], blk, pos, kv, gate, 2, dtype)
+    got = pool_decode_v41(*rings[1], blk, pos, kv, gate, 2, dtype)
+    assert torch.equal(rings[0][0], rings[1][0]) and torch.equal(rings[0][1], rings[1][1])
+    closed = (pos + 1) % 2 == 0
+    r, o = ref[closed].float(), got[closed].float()
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -23
+    bound = r.abs() * ulp + 4 * 2.0 ** -23 * rings[0][0].abs().amax()
+    assert ((r - o).abs() <= bound).all(), ((r - o).abs() / bound).max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("m", "overlap", "dim"), [(4, True, 512), (128, False, 512), (4, True, 128)])
 def test_pool_verify_rows(dtype: torch.dtype, m: int, overlap: bool, dim: int) -> None:
     """A verify step's rows (q = 6 a request, 32 requests; V4-Flash's CSA, HCA and CSA indexer compressors): the
