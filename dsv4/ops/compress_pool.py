@@ -111,8 +111,7 @@ if triton is not None:
     def _pool_decode_kernel(kv_ptr, gate_ptr, blk_ptr, pos_ptr, pb_ptr, out_ptr, new_kv_ptr, new_gate_ptr, cap, dim,
                             ring_stride_b, ring_stride_r, new_stride, q, M: tl.constexpr, OVERLAP: tl.constexpr,
                             PUSH: tl.constexpr, STEP: tl.constexpr, WIN: tl.constexpr, BLOCK_L: tl.constexpr,
-                            BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, FP32: tl.constexpr = False,
-                            BIAS: tl.constexpr = True):
+                            BLOCK_D: tl.constexpr, INTERPRET: tl.constexpr, FP32: tl.constexpr = False):
         r = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         cm = c < dim
@@ -175,7 +174,7 @@ if triton is not None:
         else:  # the reference reads the ring rows in the stream dtype
             kv = cast_rne(kv.to(tl.float32), dt, INTERPRET).to(tl.float32)
             g = cast_rne(g.to(tl.float32), dt, INTERPRET).to(tl.float32)
-        if BIAS:
+        if not FP32:  # (V4.1 has no position bias)
             pb_cols = (2 * dim) if OVERLAP else dim
             pb = tl.load(pb_ptr + pb_row[:, None] * pb_cols + ch[:, None] + c[None, :],
                          mask=km[:, None] & cm[None, :], other=0.0).to(tl.float32)
@@ -236,7 +235,7 @@ def pool_decode_triton(ring_kv: torch.Tensor, ring_gate: torch.Tensor, blk: torc
             ring_kv, ring_gate, blk.contiguous(), pos.contiguous(), bias, out,
             new_kv if push or step else out, new_gate if push or step else out, cap, dim, ring_kv.stride(0),
             ring_kv.stride(1), new_stride, query_len, M=ratio, OVERLAP=overlap, PUSH=push, STEP=step, WIN=win,
-            BLOCK_L=block_l, BLOCK_D=block_d, INTERPRET=INTERPRET, FP32=fp32, BIAS=not fp32, enable_fp_fusion=False)
+            BLOCK_L=block_l, BLOCK_D=block_d, INTERPRET=INTERPRET, FP32=fp32, enable_fp_fusion=False)
     return out
 
 

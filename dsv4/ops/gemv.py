@@ -18,11 +18,12 @@ sweep found the routed experts' gemv (dsv4/ops/moe.py, the same loop) 13% faster
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from dsv4.ops.indexer import _sm_count  # (cached per device: no properties query per call)
 
 try:
     import triton
@@ -116,11 +117,6 @@ def gemv_triton(x: torch.Tensor, w: torch.Tensor, plan: GemvPlan | None = None) 
     if splits > 1:
         _gemv_reduce_kernel[(triton.cdiv(N, 1024),)](part, out, N, splits, BLOCK=1024, num_warps=4)
     return out.view(*x.shape[:-1], N)
-
-
-@functools.cache  # (a device-properties query per linear per step would be host time on every eager step)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def use_gemv(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -886,7 +886,7 @@ def _radix_merge(n: torch.Tensor, C: int, S: int, row: torch.Tensor, brow: torch
         _radix_scan_kernel[(R,)](sel, k, keep, rnd, BLOCKS=meta["BLOCKS"], LAST=rnd == RADIX_ROUNDS - 1,
                                  ST=RADIX_STATE, num_warps=1)
     _radix_gather_kernel[(R, P)](n, C, S, row, brow, sel, acc, bacc, P, **lists, num_warps=4)
-    places = max(meta["L"], meta["LB"] if meta["BLOCKS"] else 0, k, keep)  # keys and places a row
+    places = max(meta["L"], meta["LB"] if meta["BLOCKS"] else 0)  # keys and places a row (L >= k, LB >= keep)
     _radix_write_kernel[(R, triton.cdiv(places, RADIX_WRITE_KEYS))](
         sel, acc, bacc, table, t_stride, block_size, picks, slots, mask, k, cands, keep, L=meta["L"],
         LB=meta["LB"], BLOCKS=meta["BLOCKS"], ST=RADIX_STATE, TI=RADIX_WRITE_KEYS, TJ=RADIX_WRITE_TILE,
