@@ -6,11 +6,13 @@ and its tokens do not change."""
 from __future__ import annotations
 
 import gc
+import os
 
 import pytest
 import torch
 
 from dsv4.engine.engine import LLMEngine
+from dsv4.models import deepseek_v41
 from dsv4.models.config import RopeConfig
 from dsv4.models.layers import rope as rope_mod
 from dsv4.models.layers.rope import RotaryTable, prepare_rope_tables
@@ -19,6 +21,7 @@ from dsv4.sampling_params import SamplingParams
 CONFIGS = [RopeConfig(theta=10000.0, dim=64),
            RopeConfig(theta=160000.0, dim=64, rope_type="yarn", factor=16.0, original_max_position_embeddings=4096),
            RopeConfig(theta=10000.0, dim=16)]
+GOLDEN_V41 = os.path.join(os.path.dirname(__file__), "data", "deepseek-v41-tiny")
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=["default", "yarn", "small"])
@@ -80,3 +83,31 @@ def test_engine_prepares_tables_and_tokens_do_not_change(tmp_path) -> None:
     assert outs[0][0] == outs[1][0]
     assert [[(t, v.logprob) for t, v in lp] for lp in outs[0][1]] == [[(t, v.logprob) for t, v in lp]
                                                                         for lp in outs[1][1]]
+
+
+def test_a_v41_decode_forward_looks_up_each_configuration_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step's layers share one (cos, sin) per rope configuration at the step's positions (StepState's
+    decode_rope): one gather a configuration a forward, not one a layer. Other lookups (the compressed entries'
+    first positions) still run as before."""
+    lookups: list[tuple[RopeConfig, torch.Tensor]] = []
+    real_rope = RotaryTable.forward
+    monkeypatch.setattr(RotaryTable, "forward", lambda self, positions: (lookups.append((self.cfg, positions)),
+                                                                          real_rope(self, positions))[1])
+    forwards: list[tuple[torch.Tensor, list[tuple[RopeConfig, torch.Tensor]]]] = []
+    real_forward = deepseek_v41.DeepseekV41ForCausalLM.forward_decode
+
+    def recorded(self, input_ids, dmd, *args, **kwargs):
+        lookups.clear()
+        out = real_forward(self, input_ids, dmd, *args, **kwargs)
+        forwards.append((dmd.positions, list(lookups)))
+        return out
+    monkeypatch.setattr(deepseek_v41.DeepseekV41ForCausalLM, "forward_decode", recorded)
+    eng = LLMEngine.from_args(GOLDEN_V41, max_model_len=64, max_num_seqs=2, load_tokenizer=False)
+    eng.add_request([5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    layer_cfgs = {layer.attn.rope.cfg for layer in eng.runner.model.model.layers}
+    assert len(forwards) >= 4
+    for positions, seen in forwards:
+        at_step = [cfg for cfg, pos in seen if pos is positions]
+        assert sorted(map(repr, at_step)) == sorted(map(repr, layer_cfgs))  # each configuration once

@@ -1,8 +1,8 @@
 """The decode forward's forks onto side streams (dsv4/models/layers/side_stream.py), checked on the CPU with a
 recording stand-in: every fork of a forward is joined before the forward returns (a CUDA graph capture with an
 unjoined side stream fails), each lane's join follows its fork, the forks cover the work they are meant to (the
-engram rows, the publish / picks of the compressed layers, the shared expert, the mHC sites' mixes), and the main chain neither reads
-what a fork wrote nor writes what a fork read before that fork's join."""
+engram rows, the publish / picks of the compressed layers, the window writes, the shared expert, the mHC sites'
+mixes), and the main chain neither reads what a fork wrote nor writes what a fork read before that fork's join."""
 
 from __future__ import annotations
 
@@ -142,6 +142,8 @@ def test_every_fork_is_joined_in_its_forward(monkeypatch: pytest.MonkeyPatch, tm
         # each layer's two mHC sites' mixes, each joined before its expand (the next fork)
         mhc = [k for k, lane in log if lane == "mhc"]
         assert mhc == ["fork", "join"] * 2 * cfg.num_hidden_layers
+        # each layer's window write, joined before its attention
+        assert [k for k, lane in log if lane == "window"] == ["fork", "join"] * cfg.num_hidden_layers
         assert [k for k, lane in log if lane == "engram"] == (["fork"] + ["join"] * n_engram if n_engram else [])
 
 

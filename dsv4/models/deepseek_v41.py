@@ -10,7 +10,7 @@ engram tables live outside the module in host memory (`HostTable`).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dsv4.kv.spec import PAD_SLOT
-from dsv4.models.config import ModelConfig
+from dsv4.models.config import ModelConfig, RopeConfig
 from dsv4.models.engram import Engram, EngramLayout, HostTable
 from dsv4.models.layers.attention import project_groups, write_slots
 from dsv4.models.layers.merged import project
@@ -78,6 +78,10 @@ def expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Ten
     return expand_streams(y, h, post, comb, fp32=True)
 
 
+MHC_LANE = "mhc"  # the side lane of the decode step's mHC mixes (`DecoderLayerV41.forward_decode`)
+WINDOW_LANE = "window"  # the side lane of a decode step's window write (`AttentionV41.forward_decode`)
+
+
 @dataclass
 class StepState:
     """What layers publish to later layers within one forward, one row per query (a token of a prefill / mixed
@@ -88,6 +92,17 @@ class StepState:
     topk: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
     keys: TokenKeySlots | None = None
+    # a decode step's (cos, sin) at its rows' positions, per rope configuration: looked up once a forward, not once
+    # a layer (each lookup is a gather launch on the layer's critical chain, before its first product)
+    decode_ropes: dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+    def decode_rope(self, rope: RotaryTable, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rope's (cos, sin) at a decode step's positions (`DecodeMetadata.positions`, the same tensor in every
+        layer of the forward), from the first layer of that configuration that asks."""
+        found = self.decode_ropes.get(rope.cfg)
+        if found is None:
+            found = self.decode_ropes[rope.cfg] = rope(positions)
+        return found
 
 
 class StepEntries(NamedTuple):
@@ -354,7 +369,7 @@ class AttentionV41(nn.Module):
                        step: StepState) -> torch.Tensor:
         """A uniform decode step: one row per (padded) request, fixed shapes and no host sync."""
         cache = caches[self.layer]
-        cos, sin = self.rope(dmd.positions)
+        cos, sin = step.decode_rope(self.rope, dmd.positions)
         # The compressor's publish (from x) and the picks (the indexer's queries from x and qr, its selection over
         # the published keys) do not read the queries or the window: they run on a side stream beside the query
         # projection and the window write (SIDE; inline, in this order, off the GPU or with it switched off). Both
@@ -363,12 +378,16 @@ class AttentionV41(nn.Module):
             if self.is_kv_source:
                 self._publish_decode(x, dmd, cache)
         qr, kv_lat = self._latents(x)
+        # the window write reads only the key/value latent: on a lane of its own, beside the query projection (on
+        # the picks' lane it would queue behind the selection)
+        with SIDE.fork(x, WINDOW_LANE):
+            kvn = self.kv_norm
+            write_window_kv(kv_lat, kvn.weight, kvn.eps, cos, sin, cache.window, dmd.write_slots)
         with SIDE.fork(x):
             qi, iw = self.indexer.queries(x, qr, cos, sin) if self.is_index_source else (None, None)
             sel = self._decode_picks(qi, iw, caches, dmd, step.topk, step.candidates)
         q = self._queries(qr, cos, sin)
-        kvn = self.kv_norm
-        write_window_kv(kv_lat, kvn.weight, kvn.eps, cos, sin, cache.window, dmd.write_slots)
+        SIDE.join(x, WINDOW_LANE)
         SIDE.join(x)
         out, step.topk, step.candidates = self._attend_rows(q, qi, iw, caches, dmd, step.topk, step.candidates, sel)
         return self._output(out, cos, sin)
@@ -558,7 +577,6 @@ class MoEV41(nn.Module):
                           join=(lambda: SIDE.join(x)) if fixed else None)
 
 
-MHC_LANE = "mhc"  # the side lane of the decode step's mHC mixes (`DecoderLayerV41.forward_decode`)
 
 
 class DecoderLayerV41(nn.Module):
