@@ -215,3 +215,63 @@ def test_dispatch_uses_torch_on_cpu() -> None:
     assert torch.equal(decode_sink_attention(q, [(cache, ws, wm), (comp, cs, cm)], sinks, 0.3), ref)
     assert torch.equal(decode_sink_attention(q, [(cache, ws, wm)], sinks, 0.3),
                        sink_attention_rows(q, cache[ws], wm, sinks, 0.3))
+
+
+def test_ropes_inside_the_attention_equal_the_rope_launches() -> None:
+    """`rope=(cos, sin)`: the split kernel's queries roped on load and the merge's output un-roped before its store
+    give the same bits as the rope launches around the attention (queries roped, attention, output un-roped): split
+    path with several splits and one, one source and two, the nope channels first (D 64 / 32, rope 16 / 8 pairs),
+    head counts under and over a block; `rope_queries=False` (V4: queries roped with their norm); the rows kernel
+    with and without key splits (it takes the roped queries; its merge un-ropes); DSV4_ATTN_ROPE_FUSED off."""
+    _interpret(_SETUP + """
+    from dsv4.ops import decode_attention as da
+    from dsv4.ops.rope import apply_rope_triton, apply_rope_triton_
+    g = torch.Generator().manual_seed(7)
+
+    def composed(q, sources, sinks, D, cos, sin, rope_queries=True, **kw):
+        qr = apply_rope_triton(q, cos, sin) if rope_queries else q
+        return apply_rope_triton_(decode_sink_attention_triton(qr, sources, sinks, D ** -0.5, **kw), cos, sin,
+                                  inverse=True)
+
+    for dtype in (torch.bfloat16, torch.float32):
+        for R, H, D, W, L2, half, kw in ((1, 8, 64, 40, 33, 16, dict(chunk=32)), (3, 20, 32, 8, 0, 8, {}),
+                                         (2, 4, 64, 70, 5, 16, dict(rows=True)),
+                                         (3, 8, 64, 100, 90, 16, dict(rows=True, row_splits=3)),
+                                         (2, 16, 64, 24, 40, 16, dict(chunk=32))):
+            q, sources, sinks, mask, ref = case(g, R, H, D, W, L2, dtype, two=L2 > 0)
+            ang = torch.rand(R, half, generator=g) * 6.3
+            cos, sin = ang.cos(), ang.sin()
+            for rope_queries in (True, False):
+                want = composed(q, sources, sinks, D, cos, sin, rope_queries, **kw)
+                for fused in (True, False):
+                    da.ROPE_FUSED = fused
+                    got = decode_sink_attention_triton(q.clone(), sources, sinks, D ** -0.5, rope=(cos, sin),
+                                                       rope_queries=rope_queries, **kw)
+                    assert torch.equal(got, want), (R, H, D, kw, rope_queries, fused, (got - want).abs().max())
+                da.ROPE_FUSED = True
+            # the rope moved something: without it the output differs
+            plain = decode_sink_attention_triton(q, sources, sinks, D ** -0.5, **kw)
+            assert not torch.equal(plain, want)
+    print("ok")
+    """)
+
+
+def test_rope_on_the_cpu_path_is_the_composition() -> None:
+    """Off the GPU, `rope` is the reference between the two rope ops (what the CUDA path must equal)."""
+    import torch
+
+    from dsv4.ops.decode_attention import decode_sink_attention, decode_sink_attention_torch
+    from dsv4.ops.rope import apply_rope_torch
+
+    g = torch.Generator().manual_seed(3)
+    cache = torch.randn(20, 16, generator=g).bfloat16()
+    q, sinks = torch.randn(2, 3, 16, generator=g).bfloat16(), torch.randn(3, generator=g)
+    ws, wm = torch.randint(0, 20, (2, 6), generator=g), torch.rand(2, 6, generator=g) < 0.7
+    ang = torch.rand(2, 4, generator=g) * 6
+    cos, sin = ang.cos(), ang.sin()
+    want = apply_rope_torch(decode_sink_attention_torch(apply_rope_torch(q, cos, sin), [(cache, ws, wm)], sinks, 0.25),
+                            cos, sin, inverse=True)
+    assert torch.equal(decode_sink_attention(q.clone(), [(cache, ws, wm)], sinks, 0.25, rope=(cos, sin)), want)
+    want = apply_rope_torch(decode_sink_attention_torch(q, [(cache, ws, wm)], sinks, 0.25), cos, sin, inverse=True)
+    assert torch.equal(decode_sink_attention(q.clone(), [(cache, ws, wm)], sinks, 0.25, rope=(cos, sin),
+                                             rope_queries=False), want)

@@ -290,8 +290,8 @@ class Attention(nn.Module):
         write_rms_norm_rope(kv_lat, kvn.weight, kvn.eps, kvn.fused_mode, cos, sin, cache.window, dmd.write_slots)
         compressed = self._compressed_decode(x, qr, dmd, cache, cos, sin) if self.compressor is not None else None
         sources = [(cache.window, dmd.window_slots, dmd.window_mask)] + ([compressed] if compressed is not None else [])
-        out = decode_sink_attention(q, sources, self.sinks, self.head_dim ** -0.5)
-        out = apply_rope_(out, cos, sin, inverse=True)
+        # (the output's inverse rope inside the attention's merge; the queries are roped with their norm above)
+        out = decode_sink_attention(q, sources, self.sinks, self.head_dim ** -0.5, rope=(cos, sin), rope_queries=False)
         return self._output(out)
 
     def _compressed_decode(self, x: torch.Tensor, qr: torch.Tensor, dmd: DecodeMetadata, cache: LayerKVCache,

@@ -386,11 +386,13 @@ class AttentionV41(nn.Module):
         with SIDE.fork(x):
             qi, iw = self.indexer.queries(x, qr, cos, sin) if self.is_index_source else (None, None)
             sel = self._decode_picks(qi, iw, caches, dmd, step.topk, step.candidates)
-        q = self._queries(qr, cos, sin)
+        # the queries before their rope: the attention ropes them, and un-ropes its output, in its own launches
+        q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
         SIDE.join(x, WINDOW_LANE)
         SIDE.join(x)
-        out, step.topk, step.candidates = self._attend_rows(q, qi, iw, caches, dmd, step.topk, step.candidates, sel)
-        return self._output(out, cos, sin)
+        out, step.topk, step.candidates = self._attend_rows(q, qi, iw, caches, dmd, step.topk, step.candidates, sel,
+                                                            rope=(cos, sin))
+        return self._project_out(out)
 
     # ---- shared by both paths ----------------------------------------------------------------------------------
     def _write_entries(self, cache: LayerKVCache, latent: torch.Tensor, ent: torch.Tensor,
@@ -428,19 +430,24 @@ class AttentionV41(nn.Module):
 
     def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The attention output back to the hidden size: inverse rope (keys are roped values), grouped wo_a, wo_b."""
-        out = apply_rope_(out, cos, sin, inverse=True)  # in place: only the rope channels move
+        return self._project_out(apply_rope_(out, cos, sin, inverse=True))  # in place: only the rope channels move
+
+    def _project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """The un-roped attention output [R, H, D] back to the hidden size: grouped wo_a, wo_b."""
         y = self.wo_b(project_groups(out, self.wo_a, self.o_groups))
         return y if self.tp is None else self.tp.all_reduce_(y)  # tensor parallelism: this rank's groups only
 
     def _attend_rows(self, q: torch.Tensor, qi: torch.Tensor | None, iw: torch.Tensor | None,
                      caches: list[LayerKVCache], keys: TokenKeySlots | DecodeMetadata, topk: torch.Tensor | None,
-                     candidates: torch.Tensor | None, sel: tuple | None = None
+                     candidates: torch.Tensor | None, sel: tuple | None = None,
+                     rope: tuple[torch.Tensor, torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Sink attention of query rows q [R, H, D] over their window keys and, on a compressed layer, the entries
         of their top-k picks; an index source picks them here from its indexer queries qi / weights iw. `topk` /
         `candidates`: the rows' picks / candidate blocks published by earlier layers (None: none yet); `sel`: these
-        rows' (picks, slots, mask, candidates) when `_select_rows` / `_decode_picks` selected them already. Returns
-        the output [R, H, D] and the rows' picks / candidate blocks after this layer (None where there are none)."""
+        rows' (picks, slots, mask, candidates) when `_select_rows` / `_decode_picks` selected them already; `rope`:
+        q is not roped yet and the output is wanted un-roped (`decode_sink_attention`'s). Returns the output
+        [R, H, D] and the rows' picks / candidate blocks after this layer (None where there are none)."""
         sources = [(caches[self.layer].window, keys.window_slots, keys.window_mask)]
         if self.ratio > 0 and isinstance(keys, DecodeMetadata):
             topk, cslots, cmask, candidates = sel or self._decode_picks(qi, iw, caches, keys, topk, candidates)
@@ -463,7 +470,7 @@ class AttentionV41(nn.Module):
                     topk, cslots, cmask = pick_sources(topk, keys.request_entry_slots[group],
                                                        rows_of=keys.token_request)
                 sources.append((src.compressed, cslots, cmask))
-        out = decode_sink_attention(q, sources, self.attn_sink, self.head_dim ** -0.5)
+        out = decode_sink_attention(q, sources, self.attn_sink, self.head_dim ** -0.5, rope=rope)
         return out, topk, candidates
 
     def _decode_picks(self, qi: torch.Tensor | None, iw: torch.Tensor | None, caches: list[LayerKVCache],

@@ -31,6 +31,7 @@ import torch
 
 from dsv4.models.layers.attention import sink_attention_rows
 from dsv4.ops.indexer import table_entry_slots
+from dsv4.ops.rope import apply_rope_, apply_rope_triton_, rope_tables
 
 try:
     import triton
@@ -118,6 +119,7 @@ def decode_sink_attention_torch(q: torch.Tensor, sources: Sequence[AnySource], s
 
 if triton is not None:
     from dsv4.ops.rmsnorm import bf16_dot
+    from dsv4.ops.rope import rope_tile
 
     @triton.jit
     def _source_partial(q, q_other, m_i, l_i, acc, cache_ptr, c_stride, slots_ptr, vis_ptr, L, start, chunk, scale,
@@ -177,8 +179,9 @@ if triton is not None:
     @triton.jit
     def _split_kernel(q_ptr, sq_r, sq_h, c1_ptr, c1_stride, s1_ptr, s1_stride, v1_ptr, v1_stride, L1,
                       c2_ptr, c2_stride, s2_ptr, s2_stride, v2_ptr, v2_stride, L2, BS2, S1, S, chunk, H, scale,
-                      ws_m, ws_l, ws_acc, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                      BLOCK_N: tl.constexpr, TC: tl.constexpr, UPCAST: tl.constexpr, TABLE2: tl.constexpr):
+                      ws_m, ws_l, ws_acc, cos_ptr, sin_ptr, cos_stride, sin_stride, D: tl.constexpr,
+                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, TC: tl.constexpr,
+                      UPCAST: tl.constexpr, TABLE2: tl.constexpr, ROPE: tl.constexpr, INTERPRET: tl.constexpr):
         r = tl.program_id(0)
         # torch.compile hands float arguments to user kernels as fp64: keep the math (and loop-carried values) fp32
         scale = tl.cast(scale, tl.float32)
@@ -188,6 +191,9 @@ if triton is not None:
         d = tl.arange(0, BLOCK_D)
         dm = d < D
         q = tl.load(q_ptr + r * sq_r + heads[:, None] * sq_h + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
+        if ROPE > 0:  # the queries' rope (ROPE pairs) on load: every program of the row rotates the same bits
+            q = rope_tile(q, cos_ptr + r * cos_stride, sin_ptr + r * sin_stride, 1.0, D, ROPE, BLOCK_D,
+                          q_ptr.dtype.element_ty, INTERPRET)
         if TC:
             q = q.to(tl.bfloat16)
         else:
@@ -210,8 +216,9 @@ if triton is not None:
         tl.store(ws_acc + base[:, None] * D + d[None, :], acc, mask=hm[:, None] & dm[None, :])
 
     @triton.jit
-    def _combine_kernel(ws_m, ws_l, ws_acc, sinks_ptr, out_ptr, so_r, so_h, S, H, D: tl.constexpr,
-                        BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    def _combine_kernel(ws_m, ws_l, ws_acc, sinks_ptr, out_ptr, so_r, so_h, S, H, cos_ptr, sin_ptr, cos_stride,
+                        sin_stride, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+                        ROPE: tl.constexpr, INTERPRET: tl.constexpr):
         r = tl.program_id(0)
         h = tl.program_id(1)
         s_idx = tl.arange(0, BLOCK_S)
@@ -241,7 +248,11 @@ if triton is not None:
             acc += tl.sum(tl.where(j == 1, wj, 0.0), axis=0) * a1
             acc += tl.sum(tl.where(j == 2, wj, 0.0), axis=0) * a2
             acc += tl.sum(tl.where(j == 3, wj, 0.0), axis=0) * a3
-        tl.store(out_ptr + r * so_r + h * so_h + d, (acc / denom).to(out_ptr.dtype.element_ty), mask=dm)
+        o = (acc / denom).to(out_ptr.dtype.element_ty)
+        if ROPE > 0:  # the inverse rope of the rounded output, as a rope launch after this one would apply it
+            o = tl.reshape(rope_tile(o[None, :], cos_ptr + r * cos_stride, sin_ptr + r * sin_stride, -1.0, D, ROPE,
+                                     BLOCK_D, out_ptr.dtype.element_ty, INTERPRET), [BLOCK_D])
+        tl.store(out_ptr + r * so_r + h * so_h + d, o, mask=dm)
 
     # The sources' widths and row strides change from one prefill step to the next (and the row stride of q with
     # the projection it is a view of): kept out of Triton's specialization (== 1, divisible by 16), so a serving
@@ -312,6 +323,10 @@ if triton is not None:
 
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when kernels are defined, as triton does
+# `rope`'s two rotations inside the split kernel (queries, on load) and the merge (output, before the store), not
+# two launches of dsv4.ops.rope around the attention (DSV4_ATTN_ROPE_FUSED=0: those, for comparisons). The same
+# bits either way; at batch 1 each rope launch sits on the layer's critical chain (~2 us with its gap, H100).
+ROPE_FUSED = os.environ.get("DSV4_ATTN_ROPE_FUSED", "1") == "1"
 
 
 @functools.lru_cache(maxsize=None)
@@ -362,11 +377,14 @@ def rows_splits(R: int, H: int, lengths: Sequence[int], sm_count: int, halves: b
 
 def decode_sink_attention_triton(q: torch.Tensor, sources: Sequence[AnySource], sinks: torch.Tensor, scale: float,
                                  chunk: int | None = None, rows: bool | None = None,
-                                 row_splits: int | None = None) -> torch.Tensor:
+                                 row_splits: int | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                                 rope_queries: bool = True) -> torch.Tensor:
     """The same on the GPU. Few rows (decode): split partials into an fp32 workspace, then the merge with the sink
     (two launches). Many rows (prefill; `use_rows_kernel`): one launch of the rows kernel, or with key splits for
     decode batches (`rows_splits`, opt-in): its partials merged by the split kernel's merge. `rows` / `chunk` /
-    `row_splits` force the kernel / the split size / the rows kernel's wanted splits (tests, benchmarks)."""
+    `row_splits` force the kernel / the split size / the rows kernel's wanted splits (tests, benchmarks). `rope`,
+    `rope_queries`: as `decode_sink_attention`'s; the split kernel ropes the queries on load and the merge un-ropes
+    the output (ROPE_FUSED), the rows kernel takes the queries roped in place first."""
     assert triton is not None, "triton is not installed"
     assert 1 <= len(sources) <= 2, len(sources)
     assert not isinstance(sources[0], TableSource), "a TableSource is the second source"
@@ -376,6 +394,13 @@ def decode_sink_attention_triton(q: torch.Tensor, sources: Sequence[AnySource], 
         return out
     if q.stride(-1) != 1:
         q = q.contiguous()
+    half = 0
+    if rope is not None:
+        half = rope[0].shape[-1]
+        cos, sin = rope_tables(rope[0], rope[1], half)
+        assert cos.shape[0] == R and D % 2 == 0 and 2 * half <= D, (cos.shape, q.shape)
+    else:
+        cos = sin = q  # (not read)
     srcs, lengths, table2, bs2 = [], [], False, 1
     for src in sources:
         if isinstance(src, TableSource):  # (cache, table, n): the kernel loops to each row's n
@@ -400,6 +425,9 @@ def decode_sink_attention_triton(q: torch.Tensor, sources: Sequence[AnySource], 
     sm = _sm_count(q.device) if q.is_cuda else 4
     if rows is None:
         rows = chunk is None and use_rows_kernel(R, H, sm)
+    if half and rope_queries and (rows or not ROPE_FUSED):
+        q = apply_rope_triton_(q, cos, sin)
+    rope_in = half if rope_queries and ROPE_FUSED and not rows else 0  # queries roped by the split kernel
     if rows:
         block_h = max(16, min(ROWS_BLOCK_H, triton.next_power_of_2(H)))
         halves = block_d >= 2 * ROWS_MIN_HALF_D
@@ -418,8 +446,9 @@ def decode_sink_attention_triton(q: torch.Tensor, sources: Sequence[AnySource], 
             UPCAST=_INTERPRET, TABLE2=table2, HALVES=halves, SPLIT=S > 1, num_warps=ROWS_WARPS,
             num_stages=ROWS_STAGES)
         if S > 1:
-            _combine_kernel[(R, H)](ws_m, ws_l, ws_acc, sinks.contiguous(), out, out.stride(0), out.stride(1), S, H,
-                                    D=D, BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(S)))
+            _combine(ws_m, ws_l, ws_acc, sinks, out, S, cos, sin, half)
+        elif half:
+            apply_rope_triton_(out, cos, sin, inverse=True)
         return out
     chunk, (S1, S2) = decode_splits(R, H, lengths, sm, chunk)
     S = S1 + S2
@@ -430,17 +459,38 @@ def decode_sink_attention_triton(q: torch.Tensor, sources: Sequence[AnySource], 
     _split_kernel[(R, triton.cdiv(H, BLOCK_H), S)](
         q, q.stride(0), q.stride(1), c1, c1.stride(0), s1, s1.stride(0), v1, v1.stride(0), lengths[0],
         c2, c2.stride(0), s2, s2.stride(0), v2, v2.stride(0) if v2.dim() > 1 else 1, lengths[1], bs2, S1, S, chunk,
-        H, float(scale), ws_m, ws_l, ws_acc, D=D, BLOCK_H=BLOCK_H, BLOCK_D=block_d, BLOCK_N=BLOCK_N, TC=tc,
-        UPCAST=_INTERPRET, TABLE2=table2, num_warps=warps, num_stages=SPLIT_STAGES)
-    _combine_kernel[(R, H)](ws_m, ws_l, ws_acc, sinks.contiguous(), out, out.stride(0), out.stride(1), S, H, D=D,
-                            BLOCK_D=block_d, BLOCK_S=max(2, triton.next_power_of_2(S)))
+        H, float(scale), ws_m, ws_l, ws_acc, cos, sin, cos.stride(0), sin.stride(0), D=D, BLOCK_H=BLOCK_H,
+        BLOCK_D=block_d, BLOCK_N=BLOCK_N, TC=tc, UPCAST=_INTERPRET, TABLE2=table2, ROPE=rope_in, INTERPRET=_INTERPRET,
+        num_warps=warps, num_stages=SPLIT_STAGES)
+    _combine(ws_m, ws_l, ws_acc, sinks, out, S, cos, sin, half)
     return out
 
 
-def decode_sink_attention(q: torch.Tensor, sources: Sequence[AnySource], sinks: torch.Tensor,
-                          scale: float) -> torch.Tensor:
-    """Triton on CUDA, torch elsewhere (and for caches whose rows are not contiguous)."""
+def _combine(ws_m: torch.Tensor, ws_l: torch.Tensor, ws_acc: torch.Tensor, sinks: torch.Tensor, out: torch.Tensor,
+             S: int, cos: torch.Tensor, sin: torch.Tensor, half: int) -> None:
+    """The merge of S splits' partials with the sink into out [R, H, D]; `half` > 0: the output's inverse rope
+    (its last 2 * half channels, at the rows' cos / sin) before the store, with ROPE_FUSED; else in a launch after
+    it (no rope at all for half 0)."""
+    R, H, D = out.shape
+    fused = half if ROPE_FUSED else 0
+    _combine_kernel[(R, H)](ws_m, ws_l, ws_acc, sinks.contiguous(), out, out.stride(0), out.stride(1), S, H, cos, sin,
+                            cos.stride(0), sin.stride(0), D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
+                            BLOCK_S=max(2, triton.next_power_of_2(S)), ROPE=fused, INTERPRET=_INTERPRET)
+    if half and not fused:
+        apply_rope_triton_(out, cos, sin, inverse=True)
+
+
+def decode_sink_attention(q: torch.Tensor, sources: Sequence[AnySource], sinks: torch.Tensor, scale: float,
+                          rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                          rope_queries: bool = True) -> torch.Tensor:
+    """Triton on CUDA, torch elsewhere (and for caches whose rows are not contiguous). `rope` (cos, sin) [R, half]:
+    the output is wanted after the inverse rope (values carry the keys' rope) and, with `rope_queries`, q holds the
+    queries before their rope, i.e. `apply_rope_(attention(apply_rope_(q, cos, sin)), cos, sin, inverse=True)`, q
+    possibly rotated in place; on CUDA both ropes ride in the attention's own launches (no launch of their own)."""
     caches = [s.cache if isinstance(s, TableSource) else s[0] for s in sources]
     if q.is_cuda and triton is not None and all(c.stride(-1) == 1 for c in caches):
-        return decode_sink_attention_triton(q, sources, sinks, scale)
-    return decode_sink_attention_torch(q, sources, sinks, scale)
+        return decode_sink_attention_triton(q, sources, sinks, scale, rope=rope, rope_queries=rope_queries)
+    if rope is None:
+        return decode_sink_attention_torch(q, sources, sinks, scale)
+    out = decode_sink_attention_torch(apply_rope_(q, *rope) if rope_queries else q, sources, sinks, scale)
+    return apply_rope_(out, *rope, inverse=True)

@@ -4,9 +4,10 @@ Channels 2i, 2i+1 of the trailing `2 * cos.shape[-1]` form one complex number ro
 (nope) channels pass through. cos/sin are rounded to x's dtype first and the rotation runs in fp32 (the
 reference's numerics); `inverse` rotates by -angle (undoing the rope carried by V on the attention output).
 
-The kernel is bit-identical to the reference: every product rounded on its own (the launch disables FMA
-contraction, which would otherwise fuse a * cos - b * sin into one rounding), results rounded to nearest-even.
-`rope_rotate` is that arithmetic, shared with the kernels that fuse a norm before the rope (dsv4/ops/norm_rope.py).
+The kernel is bit-identical to the reference: every product rounded on its own (`mul.rn`, which is never
+contracted with the subtraction into one FMA rounding), results rounded to nearest-even. `rope_rotate` is that
+arithmetic, shared with the kernels that fuse a norm before the rope (dsv4/ops/norm_rope.py); `rope_tile` applies it
+to a tile a kernel holds (the decode attention's queries and outputs, dsv4/ops/decode_attention.py).
 
 `apply_rope_` rotates in place, touching only the rope channels: a fresh projection's queries or an attention output
 need no copy of their nope channels. At V4.1's head_dim 512 with rope 64 that is an eighth of the bytes: a 16K
@@ -32,6 +33,8 @@ try:
 except ImportError:  # CPU-only installs use the torch reference
     triton = None
 else:
+    from triton.language.extra import libdevice
+
     from dsv4.ops.rmsnorm import INTERPRET, cast_rne
 
 
@@ -60,17 +63,43 @@ def apply_rope_torch_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inv
 if triton is not None:
 
     @triton.jit
+    def _mul_rn(x, y, INTERPRET: tl.constexpr):
+        """x * y rounded on its own: a `mul.rn` is never contracted into an FMA, whatever the launch's
+        enable_fp_fusion (so kernels that keep contraction for their other math can fuse a rope)."""
+        if INTERPRET:
+            return x * y
+        return libdevice.mul_rn(x, y)
+
+    @triton.jit
     def rope_rotate(a, b, cos, sin, sign, dt: tl.constexpr, INTERPRET: tl.constexpr):
         """Pairs (a, b) (fp32 values of dt) rotated by the angles of cos / sin (fp32; sign -1: the inverse), as
-        `apply_rope_torch`: cos / sin rounded to dt, the fp32 products rounded one by one (the launch must disable
-        FMA contraction), the two results rounded to dt (returned in dt)."""
+        `apply_rope_torch`: cos / sin rounded to dt, the fp32 products rounded one by one (`_mul_rn`), the two
+        results rounded to dt (returned in dt)."""
         c = cast_rne(cos, dt, INTERPRET).to(tl.float32)
         s = cast_rne(sin, dt, INTERPRET).to(tl.float32) * sign
-        ac = a * c
-        bs = b * s
-        bc = b * c
-        as_ = a * s
+        ac = _mul_rn(a, c, INTERPRET)
+        bs = _mul_rn(b, s, INTERPRET)
+        bc = _mul_rn(b, c, INTERPRET)
+        as_ = _mul_rn(a, s, INTERPRET)
         return cast_rne(ac - bs, dt, INTERPRET), cast_rne(bc + as_, dt, INTERPRET)
+
+    @triton.jit
+    def rope_tile(x, cos_row, sin_row, sign, D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+                  dt: tl.constexpr, INTERPRET: tl.constexpr):
+        """Rows x [M, BLOCK_D] (values of dt, channels [0, D) used) with the pairs of their trailing 2 * HALF
+        channels rotated by the angles of one position (cos_row / sin_row: HALF fp32 values), as
+        `apply_rope_torch` of each row; returned in dt, the other channels unchanged. For kernels that rope a tile
+        they hold anyway (a query tile on load, an output row before its store): no launch of its own."""
+        M: tl.constexpr = x.shape[0]
+        a, b = tl.split(tl.reshape(x.to(tl.float32), [M, BLOCK_D // 2, 2]))
+        i = tl.arange(0, BLOCK_D // 2) - (D // 2 - HALF)  # the pair's angle, for the rope pairs
+        rm = (i >= 0) & (i < HALF)
+        c = tl.load(cos_row + i, mask=rm, other=1.0)
+        s = tl.load(sin_row + i, mask=rm, other=0.0)
+        ra, rb = rope_rotate(a, b, c[None, :], s[None, :], sign, dt, INTERPRET)
+        ra = tl.where(rm[None, :], ra, a.to(dt))
+        rb = tl.where(rm[None, :], rb, b.to(dt))
+        return tl.reshape(tl.join(ra, rb), [M, BLOCK_D])
 
     @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, sign, cos_stride, sin_stride, D: tl.constexpr,
@@ -125,7 +154,7 @@ if triton is not None:
             tl.store(base + 1, rb, mask=m)
 
 
-def _tables(cos: torch.Tensor, sin: torch.Tensor, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor, half: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, half] rows as the kernels read them: fp32 with unit stride along half, rows possibly strided (the
     cos | sin halves of one gathered table row are read in place)."""
     return tuple(c if c.dtype == torch.float32 and c.stride(-1) == 1 else c.float().contiguous()
@@ -140,7 +169,7 @@ def apply_rope_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inv
     rows = x.numel() // D
     out = torch.empty_like(x)
     if rows:
-        cos, sin = _tables(cos, sin, half)
+        cos, sin = rope_tables(cos, sin, half)
         _rope_kernel[(rows,)](x, cos, sin, out, rows // x.shape[0], -1.0 if inverse else 1.0, cos.stride(0),
                               sin.stride(0), D=D, HALF=half, BLOCK_D=triton.next_power_of_2(D),
                               BLOCK_H=triton.next_power_of_2(half), INTERPRET=INTERPRET, enable_fp_fusion=False)
@@ -157,7 +186,7 @@ def apply_rope_triton_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, in
     D, half = x.shape[-1], cos.shape[-1]
     rows = x.numel() // D
     if rows:
-        cos, sin = _tables(cos, sin, half)
+        cos, sin = rope_tables(cos, sin, half)
         block_r = 32
         _rope_inplace_kernel[(triton.cdiv(rows, block_r),)](
             x, cos, sin, rows, rows // x.shape[0], -1.0 if inverse else 1.0, cos.stride(0), sin.stride(0), D=D,

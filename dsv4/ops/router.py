@@ -198,8 +198,10 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, bias_vl: torch.Tensor
     idx = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     if T:
         inv_temp = fp32_reciprocal(gate_temp) if inv_temp is None else inv_temp
+        # a bool mask is read as its bytes (a view): `.to(uint8)` was a copy kernel on every layer's routing chain
+        image = (is_image.view(torch.uint8) if is_image.dtype == torch.bool else is_image.to(torch.uint8)).contiguous()
         _route_kernel[(T,)](logits.float().contiguous(), bias.float().contiguous(), bias_vl.float().contiguous(),
-                            is_image.to(torch.uint8).contiguous(), w, idx, E, inv_temp, float(scale), K=top_k,
+                            image, w, idx, E, inv_temp, float(scale), K=top_k,
                             KB=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),
                             SCORING=SCORING[scoring_func], INTERPRET=INTERPRET, enable_fp_fusion=False)
     return w, idx

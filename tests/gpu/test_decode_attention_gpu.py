@@ -211,3 +211,25 @@ def test_rows_kernel_key_splits(R: int, L2: int, splits: int) -> None:
     ref = decode_sink_attention_torch(q, [sources[0], src], sinks, D ** -0.5)
     got = decode_sink_attention_triton(q, [sources[0], src], sinks, D ** -0.5, rows=True, row_splits=splits)
     assert torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2), (got.float() - ref.float()).abs().max()
+
+
+@pytest.mark.parametrize("R", [1, 8, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_ropes_inside_the_attention_equal_the_rope_launches(R: int, dtype: torch.dtype) -> None:
+    """`rope=(cos, sin)` (V4.1's decode: 32 rope pairs at the end of 512 channels): the queries roped in the split
+    kernel and the output un-roped in the merge give the bits of the rope launches around the attention, on the
+    compiled kernels (their other math keeps FMA contraction; the rope's products are `mul.rn`). Batch 64 takes the
+    rows kernel with key splits (roped queries in place, the merge un-ropes). Also `rope_queries=False` and the
+    rope kernels themselves against the torch reference bit for bit (the `mul.rn` products)."""
+    from dsv4.ops.rope import apply_rope_torch, apply_rope_triton, apply_rope_triton_
+    q, sources, sinks = _case(R, 512, dtype, 77 + R)
+    g = torch.Generator(device="cuda").manual_seed(R)
+    ang = torch.rand(R, 32, device="cuda", generator=g) * 1000
+    cos, sin = ang.cos(), ang.sin()
+    assert torch.equal(apply_rope_triton(q, cos, sin), apply_rope_torch(q, cos, sin))
+    for rope_queries in (True, False):
+        qr = apply_rope_triton(q, cos, sin) if rope_queries else q
+        want = apply_rope_triton_(decode_sink_attention_triton(qr, sources, sinks, D ** -0.5), cos, sin, inverse=True)
+        got = decode_sink_attention_triton(q.clone(), sources, sinks, D ** -0.5, rope=(cos, sin),
+                                           rope_queries=rope_queries)
+        assert torch.equal(got, want), (got.float() - want.float()).abs().max()
