@@ -161,6 +161,39 @@ def test_collapse_rms_norm_kernel_equals_the_two_kernels() -> None:
     """)
 
 
+def test_expand_collapse_rms_norm_kernel_equals_the_two_kernels() -> None:
+    """`expand_collapse_rms_norm_triton` (a V4.1 site's expand and the next sublayer's input in one launch) gives the
+    bits of `expand_triton(fp32=True)` and `collapse_rms_norm_triton` on its output, both outputs: V4.1 and weighted
+    norms, bf16 / fp32 streams and weights, N 2 and 4, D a power of two and not, one and several tokens; and the
+    torch reference (the streams within one ulp: the mix's sum order differs)."""
+    _interpret("""
+        import torch
+        from dsv4.ops.mhc_streams import (collapse_rms_norm_triton, expand_collapse_rms_norm_torch,
+                                          expand_collapse_rms_norm_triton, expand_triton)
+        from dsv4.ops.rmsnorm import MODE_V41, MODE_WEIGHTED
+        g = torch.Generator().manual_seed(6)
+        for T, N, D in ((1, 4, 64), (3, 4, 100), (2, 2, 2048), (1, 4, 1280)):
+            for dtype in (torch.bfloat16, torch.float32):
+                y = (torch.randn(T, D, generator=g) * 3).to(dtype)
+                h = (torch.randn(T, N, D, generator=g) * 2).to(dtype)
+                post = torch.rand(T, N, generator=g) * 2
+                comb = torch.rand(T, N, N, generator=g)
+                pre = torch.rand(T, N, generator=g) + 0.1
+                w32 = torch.rand(D, generator=g) + 0.5
+                for mode, w in ((MODE_V41, w32.to(dtype)), (MODE_V41, w32), (MODE_WEIGHTED, w32)):
+                    h2 = expand_triton(y, h, post, comb, fp32=True)
+                    x2 = collapse_rms_norm_triton(h2, pre, w, 1e-6, mode)
+                    got_h, got_x = expand_collapse_rms_norm_triton(y, h, post, comb, pre, w, 1e-6, mode)
+                    assert got_h.dtype == h2.dtype and torch.equal(got_h, h2), (T, N, D, dtype, mode)
+                    assert got_x.dtype == x2.dtype and torch.equal(got_x, x2), (T, N, D, dtype, mode)
+                    ref_h, ref_x = expand_collapse_rms_norm_torch(y, h, post, comb, pre, w, 1e-6, mode)
+                    tol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5
+                    assert torch.allclose(got_h.float(), ref_h.float(), rtol=tol, atol=tol)
+                    assert torch.allclose(got_x.float(), ref_x.float(), rtol=4 * tol, atol=4 * tol)
+        print("ok")
+    """)
+
+
 _GROUP_ROWS_CHECK = """
     import torch
     from dsv4.ops.moe import (PLAN_KERNEL_MAX_ROWS, expert_grouped_torch, expert_grouped_triton, group_rows_torch,

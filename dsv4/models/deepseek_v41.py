@@ -38,6 +38,8 @@ from dsv4.ops.host_copy import to_device, to_device_all
 from dsv4.ops.indexer import (candidate_blocks_of, candidate_pool, decode_select, indexer_scores, pick_sources,
                               pick_table_sources)
 from dsv4.ops.indexer_prefill import prefill_select, use_prefill_select
+from dsv4.ops.mhc import use_fused_mixes
+from dsv4.ops.mhc_streams import FUSED_EXPAND_COLLAPSE, expand_collapse_rms_norm_triton
 from dsv4.ops.mhc_streams import expand as expand_streams
 from dsv4.ops.norm_rope import rms_norm_rope
 from dsv4.ops.rmsnorm import MODE_V41, rms_norm_v41_triton, triton
@@ -76,6 +78,16 @@ def expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Ten
     """h'_k = post_k y + sum_j comb[j, k] h_j, in fp32 (V4.1 numerics), cast to the stream dtype (`collapse`, sum_j
     pre_j h_j in fp32, is V4's: dsv4.ops.mhc_streams')."""
     return expand_streams(y, h, post, comb, fp32=True)
+
+
+def expand_collapse_norm(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
+                         norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h', the next sublayer's input norm(collapse(h', pre))) with h' = `expand(y, h, post, comb)`: one launch on
+    CUDA where the fused mHC site runs (decode-sized steps), else `expand` and `collapse_norm`."""
+    if FUSED_EXPAND_COLLAPSE and use_fused_mixes(h):
+        return expand_collapse_rms_norm_triton(y, h, post, comb, pre, norm.weight, norm.eps, norm.fused_mode)
+    h = expand(y, h, post, comb)
+    return h, collapse_norm(h, pre, norm)
 
 
 MHC_LANE = "mhc"  # the side lane of the decode step's mHC mixes (`DecoderLayerV41.forward_decode`)
@@ -630,30 +642,47 @@ class DecoderLayerV41(nn.Module):
         return self.ffn_half(self.attn._output(out, rows.cos, rows.sin), h, mixes, is_image)
 
     def ffn_half(self, y: torch.Tensor, h: torch.Tensor, mixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                 is_image: torch.Tensor, fixed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 is_image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention output y expanded into the streams h with the attention site's mixes, then the FFN
-        site: (streams, the FFN site's pre) for the next layer. `fixed`: the MoE of a captured decode step."""
-        pre_a, post_a, comb_a = mixes
-        h = expand(y, h, post_a, comb_a)
-        with SIDE.fork(h, MHC_LANE) if fixed else contextlib.nullcontext():  # beside the FFN (`forward_decode`)
-            pre_f, post_f, comb_f = hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc)
-        z = self.ffn(collapse_norm(h, pre_a, self.ffn_norm), is_image, fixed=fixed)
-        if fixed:
-            SIDE.join(h, MHC_LANE)
+        site: (streams, the FFN site's pre) for the next layer."""
+        z, h, (pre_f, post_f, comb_f) = self._ffn_site(y, h, mixes, is_image, fixed=False)
         return expand(z, h, post_f, comb_f), pre_f
 
+    def _ffn_site(self, y: torch.Tensor, h: torch.Tensor, mixes: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                  is_image: torch.Tensor, fixed: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """y expanded into h with the attention site's mixes, the FFN's input collapsed from the new streams (one
+        launch with the expand where fused), the FFN site's mixes and the FFN: (FFN output z, streams, the FFN
+        site's mixes), before z's expand. `fixed`: a captured decode step (its MoE; the mixes on their lane)."""
+        pre_a, post_a, comb_a = mixes
+        h, x = expand_collapse_norm(y, h, post_a, comb_a, pre_a, self.ffn_norm)
+        with SIDE.fork(h, MHC_LANE) if fixed else contextlib.nullcontext():  # beside the FFN (`forward_decode`)
+            mixes_f = hc_mixes(h, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *self.hc)
+        z = self.ffn(x, is_image, fixed=fixed)
+        if fixed:
+            SIDE.join(h, MHC_LANE)
+        return z, h, mixes_f
 
-    def forward_decode(self, h: torch.Tensor, pre_prev: torch.Tensor, is_image: torch.Tensor, dmd: DecodeMetadata,
-                       caches: list[LayerKVCache], step: StepState) -> tuple[torch.Tensor, torch.Tensor]:
+
+    def forward_decode(self, h: torch.Tensor, x: torch.Tensor, is_image: torch.Tensor, dmd: DecodeMetadata,
+                       caches: list[LayerKVCache], step: StepState, next_norm: nn.Module | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """A decode step's layer from the streams h and its attention input x (h collapsed with the previous
+        site's pre, normed): (streams, the FFN site's pre, and with `next_norm` the next sublayer's input
+        next_norm(collapse(streams, pre)), made in the launch of the last expand; else None)."""
         # Delayed mHC: a site's mixes feed its own expand and the next site's input, never its own sublayer's input
         # (collapsed with the previous site's pre). So a decode step computes them (the projection's two launches,
         # ~9 us at batch 1, 32 sites on the critical path of V4.1-Flash) on a side lane beside the sublayer,
-        # joined before the expand; here the attention site's, in `ffn_half` the FFN site's.
+        # joined before the expand; here the attention site's, in `_ffn_site` the FFN site's.
         with SIDE.fork(h, MHC_LANE):
             mixes = hc_mixes(h, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *self.hc)
-        y = self.attn.forward_decode(collapse_norm(h, pre_prev, self.attn_norm), dmd, caches, step)
+        y = self.attn.forward_decode(x, dmd, caches, step)
         SIDE.join(h, MHC_LANE)
-        return self.ffn_half(y, h, mixes, is_image, fixed=True)
+        z, h, (pre_f, post_f, comb_f) = self._ffn_site(y, h, mixes, is_image, fixed=True)
+        if next_norm is None:
+            return expand(z, h, post_f, comb_f), pre_f, None
+        h, x = expand_collapse_norm(z, h, post_f, comb_f, pre_f, next_norm)
+        return h, pre_f, x
 
 
 class DeepseekV41Model(nn.Module):
@@ -749,14 +778,23 @@ class DeepseekV41ForCausalLM(nn.Module):
                 embs = {i: self._engram_rows(i, input_ids, is_image, dmd.query_start_loc,
                                              dmd.num_padded // dmd.query_len, lookback_token_ids, h.dtype, h.device)
                         for i in engram_layers}
-        for i, layer in enumerate(self.model.layers):
+        # each layer's last expand also makes the next layer's attention input (or the final norm's output), in
+        # one launch where fused; not before an engram layer, whose edit of the streams comes first
+        layers = self.model.layers
+        x: torch.Tensor | None = None
+        for i, layer in enumerate(layers):
             if i in embs:
                 SIDE.join(h, lane="engram")
                 h = layer.engram(h, embs[i], is_image)
             if taps is not None and i in taps:
                 taps[i] = h.mean(dim=1)
-            h, pre = layer.forward_decode(h, pre, is_image, dmd, caches, step)
-        return collapse_norm(h, pre, self.model.norm)
+            if x is None:
+                x = collapse_norm(h, pre, layer.attn_norm)
+            nxt = i + 1
+            next_norm = self.model.norm if nxt == len(layers) else None if nxt in embs else layers[nxt].attn_norm
+            h, pre, x = layer.forward_decode(h, x, is_image, dmd, caches, step, next_norm)
+        assert x is not None  # (the last layer's next_norm is the final norm)
+        return x
 
     def _engram(self, layer: int, module: Engram, h: torch.Tensor, input_ids: torch.Tensor, is_image: torch.Tensor,
                 qsl: torch.Tensor, num_reqs: int, lookback: torch.Tensor | None) -> torch.Tensor:

@@ -17,13 +17,24 @@ one ulp where they straddle a rounding boundary.
 collapse_rms_norm: norm(collapse(h, pre)) in one launch (the sublayer's input; `rms_norm` HF-V4 weighted, or V4.1's
 flavour), a program per token: the collapse as above, rounded to the stream dtype, then the norm with the rounding
 steps of dsv4/ops/rmsnorm.py. Part of the fused mHC site (dsv4.ops.mhc.FUSED_MIXES: decode-sized steps).
+
+expand_collapse_rms_norm: a site's expand (fp32 numerics) and the next sublayer's input from the new streams,
+norm(collapse(h', pre_next)), in one launch: the same arithmetic as the two kernels (h' rounded to the stream dtype
+as stored, then collapsed), a program per token. At batch 1 the pair is two dependent launches on the step's
+critical chain at every mHC site (32 a V4.1-Flash-8l step); one program holds a token's N x D streams.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from dsv4.ops.rmsnorm import MODE_WEIGHTED
+
+# expand + the next sublayer's collapse and norm in one launch where the fused mHC site runs (DSV4_MHC_EXPAND_COLLAPSE=0:
+# the two launches, for comparisons; the same bits either way)
+FUSED_EXPAND_COLLAPSE = os.environ.get("DSV4_MHC_EXPAND_COLLAPSE", "1") == "1"
 
 try:
     import triton
@@ -112,6 +123,36 @@ if triton is not None:
                                                INTERPRET), mask=dm)
 
 
+    @triton.jit
+    def _expand_collapse_norm_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, hout_ptr, x_ptr, D, eps, inv_d,
+                                     N: tl.constexpr, MODE: tl.constexpr, BLOCK_D: tl.constexpr,
+                                     INTERPRET: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        eps = tl.cast(eps, tl.float32)
+        inv_d = tl.cast(inv_d, tl.float32)
+        d = tl.arange(0, BLOCK_D)
+        dm = d < D
+        dt = hout_ptr.dtype.element_ty
+        odt = x_ptr.dtype.element_ty
+        y = tl.load(y_ptr + t * D + d, mask=dm, other=0.0).to(tl.float32)
+        xacc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for k in tl.static_range(N):
+            # output stream k as `_expand_kernel` (FP32) computes it: post_k y + (sum_j comb[j, k] h_j, j in order)
+            a = tl.load(post_ptr + t * N + k) * y
+            mix = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for j in tl.static_range(N):
+                c = tl.load(comb_ptr + (t * N + j) * N + k)
+                mix += c * tl.load(h_ptr + (t * N + j) * D + d, mask=dm, other=0.0).to(tl.float32)
+            hk = cast_rne(a + mix, dt, INTERPRET)
+            tl.store(hout_ptr + (t * N + k) * D + d, hk, mask=dm)
+            # and its term of the collapse, as `_collapse_row` adds the stored streams (k in order)
+            xacc += tl.load(pre_ptr + t * N + k) * hk.to(tl.float32)
+        xf = cast_rne(xacc, dt, INTERPRET).to(tl.float32)
+        r = rms_factor(tl.sum(xf * xf, axis=0), D, inv_d, eps, INTERPRET)
+        tl.store(x_ptr + t * D + d, cast_rne(rms_apply(xf, r, w_ptr, d, dm, MODE, dt, odt, INTERPRET), odt,
+                                             INTERPRET), mask=dm)
+
+
 def _block_d(D: int) -> int:
     return min(1024, triton.next_power_of_2(D))
 
@@ -182,3 +223,31 @@ def collapse_rms_norm_triton(h: torch.Tensor, pre: torch.Tensor, weight: torch.T
                                     INTERPRET=INTERPRET, num_warps=min(16, max(1, block // 512)),
                                     enable_fp_fusion=False)
     return out
+
+
+def expand_collapse_rms_norm_torch(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                                   pre: torch.Tensor, weight: torch.Tensor, eps: float,
+                                   mode: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: the expanded streams h' (fp32 numerics) and the next sublayer's input norm(collapse(h', pre))."""
+    h2 = expand_torch(y, h, post, comb, fp32=True)
+    return h2, collapse_rms_norm_torch(h2, pre, weight, eps, mode)
+
+
+def expand_collapse_rms_norm_triton(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                                    pre: torch.Tensor, weight: torch.Tensor, eps: float,
+                                    mode: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same in one launch (N a power of two, D at most 16384): the bits of `expand_triton(..., fp32=True)` and
+    `collapse_rms_norm_triton` on its output."""
+    assert triton is not None, "triton is not installed"
+    T, N, D = h.shape
+    y, h, weight = y.contiguous(), h.contiguous(), weight.contiguous()
+    post, comb, pre = post.float().contiguous(), comb.float().contiguous(), pre.float().contiguous()
+    h2 = torch.empty_like(h)
+    out_dtype = h.dtype if mode == MODE_WEIGHTED else torch.promote_types(h.dtype, weight.dtype)
+    x = torch.empty(T, D, dtype=out_dtype, device=h.device)
+    if T:
+        block = triton.next_power_of_2(D)
+        _expand_collapse_norm_kernel[(T,)](y, h, post, comb, pre, weight, h2, x, D, eps, 1.0 / D, N=N, MODE=mode,
+                                           BLOCK_D=block, INTERPRET=INTERPRET,
+                                           num_warps=min(16, max(1, block // 512)), enable_fp_fusion=False)
+    return h2, x
