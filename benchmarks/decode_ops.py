@@ -35,9 +35,9 @@ from dsv4.models.layers.rope import RotaryTable
 from dsv4.ops import compress_pool, decode_attention, fake_quant, lookback, mhc, mhc_streams, moe, rope, router, swiglu
 
 # kernels newer than some commits this script is run on: None there
-engram, indexer, window_kv, norm_rope, fp32_linear = (
+engram, indexer, window_kv, cache_writes, norm_rope, fp32_linear = (
     importlib.import_module(f"dsv4.ops.{m}") if importlib.util.find_spec(f"dsv4.ops.{m}") else None
-    for m in ("engram", "indexer", "window_kv", "norm_rope", "fp32_linear"))
+    for m in ("engram", "indexer", "window_kv", "cache_writes", "norm_rope", "fp32_linear"))
 
 _VIEWS = {"view", "slice", "select", "unsqueeze", "squeeze", "expand", "t", "transpose", "permute", "reshape",
           "as_strided", "detach", "alias", "_unsafe_view", "unbind", "split", "split_with_sizes", "chunk", "narrow",
@@ -52,6 +52,8 @@ _KERNELS = [(mhc, "hc_post"), (rope, "apply_rope"), (rope, "apply_rope_"), (moe,
             (fake_quant, "fp8_fake_quant"), (fake_quant, "fp4_fake_quant_ue8m0"), (fake_quant, "fp4_fake_quant_e4m3"),
             (mhc_streams, "collapse"), (mhc_streams, "expand"), (swiglu, "swiglu"), (router, "route"),
             (compress_pool, "pool_decode"), (compress_pool, "write_entries"), (window_kv, "write_window_kv"),
+            (cache_writes, "write_window_kv"), (cache_writes, "write_entry_kv"), (cache_writes, "write_index_keys"),
+            (mhc_streams, "expand_collapse_rms_norm_triton"), (compress_pool, "pool_decode_v41"),
             (router, "route_v4"), (norm_rope, "rms_norm_rope"), (norm_rope, "write_rms_norm_rope"),
             (fp32_linear, "fp32_linear")]
 

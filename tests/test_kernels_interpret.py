@@ -779,7 +779,7 @@ def test_window_kv_kernel_matches_torch() -> None:
     away at most (a normed value an ulp off can flip a code)."""
     _interpret("""
         import torch
-        from dsv4.ops.window_kv import write_window_kv_torch, write_window_kv_triton
+        from dsv4.ops.cache_writes import write_window_kv_torch, write_window_kv_triton
         g = torch.Generator().manual_seed(13)
         for dtype in (torch.bfloat16, torch.float32):
             for D, half in ((32, 8), (128, 32), (512, 32), (64, 32)):
@@ -801,6 +801,46 @@ def test_window_kv_kernel_matches_torch() -> None:
                 assert (o[untouched] == 3.0).all()
                 assert ((r - o).abs() <= r.abs() * 2.0 ** -3 + 1e-6).all(), (dtype, D, (r - o).abs().max())
                 assert (r != o).float().mean() < 0.02, (dtype, D, (r != o).float().mean())
+        print("ok")
+    """)
+
+
+def test_entry_writes_kernel_matches_torch() -> None:
+    """V4.1's decode entry writes (dsv4.ops.cache_writes): the compressed entry (rope at the entry's first position
+    from a prepared table, FP4 with e4m3 scales per 16, scatter) bit for bit against the torch ops, and the indexer
+    keys (V4.1 norm, the same rope, FP4 with power-of-two scales per 32) within one FP4 step where a normed value
+    lands an ulp off; ratios 1, 2 and 4, positions that complete an entry and that do not (their slot the trash
+    slot, as `entry_write` gives), bf16 and fp32, the latent rows strided."""
+    _interpret("""
+        import torch
+        from dsv4.ops.cache_writes import (write_entry_kv_torch, write_entry_kv_triton, write_index_keys_torch,
+                                           write_index_keys_triton)
+        g = torch.Generator().manual_seed(21)
+        P = 64
+        for dtype in (torch.bfloat16, torch.float32):
+            for D, d, half in ((64, 32, 8), (512, 128, 32)):
+                ang = torch.arange(P)[:, None] * torch.rand(half, generator=g)
+                table = torch.cat([ang.cos(), ang.sin()], dim=-1)
+                for ratio in (1, 2, 4):
+                    R = 6
+                    pos = torch.tensor([0, 1, 2, 7, 30, 41])
+                    closes = (pos + 1) % ratio == 0
+                    slots = torch.where(closes, torch.tensor([3, 5, 1, 8, 6, 2]), 0)  # slot 0: the trash slot
+                    latent = (torch.randn(R, D + 8, generator=g) * 3).to(dtype)[:, 8:]
+                    caches = [torch.full((10, D), 7.0).to(dtype) for _ in range(2)]
+                    write_entry_kv_torch(latent, table, pos, ratio, caches[0], slots)
+                    write_entry_kv_triton(latent, table, pos, ratio, caches[1], slots)
+                    kept = slots[closes]
+                    assert torch.equal(caches[0][kept], caches[1][kept]), (dtype, D, ratio)
+                    assert (caches[1][[i for i in range(1, 10) if i not in kept.tolist()]] == 7.0).all()
+                    k = (torch.randn(R, d, generator=g) * 2).to(dtype)
+                    w = (torch.rand(d, generator=g) + 0.5).to(dtype)
+                    keys = [torch.full((10, d), 7.0).to(dtype) for _ in range(2)]
+                    write_index_keys_torch(k, w, 1e-6, table, pos, ratio, keys[0], slots)
+                    write_index_keys_triton(k, w, 1e-6, table, pos, ratio, keys[1], slots)
+                    r, o = keys[0][kept].float(), keys[1][kept].float()
+                    assert ((r - o).abs() <= r.abs() * 0.5 + 1e-6).all(), (dtype, d, ratio, (r - o).abs().max())
+                    assert (r != o).float().mean() < 0.02, (dtype, d, ratio, (r != o).float().mean())
         print("ok")
     """)
 

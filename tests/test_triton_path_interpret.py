@@ -22,7 +22,7 @@ def test_golden_v41_and_v4_on_the_triton_path() -> None:
         from dsv4.engine.engine import LLMEngine
         from dsv4.models import deepseek_v41
         from dsv4.ops import (compress_pool, decode_attention, engram, engram_hash, fake_quant, indexer, lookback, mhc,
-                              mhc_streams, moe, norm_rope, rmsnorm, rope, router, swiglu, window_kv)
+                              mhc_streams, moe, norm_rope, rmsnorm, rope, router, swiglu, cache_writes)
         from dsv4.models.layers import norm
         from dsv4.runtime import attn_metadata
         from dsv4.sampling_params import SamplingParams
@@ -51,7 +51,9 @@ def test_golden_v41_and_v4_on_the_triton_path() -> None:
                 compress_pool.pool_decode_triton(ring_kv, ring_gate, blk, pos, ring_kv, ratio, False, dtype, kv, gate,
                                                  fp32=True),
             compress_pool.write_entries: compress_pool.write_entries_triton,
-            window_kv.write_window_kv: window_kv.write_window_kv_triton,
+            cache_writes.write_window_kv: cache_writes.write_window_kv_triton,
+            cache_writes.write_entry_kv: cache_writes.write_entry_kv_triton,
+            cache_writes.write_index_keys: cache_writes.write_index_keys_triton,
             norm_rope.rms_norm_rope: norm_rope.rms_norm_rope_triton,
             norm_rope.write_rms_norm_rope: norm_rope.write_rms_norm_rope_triton,
         }

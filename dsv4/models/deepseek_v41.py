@@ -23,12 +23,13 @@ from dsv4.models.engram import Engram, EngramLayout, HostTable
 from dsv4.models.layers.attention import project_groups, write_slots
 from dsv4.models.layers.merged import project
 from dsv4.models.layers.mhc import collapse_norm, hc_mixes
-from dsv4.models.layers.norm import rms_norm_v41_torch
 from dsv4.models.layers.moe import Experts, moe_output
+from dsv4.models.layers.norm import rms_norm_v41_torch
 from dsv4.models.layers.rope import RotaryTable
 from dsv4.models.layers.side_stream import SIDE
 from dsv4.models.verify_rows import pool_verify_rows
 from dsv4.models.vision import VisionEncoder
+from dsv4.ops.cache_writes import write_entry_kv, write_index_keys, write_window_kv
 from dsv4.ops.compress_pool import pool_decode_v41
 from dsv4.ops.decode_attention import decode_sink_attention
 from dsv4.ops.engram_hash import engram_hash_rows
@@ -47,7 +48,6 @@ from dsv4.ops.rope import apply_rope, apply_rope_
 from dsv4.ops.router import fp32_reciprocal, route
 from dsv4.ops.swiglu import swiglu
 from dsv4.ops.topk import stable_topk
-from dsv4.ops.window_kv import write_window_kv
 from dsv4.runtime.attn_metadata import (CUDA_ROW_CHUNK, TRASH_SLOT, AttnMetadata, DecodeMetadata, EntryTable,
                                         TokenKeySlots, row_chunks, token_key_slots)
 from dsv4.runtime.kv_cache import LayerKVCache
@@ -364,18 +364,28 @@ class AttentionV41(nn.Module):
     def _publish_decode(self, x: torch.Tensor, dmd: DecodeMetadata, cache: LayerKVCache) -> None:
         """KV source, one token per row: roll the open pair (ratio 2) and write the entry the token completes."""
         pos, c = dmd.positions, self.compressor
-        if self.ratio == 1:
-            latent, ent = c.latent(x), pos
-        elif dmd.query_len > 1:  # several rows of a request in one step would collide in the ring: their own room
+        slots = dmd.entry_write[f"compressed_{self.ratio}"]
+        if self.ratio > 1 and dmd.query_len > 1:  # a request's rows in one step would collide in the ring
             latent, ent = pool_verify_rows(c, x, dmd, cache)
+            self._write_entries(cache, latent, ent, slots)
+            return
+        if self.ratio == 1:
+            latent = c.latent(x)
         else:
             kv, gate = c.project(x)
             # push the pair's new row into the ring and pool the pair (one launch on CUDA); every row pools (fixed
             # shapes), and a row whose pair is still open writes to TRASH_SLOT (entry_write)
             latent = c.norm(pool_decode_v41(cache.ring_kv, cache.ring_gate, dmd.state_blocks, pos, kv, gate,
                                             self.ratio, x.dtype))
-            ent = ((pos + 1) // self.ratio - 1).clamp(min=0)
-        self._write_entries(cache, latent, ent, dmd.entry_write[f"compressed_{self.ratio}"])
+        table = self.rope.table
+        if table is None:  # (an unprepared rotary table: the entry ids and their rope rows as torch ops)
+            self._write_entries(cache, latent, ((pos + 1) // self.ratio - 1).clamp(min=0), slots)
+            return
+        # `_write_entries` for rows at `pos` (each completes entry (pos + 1) / ratio - 1 or writes TRASH_SLOT), the
+        # entry ids and the rope rows at their first positions inside two launches (dsv4.ops.cache_writes)
+        write_entry_kv(latent, table, pos, self.ratio, cache.compressed, slots)
+        kn = self.indexer.k_norm
+        write_index_keys(self.indexer.wk(latent), kn.weight, kn.eps, table, pos, self.ratio, cache.index_keys, slots)
 
     def forward_decode(self, x: torch.Tensor, dmd: DecodeMetadata, caches: list[LayerKVCache],
                        step: StepState) -> torch.Tensor:

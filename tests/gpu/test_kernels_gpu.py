@@ -295,7 +295,7 @@ def test_window_kv(dtype: torch.dtype, R: int) -> None:
     element equal, the rest at most one FP8 step (2^-3 relative) away (a normed value an ulp off flips a code)."""
     from dsv4.models.config import RopeConfig
     from dsv4.models.layers.rope import RotaryTable
-    from dsv4.ops.window_kv import write_window_kv_torch, write_window_kv_triton
+    from dsv4.ops.cache_writes import write_window_kv_torch, write_window_kv_triton
 
     g = torch.Generator(device="cuda").manual_seed(R)
     D = 512
@@ -314,6 +314,39 @@ def test_window_kv(dtype: torch.dtype, R: int) -> None:
     untouched = torch.ones(2 * R, dtype=torch.bool, device="cuda")
     untouched[slots] = False
     assert (o[untouched] == 3.0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_entry_writes(dtype: torch.dtype, ratio: int) -> None:
+    """V4.1's fused decode entry writes at the V4.1 shapes (latent 512 with rope 64, indexer keys 128) against the
+    torch ops on the GPU: the compressed entry bit for bit (no norm), the keys nearly all equal and the rest at most
+    one FP4 step away; rows that complete no entry write the trash slot only."""
+    from dsv4.models.config import RopeConfig
+    from dsv4.models.layers.rope import RotaryTable
+    from dsv4.ops.cache_writes import (write_entry_kv_torch, write_entry_kv_triton, write_index_keys_torch,
+                                       write_index_keys_triton)
+
+    g = torch.Generator(device="cuda").manual_seed(ratio)
+    R, D, d = 64, 512, 128
+    rope = RotaryTable(RopeConfig(theta=10000.0, dim=64)).cuda()
+    rope.prepare(8192)
+    pos = torch.randint(0, 8000, (R,), device="cuda", generator=g)
+    closes = (pos + 1) % ratio == 0
+    slots = torch.where(closes, torch.randperm(2 * R, device="cuda", generator=g)[:R] + 1, 0)  # 0: the trash slot
+    latent = (torch.randn(R, D, device="cuda", generator=g) * 3).to(dtype)
+    caches = [torch.full((2 * R + 1, D), 7.0, device="cuda", dtype=dtype) for _ in range(2)]
+    write_entry_kv_torch(latent, rope.table, pos, ratio, caches[0], slots)
+    write_entry_kv_triton(latent, rope.table, pos, ratio, caches[1], slots)
+    assert torch.equal(caches[0][1:], caches[1][1:])
+    k = (torch.randn(R, d, device="cuda", generator=g) * 2).to(dtype)
+    w = (torch.rand(d, device="cuda", generator=g) + 0.5).to(dtype)
+    keys = [torch.full((2 * R + 1, d), 7.0, device="cuda", dtype=dtype) for _ in range(2)]
+    write_index_keys_torch(k, w, 1e-6, rope.table, pos, ratio, keys[0], slots)
+    write_index_keys_triton(k, w, 1e-6, rope.table, pos, ratio, keys[1], slots)
+    r, o = keys[0][1:].float(), keys[1][1:].float()
+    assert ((r - o).abs() <= r.abs() * 0.5 + 1e-6).all()
+    assert (r != o).float().mean() < 0.02
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
