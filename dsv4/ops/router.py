@@ -199,7 +199,9 @@ def route_triton(logits: torch.Tensor, bias: torch.Tensor, bias_vl: torch.Tensor
     if T:
         inv_temp = fp32_reciprocal(gate_temp) if inv_temp is None else inv_temp
         # a bool mask is read as its bytes (a view): `.to(uint8)` was a copy kernel on every layer's routing chain
-        image = (is_image.view(torch.uint8) if is_image.dtype == torch.bool else is_image.to(torch.uint8)).contiguous()
+        # (Inductor cannot lower a bool -> uint8 view: a compiled forward keeps the cast)
+        view = is_image.dtype == torch.bool and not torch.compiler.is_compiling()
+        image = (is_image.view(torch.uint8) if view else is_image.to(torch.uint8)).contiguous()
         _route_kernel[(T,)](logits.float().contiguous(), bias.float().contiguous(), bias_vl.float().contiguous(),
                             image, w, idx, E, inv_temp, float(scale), K=top_k,
                             KB=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(E),

@@ -46,6 +46,10 @@ def test_fp32_linear_graph_replay() -> None:
 
 
 def test_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the default (DSV4_FP32_LINEAR_MM_ROWS unset): 16-bit operands take the GEMM from 8 rows; first the kernel up to
+    # DECODE_ROWS (DSV4_FP32_LINEAR_MM_ROWS=65), the rule before that default
+    assert fl.MM_FROM_ROWS == 8 and fl.path(8, True, True) == "mm" and fl.path(7, True, True) == "triton"
+    monkeypatch.setattr(fl, "MM_FROM_ROWS", fl.DECODE_ROWS + 1)
     calls = []
     for name in ("fp32_linear_triton", "fp32_linear_mm", "fp32_linear_torch"):
         monkeypatch.setattr(fl, name, lambda x, w, f=getattr(fl, name), name=name: calls.append((name, x.shape[0])) or
