@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4.engine.engine import LLMEngine
 from dsv4.make_model import make_model
-from dsv4.models import deepseek_v41
+from dsv4.models import deepseek_v4, deepseek_v41
 from dsv4.models.layers.side_stream import SIDE
 from dsv4.sampling_params import SamplingParams
 
@@ -93,11 +93,12 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _forward_logs(monkeypatch: pytest.MonkeyPatch, path: str = GOLDEN) -> tuple[list[_Recorder], LLMEngine]:
-    """Run a V4.1 engine (the golden checkpoint unless `path`) through several decode steps; one recorder per
-    decode forward."""
+def _forward_logs(monkeypatch: pytest.MonkeyPatch, path: str = GOLDEN,
+                  cls: type = deepseek_v41.DeepseekV41ForCausalLM) -> tuple[list[_Recorder], LLMEngine]:
+    """Run an engine (the golden V4.1 checkpoint unless `path`; `cls` its model class) through several decode
+    steps; one recorder per decode forward."""
     recs: list[_Recorder] = []
-    real = deepseek_v41.DeepseekV41ForCausalLM.forward_decode
+    real = cls.forward_decode
 
     def recorded(self, *args, **kwargs):
         rec = _Recorder()
@@ -107,7 +108,7 @@ def _forward_logs(monkeypatch: pytest.MonkeyPatch, path: str = GOLDEN) -> tuple[
             out = real(self, *args, **kwargs)
         recs.append(rec)
         return out
-    monkeypatch.setattr(deepseek_v41.DeepseekV41ForCausalLM, "forward_decode", recorded)
+    monkeypatch.setattr(cls, "forward_decode", recorded)
     eng = LLMEngine.from_args(path, max_model_len=96, max_num_seqs=4, load_tokenizer=False)
     prompts = {str(i): torch.randint(3, 280, (n,), generator=torch.Generator().manual_seed(i)).tolist()
                for i, n in enumerate((13, 5, 30))}
@@ -152,6 +153,27 @@ def test_the_main_chain_waits_for_what_forks_touch(monkeypatch: pytest.MonkeyPat
     assert recs and all(not rec.violations for rec in recs), recs[0].violations[:5]
     # the check sees the forks' work: each forward's forks wrote something the main chain read after a join
     assert all(any(kind == "join" for kind, _ in rec.log) for rec in recs)
+
+
+def test_v4_forks_are_joined_and_waited_for(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """DeepSeek-V4 (tiny-v4: a sliding, two CSA and an HCA layer): the compressed layers' publish and picks (two
+    forks on the layer lane), every layer's window write (its lane) and every MoE's shared expert (the layer lane),
+    each joined in its forward, and the main chain never touching what a fork touched before its join."""
+    path = make_model("tiny-v4", str(tmp_path / "tiny-v4"), seed=0)
+    recs, eng = _forward_logs(monkeypatch, path, deepseek_v4.DeepseekV4ForCausalLM)
+    assert len(recs) >= 7
+    layers = eng.runner.model.model.layers
+    compressed = sum(layer.self_attn.compressor is not None for layer in layers)
+    assert 0 < compressed < len(layers)
+    for rec in recs:
+        assert not rec.violations, rec.violations[:5]
+        for lane in ("layer", "window"):
+            kinds = [k for k, ln in rec.log if ln == lane]
+            forks = kinds.count("fork")
+            assert forks == (2 * compressed + len(layers) if lane == "layer" else len(layers)), (lane, rec.log)
+            # every fork is followed by a join of its lane before the forward ends
+            assert kinds[-1] == "join" and kinds.count("join") >= 1
+            assert all(a != "join" or b != "join" for a, b in zip(kinds, kinds[1:]))
 
 
 def test_side_stream_is_inline_off_the_gpu() -> None:

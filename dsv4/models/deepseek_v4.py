@@ -22,6 +22,7 @@ from dsv4.models.layers.merged import V4_COMPRESSOR_CSA, V4_COMPRESSOR_HCA, proj
 from dsv4.models.layers.moe import MoE
 from dsv4.models.layers.norm import RMSNorm
 from dsv4.models.layers.rope import RotaryTable
+from dsv4.models.layers.side_stream import SIDE, WINDOW_LANE
 from dsv4.models.verify_rows import roll_rings
 from dsv4.ops.compress_pool import entry_start, pool_decode, pool_rows, write_entries
 from dsv4.ops.decode_attention import TableSource, decode_sink_attention
@@ -283,33 +284,56 @@ class Attention(nn.Module):
         """One token per row with fixed shapes (a captured decode step)."""
         R = x.shape[0]
         cos, sin = self.rope(dmd.positions)
+        # The compressor's publish (from x) and CSA's picks (the indexer's queries from x and qr, its selection over
+        # the published keys) read neither the queries nor the window: a side lane beside the query projection and
+        # the window write (SIDE; inline, in this order, off the GPU or with it switched off), joined before the
+        # attention reads the picks and the entries. The window write takes a lane of its own.
+        head_logits = None
+        if self.compressor is not None:
+            with SIDE.fork(x):
+                head_logits = self._publish_decode(x, dmd, cache)
         q_lat, kv_lat = project(self, x, "q_a_proj", "kv_proj")  # one product once merged
         qr = self.q_a_norm(q_lat)
+        with SIDE.fork(x, WINDOW_LANE):
+            kvn = self.kv_norm  # norm, rope and the window write: one launch on CUDA
+            write_rms_norm_rope(kv_lat, kvn.weight, kvn.eps, kvn.fused_mode, cos, sin, cache.window, dmd.write_slots)
+        compressed = None
+        if self.compressor is not None:
+            with SIDE.fork(x):
+                compressed = self._compressed_source(qr, dmd, cache, cos, sin, head_logits)
         q = self._q_norm_rope(self.q_b_proj(qr).view(R, self.n_heads, self.head_dim), cos, sin)
-        kvn = self.kv_norm  # norm, rope and the window write: one launch on CUDA
-        write_rms_norm_rope(kv_lat, kvn.weight, kvn.eps, kvn.fused_mode, cos, sin, cache.window, dmd.write_slots)
-        compressed = self._compressed_decode(x, qr, dmd, cache, cos, sin) if self.compressor is not None else None
+        SIDE.join(x, WINDOW_LANE)
+        if self.compressor is not None:
+            SIDE.join(x)
         sources = [(cache.window, dmd.window_slots, dmd.window_mask)] + ([compressed] if compressed is not None else [])
         # (the output's inverse rope inside the attention's merge; the queries are roped with their norm above)
         out = decode_sink_attention(q, sources, self.sinks, self.head_dim ** -0.5, rope=(cos, sin), rope_queries=False)
         return self._output(out)
 
-    def _compressed_decode(self, x: torch.Tensor, qr: torch.Tensor, dmd: DecodeMetadata, cache: LayerKVCache,
-                           cos: torch.Tensor, sin: torch.Tensor) -> tuple | TableSource:
-        """A decode step's compressed source: the compressor (and CSA's indexer) run on the rows, then CSA's top-k
-        of each row's visible entries (slots, mask) or HCA's every visible entry through the block table."""
+    def _publish_decode(self, x: torch.Tensor, dmd: DecodeMetadata, cache: LayerKVCache) -> torch.Tensor | None:
+        """A decode step's compressor (and CSA's indexer) on the rows: the entries they complete written to the
+        caches. Returns CSA's indexer head logits (the queries' input), None for HCA."""
         assert self.compressor is not None
         write = dmd.entry_write[f"compressed_{self.ratio}"]
         kv, gate, *index_inputs = self.compressor.project_inputs(x)
         self.compressor.forward_decode(kv, gate, dmd, self.rope, cache.compressed, cache.ring_kv, cache.ring_gate,
                                        write)
-        ent = dmd.entries(f"compressed_{self.ratio}")
-        if self.kind != CSA:  # HCA: every visible entry, read up to each row's n
-            return TableSource(cache.compressed, ent.table, ent.n, ent.block_size, ent.max_entries)
-        indexer = self.compressor.indexer
+        if self.kind != CSA:
+            return None
         ikv, igate, head_logits = index_inputs
-        indexer.forward_decode(ikv, igate, dmd, self.rope, cache.index_keys, cache.index_ring_kv,
-                               cache.index_ring_gate, write)
+        self.compressor.indexer.forward_decode(ikv, igate, dmd, self.rope, cache.index_keys, cache.index_ring_kv,
+                                               cache.index_ring_gate, write)
+        return head_logits
+
+    def _compressed_source(self, qr: torch.Tensor, dmd: DecodeMetadata, cache: LayerKVCache, cos: torch.Tensor,
+                           sin: torch.Tensor, head_logits: torch.Tensor | None) -> tuple | TableSource:
+        """A decode step's compressed source, after `_publish_decode`: CSA's top-k of each row's visible entries
+        (slots, mask), or HCA's every visible entry through the block table (read up to each row's n)."""
+        ent = dmd.entries(f"compressed_{self.ratio}")
+        if self.kind != CSA:
+            return TableSource(cache.compressed, ent.table, ent.n, ent.block_size, ent.max_entries)
+        assert head_logits is not None
+        indexer = self.compressor.indexer
         qi, iw = indexer.queries(head_logits, qr, cos, sin)
         _, cslots, cmask, _ = decode_select(qi, iw, cache.index_keys, ent.table, ent.block_size, ent.n,
                                             ent.max_entries, indexer.head_dim ** -0.5,

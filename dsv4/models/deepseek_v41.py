@@ -26,7 +26,7 @@ from dsv4.models.layers.mhc import collapse_norm, hc_mixes
 from dsv4.models.layers.moe import Experts, moe_output
 from dsv4.models.layers.norm import rms_norm_v41_torch
 from dsv4.models.layers.rope import RotaryTable
-from dsv4.models.layers.side_stream import SIDE
+from dsv4.models.layers.side_stream import MHC_LANE, SIDE, WINDOW_LANE
 from dsv4.models.verify_rows import pool_verify_rows
 from dsv4.models.vision import VisionEncoder
 from dsv4.ops.cache_writes import write_entry_kv, write_index_keys, write_window_kv
@@ -88,10 +88,6 @@ def expand_collapse_norm(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, c
         return expand_collapse_rms_norm_triton(y, h, post, comb, pre, norm.weight, norm.eps, norm.fused_mode)
     h = expand(y, h, post, comb)
     return h, collapse_norm(h, pre, norm)
-
-
-MHC_LANE = "mhc"  # the side lane of the decode step's mHC mixes (`DecoderLayerV41.forward_decode`)
-WINDOW_LANE = "window"  # the side lane of a decode step's window write (`AttentionV41.forward_decode`)
 
 
 @dataclass

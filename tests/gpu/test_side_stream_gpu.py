@@ -42,12 +42,14 @@ def test_golden_greedy_with_side_stream(side_on: None, eager: bool) -> None:
         assert eng.runner.graphs.enabled
 
 
-@pytest.mark.parametrize("batch,preset", [(1, None), (3, None), (8, None), (3, "tiny-v41-noengram")])
+@pytest.mark.parametrize("batch,preset", [(1, None), (3, None), (8, None), (3, "tiny-v41-noengram"), (1, "tiny-v4"),
+                                          (5, "tiny-v4")])
 def test_bf16_batch_same_tokens_on_and_off(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, batch: int,
                                            preset: str | None) -> None:
     """bf16, several requests of different lengths: the forks change where work runs, not what it computes, so
     the greedy tokens are the same as the inline forward's, token for token. Also a V4.1 model without engram (no
-    engram fork: a fork left unjoined would fail the graph capture)."""
+    engram fork: a fork left unjoined would fail the graph capture) and a V4 one (its CSA / HCA layers' publish
+    and picks, window writes and shared experts forked)."""
     path = GOLDEN if preset is None else make_model(preset, str(tmp_path / preset), seed=0)
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(10, 200, (int(n),), generator=g).tolist()

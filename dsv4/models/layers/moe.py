@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.models.layers.merged import project
+from dsv4.models.layers.side_stream import SIDE
 from dsv4.ops import moe_sorted
 from dsv4.ops.moe import GROUPED_BLOCK_M, combine_experts, expert_gemv, expert_grouped, group_rows
 from dsv4.ops.moe_quant import expert_gemv_q, expert_grouped_q, grouped_q_block_m
@@ -104,10 +106,14 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, fixed: bool = False) -> torch.Tensor:
         """fixed: shapes fixed by the batch and no host sync (captured decode steps), see `moe_output`."""
+        # a captured decode step's shared expert runs on a side stream beside the router and the routed products
+        # (SIDE; inline off the GPU or with it switched off), joined just before the sum reads it
+        with SIDE.fork(x) if fixed else contextlib.nullcontext():
+            shared = self.shared_experts(x)
         weights, idx = self.gate(x, input_ids)
         e = self.experts
         return moe_output(x, weights, idx, e.gate_up, e.down, e.limit, weight_before_down=False,
-                          fixed=fixed, shared=self.shared_experts(x), ep=self.ep)
+                          fixed=fixed, shared=shared, ep=self.ep, join=(lambda: SIDE.join(x)) if fixed else None)
 
 
 def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor | QuantWeight,

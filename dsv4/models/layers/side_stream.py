@@ -33,6 +33,10 @@ import torch
 # unchanged (7.19 / 7.20 ms): at 64 rows the products fill the GPU and the forked chains only queue beside them.
 ENABLED = os.environ.get("DSV4_DECODE_SIDE_STREAM", "1") == "1"
 
+# Lanes besides the default "layer" one (the compressor's publish, the indexer's picks, the shared expert):
+MHC_LANE = "mhc"  # V4.1's mHC mixes of a site, beside its sublayer (`DecoderLayerV41.forward_decode`)
+WINDOW_LANE = "window"  # a decode layer's window write, beside its query projection
+
 
 class SideStream:
     """Side streams per (device, lane), created on first use and kept (a capture and its warm-up use the same ones).
