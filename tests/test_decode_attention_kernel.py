@@ -275,3 +275,30 @@ def test_rope_on_the_cpu_path_is_the_composition() -> None:
     want = apply_rope_torch(decode_sink_attention_torch(q, [(cache, ws, wm)], sinks, 0.25), cos, sin, inverse=True)
     assert torch.equal(decode_sink_attention(q.clone(), [(cache, ws, wm)], sinks, 0.25, rope=(cos, sin),
                                              rope_queries=False), want)
+
+
+def test_merge_in_channel_blocks_keeps_the_bits() -> None:
+    """The merge of the splits in blocks of channels with its loop unrolled (COMBINE_CHANNELS, the default) gives
+    the bits of the whole-row merge with the loop as it was (DSV4_COMBINE_CHANNELS=0): split counts 1 to 33 (not
+    multiples of four, and past the unrolled rounds' four), channels one block and several (D 64 / 256 at 32
+    channels a block), with the output's inverse rope in the last block and not, the rows kernel's split merge."""
+    _interpret(_SETUP + """
+    from dsv4.ops import decode_attention as da
+    g = torch.Generator().manual_seed(8)
+    for dtype in (torch.bfloat16, torch.float32):
+        for R, H, D, W, L2, kw, half in ((1, 8, 64, 40, 33, dict(chunk=32), 16), (2, 4, 256, 70, 5, dict(chunk=32), 16),
+                                         (1, 4, 256, 8, 100, dict(chunk=32), 0), (3, 8, 64, 100, 90,
+                                                                                  dict(rows=True, row_splits=3), 8),
+                                         (1, 2, 64, 128, 900, dict(chunk=32), 0)):
+            q, sources, sinks, mask, ref = case(g, R, H, D, W, L2, dtype, two=L2 > 0)
+            ang = torch.rand(R, max(half, 1), generator=g) * 6.3
+            rope = (ang.cos(), ang.sin()) if half else None
+            outs = []
+            for channels in (0, 32):
+                da.COMBINE_CHANNELS = channels
+                outs.append(decode_sink_attention_triton(q.clone(), sources, sinks, D ** -0.5, rope=rope, **kw))
+            da.COMBINE_CHANNELS = 128
+            assert torch.equal(outs[0], outs[1]), (R, H, D, kw, (outs[0] - outs[1]).abs().max())
+            assert torch.allclose(outs[1].float(), (ref if rope is None else outs[0]).float(), rtol=2e-2, atol=2e-2)
+    print("ok")
+    """)

@@ -602,8 +602,6 @@ class MoEV41(nn.Module):
                           join=(lambda: SIDE.join(x)) if fixed else None)
 
 
-
-
 class DecoderLayerV41(nn.Module):
     """Delayed mHC: the attention input collapses with the previous site's pre, the FFN input with this
     layer's attention-site pre; Engram (if any) edits the streams before the mixes."""

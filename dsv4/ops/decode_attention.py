@@ -193,7 +193,7 @@ if triton is not None:
         q = tl.load(q_ptr + r * sq_r + heads[:, None] * sq_h + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0)
         if ROPE > 0:  # the queries' rope (ROPE pairs) on load: every program of the row rotates the same bits
             q = rope_tile(q, cos_ptr + r * cos_stride, sin_ptr + r * sin_stride, 1.0, D, ROPE, BLOCK_D,
-                          q_ptr.dtype.element_ty, INTERPRET)
+                          q_ptr.dtype.element_ty, INTERPRET, 0)
         if TC:
             q = q.to(tl.bfloat16)
         else:
@@ -216,11 +216,32 @@ if triton is not None:
         tl.store(ws_acc + base[:, None] * D + d[None, :], acc, mask=hm[:, None] & dm[None, :])
 
     @triton.jit
+    def _combine_four(acc, ws_m, ws_acc, r, h, s0, S, H, big, d, dm, D: tl.constexpr):
+        """acc plus splits s0 .. s0 + 3's weighted rows (channels d), added in split order, one product at a time;
+        a split past S adds 0 * 0."""
+        j = tl.arange(0, 4)
+        # the four weights exp(m - big) (0 for a split with no visible key, and past S), each taken out of the
+        # vector by a sum with zeros (exact)
+        wj = tl.exp(tl.load(ws_m + (r * S + s0 + j) * H + h, mask=s0 + j < S, other=float("-inf")) - big)
+        row = ws_acc + ((r * S + s0) * H + h) * D + d
+        a0 = tl.load(row, mask=dm & (s0 + 0 * d < S), other=0.0)
+        a1 = tl.load(row + H * D, mask=dm & (s0 + 1 + 0 * d < S), other=0.0)
+        a2 = tl.load(row + 2 * H * D, mask=dm & (s0 + 2 + 0 * d < S), other=0.0)
+        a3 = tl.load(row + 3 * H * D, mask=dm & (s0 + 3 + 0 * d < S), other=0.0)
+        acc += tl.sum(tl.where(j == 0, wj, 0.0), axis=0) * a0
+        acc += tl.sum(tl.where(j == 1, wj, 0.0), axis=0) * a1
+        acc += tl.sum(tl.where(j == 2, wj, 0.0), axis=0) * a2
+        acc += tl.sum(tl.where(j == 3, wj, 0.0), axis=0) * a3
+        return acc
+
+    @triton.jit
     def _combine_kernel(ws_m, ws_l, ws_acc, sinks_ptr, out_ptr, so_r, so_h, S, H, cos_ptr, sin_ptr, cos_stride,
                         sin_stride, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-                        ROPE: tl.constexpr, INTERPRET: tl.constexpr):
+                        ROPE: tl.constexpr, UNROLL: tl.constexpr, INTERPRET: tl.constexpr):
+        """Program (row r, head h, channels [c * BLOCK_D, (c + 1) * BLOCK_D) of D)."""
         r = tl.program_id(0)
         h = tl.program_id(1)
+        col0 = tl.program_id(2) * BLOCK_D
         s_idx = tl.arange(0, BLOCK_S)
         sm = s_idx < S
         m = tl.load(ws_m + (r * S + s_idx) * H + h, mask=sm, other=float("-inf"))
@@ -228,30 +249,24 @@ if triton is not None:
         big = tl.maximum(tl.max(m, axis=0), sink)  # the reference's max over keys and sink
         l = tl.load(ws_l + (r * S + s_idx) * H + h, mask=sm, other=0.0)
         denom = tl.sum(tl.exp(m - big) * l, axis=0) + tl.exp(sink - big)
-        d = tl.arange(0, BLOCK_D)
+        d = col0 + tl.arange(0, BLOCK_D)
         dm = d < D
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         # The splits' rows four at a time: their loads are independent, so all four are in flight together (one
         # split at a time, a batch-1 combine of 20 splits took 4.7 us on an H100, 2026-12-06-h100-decode-optins);
-        # still added in split order, one product at a time, as before. A place past S adds 0 * 0.
-        j = tl.arange(0, 4)
-        for s0 in range(0, S, 4):
-            # the four weights exp(m - big) (0 for a split with no visible key, and past S), each taken out of the
-            # vector by a sum with zeros (exact)
-            wj = tl.exp(tl.load(ws_m + (r * S + s0 + j) * H + h, mask=s0 + j < S, other=float("-inf")) - big)
-            row = ws_acc + ((r * S + s0) * H + h) * D + d
-            a0 = tl.load(row, mask=dm, other=0.0)  # (s0 < S)
-            a1 = tl.load(row + H * D, mask=dm & (s0 + 1 + 0 * d < S), other=0.0)
-            a2 = tl.load(row + 2 * H * D, mask=dm & (s0 + 2 + 0 * d < S), other=0.0)
-            a3 = tl.load(row + 3 * H * D, mask=dm & (s0 + 3 + 0 * d < S), other=0.0)
-            acc += tl.sum(tl.where(j == 0, wj, 0.0), axis=0) * a0
-            acc += tl.sum(tl.where(j == 1, wj, 0.0), axis=0) * a1
-            acc += tl.sum(tl.where(j == 2, wj, 0.0), axis=0) * a2
-            acc += tl.sum(tl.where(j == 3, wj, 0.0), axis=0) * a3
+        # still added in split order, one product at a time, as before. A place past S adds 0 * 0 (acc, a sum from
+        # +0, is never -0: the bits stay). UNROLL: the loop unrolled to BLOCK_S, so every split's loads can be in
+        # flight at once, not four at a time (each round a wait on memory at batch 1).
+        if UNROLL:
+            for s0 in tl.static_range(0, BLOCK_S, 4):
+                acc = _combine_four(acc, ws_m, ws_acc, r, h, s0, S, H, big, d, dm, D)
+        else:
+            for s0 in range(0, S, 4):
+                acc = _combine_four(acc, ws_m, ws_acc, r, h, s0, S, H, big, d, dm, D)
         o = (acc / denom).to(out_ptr.dtype.element_ty)
         if ROPE > 0:  # the inverse rope of the rounded output, as a rope launch after this one would apply it
             o = tl.reshape(rope_tile(o[None, :], cos_ptr + r * cos_stride, sin_ptr + r * sin_stride, -1.0, D, ROPE,
-                                     BLOCK_D, out_ptr.dtype.element_ty, INTERPRET), [BLOCK_D])
+                                     BLOCK_D, out_ptr.dtype.element_ty, INTERPRET, col0), [BLOCK_D])
         tl.store(out_ptr + r * so_r + h * so_h + d, o, mask=dm)
 
     # The sources' widths and row strides change from one prefill step to the next (and the row stride of q with
@@ -327,6 +342,13 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read when kernels are 
 # two launches of dsv4.ops.rope around the attention (DSV4_ATTN_ROPE_FUSED=0: those, for comparisons). The same
 # bits either way; at batch 1 each rope launch sits on the layer's critical chain (~2 us with its gap, H100).
 ROPE_FUSED = os.environ.get("DSV4_ATTN_ROPE_FUSED", "1") == "1"
+# The merge's channels a program (a power of two; DSV4_COMBINE_CHANNELS=0: a whole row a program with the split loop
+# not unrolled, the form timed on 2026-12-07). At batch 1 the merge was 53 us of exposed time over 8 layers on an
+# H100 (results/2026-12-07-h100-decode-fusions): 64 programs, each walking ~20 splits of 512 channels four at a time,
+# a wait on memory per round. Blocks of 128 channels give 4x the programs and, with the loop unrolled (up to
+# COMBINE_MAX_UNROLL splits), every split's loads in flight at once. The same bits: each channel's sum is unchanged.
+COMBINE_CHANNELS = int(os.environ.get("DSV4_COMBINE_CHANNELS", "128"))
+COMBINE_MAX_UNROLL = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -473,9 +495,14 @@ def _combine(ws_m: torch.Tensor, ws_l: torch.Tensor, ws_acc: torch.Tensor, sinks
     it (no rope at all for half 0)."""
     R, H, D = out.shape
     fused = half if ROPE_FUSED else 0
-    _combine_kernel[(R, H)](ws_m, ws_l, ws_acc, sinks.contiguous(), out, out.stride(0), out.stride(1), S, H, cos, sin,
-                            cos.stride(0), sin.stride(0), D=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
-                            BLOCK_S=max(2, triton.next_power_of_2(S)), ROPE=fused, INTERPRET=_INTERPRET)
+    block_d = max(16, triton.next_power_of_2(D))
+    if COMBINE_CHANNELS and block_d > COMBINE_CHANNELS:  # channel blocks: programs and loads in flight x D / C
+        block_d = COMBINE_CHANNELS
+    block_s = max(4, triton.next_power_of_2(S))
+    _combine_kernel[(R, H, triton.cdiv(D, block_d))](
+        ws_m, ws_l, ws_acc, sinks.contiguous(), out, out.stride(0), out.stride(1), S, H, cos, sin, cos.stride(0),
+        sin.stride(0), D=D, BLOCK_D=block_d, BLOCK_S=block_s, ROPE=fused,
+        UNROLL=bool(COMBINE_CHANNELS) and block_s <= COMBINE_MAX_UNROLL, INTERPRET=_INTERPRET)
     if half and not fused:
         apply_rope_triton_(out, cos, sin, inverse=True)
 

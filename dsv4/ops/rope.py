@@ -85,14 +85,15 @@ if triton is not None:
 
     @triton.jit
     def rope_tile(x, cos_row, sin_row, sign, D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-                  dt: tl.constexpr, INTERPRET: tl.constexpr):
-        """Rows x [M, BLOCK_D] (values of dt, channels [0, D) used) with the pairs of their trailing 2 * HALF
-        channels rotated by the angles of one position (cos_row / sin_row: HALF fp32 values), as
-        `apply_rope_torch` of each row; returned in dt, the other channels unchanged. For kernels that rope a tile
-        they hold anyway (a query tile on load, an output row before its store): no launch of its own."""
+                  dt: tl.constexpr, INTERPRET: tl.constexpr, col0):
+        """Rows x [M, BLOCK_D] (values of dt: channels [col0, col0 + BLOCK_D) of rows of D, col0 even) with the
+        pairs of the rows' trailing 2 * HALF channels rotated by the angles of one position (cos_row / sin_row:
+        HALF fp32 values), as `apply_rope_torch` of each row; returned in dt, the other channels unchanged. For
+        kernels that rope a tile they hold anyway (a query tile on load, an output row before its store): no
+        launch of its own."""
         M: tl.constexpr = x.shape[0]
         a, b = tl.split(tl.reshape(x.to(tl.float32), [M, BLOCK_D // 2, 2]))
-        i = tl.arange(0, BLOCK_D // 2) - (D // 2 - HALF)  # the pair's angle, for the rope pairs
+        i = col0 // 2 + tl.arange(0, BLOCK_D // 2) - (D // 2 - HALF)  # the pair's angle, for the rope pairs
         rm = (i >= 0) & (i < HALF)
         c = tl.load(cos_row + i, mask=rm, other=1.0)
         s = tl.load(sin_row + i, mask=rm, other=0.0)
