@@ -85,28 +85,34 @@ def test_engine_prepares_tables_and_tokens_do_not_change(tmp_path) -> None:
                                                                         for lp in outs[1][1]]
 
 
-def test_a_v41_decode_forward_looks_up_each_configuration_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode step's layers share one (cos, sin) per rope configuration at the step's positions (StepState's
-    decode_rope): one gather a configuration a forward, not one a layer. Other lookups (the compressed entries'
-    first positions) still run as before."""
+@pytest.mark.parametrize("family", ["v41", "v4"])
+def test_a_decode_forward_looks_up_each_configuration_once(monkeypatch: pytest.MonkeyPatch, tmp_path,
+                                                            family: str) -> None:
+    """A decode step's layers share one (cos, sin) per rope configuration at the step's positions (`rope_once`):
+    one gather a configuration a forward, not one a layer (V4.1: the golden checkpoint; V4: tiny-v4). Other
+    lookups (the compressed entries' first positions) still run as before."""
+    from dsv4.make_model import make_model
+    from dsv4.models import deepseek_v4
     lookups: list[tuple[RopeConfig, torch.Tensor]] = []
     real_rope = RotaryTable.forward
     monkeypatch.setattr(RotaryTable, "forward", lambda self, positions: (lookups.append((self.cfg, positions)),
                                                                           real_rope(self, positions))[1])
     forwards: list[tuple[torch.Tensor, list[tuple[RopeConfig, torch.Tensor]]]] = []
-    real_forward = deepseek_v41.DeepseekV41ForCausalLM.forward_decode
+    cls = deepseek_v41.DeepseekV41ForCausalLM if family == "v41" else deepseek_v4.DeepseekV4ForCausalLM
+    path = GOLDEN_V41 if family == "v41" else make_model("tiny-v4", str(tmp_path / "tiny-v4"), seed=0)
+    real_forward = cls.forward_decode
 
     def recorded(self, input_ids, dmd, *args, **kwargs):
         lookups.clear()
         out = real_forward(self, input_ids, dmd, *args, **kwargs)
         forwards.append((dmd.positions, list(lookups)))
         return out
-    monkeypatch.setattr(deepseek_v41.DeepseekV41ForCausalLM, "forward_decode", recorded)
-    eng = LLMEngine.from_args(GOLDEN_V41, max_model_len=64, max_num_seqs=2, load_tokenizer=False)
+    monkeypatch.setattr(cls, "forward_decode", recorded)
+    eng = LLMEngine.from_args(path, max_model_len=64, max_num_seqs=2, load_tokenizer=False)
     eng.add_request([5, 6, 7, 8, 9], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     while eng.has_unfinished_requests():
         eng.step()
-    layer_cfgs = {layer.attn.rope.cfg for layer in eng.runner.model.model.layers}
+    layer_cfgs = {(layer.attn if family == "v41" else layer.self_attn).rope.cfg for layer in eng.runner.model.model.layers}
     assert len(forwards) >= 4
     for positions, seen in forwards:
         at_step = [cfg for cfg, pos in seen if pos is positions]

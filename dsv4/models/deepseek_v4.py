@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from dsv4.models.config import CSA, HASH_MOE, SLIDING, ModelConfig
+from dsv4.models.config import CSA, HASH_MOE, SLIDING, ModelConfig, RopeConfig
 from dsv4.models.layers.attention import project_groups, write_slots
 from dsv4.models.layers.mhc import HyperConnection, HyperHead, collapse_norm, expand
 from dsv4.models.layers.merged import V4_COMPRESSOR_CSA, V4_COMPRESSOR_HCA, project
 from dsv4.models.layers.moe import MoE
 from dsv4.models.layers.norm import RMSNorm
-from dsv4.models.layers.rope import RotaryTable
+from dsv4.models.layers.rope import RotaryTable, rope_once
 from dsv4.models.layers.side_stream import SIDE, WINDOW_LANE
 from dsv4.models.verify_rows import roll_rings
 from dsv4.ops.compress_pool import entry_start, pool_decode, pool_rows, write_entries
@@ -280,10 +280,12 @@ class Attention(nn.Module):
         return self._output(out)
 
 
-    def forward_decode(self, x: torch.Tensor, dmd: DecodeMetadata, cache: LayerKVCache) -> torch.Tensor:
-        """One token per row with fixed shapes (a captured decode step)."""
+    def forward_decode(self, x: torch.Tensor, dmd: DecodeMetadata, cache: LayerKVCache,
+                       ropes: dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One token per row with fixed shapes (a captured decode step); `ropes`: the forward's rope rows at the
+        step's positions, per configuration (`rope_once`)."""
         R = x.shape[0]
-        cos, sin = self.rope(dmd.positions)
+        cos, sin = rope_once(ropes, self.rope, dmd.positions)
         # The compressor's publish (from x) and CSA's picks (the indexer's queries from x and qr, its selection over
         # the published keys) read neither the queries nor the window: a side lane beside the query projection and
         # the window write (SIDE; inline, in this order, off the GPU or with it switched off), joined before the
@@ -398,10 +400,10 @@ class DecoderLayer(nn.Module):
         return expand(z, h, post, comb)
 
 
-    def forward_decode(self, h: torch.Tensor, input_ids: torch.Tensor, dmd: DecodeMetadata,
-                       cache: LayerKVCache) -> torch.Tensor:
+    def forward_decode(self, h: torch.Tensor, input_ids: torch.Tensor, dmd: DecodeMetadata, cache: LayerKVCache,
+                       ropes: dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         pre, post, comb = self.attn_hc.mixes(h)
-        y = self.self_attn.forward_decode(collapse_norm(h, pre, self.input_layernorm), dmd, cache)
+        y = self.self_attn.forward_decode(collapse_norm(h, pre, self.input_layernorm), dmd, cache, ropes)
         h = expand(y, h, post, comb)
         pre, post, comb = self.ffn_hc.mixes(h)
         z = self.mlp(collapse_norm(h, pre, self.post_attention_layernorm), input_ids, fixed=True)
@@ -433,8 +435,9 @@ class DeepseekV4Model(nn.Module):
     def forward_decode(self, input_ids: torch.Tensor, dmd: DecodeMetadata, caches: list[LayerKVCache],
                        taps: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
         h = self.embed_tokens(input_ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        ropes: dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]] = {}  # one rope gather a configuration
         for layer, cache in zip(self.layers, caches):
-            h = layer.forward_decode(h, input_ids, dmd, cache)
+            h = layer.forward_decode(h, input_ids, dmd, cache, ropes)
         if taps is not None:  # as in `forward`
             taps[len(self.layers)] = h.flatten(1)
         return self.norm(self.hc_head(h))

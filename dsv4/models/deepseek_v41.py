@@ -25,7 +25,7 @@ from dsv4.models.layers.merged import project
 from dsv4.models.layers.mhc import collapse_norm, hc_mixes
 from dsv4.models.layers.moe import Experts, moe_output
 from dsv4.models.layers.norm import rms_norm_v41_torch
-from dsv4.models.layers.rope import RotaryTable
+from dsv4.models.layers.rope import RotaryTable, rope_once
 from dsv4.models.layers.side_stream import MHC_LANE, SIDE, WINDOW_LANE
 from dsv4.models.verify_rows import pool_verify_rows
 from dsv4.models.vision import VisionEncoder
@@ -100,17 +100,9 @@ class StepState:
     topk: torch.Tensor | None = None
     candidates: torch.Tensor | None = None
     keys: TokenKeySlots | None = None
-    # a decode step's (cos, sin) at its rows' positions, per rope configuration: looked up once a forward, not once
-    # a layer (each lookup is a gather launch on the layer's critical chain, before its first product)
+    # a decode step's (cos, sin) at its rows' positions, per rope configuration (`rope_once`)
     decode_ropes: dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def decode_rope(self, rope: RotaryTable, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """rope's (cos, sin) at a decode step's positions (`DecodeMetadata.positions`, the same tensor in every
-        layer of the forward), from the first layer of that configuration that asks."""
-        found = self.decode_ropes.get(rope.cfg)
-        if found is None:
-            found = self.decode_ropes[rope.cfg] = rope(positions)
-        return found
 
 
 class StepEntries(NamedTuple):
@@ -387,7 +379,7 @@ class AttentionV41(nn.Module):
                        step: StepState) -> torch.Tensor:
         """A uniform decode step: one row per (padded) request, fixed shapes and no host sync."""
         cache = caches[self.layer]
-        cos, sin = step.decode_rope(self.rope, dmd.positions)
+        cos, sin = rope_once(step.decode_ropes, self.rope, dmd.positions)
         # The compressor's publish (from x) and the picks (the indexer's queries from x and qr, its selection over
         # the published keys) do not read the queries or the window: they run on a side stream beside the query
         # projection and the window write (SIDE; inline, in this order, off the GPU or with it switched off). Both

@@ -70,3 +70,13 @@ def prepare_rope_tables(model: nn.Module, max_positions: int) -> None:
     for module in model.modules():
         if isinstance(module, RotaryTable):
             module.prepare(max_positions)
+
+
+def rope_once(found: dict[RopeConfig, tuple[torch.Tensor, torch.Tensor]], rope: RotaryTable,
+              positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope's (cos, sin) at a decode step's positions (the same tensor in every layer of one forward), looked up once
+    per rope configuration into `found` (a dict that lives for that forward): each lookup is a gather launch on a
+    layer's critical chain, before its first product."""
+    if rope.cfg not in found:
+        found[rope.cfg] = rope(positions)
+    return found[rope.cfg]
