@@ -94,9 +94,10 @@ class _Recorder(TorchDispatchMode):
 
 
 def _forward_logs(monkeypatch: pytest.MonkeyPatch, path: str = GOLDEN,
-                  cls: type = deepseek_v41.DeepseekV41ForCausalLM) -> tuple[list[_Recorder], LLMEngine]:
+                  cls: type = deepseek_v41.DeepseekV41ForCausalLM,
+                  lengths: tuple[int, ...] = (13, 5, 30)) -> tuple[list[_Recorder], LLMEngine]:
     """Run an engine (the golden V4.1 checkpoint unless `path`; `cls` its model class) through several decode
-    steps; one recorder per decode forward."""
+    steps of prompts of `lengths` tokens; one recorder per decode forward."""
     recs: list[_Recorder] = []
     real = cls.forward_decode
 
@@ -109,9 +110,9 @@ def _forward_logs(monkeypatch: pytest.MonkeyPatch, path: str = GOLDEN,
         recs.append(rec)
         return out
     monkeypatch.setattr(cls, "forward_decode", recorded)
-    eng = LLMEngine.from_args(path, max_model_len=96, max_num_seqs=4, load_tokenizer=False)
+    eng = LLMEngine.from_args(path, max_model_len=96, max_num_seqs=8, load_tokenizer=False)
     prompts = {str(i): torch.randint(3, 280, (n,), generator=torch.Generator().manual_seed(i)).tolist()
-               for i, n in enumerate((13, 5, 30))}
+               for i, n in enumerate(lengths)}
     run_to_completion(eng, prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     return recs, eng
 
@@ -146,6 +147,7 @@ def test_every_fork_is_joined_in_its_forward(monkeypatch: pytest.MonkeyPatch, tm
         # each layer's window write, joined before its attention
         assert [k for k, lane in log if lane == "window"] == ["fork", "join"] * cfg.num_hidden_layers
         assert [k for k, lane in log if lane == "engram"] == (["fork"] + ["join"] * n_engram if n_engram else [])
+        assert "router" not in {lane for _, lane in log}  # 3 rows x 2 routes <= 8 experts: routes read first
 
 
 def test_the_main_chain_waits_for_what_forks_touch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -174,6 +176,22 @@ def test_v4_forks_are_joined_and_waited_for(monkeypatch: pytest.MonkeyPatch, tmp
             # every fork is followed by a join of its lane before the forward ends
             assert kinds[-1] == "join" and kinds.count("join") >= 1
             assert all(a != "join" or b != "join" for a, b in zip(kinds, kinds[1:]))
+
+
+@pytest.mark.parametrize("family", ["v41", "v4"])
+def test_routing_beside_the_every_expert_products(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                  family: str) -> None:
+    """Decode steps of six requests (12 routes for 8 experts: every expert on every token) route on the router's
+    lane, one fork and join a MoE, and the main chain reads the routes only after the join (steps of three rows,
+    whose per-route products read the routes first, route inline: `test_every_fork_is_joined_in_its_forward`)."""
+    path = GOLDEN if family == "v41" else make_model("tiny-v4", str(tmp_path / "tiny-v4"), seed=0)
+    cls = deepseek_v41.DeepseekV41ForCausalLM if family == "v41" else deepseek_v4.DeepseekV4ForCausalLM
+    recs, eng = _forward_logs(monkeypatch, path, cls, lengths=(13, 5, 30, 9, 21, 7))
+    layers = len(eng.runner.model.model.layers)
+    assert len(recs) >= 7
+    for rec in recs:
+        assert not rec.violations, rec.violations[:5]
+        assert [k for k, lane in rec.log if lane == "router"] == ["fork", "join"] * layers
 
 
 def test_side_stream_is_inline_off_the_gpu() -> None:

@@ -23,10 +23,10 @@ from dsv4.models.engram import Engram, EngramLayout, HostTable
 from dsv4.models.layers.attention import project_groups, write_slots
 from dsv4.models.layers.merged import project
 from dsv4.models.layers.mhc import collapse_norm, hc_mixes
-from dsv4.models.layers.moe import Experts, moe_output
+from dsv4.models.layers.moe import Experts, moe_output, routes_beside
 from dsv4.models.layers.norm import rms_norm_v41_torch
 from dsv4.models.layers.rope import RotaryTable, rope_once
-from dsv4.models.layers.side_stream import MHC_LANE, SIDE, WINDOW_LANE
+from dsv4.models.layers.side_stream import MHC_LANE, ROUTER_LANE, SIDE, WINDOW_LANE
 from dsv4.models.verify_rows import pool_verify_rows
 from dsv4.models.vision import VisionEncoder
 from dsv4.ops.cache_writes import write_entry_kv, write_index_keys, write_window_kv
@@ -588,10 +588,14 @@ class MoEV41(nn.Module):
         with SIDE.fork(x) if fixed else contextlib.nullcontext():
             gate, up = project(se, x, "w1", "w3")  # one product once merged (dsv4.models.layers.merged)
             shared = se.w2(swiglu(gate, up, self.limit, fp32=True))
-        weights, idx = self.route(x, is_image)
+        # where every expert runs on every token, the routing runs beside their gate / up product (`routes_beside`)
+        beside = routes_beside(x, self.experts.gate_up, self.top_k, fixed, self.ep)
+        with SIDE.fork(x, ROUTER_LANE) if beside else contextlib.nullcontext():
+            weights, idx = self.route(x, is_image)
         return moe_output(x, weights, idx, self.experts.gate_up, self.experts.down, self.limit,
                           weight_before_down=True, fixed=fixed, shared=shared, ep=self.ep,
-                          join=(lambda: SIDE.join(x)) if fixed else None)
+                          join=(lambda: SIDE.join(x)) if fixed else None,
+                          route_join=(lambda: SIDE.join(x, ROUTER_LANE)) if beside else None)
 
 
 class DecoderLayerV41(nn.Module):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4.models.layers.merged import project
-from dsv4.models.layers.side_stream import SIDE
+from dsv4.models.layers.side_stream import ROUTER_LANE, SIDE
 from dsv4.ops import moe_sorted
 from dsv4.ops.moe import GROUPED_BLOCK_M, combine_experts, expert_gemv, expert_grouped, group_rows
 from dsv4.ops.moe_quant import expert_gemv_q, expert_grouped_q, grouped_q_block_m
@@ -110,16 +110,34 @@ class MoE(nn.Module):
         # (SIDE; inline off the GPU or with it switched off), joined just before the sum reads it
         with SIDE.fork(x) if fixed else contextlib.nullcontext():
             shared = self.shared_experts(x)
-        weights, idx = self.gate(x, input_ids)
         e = self.experts
+        beside = routes_beside(x, e.gate_up, self.gate.top_k, fixed, self.ep)
+        with SIDE.fork(x, ROUTER_LANE) if beside else contextlib.nullcontext():
+            weights, idx = self.gate(x, input_ids)
         return moe_output(x, weights, idx, e.gate_up, e.down, e.limit, weight_before_down=False,
-                          fixed=fixed, shared=shared, ep=self.ep, join=(lambda: SIDE.join(x)) if fixed else None)
+                          fixed=fixed, shared=shared, ep=self.ep, join=(lambda: SIDE.join(x)) if fixed else None,
+                          route_join=(lambda: SIDE.join(x, ROUTER_LANE)) if beside else None)
+
+
+def every_expert(T: int, k: int, E: int, fixed: bool, quant: bool) -> bool:
+    """Whether `moe_output` runs every expert on every token (a captured step with more routes than experts, the
+    experts in the model dtype): its products then read no routing, only its weighted sum does."""
+    return fixed and T * k > E and not quant
+
+
+def routes_beside(x: torch.Tensor, gate_up: torch.Tensor | QuantWeight, top_k: int, fixed: bool,
+                  ep: ExpertShard | None) -> bool:
+    """Whether a MoE computes its routing on the router's side lane (ROUTER_LANE): where `moe_output` runs every
+    expert (`every_expert`; not under expert parallelism, which remaps the routes first), the router's launches
+    (~30 us at batch 32-64 on V4.1-Flash-8l, H100) need not hold up the experts' gate / up product."""
+    return ep is None and every_expert(x.shape[0], top_k, gate_up.shape[0], fixed, isinstance(gate_up, QuantWeight))
 
 
 def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor | QuantWeight,
                down: torch.Tensor | QuantWeight, limit: float, weight_before_down: bool, fixed: bool,
                shared: torch.Tensor, ep: ExpertShard | None = None, missing: bool = False,
-               join: Callable[[], None] | None = None) -> torch.Tensor:
+               join: Callable[[], None] | None = None,
+               route_join: Callable[[], None] | None = None) -> torch.Tensor:
     """The MoE layer's output [T, D] in x's dtype: the routed experts as per-(token, slot) rows, summed over the
     slots with the shared expert's output `shared` [T, D] (`combine_experts` gives the numerics).
 
@@ -140,9 +158,14 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
     outputs are summed over the ranks, with the shared expert's parts when it is split too
     (else the replicated shared expert is added after the sum); `missing` says that routes may be -1.
     `join`: called before the first read of `shared` (a shared expert computed on a side stream is joined there,
-    after the routed products are enqueued, so that the two overlap).
+    after the routed products are enqueued, so that the two overlap). `route_join` (only where `every_expert`):
+    called before the first read of `weights` / `idx`, after the experts' gate / up product is enqueued (a
+    routing computed on a side stream, `routes_beside`).
     """
     join = join or _nothing
+    assert route_join is None or (ep is None and every_expert(idx.shape[0], idx.shape[1], gate_up.shape[0], fixed,
+                                                                isinstance(gate_up, QuantWeight)))
+    route_join = route_join or _nothing
     if ep is not None:
         w, i = ep.local_routes(weights, idx)
         if ep.shared_split:  # `shared` is this rank's part of the shared expert: one all-reduce sums everything
@@ -173,11 +196,14 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
         routed = matmul(swiglu(g, u, limit, fp32=False), down, 1)
         join()
         return combine_experts(routed, weights.flatten(), shared, k)
-    # (other ranks' routes, id -1, weigh 0: clamped onto expert 0 they add nothing, hence add, not set)
-    wmat = torch.zeros(T, E, dtype=torch.float32, device=x.device).scatter_add_(1, idx.clamp(min=0), weights.float())
     if MOE_TOKEN_MAJOR:
-        return _every_expert_token_major(x, wmat, gate_up, down, limit, weight_before_down, shared, join)
+        gu = F.linear(x, gate_up.reshape(E * 2 * inter, gate_up.shape[2])).view(T * E, 2 * inter)
+        route_join()
+        return _every_expert_token_major(x, gu, _route_matrix(weights, idx, E), down, limit, weight_before_down,
+                                         shared, join)
     gu = torch.einsum("td,efd->etf", x, gate_up).reshape(E * T, 2 * inter)  # expert-major rows
+    route_join()
+    wmat = _route_matrix(weights, idx, E)
     g, u = gu[:, :inter], gu[:, inter:]
     if weight_before_down:
         h = swiglu(g, u, limit, wmat.t().reshape(E * T), fp32=True).view(E, T, inter)
@@ -191,13 +217,20 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
     return routed + shared
 
 
-def _every_expert_token_major(x: torch.Tensor, wmat: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+def _route_matrix(weights: torch.Tensor, idx: torch.Tensor, E: int) -> torch.Tensor:
+    """The routing weights as a dense [T, E] fp32 matrix (0 for experts a token does not route to)."""
+    # (other ranks' routes, id -1, weigh 0: clamped onto expert 0 they add nothing, hence add, not set)
+    return torch.zeros(idx.shape[0], E, dtype=torch.float32, device=idx.device).scatter_add_(
+        1, idx.clamp(min=0), weights.float())
+
+
+def _every_expert_token_major(x: torch.Tensor, gu: torch.Tensor, wmat: torch.Tensor, down: torch.Tensor,
                               limit: float, weight_before_down: bool, shared: torch.Tensor,
                               join: Callable[[], None]) -> torch.Tensor:
-    """`moe_output`'s every-expert branch with rows in (token, expert) order (MOE_TOKEN_MAJOR): the same products
-    and the same fp32 weighting and sum, without the expert-major copies."""
-    T, E, inter = x.shape[0], gate_up.shape[0], down.shape[2]
-    gu = F.linear(x, gate_up.reshape(E * 2 * inter, gate_up.shape[2])).view(T * E, 2 * inter)
+    """`moe_output`'s every-expert branch with rows in (token, expert) order (MOE_TOKEN_MAJOR), from the gate / up
+    product gu [T * E, 2I] (one F.linear on gate_up viewed [E * 2I, D]): the same products and the same fp32
+    weighting and sum, without the expert-major copies."""
+    T, E, inter = x.shape[0], wmat.shape[1], down.shape[2]
     g, u = gu[:, :inter], gu[:, inter:]
     h = swiglu(g, u, limit, wmat.reshape(T * E), fp32=True) if weight_before_down else swiglu(g, u, limit, fp32=False)
     y = torch.bmm(h.view(T, E, inter).transpose(0, 1), down.transpose(1, 2))  # [E, T, D]

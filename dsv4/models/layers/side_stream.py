@@ -36,6 +36,7 @@ ENABLED = os.environ.get("DSV4_DECODE_SIDE_STREAM", "1") == "1"
 # Lanes besides the default "layer" one (the compressor's publish, the indexer's picks, the shared expert):
 MHC_LANE = "mhc"  # V4.1's mHC mixes of a site, beside its sublayer (`DecoderLayerV41.forward_decode`)
 WINDOW_LANE = "window"  # a decode layer's window write, beside its query projection
+ROUTER_LANE = "router"  # a MoE's routing, beside its every-expert gate / up product (dsv4.models.layers.moe)
 
 
 class SideStream:
