@@ -6,6 +6,7 @@ mixes), and the main chain neither reads what a fork wrote nor writes what a for
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -175,7 +176,7 @@ def test_v4_forks_are_joined_and_waited_for(monkeypatch: pytest.MonkeyPatch, tmp
             assert forks == (2 * compressed + len(layers) if lane == "layer" else len(layers)), (lane, rec.log)
             # every fork is followed by a join of its lane before the forward ends
             assert kinds[-1] == "join" and kinds.count("join") >= 1
-            assert all(a != "join" or b != "join" for a, b in zip(kinds, kinds[1:]))
+            assert all(a != "join" or b != "join" for a, b in itertools.pairwise(kinds))
 
 
 @pytest.mark.parametrize("family", ["v41", "v4"])
