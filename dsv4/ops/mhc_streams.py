@@ -122,7 +122,6 @@ if triton is not None:
         tl.store(out_ptr + t * D + d, cast_rne(rms_apply(xf, r, w_ptr, d, dm, MODE, dt, odt, INTERPRET), odt,
                                                INTERPRET), mask=dm)
 
-
     @triton.jit
     def _expand_collapse_norm_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, hout_ptr, x_ptr, D, eps, inv_d,
                                      N: tl.constexpr, MODE: tl.constexpr, BLOCK_D: tl.constexpr,
