@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4.ops.rope import apply_rope
 from dsv4.runtime.attn_metadata import AttnMetadata, token_key_slots
 
 Source = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (cache [S, D], slots [R, n], visible [R, n])
@@ -123,12 +124,16 @@ class FreshAttention:
         self.engine = engine_attention
         self.active: tuple[FreshAttentionPlan, str | None] | None = None
 
-    def attention(self, q: torch.Tensor, sources: Sequence[Source], sinks: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+    def attention(self, q: torch.Tensor, sources: Sequence[Source], sinks: torch.Tensor, scale: float,
+                  rope: tuple[torch.Tensor, torch.Tensor] | None = None, rope_queries: bool = True) -> torch.Tensor:
+        """`decode_sink_attention`'s signature (its `rope`: the ropes around the attention)."""
         active = self.active
         if active is None or q.shape[0] != active[0].B * active[0].L or len(sources) > 2:
-            return self.engine(q, sources, sinks, scale)
-        return dense_sink_attention(q, sources, sinks, scale, *active)
+            return self.engine(q, sources, sinks, scale, rope=rope, rope_queries=rope_queries)
+        if rope is None:
+            return dense_sink_attention(q, sources, sinks, scale, *active)
+        q = apply_rope(q, *rope) if rope_queries else q  # (not in place: autograd)
+        return apply_rope(dense_sink_attention(q, sources, sinks, scale, *active), *rope, inverse=True)
 
     def layer_forward(self, engine_forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def forward(attn: torch.nn.Module, x: torch.Tensor, md: AttnMetadata, *args: object) -> torch.Tensor:
