@@ -50,6 +50,9 @@
 #             DSV4_ROWS_SPLITS (the rows kernel's keys in splits), DSV4_ENGRAM_HASH_KERNEL (Engram's hash in one
 #             launch), DSV4_MHC_SUM_TILE (mHC's split sums as one tile), DSV4_DECODE_SIDE_STREAM (independent
 #             chains of a decode forward on side streams)
+#   ab        not a server: profile_graph.py (replay and engine step, no timeline) at batch $BATCH (default 1) on
+#             the defaults and with each setting of $AB (default: this session's untimed switches,
+#             "DSV4_MHC_EXPAND_COLLAPSE=0 DSV4_COMBINE_CHANNELS=0 DSV4_ATTN_ROPE_FUSED=0"), one run each, on one machine
 #   gemv      not a server: benchmarks/bf16_gemv_forms.py (the batch-1 step's cuBLAS products against the Triton GEMV of
 #             dsv4/ops/gemv.py, tiles swept; the expert gemv's tiles), then the batch-1 replay with DSV4_BF16_GEMV 0 / 1
 #   rowsplits not a server: the rows kernel's key splits against the whole walk at 16-128 rows
@@ -189,6 +192,16 @@ part_switches() {
     tag=$(echo "$v" | tr "=" "-")
     env ${v/defaults/} timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 1 20 > "$out/decode_b1-$tag.log" 2>&1
     echo "profile batch 1, $v (rc $?):"; grep -E "replay alone|engine step \(" "$out/decode_b1-$tag.log"
+  done
+}
+
+part_ab() {
+  make_preset $p
+  local b=${BATCH:-1} v tag
+  for v in defaults ${AB:-DSV4_MHC_EXPAND_COLLAPSE=0 DSV4_COMBINE_CHANNELS=0 DSV4_ATTN_ROPE_FUSED=0}; do
+    tag=$(echo "$v" | tr "=" "-")
+    env ${v/defaults/} timeout 200 python3 -u benchmarks/profile_graph.py /tmp/$p "$b" 20 > "$out/ab-b$b-$tag.log" 2>&1
+    echo "profile batch $b, $v (rc $?):"; grep -E "replay alone|engine step \(" "$out/ab-b$b-$tag.log"
   done
 }
 
