@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dsv4.engine.engine import LLMEngine
 from dsv4.make_model import make_model
 from dsv4.models import deepseek_v4, deepseek_v41
+from dsv4.models.layers import moe
 from dsv4.models.layers.side_stream import SIDE
 from dsv4.sampling_params import SamplingParams
 
@@ -193,6 +194,10 @@ def test_routing_beside_the_every_expert_products(monkeypatch: pytest.MonkeyPatc
     for rec in recs:
         assert not rec.violations, rec.violations[:5]
         assert [k for k, lane in rec.log if lane == "router"] == ["fork", "join"] * layers
+    # DSV4_ROUTER_LANE=0: inline
+    monkeypatch.setattr(moe, "ROUTER_BESIDE", False)
+    recs, _ = _forward_logs(monkeypatch, path, cls, lengths=(13, 5, 30, 9, 21, 7))
+    assert recs and not any(lane == "router" for rec in recs for _, lane in rec.log)
 
 
 def test_side_stream_is_inline_off_the_gpu() -> None:

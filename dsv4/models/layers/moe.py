@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 # over a transposed view of h, and the sum over experts accumulated in fp32 from bf16. Timed
 # (2026-12-06-h100-decode-optins): the batch-64 replay 7.19 -> 6.88 ms on an H100.
 MOE_TOKEN_MAJOR = os.environ.get("DSV4_MOE_TOKEN_MAJOR", "1") == "1"
+# The routing of an every-expert step on its side lane (`routes_beside`; DSV4_ROUTER_LANE=0: inline, before the
+# experts' products, for comparisons). Not yet timed (2026-12-07).
+ROUTER_BESIDE = os.environ.get("DSV4_ROUTER_LANE", "1") == "1"
 
 
 class SharedExpert(nn.Module):
@@ -130,7 +133,8 @@ def routes_beside(x: torch.Tensor, gate_up: torch.Tensor | QuantWeight, top_k: i
     """Whether a MoE computes its routing on the router's side lane (ROUTER_LANE): where `moe_output` runs every
     expert (`every_expert`; not under expert parallelism, which remaps the routes first), the router's launches
     (~30 us at batch 32-64 on V4.1-Flash-8l, H100) need not hold up the experts' gate / up product."""
-    return ep is None and every_expert(x.shape[0], top_k, gate_up.shape[0], fixed, isinstance(gate_up, QuantWeight))
+    return ROUTER_BESIDE and ep is None and every_expert(x.shape[0], top_k, gate_up.shape[0], fixed,
+                                                          isinstance(gate_up, QuantWeight))
 
 
 def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_up: torch.Tensor | QuantWeight,
