@@ -123,6 +123,15 @@ if triton is not None:
                                                INTERPRET), mask=dm)
 
     @triton.jit
+    def _store_stream(hout_ptr, pre_ptr, t, k, a, mix, xacc, d, dm, D, N: tl.constexpr, dt: tl.constexpr,
+                      INTERPRET: tl.constexpr):
+        """Output stream k = a + mix rounded to the stream dtype and stored; returns xacc plus its collapse term,
+        as `_collapse_row` adds the stored streams (k in order)."""
+        hk = cast_rne(a + mix, dt, INTERPRET)
+        tl.store(hout_ptr + (t * N + k) * D + d, hk, mask=dm)
+        return xacc + tl.load(pre_ptr + t * N + k) * hk.to(tl.float32)
+
+    @triton.jit
     def _expand_collapse_norm_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, hout_ptr, x_ptr, D, eps, inv_d,
                                      N: tl.constexpr, MODE: tl.constexpr, BLOCK_D: tl.constexpr,
                                      INTERPRET: tl.constexpr):
@@ -149,9 +158,7 @@ if triton is not None:
                 mix += tl.load(comb_ptr + (t * N + 1) * N + k) * h1.to(tl.float32)
                 mix += tl.load(comb_ptr + (t * N + 2) * N + k) * h2.to(tl.float32)
                 mix += tl.load(comb_ptr + (t * N + 3) * N + k) * h3.to(tl.float32)
-                hk = cast_rne(a + mix, dt, INTERPRET)
-                tl.store(hout_ptr + (t * N + k) * D + d, hk, mask=dm)
-                xacc += tl.load(pre_ptr + t * N + k) * hk.to(tl.float32)
+                xacc = _store_stream(hout_ptr, pre_ptr, t, k, a, mix, xacc, d, dm, D, N, dt, INTERPRET)
         else:
             for k in tl.static_range(N):
                 # output stream k as `_expand_kernel` (FP32) computes it: post_k y + (sum_j comb[j, k] h_j, j in
@@ -161,10 +168,7 @@ if triton is not None:
                 for j in tl.static_range(N):
                     c = tl.load(comb_ptr + (t * N + j) * N + k)
                     mix += c * tl.load(h_ptr + (t * N + j) * D + d, mask=dm, other=0.0).to(tl.float32)
-                hk = cast_rne(a + mix, dt, INTERPRET)
-                tl.store(hout_ptr + (t * N + k) * D + d, hk, mask=dm)
-                # and its term of the collapse, as `_collapse_row` adds the stored streams (k in order)
-                xacc += tl.load(pre_ptr + t * N + k) * hk.to(tl.float32)
+                xacc = _store_stream(hout_ptr, pre_ptr, t, k, a, mix, xacc, d, dm, D, N, dt, INTERPRET)
         xf = cast_rne(xacc, dt, INTERPRET).to(tl.float32)
         r = rms_factor(tl.sum(xf * xf, axis=0), D, inv_d, eps, INTERPRET)
         tl.store(x_ptr + t * D + d, cast_rne(rms_apply(xf, r, w_ptr, d, dm, MODE, dt, odt, INTERPRET), odt,

@@ -188,7 +188,7 @@ def moe_output(x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, gate_u
                                                     missing)
         join()
         return combine_experts(routed, None if weight_before_down else weights.flatten(), shared, k, at)
-    if not fixed or T * k <= E or quant:
+    if not every_expert(T, k, E, fixed, quant):
         flat = idx.flatten()
         matmul = _routed_matmul(x, flat, E, quant, per_row=fixed and T * k <= E)
         gu = matmul(x, gate_up, k)  # [T*k, 2I]
