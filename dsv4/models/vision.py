@@ -10,6 +10,9 @@ never crosses images. With the boundaries as host values attention runs one SDPA
 on the device (the CUDA-graph path: no host read, so it can be captured) it runs the Triton varlen flash-attention
 kernel or FlashAttention's varlen forward (dsv4/ops/varlen_attention.py, O(sum of len^2) work, O(rows) memory) on
 CUDA, and elsewhere one block-diagonal masked SDPA, the exact torch reference (O(rows^2) mask and score memory).
+On CUDA the blocks' elementwise work (the q/k rope, the SwiGLU product, each residual add with the norm after it) runs
+as fused Triton launches with the same bits (dsv4/ops/vision_fused.py); `DSV4_VISION_FUSED=0` keeps the torch ops,
+which the CPU always runs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from torch import nn
 from dsv4.models.config import ConfigError
 from dsv4.models.layers.norm import RMSNorm
 from dsv4.ops import varlen_attention as varlen_ops
+from dsv4.ops import vision_fused as vf
 from dsv4.ops.varlen_attention import HAS_TRITON, flash_supported, varlen_attention_flash, varlen_attention_triton
 
 Grid = tuple[int, int]  # (rows, cols) of ViT patches of one image
@@ -267,6 +271,9 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
+        if vf.use_fused(x):  # CUDA: q and k roped in one launch (dsv4/ops/vision_fused.py), the same bits
+            q, k, v = vf.vision_qk_rope(self.wqkv(x), cos, sin, self.num_heads, self.head_dim)
+            return self.wo(varlen_attention(q, k, v, cu_seqlens).reshape(n, -1))
         q, k, v = (t.reshape(n, self.num_heads, self.head_dim) for t in self.wqkv(x).chunk(3, dim=-1))
         o = varlen_attention(apply_vision_rope(q, cos, sin), apply_vision_rope(k, cos, sin), v, cu_seqlens)
         return self.wo(o.reshape(n, -1))
@@ -281,6 +288,8 @@ class VisionMLP(nn.Module):
         self.w2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if vf.use_fused(x):  # CUDA: silu(gate) * up in one launch
+            return self.w2(vf.silu_mul(self.w1(x)))
         gate, up = self.w1(x).chunk(2, dim=-1)
         return self.w2(F.silu(gate) * up)
 
@@ -298,6 +307,14 @@ class VisionBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, cu_seqlens)
         return x + self.mlp(self.norm2(x))
+
+    def forward_fused(self, x: torch.Tensor, xn: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      cu_seqlens: torch.Tensor, next_norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` with each residual add fused with the norm after it (`vision_fused.add_rms_norm`): x, its
+        norm1 `xn` -> (the block's output, `next_norm` of it: the next block's norm1 or the tower's final norm).
+        The same values as `forward` then `next_norm`."""
+        x, xn = vf.add_rms_norm(x, self.attn(xn, cos, sin, cu_seqlens), self.norm2.weight, self.norm2.eps)
+        return vf.add_rms_norm(x, self.mlp(xn), next_norm.weight, next_norm.eps)
 
 
 class VisionTower(nn.Module):
@@ -329,6 +346,15 @@ class VisionTower(nn.Module):
         cu_seqlens int32 [images + 1] (host for the per-image path, device for the masked graph-safe path)."""
         weight = self.patch_embed.proj.weight
         x = self.patch_embed(patches.reshape(patches.shape[0], -1).to(device=weight.device, dtype=weight.dtype))
+        if vf.use_fused(x) and len(self.blocks):
+            # CUDA: every residual add runs with the norm that follows it (the next block's norm1, the final norm
+            # after the last block) in one launch; with the fused rope and SwiGLU, a block's elementwise work is
+            # four launches instead of ~24 (dsv4/ops/vision_fused.py)
+            nexts = [b.norm1 for b in self.blocks[1:]] + [self.norm]
+            xn = self.blocks[0].norm1(x)
+            for block, next_norm in zip(self.blocks, nexts):
+                x, xn = block.forward_fused(x, xn, cos, sin, cu_seqlens, next_norm)
+            return xn
         for block in self.blocks:
             x = block(x, cos, sin, cu_seqlens)
         return self.norm(x)
