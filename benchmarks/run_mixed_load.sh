@@ -52,7 +52,7 @@
 #             chains of a decode forward on side streams)
 #   ab        not a server: profile_graph.py (replay and engine step, no timeline) at batch $BATCH (default 1) on
 #             the defaults and with each setting of $AB (default: this session's untimed switches,
-#             "DSV4_MHC_EXPAND_COLLAPSE=0 DSV4_COMBINE_CHANNELS=0 DSV4_ATTN_ROPE_FUSED=0"), one run each, on one machine
+#             "DSV4_COMBINE_CHANNELS=0 DSV4_ATTN_ROPE_FUSED=0 DSV4_MHC_EXPAND_COLLAPSE=1"), one run each, on one machine
 #   gemv      not a server: benchmarks/bf16_gemv_forms.py (the batch-1 step's cuBLAS products against the Triton GEMV of
 #             dsv4/ops/gemv.py, tiles swept; the expert gemv's tiles), then the batch-1 replay with DSV4_BF16_GEMV 0 / 1
 #   rowsplits not a server: the rows kernel's key splits against the whole walk at 16-128 rows
@@ -198,7 +198,7 @@ part_switches() {
 part_ab() {
   make_preset $p
   local b=${BATCH:-1} v tag
-  for v in defaults ${AB:-DSV4_MHC_EXPAND_COLLAPSE=0 DSV4_COMBINE_CHANNELS=0 DSV4_ATTN_ROPE_FUSED=0}; do
+  for v in defaults ${AB:-DSV4_COMBINE_CHANNELS=0 DSV4_ATTN_ROPE_FUSED=0 DSV4_MHC_EXPAND_COLLAPSE=1}; do
     tag=$(echo "$v" | tr "=" "-")
     env ${v/defaults/} timeout 200 python3 -u benchmarks/profile_graph.py /tmp/$p "$b" 20 > "$out/ab-b$b-$tag.log" 2>&1
     echo "profile batch $b, $v (rc $?):"; grep -E "replay alone|engine step \(" "$out/ab-b$b-$tag.log"

@@ -82,8 +82,9 @@ def expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Ten
 
 def expand_collapse_norm(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
                          norm: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h', the next sublayer's input norm(collapse(h', pre))) with h' = `expand(y, h, post, comb)`: one launch on
-    CUDA where the fused mHC site runs (decode-sized steps), else `expand` and `collapse_norm`."""
+    """(h', the next sublayer's input norm(collapse(h', pre))) with h' = `expand(y, h, post, comb)`: `expand` and
+    `collapse_norm` (two launches on CUDA), or with DSV4_MHC_EXPAND_COLLAPSE=1 one launch where the fused mHC site
+    runs (decode-sized steps; opt-in: measured slower, dsv4/ops/mhc_streams.py)."""
     if FUSED_EXPAND_COLLAPSE and use_fused_mixes(h):
         return expand_collapse_rms_norm_triton(y, h, post, comb, pre, norm.weight, norm.eps, norm.fused_mode)
     h = expand(y, h, post, comb)
