@@ -53,6 +53,9 @@
 #   ab        not a server: profile_graph.py (replay and engine step, no timeline) at batch $BATCH (default 1) on
 #             the defaults and with each setting of $AB (default: this session's untimed switches,
 #             "DSV4_COMBINE_CHANNELS=0 DSV4_ATTN_ROPE_FUSED=0 DSV4_MHC_EXPAND_COLLAPSE=1"), one run each, on one machine
+#   idle      not a server: benchmarks/decode_device_idle.py at batch $BATCH (default 1): the device's idle time over
+#             30 back-to-back async decode steps against one replay's own gaps (issue 24: host time outside the
+#             graphs <= 5% of a decode step)
 #   gemv      not a server: benchmarks/bf16_gemv_forms.py (the batch-1 step's cuBLAS products against the Triton GEMV of
 #             dsv4/ops/gemv.py, tiles swept; the expert gemv's tiles), then the batch-1 replay with DSV4_BF16_GEMV 0 / 1
 #   rowsplits not a server: the rows kernel's key splits against the whole walk at 16-128 rows
@@ -203,6 +206,13 @@ part_ab() {
     env ${v/defaults/} timeout 200 python3 -u benchmarks/profile_graph.py /tmp/$p "$b" 20 > "$out/ab-b$b-$tag.log" 2>&1
     echo "profile batch $b, $v (rc $?):"; grep -E "replay alone|engine step \(" "$out/ab-b$b-$tag.log"
   done
+}
+
+part_idle() {
+  make_preset $p
+  local b=${BATCH:-1}
+  timeout 200 python3 -u benchmarks/decode_device_idle.py /tmp/$p "$b" 30 > "$out/idle-b$b.log" 2>&1
+  echo "decode_device_idle batch $b (rc $?):"; grep -E "period|idle" "$out/idle-b$b.log" | head -6
 }
 
 part_rowsplits() {
