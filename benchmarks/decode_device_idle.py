@@ -52,8 +52,9 @@ def main() -> None:
     model, batch = args[0], int(args[1]) if len(args) > 1 else 1
     steps = int(args[2]) if len(args) > 2 else 20
     context = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--context=")), 512)
-    eng = LLMEngine.from_args(model, dtype="bfloat16", device="cuda", max_model_len=max(1024, context + 4 * steps + 128),
-                              max_num_seqs=batch, max_num_batched_tokens=min(16384, max(2048, context * batch)),
+    eng = LLMEngine.from_args(model, dtype="bfloat16", device="cuda",
+                              max_model_len=max(1024, context + 4 * steps + 128), max_num_seqs=batch,
+                              max_num_batched_tokens=min(16384, max(2048, context * batch)),
                               load_tokenizer=False, cudagraph_capture_sizes=(batch,))
     print(f"async scheduling: {eng.config.scheduler.async_scheduling}")
     g = torch.Generator().manual_seed(0)

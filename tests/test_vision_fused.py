@@ -232,5 +232,6 @@ def test_switch_is_read_from_the_environment() -> None:
         assert vf.VISION_FUSED
     code = "from dsv4.ops import vision_fused as vf; print(vf.VISION_FUSED)"
     env = {**os.environ, "DSV4_VISION_FUSED": "0"}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=False)
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         check=False)
     assert res.returncode == 0 and res.stdout.strip() == "False", (res.stdout, res.stderr[-2000:])

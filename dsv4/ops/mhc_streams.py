@@ -34,7 +34,8 @@ from dsv4.ops.rmsnorm import MODE_WEIGHTED
 
 # expand + the next sublayer's collapse and norm in one launch where the fused mHC site runs: opt-in
 # (DSV4_MHC_EXPAND_COLLAPSE=1; the same bits either way). Measured slower than the two launches it replaces: 6.04 us a
-# site against 1.86 + 2.85, batch-1 replay 2.862 against 2.844 ms (benchmarks/results/2026-12-07-h100-vision-fused-expand-ab)
+# site against 1.86 + 2.85, batch-1 replay 2.862 against 2.844 ms on an H100
+# (benchmarks/results/2026-12-07-h100-vision-fused-expand-ab)
 FUSED_EXPAND_COLLAPSE = os.environ.get("DSV4_MHC_EXPAND_COLLAPSE", "0") == "1"
 
 try:
