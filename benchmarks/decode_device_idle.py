@@ -21,9 +21,6 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from dsv4.engine.engine import LLMEngine
-from dsv4.sampling_params import SamplingParams
-
 
 def busy_intervals(events: list[tuple[float, float, str]]) -> tuple[float, float, list[tuple[float, str, str]]]:
     """(span, union of busy time, gaps) of kernel intervals (start, end, name) in microseconds; a gap is
@@ -52,18 +49,11 @@ def main() -> None:
     model, batch = args[0], int(args[1]) if len(args) > 1 else 1
     steps = int(args[2]) if len(args) > 2 else 20
     context = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--context=")), 512)
-    eng = LLMEngine.from_args(model, dtype="bfloat16", device="cuda",
-                              max_model_len=max(1024, context + 4 * steps + 128), max_num_seqs=batch,
-                              max_num_batched_tokens=min(16384, max(2048, context * batch)),
-                              load_tokenizer=False, cudagraph_capture_sizes=(batch,))
+    from profile_graph import decoding_engine, prefill_prompts  # benchmarks/: this script's folder, first on sys.path
+
+    eng = decoding_engine(model, batch, steps, context)
+    prefill_prompts(eng, batch, steps, context)
     print(f"async scheduling: {eng.config.scheduler.async_scheduling}")
-    g = torch.Generator().manual_seed(0)
-    for i in range(batch):
-        ids = torch.randint(10, eng.config.model.vocab_size, (context,), generator=g).tolist()
-        eng.add_request(ids, SamplingParams(temperature=0, max_tokens=4 * steps + 64, ignore_eos=True),
-                        request_id=str(i))
-    while any(r.num_computed_tokens < context for r in eng.scheduler.running) or eng.scheduler.waiting:
-        eng.step()
     for _ in range(8):  # steady state: the pipeline of launched steps is full
         eng.step()
     torch.cuda.synchronize()

@@ -59,6 +59,26 @@ def _step_times(eng: LLMEngine, steps: int) -> list[float]:
     return times
 
 
+def decoding_engine(model: str, batch: int, steps: int, context: int, **engine_args: Any) -> LLMEngine:
+    """An engine with one capture size (`batch`) and room for `batch` requests of `context` prompt tokens and
+    4 * steps + 64 decode steps; `engine_args` go to `LLMEngine.from_args`. Shared with decode_device_idle.py."""
+    return LLMEngine.from_args(model, dtype="bfloat16", device="cuda", max_model_len=max(1024, context + 4 * steps + 128),
+                               max_num_seqs=batch, max_num_batched_tokens=min(16384, max(2048, context * batch)),
+                               load_tokenizer=False, cudagraph_capture_sizes=(batch,), **engine_args)
+
+
+def prefill_prompts(eng: LLMEngine, batch: int, steps: int, context: int) -> None:
+    """Submit `batch` greedy requests of `context` random prompt tokens (4 * steps + 64 output tokens each) and step
+    the engine until their prompts are prefilled (in 16K chunks for long contexts)."""
+    g = torch.Generator().manual_seed(0)
+    for i in range(batch):
+        ids = torch.randint(10, eng.config.model.vocab_size, (context,), generator=g).tolist()
+        eng.add_request(ids, SamplingParams(temperature=0, max_tokens=4 * steps + 64, ignore_eos=True),
+                        request_id=str(i))
+    while any(r.num_computed_tokens < context for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()
+
+
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     model, batch = args[0], int(args[1]) if len(args) > 1 else 1
@@ -68,21 +88,12 @@ def main() -> None:
     load_format = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--load-format=")), "auto")
     context = next((int(a.split("=", 1)[1]) for a in sys.argv if a.startswith("--context=")), 512)
     t0 = time.perf_counter()
-    eng = LLMEngine.from_args(model, dtype="bfloat16", device="cuda", max_model_len=max(1024, context + 4 * steps + 128),
-                              max_num_seqs=batch, max_num_batched_tokens=min(16384, max(2048, context * batch)),
-                              load_tokenizer=False,
-                              cudagraph_capture_sizes=(batch,), compile_decode=compile_decode,
-                              tensor_parallel_size=tp, expert_parallel=tp > 1, load_format=load_format)
+    eng = decoding_engine(model, batch, steps, context, compile_decode=compile_decode, tensor_parallel_size=tp,
+                          expert_parallel=tp > 1, load_format=load_format)
     out = print if eng.parallel.rank == 0 else (lambda *a, **k: None)
     out(f"engine start-up {time.perf_counter() - t0:.1f} s (compile_decode={compile_decode})")
-    g = torch.Generator().manual_seed(0)
-    for i in range(batch):
-        ids = torch.randint(10, eng.config.model.vocab_size, (context,), generator=g).tolist()
-        eng.add_request(ids, SamplingParams(temperature=0, max_tokens=4 * steps + 64, ignore_eos=True),
-                        request_id=str(i))
-    while any(r.num_computed_tokens < context for r in eng.scheduler.running) or eng.scheduler.waiting:
-        eng.step()  # the prompts' prefill (chunked for long contexts), then a few decode steps
-    for _ in range(4):
+    prefill_prompts(eng, batch, steps, context)
+    for _ in range(4):  # then a few decode steps
         eng.step()
     runner = eng.runner
     # 1. whole steps
