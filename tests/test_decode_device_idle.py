@@ -32,7 +32,7 @@ def test_busy_union_and_gaps_by_hand() -> None:
     span, busy, gaps = mod.busy_intervals(ev)
     assert span == 31.0
     assert busy == 12.0 + 5.0 + 1.0
-    assert gaps == [(3.0, "b", "d"), (10.0, "d", "e")]
+    assert gaps == [(3.0, 12.0, "b", "d"), (10.0, 20.0, "d", "e")]
     assert mod.busy_intervals([]) == (0.0, 0.0, [])
 
 
@@ -49,4 +49,25 @@ def test_busy_union_matches_a_grid_count(seed: int) -> None:
     covered = sum(any(s <= t < e for s, e, _ in ev) for t in range(int(lo), int(hi)))
     assert span == hi - lo
     assert busy == covered
-    assert sum(g for g, _, _ in gaps) == span - busy
+    assert sum(g for g, _, _, _ in gaps) == span - busy
+    for length, start, _, _ in gaps:  # a gap's stretch is covered by no kernel, and a kernel starts at its end
+        assert not any(s < start + length and start < e for s, e, _ in ev)
+        assert any(s == start + length for s, _, _ in ev)
+
+
+def test_step_windows_split_the_idle_by_step() -> None:
+    """Three steps of kernels m (once a step), x, y (twice a step, so not a marker); step 2 has a long host stall.
+    Each window's idle is that step's gaps; a gap before the first marker is left out; the windows sum to the
+    counted gaps."""
+    mod = _module()
+    ev = [(-5.0, -4.0, "y")]  # before the run's first step: its gap to m is not a step's
+    t = 0.0
+    for stall in (2.0, 50.0, 3.0):
+        ev += [(t, t + 10.0, "m"), (t + 11.0, t + 20.0, "x"), (t + 20.0, t + 30.0, "y")]
+        t += 30.0 + stall
+    ev.append((t, t + 1.0, "x"))  # the run's last kernel (x: 4 launches, y: 4, m: 3)
+    _, _, gaps = mod.busy_intervals(ev)
+    assert mod.step_marker(ev, 3) == "m" and mod.step_marker(ev, 7) is None
+    windows = mod.window_idles(ev, gaps, "m")
+    assert windows == [1.0 + 2.0, 1.0 + 50.0, 1.0 + 3.0]
+    assert sum(windows) == sum(g for g, _, _, _ in gaps) - 4.0  # (the gap -4 .. 0)

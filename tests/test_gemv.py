@@ -63,11 +63,12 @@ def test_gemv_dispatch_off_the_gpu_is_f_linear() -> None:
     assert torch.equal(gemv(x, w), torch.nn.functional.linear(x, w))
 
 
-def test_engine_swaps_its_plain_linears_and_keeps_its_weights(tmp_path_factory: pytest.TempPathFactory,
+@pytest.mark.parametrize("scope", ["all", "head"])
+def test_engine_swaps_its_plain_linears_and_keeps_its_weights(scope: str, tmp_path_factory: pytest.TempPathFactory,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """With the switch on, the engine's bias-free 16-bit nn.Linear modules all become GemvLinear holding the same
-    Parameters (the state dict's names and bytes unchanged; merged siblings included), and on the CPU (F.linear
-    either way) the greedy tokens are the same as with the switch off."""
+    Parameters (the state dict's names and bytes unchanged; merged siblings included), or (scope "head") its LM head
+    alone, and on the CPU (F.linear either way) the greedy tokens are the same as with the switch off."""
     from torch import nn
 
     from dsv4 import LLM, SamplingParams
@@ -79,16 +80,19 @@ def test_engine_swaps_its_plain_linears_and_keeps_its_weights(tmp_path_factory: 
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     runs = {}
     for on in (False, True):
-        monkeypatch.setattr(gemv_linear, "GEMV_LINEARS", on)
+        monkeypatch.setattr(gemv_linear, "GEMV_SCOPE", scope if on else None)
         llm = LLM(model_dir, dtype="bfloat16", max_model_len=64, max_num_seqs=2, block_size=8)
         model = llm.engine.runner.model
         plain = [m for m in model.modules()
                  if type(m) is nn.Linear and m.bias is None and m.weight.dtype == torch.bfloat16]
-        swapped = [m for m in model.modules() if isinstance(m, GemvLinear)]
+        swapped = [n for n, m in model.named_modules() if isinstance(m, GemvLinear)]
         sd = model.state_dict()
         runs[on] = ([o.outputs[0].token_ids for o in llm.generate([[5, 9, 31, 2], [77, 3]], params)],
-                    {k: (tuple(v.shape), v.dtype) for k, v in sd.items()}, len(plain), len(swapped))
+                    {k: (tuple(v.shape), v.dtype) for k, v in sd.items()}, len(plain), swapped)
         del llm
     (t0, sd0, plain0, sw0), (t1, sd1, plain1, sw1) = runs[False], runs[True]
-    assert sw0 == 0 and plain1 == 0 and sw1 == plain0 > 0
-    assert sd1 == sd0 and t1 == t0
+    assert sw0 == [] and sd1 == sd0 and t1 == t0
+    if scope == "all":
+        assert plain1 == 0 and len(sw1) == plain0 > 0
+    else:
+        assert sw1 == ["lm_head"] and plain1 == plain0 - 1

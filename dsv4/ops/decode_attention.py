@@ -88,7 +88,10 @@ ROWS_MIN_HALF_D = 32  # value columns are halved from D 64 on (a dot's K is at l
 # The rows kernel runs from rows x head blocks >= 3/8 of the SMs (50 rows of 64 heads on 132 SMs). H100, graph
 # replays, H 64, D 512 (benchmarks/rows_attention_bench.py, results/2026-12-05-h100-rows-attention): at 64 rows it
 # takes 0.47-0.67x the split kernel's time (window; window + 512; window + 128 table entries), at 32 rows 0.83-1.28x
-ROWS_MIN_ROWS_PER_SM = 3 / 8
+# (both before the rows kernel had key splits). With them, a batch-32 V4.1-Flash-8l replay spends ~90 us a layer in
+# the split kernel (2026-12-07), where the rows kernel's 4 splits walk 64 keys a program: DSV4_ROWS_MIN_ROWS_PER_SM
+# moves the threshold for that comparison (e.g. 0.2: from 27 rows on 132 SMs).
+ROWS_MIN_ROWS_PER_SM = float(os.environ.get("DSV4_ROWS_MIN_ROWS_PER_SM", "0.375"))
 ROWS_KERNEL = os.environ.get("DSV4_ROWS_ATTENTION", "1") == "1"  # 0: the split kernel at every size (comparisons)
 # Key splits of the rows kernel for decode batches (default; DSV4_ROWS_SPLITS=0: one walk). A program's time is
 # its walk over the row's keys, one tile after another: 86 us for window + 512 keys at 16, 32 and 64 rows alike on

@@ -70,8 +70,8 @@ def test_gemv_under_graph_replay() -> None:
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 2, 2, 8], list(range(40, 75))]
 
 
-def _run(model_dir: str, on: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list, int]:
-    monkeypatch.setattr(gemv_linear, "GEMV_LINEARS", on)
+def _run(model_dir: str, scope: str | None, monkeypatch: pytest.MonkeyPatch) -> tuple[list, int]:
+    monkeypatch.setattr(gemv_linear, "GEMV_SCOPE", scope)
     # one sequence at a time: every decode step is one row (the GEMV's case), replayed from a CUDA graph
     llm = LLM(model_dir, dtype="bfloat16", device="cuda", max_model_len=128, max_num_seqs=1, block_size=8)
     params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1, ignore_eos=True)
@@ -82,13 +82,16 @@ def _run(model_dir: str, on: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[lis
                                       for s in o.outputs[0].logprobs]) for o in outs], swapped
 
 
+@pytest.mark.parametrize("scope", ["all", "head"])
 @pytest.mark.parametrize("preset", ["tiny-v4", "tiny-v41"])
-def test_engine_bf16_gemv_close_to_cublas(preset: str, tmp_path_factory: pytest.TempPathFactory,
+def test_engine_bf16_gemv_close_to_cublas(preset: str, scope: str, tmp_path_factory: pytest.TempPathFactory,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy tokens and top logprobs of the engine with the GEMV (every plain linear, or the LM head alone, after
+    the graph) close to cuBLAS's: the sums' order differs, so a near-tie may flip a later token."""
     model_dir = make_model(preset, str(tmp_path_factory.mktemp(preset)), seed=1)
-    off, n_off = _run(model_dir, False, monkeypatch)
-    on, n_on = _run(model_dir, True, monkeypatch)
-    assert n_off == 0 and n_on > 0
+    off, n_off = _run(model_dir, None, monkeypatch)
+    on, n_on = _run(model_dir, scope, monkeypatch)
+    assert n_off == 0 and (n_on == 1 if scope == "head" else n_on > 1)
     same = sum(a == b for (rt, _), (gt, _) in zip(off, on) for a, b in zip(rt, gt))
     assert same >= 0.8 * sum(len(rt) for rt, _ in off)
     for (rt, rl), (gt, gl) in zip(off, on):
