@@ -140,9 +140,9 @@ def plan_table(args: argparse.Namespace) -> dict[str, Any]:
     print("|---|---|---|---|---|---|---|---|")
     for size in args.sizes or VISIONS[args.vision][2]:
         grid = image_grid(size, cfg)
-        tokens = span_tokens(*llm_grid_of(grid, cfg.downsample_ratio))
+        lh, lw = llm_grid_of(grid, cfg.downsample_ratio)
         for count in args.counts:
-            batches = plan_call([tokens] * count, budgets, mbs, eager_above)
+            batches = plan_call([lh * lw] * count, [span_tokens(lh, lw)] * count, budgets, mbs, eager_above)
             real = count * grid[0] * grid[1]
             graph_rows = sum(cfg.downsample_ratio ** 2 * b.budget if b.budget else grid[0] * grid[1] * len(b.indices)
                              for b in batches)
@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results = []
     for size in args.sizes or default_sizes:
         grid = image_grid(size, cfg)
-        tokens = span_tokens(*llm_grid_of(grid, cfg.downsample_ratio))
+        lh, lw = llm_grid_of(grid, cfg.downsample_ratio)
+        tokens = span_tokens(lh, lw)
         for count in args.counts:
             gen = torch.Generator().manual_seed(count)
             patches = [torch.rand(grid[0] * grid[1], cfg.patch_dim, generator=gen) * 2 - 1 for _ in range(count)]
@@ -222,10 +223,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 eager = time_calls(lambda: enc(torch.cat(patches), grids), sync, args.warmup, args.iters)
                 graphs = time_calls(lambda: mgr.encode(patches, grids), sync, args.warmup, args.iters)
             # every call plans the same batches: hits and misses per call follow from the plan
-            batches = plan_call([tokens] * count, mgr.budgets, mgr.max_batch_size, mgr.eager_above)
+            batches = plan_call([lh * lw] * count, [tokens] * count, mgr.budgets, mgr.max_batch_size,
+                                mgr.eager_above)
             results.append({
                 "size": size, "vit_grid": list(grid), "span_tokens": tokens, "images": count,
-                "batches": [{"budget": b.budget, "images": len(b.indices), "span_tokens": b.tokens} for b in batches],
+                "batches": [{"budget": b.budget, "images": len(b.indices), "aligner_rows": b.rows} for b in batches],
                 "hits_per_call": sum(len(b.indices) for b in batches if b.budget is not None),
                 "misses_per_call": sum(len(b.indices) for b in batches if b.budget is None),
                 "eager_ms": eager, "graphs_ms": graphs, "speedup": eager["median"] / graphs["median"],

@@ -6,7 +6,7 @@ tile configurations.
     PYTHONPATH=. python benchmarks/varlen_attention_bench.py --json OUT/varlen_attention.json
 
 Cases: the sequences of benchmarks/encoder_latency.py's table (images of 544x544 = 39x39 patches, 1024x768 = 55x74,
-1536x1536 = 93x93; 1, 4 images) in the buffer rows their budget has (9 x budget span tokens, `--budget-steps` per
+1536x1536 = 93x93; 1, 4 images) in the buffer rows their budget has (9 x budget aligner rows, `--budget-steps` per
 octave) with the manager's 33 cu_seqlens slots. Each kernel is timed as a CUDA graph of one call replayed `--iters`
 times (SDPA per image: eagerly, as the eager encoder runs it), CUDA events, median; TFLOP/s counts the real work
 (4 n^2 Dh per head and image). The Triton rows also say how far each is from SDPA's output (bf16, max abs).
@@ -27,7 +27,7 @@ import torch
 from dsv4.models.vision import per_image_attention
 from dsv4.ops.varlen_attention import varlen_attention_flash, varlen_attention_triton
 from dsv4.runtime.encoder_cudagraphs import (BUDGET_STEPS, budget_range, padded_cu_seqlens, plan_batches,
-                                             span_tokens, token_budgets)
+                                             token_budgets)
 
 H, D, RATIO, SLOTS = 16, 64, 3, 33
 IMAGES = {"544x544": (39, 39), "1024x768": (55, 74), "1536x1536": (93, 93)}
@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
     print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, budgets {budgets}", flush=True)
     results, seen = [], set()
     for name, grid in IMAGES.items():
-        tokens = span_tokens(-(-grid[0] // RATIO), -(-grid[1] // RATIO))
+        aligner_rows = -(-grid[0] // RATIO) * -(-grid[1] // RATIO)
         for count in args.counts:
-            for batch in plan_batches([tokens] * count, budgets, SLOTS - 1):
+            for batch in plan_batches([aligner_rows] * count, budgets, SLOTS - 1):
                 if batch.budget is None or (name, batch.budget, len(batch.indices)) in seen:
                     continue  # eager images, or a batch measured already
                 seen.add((name, batch.budget, len(batch.indices)))

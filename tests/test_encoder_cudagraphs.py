@@ -6,6 +6,7 @@ graphs."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -37,7 +38,7 @@ CASES = [
     ("odd", [(1, 1), (2, 5), (5, 2), (4, 7), (1, 13)]),
     ("packed", [(6, 6), (3, 9), (9, 3), (4, 4)]),
     ("more_than_batch", [(2 + i % 5, 3 + i % 4) for i in range(11)]),
-    ("oversize", [(60, 60)]),  # 20x20 aligner grid: 422 span tokens > 256
+    ("oversize", [(60, 60)]),  # 20x20 aligner grid: 400 aligner rows > 256
     ("mixed", [(60, 60), (1, 1), (10, 17), (33, 47), (5, 5), (2, 2), (16, 16)]),
 ]
 
@@ -96,11 +97,11 @@ def test_manager_refuses_a_batch_size_above_the_smallest_budget(enc: VisionEncod
 # ---- packing ----------------------------------------------------------------------------------------------------
 def test_packing_sorted_greedy() -> None:
     budgets, mbs = [64, 128, 256], 4
-    tokens = [100, 4, 500, 30, 4, 60, 5, 257, 7, 8, 9, 6]
-    batches = plan_batches(tokens, budgets, mbs)
+    rows = [100, 4, 500, 30, 4, 60, 5, 257, 7, 8, 9, 6]
+    batches = plan_batches(rows, budgets, mbs)
     assert [b.indices for b in batches] == [(1, 4, 6, 11), (8, 9, 10, 3), (5, 0), (7, 2)]
     assert [b.budget for b in batches] == [64, 64, 256, None]  # 257 and 500 exceed every budget: one eager batch
-    assert [b.tokens for b in batches] == [19, 54, 160, 757]
+    assert [b.rows for b in batches] == [19, 54, 160, 757]
 
 
 def test_packing_properties() -> None:
@@ -108,17 +109,17 @@ def test_packing_properties() -> None:
     for _ in range(200):
         budgets = token_budgets(*budget_range(rng.choice([64, 100, 256, 2048]), 4096))
         mbs = rng.randint(1, min(budgets))
-        tokens = [rng.choice([4, 5, 14, 62, 184, 496, 1000, 3000]) for _ in range(rng.randint(0, 40))]
-        batches = plan_batches(tokens, budgets, mbs)
-        assert sorted(i for b in batches for i in b.indices) == list(range(len(tokens)))
-        flat = [tokens[i] for b in batches for i in b.indices]
+        rows = [rng.choice([1, 2, 9, 56, 169, 475, 1000, 3000]) for _ in range(rng.randint(0, 40))]
+        batches = plan_batches(rows, budgets, mbs)
+        assert sorted(i for b in batches for i in b.indices) == list(range(len(rows)))
+        flat = [rows[i] for b in batches for i in b.indices]
         assert flat == sorted(flat)  # ascending, the eager batch last
         for b in batches:
-            assert b.tokens == sum(tokens[i] for i in b.indices)
+            assert b.rows == sum(rows[i] for i in b.indices)
             if b.budget is None:
-                assert all(tokens[i] > budgets[-1] for i in b.indices)
+                assert all(rows[i] > budgets[-1] for i in b.indices)
             else:
-                assert len(b.indices) <= mbs and b.budget == min(x for x in budgets if x >= b.tokens)
+                assert len(b.indices) <= mbs and b.budget == min(x for x in budgets if x >= b.rows)
 
 
 # ---- capture inputs and replay buffers --------------------------------------------------------------------------
@@ -136,11 +137,14 @@ def test_capture_grids_fill_the_budget(enc: VisionEncoder, budget: int, mbs: int
 
 
 def test_buffers_hold_every_batch_a_budget_admits() -> None:
-    """A batch of at most B span tokens has fewer than B aligner rows and r^2 * B patches."""
-    for lh in range(1, 12):
-        for lw in range(1, 12):
-            t = span_tokens(lh, lw)
-            assert lh * lw < t and (R * lh) * (R * lw) < R * R * t
+    """A batch of at most B aligner rows has at most r^2 * B patches (a partial edge cell still takes a row), and
+    fewer aligner rows than span tokens (so the span-token limits bound the budgets)."""
+    for nh in range(1, 40):
+        for nw in range(1, 40):
+            lh, lw = llm_grid_of((nh, nw), R)
+            assert nh * nw <= R * R * lh * lw and lh * lw < span_tokens(lh, lw)
+            if nh % R == 0 and nw % R == 0:  # no partial edge cell: exactly r^2 patches a row
+                assert nh * nw == R * R * lh * lw
 
 
 def test_cu_seqlens_padding_rule(enc: VisionEncoder) -> None:
@@ -195,7 +199,7 @@ def test_replay_equivalent_equals_per_image_eager(enc: VisionEncoder, attention:
     assert m.budgets == [64, 80, 96, 112, 128, 160, 192, 224, 256] and m.max_batch_size == 4
     patches = _patches(grids, 1)
     out = m.encode(patches, grids)
-    oversize = [g for g in grids if span_tokens(*llm_grid_of(g, R)) > 256]
+    oversize = [g for g in grids if math.prod(llm_grid_of(g, R)) > 256]
     assert (m.hits, m.misses) == (len(grids) - len(oversize), len(oversize))
     with torch.no_grad():
         for p, g, span in zip(patches, grids, out):
@@ -204,19 +208,35 @@ def test_replay_equivalent_equals_per_image_eager(enc: VisionEncoder, attention:
             torch.testing.assert_close(span, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_budgets_count_aligner_rows_not_span_tokens(enc: VisionEncoder) -> None:
+    """An image of 64 aligner rows (an 8x8 aligner grid, a span of 74 tokens) runs in budget 64, the smallest, with
+    no padding row; one aligner row more takes budget 80. The spans are those of the eager encoder."""
+    m = EncoderCudaGraphManager.from_limits(enc, 256, 4096)
+    for grids, budget in (([(24, 24)], 64), ([(24, 24), (3, 3)], 80)):
+        m.outputs.clear()
+        patches = _patches(grids, 4)
+        out = m.encode(patches, grids)
+        assert list(m.outputs) == [budget] and span_tokens(8, 8) == 74
+        with torch.no_grad():
+            for p, g, span in zip(patches, grids, out):
+                torch.testing.assert_close(span, enc(p, [g])[0], rtol=1e-4, atol=1e-4)
+
+
 def test_calls_above_the_limit_run_eagerly(enc: VisionEncoder) -> None:
     """A call whose images take more span tokens together than `eager_above` runs as one eager batch (misses,
-    outputs of the eager encoder); one at the limit is packed into budgets as before (hits). The engine's manager
-    (from_limits) sets GRAPH_MAX_SPAN_TOKENS and captures no budget above it."""
+    outputs of the eager encoder), although its aligner rows would fit; one at the limit is packed into budgets by
+    its aligner rows (hits). The engine's manager (from_limits) sets GRAPH_MAX_SPAN_TOKENS and captures no budget
+    above it."""
     m = EncoderCudaGraphManager.from_limits(enc, 256, 4096, eager_above=100)
     assert m.budgets == [64, 80, 96, 100] and m.eager_above == 100
     small = [(4, 5), (3, 3), (6, 6)]  # 2x2, 1x1, 2x2 aligner grids: 8 + 4 + 8 = 20 span tokens
     big = [(12, 12)] * 4 + [(3, 3), (9, 9)]  # 4 x 22 + 4 + 14 = 106 span tokens; 92 without the last
-    tokens = [span_tokens(*llm_grid_of(g, R)) for g in big]
-    assert sum(tokens) == 106 and all(t <= 100 for t in tokens)  # each alone would fit a budget
-    assert plan_call(tokens, m.budgets, m.max_batch_size, 100) == [EncoderBatch(tuple(range(6)), 106, None)]
-    assert all(b.budget is not None for b in plan_call(tokens[:-1], m.budgets, m.max_batch_size, 100))
-    assert plan_call(tokens, m.budgets, 4, None) == plan_batches(tokens, m.budgets, 4)
+    spans = [span_tokens(*llm_grid_of(g, R)) for g in big]
+    rows = [math.prod(llm_grid_of(g, R)) for g in big]
+    assert sum(spans) == 106 and sum(rows) == 4 * 16 + 1 + 9 == 74  # the rows alone would fit one budget
+    assert plan_call(rows, spans, m.budgets, m.max_batch_size, 100) == [EncoderBatch(tuple(range(6)), 74, None)]
+    assert all(b.budget is not None for b in plan_call(rows[:-1], spans[:-1], m.budgets, m.max_batch_size, 100))
+    assert plan_call(rows, spans, m.budgets, 4, None) == plan_batches(rows, m.budgets, 4)
     with torch.no_grad():
         for grids, hits, misses in ((small, 3, 0), (big, 3, 6), (big[:-1], 8, 6)):
             patches = _patches(grids, 5)

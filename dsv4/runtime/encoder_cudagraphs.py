@@ -1,13 +1,18 @@
 """CUDA graphs of the DeepSeek-V4.1 vision encoder (runtime.md 4.2-4.3): one graph per token budget.
 
-What a budget counts: LLM-side span tokens, `lh*(lw+1)+2` per image (the prompt positions the image takes: its aligner
-rows, a NEW_LINE per row, START and END). A batch of images fits budget B when its span tokens sum to at most B.
-Budgets are the powers of two in [64, min(max_num_batched_tokens, max_model_len)] and `BUDGET_STEPS` - 1 evenly
-spaced budgets inside every octave (vLLM's default is the powers of two alone), the maximum always included.
+What a budget counts: aligner rows, `lh*lw` per image (its rows after the r x r patch merge; a partial cell at the
+grid's edge takes a whole row, so an image has at most r^2 patches a row). A batch of images fits budget B when its
+aligner rows sum to at most B. Budgets are the powers of two in [64, min(max_num_batched_tokens, max_model_len)]
+and `BUDGET_STEPS` - 1 evenly spaced budgets inside every octave (vLLM's default is the powers of two alone), the
+maximum always included: limits on an image's span tokens, `lh*(lw+1)+2` (the prompt positions it takes: its
+aligner rows, a NEW_LINE per row, START and END), which exceed its aligner rows. (Until 2026-12-07 budgets counted
+span tokens, as vLLM's output tokens: a single 1024x768 image, 475 aligner rows and 496 span tokens, then took budget
+512 in either count, but two 640x640 images, 512 rows and 548 span tokens, took budget 640 and ran 5,760 patch rows
+for 4,232 real ones, 0.88x eager on an H100: benchmarks/results/2026-12-07-h100-decode-idle-b32-attention.)
 
 Every graph runs the same function (`EncoderCudaGraphManager.forward_buffers`) over persistent input buffers sized
-for its budget: B aligner rows and r^2 * B ViT patches (any batch of at most B span tokens has fewer rows, since
-a span holds more tokens than aligner rows), and `max_batch_size + 1` cu_seqlens slots. A batch is written into the
+for its budget: B aligner rows and r^2 * B ViT patches (what any batch of at most B aligner rows needs), and
+`max_batch_size + 1` cu_seqlens slots. A batch is written into the
 buffers zero-padded; cu_seqlens repeats the real rows' end in its unused slots, so its last entry is the number of
 real rows and the rows past it are padding, which the attention skips (they come out 0 and never mix with the
 images; dsv4/ops/varlen_attention.py). The graph's output is [aligner rows of the budget; START; NEW_LINE; END];
@@ -15,17 +20,17 @@ the spans of all images of a batch are assembled by ONE gather out of it, whose 
 llm grids (no device value is read) and copied asynchronously. That gather allocates outside the graph's pool, so its
 result is a fresh tensor that later replays cannot clobber.
 
-Images are sorted by span tokens and packed greedily into batches of at most `max_batch_size` images and the largest
-budget; the smallest budget holding a batch is replayed. An image larger than every budget runs through the eager
-encoder (`VisionEncoder.forward`); such images count as misses, replayed images as hits. The engine's manager
+Images are sorted by aligner rows and packed greedily into batches of at most `max_batch_size` images and the
+largest budget; the smallest budget holding a batch is replayed. An image larger than every budget runs through the
+eager encoder (`VisionEncoder.forward`); such images count as misses, replayed images as hits. The engine's manager
 (`from_limits`) runs a call of more than GRAPH_MAX_SPAN_TOKENS span tokens eagerly as a whole (misses too): at
 those sizes the tower is compute-bound and the graphs, measured, were not faster.
 
 Cost: the graph-safe attention is the Triton varlen flash-attention kernel (dsv4/ops/varlen_attention.py): work
 O(sum of len^2) over the images, plus a little for query blocks straddling an image boundary, nothing for the
 padding rows; memory O(rows). The rest of the tower (projections, MLPs) runs over all r^2 * B rows of the budget,
-padding included: at most (1 + 1 / BUDGET_STEPS) x the real rows, plus the span's NEW_LINE / START / END tokens
-(span tokens exceed aligner rows by lh + 2). (Until 2026-11-30 the padding rows formed one attention sequence,
+padding included: at most (1 + 1 / BUDGET_STEPS) x the aligner rows' r^2 patches, which exceed the real patches
+where the grid's edge cells are partial. (Until 2026-11-30 the padding rows formed one attention sequence,
 O(padding^2), and the graphs were slower than eager encoding for several images.) With
 `DSV4_ENCODER_GRAPH_ATTENTION=flash` the graphs run FlashAttention's varlen forward instead (vLLM's choice; the
 kernel eager SDPA runs per image), with max_seqlen = the budget's rows. Off CUDA (or without triton) the device path
@@ -55,10 +60,10 @@ from dsv4.models.vision import Grid, VisionAttention, VisionEncoder, merge_index
 
 logger = logging.getLogger(__name__)
 
-MIN_BUDGET = 64  # comfortably above the smallest span (4 tokens, a 1x1 grid)
+MIN_BUDGET = 64  # comfortably above the smallest image (1 aligner row, a span of 4 tokens)
 # Budgets per octave. The tower's linear layers run over every row of a budget, so a batch pays up to (next budget /
-# its tokens) x the linear work of the eager encoder: with powers of two that is up to 2x (one 544x544 image: 184
-# span tokens in budget 256, 1.51x the rows), with 4 steps up to 1.25x (budget 192: 1.14x). Graphs share one memory
+# its aligner rows) x the linear work of the eager encoder: with powers of two that is up to 2x (one 544x544 image:
+# 169 aligner rows in budget 256, 1.51x), with 4 steps up to 1.25x (budget 192: 1.14x). Graphs share one memory
 # pool and the input buffers, so a step costs capture time (~0.25 s a graph at the released shapes, 2026-11-30).
 BUDGET_STEPS = 4
 # Above this many span tokens in one encode call, the engine's manager runs the whole call eagerly (and captures no
@@ -86,8 +91,8 @@ def llm_grid_of(grid: Grid, ratio: int) -> Grid:
 
 
 def budget_range(max_num_batched_tokens: int, max_model_len: int, min_budget: int = MIN_BUDGET) -> tuple[int, int]:
-    """(smallest, largest) budget in span tokens: a batch never needs more than a step or a request can hold. When
-    the largest is below `min_budget`, both are the largest."""
+    """(smallest, largest) budget: a batch never has more aligner rows than the span tokens a step or a request can
+    hold. When the largest is below `min_budget`, both are the largest."""
     hi = min(max_num_batched_tokens, max_model_len)
     if hi < 1:
         raise EncoderGraphError(f"the encoder budget limit must be positive, got {hi}")
@@ -126,45 +131,45 @@ def default_max_batch_size(budgets: Sequence[int]) -> int:
 
 @dataclass(frozen=True)
 class EncoderBatch:
-    """Images encoded together: their positions in the caller's list, their span tokens, and the budget whose graph
-    runs them (None: the eager encoder)."""
+    """Images encoded together: their positions in the caller's list, their aligner rows (summed), and the budget
+    whose graph runs them (None: the eager encoder)."""
 
     indices: tuple[int, ...]
-    tokens: int
+    rows: int
     budget: int | None
 
 
-def plan_batches(tokens: Sequence[int], budgets: Sequence[int], max_batch_size: int) -> list[EncoderBatch]:
-    """Sort the images by span tokens (ascending, ties by position) and pack them greedily: a batch closes when the
+def plan_batches(rows: Sequence[int], budgets: Sequence[int], max_batch_size: int) -> list[EncoderBatch]:
+    """Sort the images by aligner rows (ascending, ties by position) and pack them greedily: a batch closes when the
     next image would exceed the largest budget or `max_batch_size` images. Each batch gets the smallest budget that
     holds it; the images larger than every budget (last after sorting) form one eager batch."""
     largest = max(budgets)
-    order = sorted(range(len(tokens)), key=lambda i: (tokens[i], i))
-    fits = [i for i in order if tokens[i] <= largest]
-    oversize = [i for i in order if tokens[i] > largest]
+    order = sorted(range(len(rows)), key=lambda i: (rows[i], i))
+    fits = [i for i in order if rows[i] <= largest]
+    oversize = [i for i in order if rows[i] > largest]
     batches: list[EncoderBatch] = []
     current: list[int] = []
     total = 0
     for i in fits:
-        if current and (total + tokens[i] > largest or len(current) == max_batch_size):
+        if current and (total + rows[i] > largest or len(current) == max_batch_size):
             batches.append(EncoderBatch(tuple(current), total, min(b for b in budgets if b >= total)))
             current, total = [], 0
         current.append(i)
-        total += tokens[i]
+        total += rows[i]
     if current:
         batches.append(EncoderBatch(tuple(current), total, min(b for b in budgets if b >= total)))
     if oversize:
-        batches.append(EncoderBatch(tuple(oversize), sum(tokens[i] for i in oversize), None))
+        batches.append(EncoderBatch(tuple(oversize), sum(rows[i] for i in oversize), None))
     return batches
 
 
-def plan_call(tokens: Sequence[int], budgets: Sequence[int], max_batch_size: int,
+def plan_call(rows: Sequence[int], spans: Sequence[int], budgets: Sequence[int], max_batch_size: int,
               eager_above: int | None) -> list[EncoderBatch]:
-    """The batches one encode call runs: all its images as one eager batch when they take more than `eager_above`
-    span tokens together, else `plan_batches`."""
-    if eager_above is not None and sum(tokens) > eager_above:
-        return [EncoderBatch(tuple(range(len(tokens))), sum(tokens), None)]
-    return plan_batches(tokens, budgets, max_batch_size)
+    """The batches one encode call runs, from its images' aligner rows and span tokens: all of them as one eager batch
+    when their spans take more than `eager_above` tokens together, else `plan_batches` of the rows."""
+    if eager_above is not None and sum(spans) > eager_above:
+        return [EncoderBatch(tuple(range(len(rows))), sum(rows), None)]
+    return plan_batches(rows, budgets, max_batch_size)
 
 
 def capture_grids(budget: int, max_batch_size: int, ratio: int) -> list[Grid]:
@@ -348,7 +353,7 @@ class EncoderCudaGraphManager:
                         "Set enforce_eager=True.") from e
                 self.graphs[budget] = (graph, out)
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d vision-encoder CUDA graphs (budgets %s span tokens, up to %d images each)",
+        logger.info("captured %d vision-encoder CUDA graphs (budgets %s aligner rows, up to %d images each)",
                     len(self.graphs), self.budgets, self.max_batch_size)
 
     @torch.inference_mode()
@@ -367,8 +372,9 @@ class EncoderCudaGraphManager:
             return self.encoder(torch.cat(list(patches)), grids) if grids else []
         llm_grids = [llm_grid_of(g, self.ratio) for g in grids]
         out: list[torch.Tensor | None] = [None] * len(grids)
-        tokens = [span_tokens(*g) for g in llm_grids]
-        for batch in plan_call(tokens, self.budgets, self.max_batch_size, self.eager_above):
+        rows = [lh * lw for lh, lw in llm_grids]
+        span_lens = [span_tokens(*g) for g in llm_grids]
+        for batch in plan_call(rows, span_lens, self.budgets, self.max_batch_size, self.eager_above):
             sel = list(batch.indices)
             if batch.budget is None:
                 spans = self.encoder(torch.cat([patches[i] for i in sel]), [grids[i] for i in sel])
@@ -381,7 +387,7 @@ class EncoderCudaGraphManager:
                     index = index.pin_memory()
                 # one gather, allocated outside the graph pool: fresh memory no later replay writes
                 joined = static.index_select(0, index.to(self.device, non_blocking=True))
-                spans = list(joined.split([span_tokens(*llm_grids[i]) for i in sel]))
+                spans = list(joined.split([span_lens[i] for i in sel]))
                 self.hits += len(sel)
             for i, span in zip(sel, spans):
                 out[i] = span

@@ -6,6 +6,7 @@ enforce_eager. The graph tests run once per attention backend of the graphs (Tri
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import numpy as np
@@ -18,7 +19,7 @@ from dsv4.engine.multimodal import IMAGE_PLACEHOLDER
 from dsv4.make_model import make_model
 from dsv4.models.vision import VisionConfig, VisionEncoder, vision_param_dtype
 from dsv4.ops import varlen_attention as varlen_ops
-from dsv4.runtime.encoder_cudagraphs import EncoderCudaGraphManager, llm_grid_of, span_tokens
+from dsv4.runtime.encoder_cudagraphs import EncoderCudaGraphManager, llm_grid_of
 
 # head_dim 16, text hidden 48 != vision hidden 64
 CFG = VisionConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, patch_size=14,
@@ -30,7 +31,7 @@ CASES = [
     ("odd", [(1, 1), (2, 5), (5, 2), (4, 7), (1, 13)]),
     ("packed", [(6, 6), (3, 9), (9, 3), (4, 4)]),
     ("more_than_batch", [(2 + i % 5, 3 + i % 4) for i in range(11)]),
-    ("oversize", [(60, 60)]),  # 20x20 aligner grid: 422 span tokens > the largest budget 256
+    ("oversize", [(60, 60)]),  # 20x20 aligner grid: 400 aligner rows > the largest budget 256
     ("mixed", [(60, 60), (1, 1), (10, 17), (33, 47), (5, 5), (2, 2), (16, 16)]),
 ]
 
@@ -83,7 +84,7 @@ def test_graphs_equal_per_image_eager(captured: tuple[VisionEncoder, EncoderCuda
     patches = _patches(grids, 1)
     hits, misses = m.hits, m.misses
     out = m.encode(patches, grids)
-    oversize = sum(span_tokens(*llm_grid_of(g, R)) > m.budgets[-1] for g in grids)
+    oversize = sum(math.prod(llm_grid_of(g, R)) > m.budgets[-1] for g in grids)
     assert (m.hits - hits, m.misses - misses) == (len(grids) - oversize, oversize)
     with torch.inference_mode():
         for p, g, span in zip(patches, grids, out):
