@@ -30,6 +30,7 @@ import textwrap
 
 import pytest
 import torch
+from test_kernels_interpret import _tiers
 
 from dsv4.models.layers.attention import grouped_projection
 from dsv4.ops.fp8_linear import fp8_linear, fp8_linear_torch
@@ -84,10 +85,13 @@ def check(x, w, groups, got, what, w_rounded=False):
 """
 
 
-def _interpret(code: str) -> None:
+def _interpret(code: str, **names: object) -> None:
+    """`code` after _HELPERS under the interpreter; `names` (e.g. CASES, the cases its loop runs) set first, as
+    their repr."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-c", _HELPERS + textwrap.dedent(code)], env=env, capture_output=True,
-                         text=True, timeout=600)
+    head = "".join(f"{k} = {v!r}\n" for k, v in names.items())
+    res = subprocess.run([sys.executable, "-c", _HELPERS + head + textwrap.dedent(code)], env=env,
+                         capture_output=True, text=True, timeout=600, check=False)
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
 
 
@@ -262,10 +266,21 @@ def test_w8a16_kernel_special_values_and_configs() -> None:
     """)
 
 
-def test_w8a8_kernel_within_quantization_bound() -> None:
+# (N, K, block, groups, ue8m0, dtype, M)
+_W8A8_CASES = [(N, K, block, groups, ue8m0, dtype, M)
+               for N, K, block, groups in ((96, 160, (128, 128), 1), (40, 72, (32, 32), 1), (64, 96, (32, 32), 2),
+                                           (256, 256, (128, 128), 1))
+               for ue8m0 in (True, False) for dtype in (torch.float32, torch.bfloat16) for M in (1, 17, 70)]
+
+
+@pytest.mark.parametrize("cases", _tiers(_W8A8_CASES, [(96, 160, (128, 128), 1, True, torch.bfloat16, 17),
+                                                       (64, 96, (32, 32), 2, False, torch.float32, 17)]))
+def test_w8a8_kernel_within_quantization_bound(cases: list) -> None:
     """W8A8: equal to a torch emulation of its activation quantization (within fp32 accumulation order), and within
     the derived bound of the unquantized reference; blocks 128 and 32, both scale kinds, groups, partial blocks,
-    rows of zeros and rows of tiny values (subnormal e4m3 codes)."""
+    rows of zeros and rows of tiny values (subnormal e4m3 codes). The main tier runs 17 rows in two cases (blocks
+    128, UE8M0 scales, bf16, a partial K block; blocks 32, float scales, fp32, two groups), the slow tier the other
+    combinations."""
     _interpret("""
         def emulate(x, w, groups):  # x quantized per (row, bk block) as the kernel does, then the fp32 product
             K, bk = w.data.shape[1], w.block[1]
@@ -277,38 +292,34 @@ def test_w8a8_kernel_within_quantization_bound() -> None:
             return fp8_linear_torch(q.reshape(x.shape[0], groups, -1)[..., :K].reshape(x.shape[0], -1), w, groups)
 
         g = torch.Generator().manual_seed(2)
-        for N, K, block, groups in ((96, 160, (128, 128), 1), (40, 72, (32, 32), 1), (64, 96, (32, 32), 2),
-                                    (256, 256, (128, 128), 1)):
-            for ue8m0 in (True, False):
-                w = make_weight(N, K, block, ue8m0, g)
-                for dtype in (torch.float32, torch.bfloat16):
-                    for M in (1, 17, 70):
-                        x = torch.randn(M, groups * K, generator=g).to(dtype)
-                        x[0, :K // 2] = 0  # a partly zero block
-                        if M > 1:
-                            x[1] *= 2.0 ** -20  # small rows: their own scale
-                            x[1, ::3] *= 2.0 ** -16  # and values below 2^-6 * scale: subnormal codes
-                        if M > 2:
-                            x[2] = 0
-                        got = fp8_linear_w8a8_triton(x, w, groups)
-                        what = (N, K, block, groups, ue8m0, dtype, M)
-                        assert got.dtype == dtype and got.shape == (M, N), what
-                        ref = fp8_linear_torch(x.float(), w, groups)
-                        S = fp8_linear_torch(x.float().abs(), abs_weight(w), groups)
-                        A = x.float().abs().amax(-1, keepdim=True)
-                        W1 = w.dequantize().abs().sum(-1)
-                        acc = (K + 8) * 2.0 ** -23 * S
-                        rnd = 0 if dtype == torch.float32 else 2.0 ** -8  # the output's rounding, of |ref| + error
-                        bound = (1 + rnd) * (2.0 ** -4 * S + 2.0 ** -10 / 448 * A * W1 + acc) + rnd * ref.abs()
-                        err = (got.float() - ref).abs()
-                        assert (err <= bound).all(), (what, (err / bound).max().item())
-                        assert ((got.float() - ref).norm() <= 2.0 ** -4 * ref.norm()), what
-                        if M > 2:
-                            assert got[2].eq(0).all(), what
-                        # the emulation rounds q * s too, and its |x~| may exceed |x| by 2^-4: twice acc covers it
-                        emu = emulate(x, w, groups)
-                        e_err = (got.float() - emu).abs()
-                        e_bound = 2 * acc + rnd * emu.abs()
-                        assert (e_err <= e_bound).all(), (what, (e_err / e_bound).max().item())
+        for N, K, block, groups, ue8m0, dtype, M in CASES:
+            w = make_weight(N, K, block, ue8m0, g)
+            x = torch.randn(M, groups * K, generator=g).to(dtype)
+            x[0, :K // 2] = 0  # a partly zero block
+            if M > 1:
+                x[1] *= 2.0 ** -20  # small rows: their own scale
+                x[1, ::3] *= 2.0 ** -16  # and values below 2^-6 * scale: subnormal codes
+            if M > 2:
+                x[2] = 0
+            got = fp8_linear_w8a8_triton(x, w, groups)
+            what = (N, K, block, groups, ue8m0, dtype, M)
+            assert got.dtype == dtype and got.shape == (M, N), what
+            ref = fp8_linear_torch(x.float(), w, groups)
+            S = fp8_linear_torch(x.float().abs(), abs_weight(w), groups)
+            A = x.float().abs().amax(-1, keepdim=True)
+            W1 = w.dequantize().abs().sum(-1)
+            acc = (K + 8) * 2.0 ** -23 * S
+            rnd = 0 if dtype == torch.float32 else 2.0 ** -8  # the output's rounding, of |ref| + error
+            bound = (1 + rnd) * (2.0 ** -4 * S + 2.0 ** -10 / 448 * A * W1 + acc) + rnd * ref.abs()
+            err = (got.float() - ref).abs()
+            assert (err <= bound).all(), (what, (err / bound).max().item())
+            assert ((got.float() - ref).norm() <= 2.0 ** -4 * ref.norm()), what
+            if M > 2:
+                assert got[2].eq(0).all(), what
+            # the emulation rounds q * s too, and its |x~| may exceed |x| by 2^-4: twice acc covers it
+            emu = emulate(x, w, groups)
+            e_err = (got.float() - emu).abs()
+            e_bound = 2 * acc + rnd * emu.abs()
+            assert (e_err <= e_bound).all(), (what, (e_err / e_bound).max().item())
         print("ok")
-    """)
+    """, CASES=cases)

@@ -12,13 +12,27 @@ import pytest
 import torch
 
 
-def _interpret(code: str) -> None:
+def _interpret(code: str, **names: object) -> None:
+    """Runs `code` (dedented) under the interpreter in a fresh Python; `names` (e.g. CASES, the cases its loop runs)
+    are set first, written as their repr (tuples, lists, dicts, numbers, strings, torch dtypes)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    head = "import torch\n" + "".join(f"{k} = {v!r}\n" for k, v in names.items()) if names else ""
     # The longest check (test_triton_path_interpret: three tiny models on every kernel) took 437 s on a slow 2-core
     # machine and passed 600 s on the same machine later in the day (2026-12-05): the limit only catches a hang.
-    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                         timeout=1500)
+    res = subprocess.run([sys.executable, "-c", head + textwrap.dedent(code)], env=env, capture_output=True,
+                         text=True, timeout=1500, check=False)
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
+
+
+def _tiers(cases: list, main: list) -> list:
+    """A check's cases split over the two tiers, as its parameters: `main`, a few that still exercise each feature,
+    in the main tier (`pytest -q -m "not slow" tests`), and the rest of `cases` in the slow tier (`-m slow`, which CI
+    runs too), in their order in `cases`. Every case runs in one tier or the other."""
+    assert main and len(set(map(repr, main))) == len(main) and all(c in cases for c in main), main
+    rest = [c for c in cases if c not in main]
+    main = [c for c in cases if c in main]
+    assert rest, "all the cases in the main tier: nothing to split"
+    return [pytest.param(main, id="main"), pytest.param(rest, id="rest", marks=pytest.mark.slow)]
 
 
 def test_hc_post_kernel_matches_torch() -> None:
@@ -79,13 +93,18 @@ def test_fused_mhc_site_matches_the_composed_path() -> None:
     """)
 
 
-def test_mhc_dots_rows_match_the_composed_projection() -> None:
+# (D, T, M)
+_DOTS_ROWS_CASES = [(40, 70, 24), (100, 9, 24), (48, 13, 4)]
+
+
+@pytest.mark.parametrize("cases", _tiers(_DOTS_ROWS_CASES, [(100, 9, 24)]))
+def test_mhc_dots_rows_match_the_composed_projection(cases: list) -> None:
     """`hc_dots_rows` (the projection of normed bf16 streams as r * (h . fn), fn in three bf16 parts on the tensor
     cores) against an fp64 run of the composed path (fp32 norm, fp32 projection): each m within the fp32
     summation bound (K 2^-24 + 2^-21) of sum |fn h| r, where the fp32 composed path lands too; the parts sum to fn
     within 2^-26 |fn|. Rows past a 64-row tile, K off the 64-column tile, the site's M = 24 and the final
     collapse's 4, a zero row (its m 0). Only the first part kept (fn to ~2^-9) or the norm factor left out
-    fails it."""
+    fails it. The main tier runs 9 rows of K 400 and M 24, the slow tier the other two cases."""
     _interpret("""
         import torch
         import torch.nn.functional as F
@@ -93,7 +112,7 @@ def test_mhc_dots_rows_match_the_composed_projection() -> None:
         from dsv4.models.layers.norm import unweighted_rms_norm_torch
         g = torch.Generator().manual_seed(4)
         n, eps = 4, 1e-6
-        for D, T, M in ((40, 70, 24), (100, 9, 24), (48, 13, 4)):
+        for D, T, M in CASES:
             K = n * D
             fn = torch.nn.Parameter(torch.randn(M, K, generator=g) * K ** -0.5)
             parts = bf16_parts(fn)
@@ -117,7 +136,7 @@ def test_mhc_dots_rows_match_the_composed_projection() -> None:
                 assert not m[1].any()
             assert ((old.double() - ref).abs() <= bound).all()
         print("ok")
-    """)
+    """, CASES=cases)
 
 
 def test_mhc_rows_splits_fill_the_sms() -> None:
@@ -218,24 +237,30 @@ _GROUP_ROWS_CHECK = """
 """
 
 
-def test_group_rows_kernel_matches_torch() -> None:
+# (R, E, block_m)
+_GROUP_ROWS_CASES = [(1, 4, 16), (5, 16, 16), (192, 16, 32), (200, 3, 64), (97, 384, 16)]
+
+
+@pytest.mark.parametrize("cases", _tiers(_GROUP_ROWS_CASES, [(1, 4, 16), (97, 384, 16)]))
+def test_group_rows_kernel_matches_torch(cases: list) -> None:
     """The one-launch row plan of the grouped matmuls (decode steps) equals the torch ops' plan field for field:
     the stable order (ties in row order), counts, offsets and block ends, with rows of no expert (-1), experts with
     no rows, one hot expert over several blocks, R of 1 and not a power of two; and a grouped matmul given that plan
-    equals the reference."""
-    _interpret("CASES = ((1, 4, 16), (5, 16, 16), (192, 16, 32), (200, 3, 64), (97, 384, 16))"
-               + textwrap.dedent(_GROUP_ROWS_CHECK))
+    equals the reference. The main tier runs R 1 and 97 (of 384 experts), the slow tier the other three."""
+    _interpret(_GROUP_ROWS_CHECK, CASES=cases)
 
 
 @pytest.mark.slow  # ~8 s under the interpreter (a 1024-key sort): the slow tier (CI runs it too)
 def test_group_rows_kernel_at_its_row_limit() -> None:
     """The same at PLAN_KERNEL_MAX_ROWS rows, the largest sort the kernel takes."""
-    _interpret("CASES = ((1024, 256, 64),)" + textwrap.dedent(_GROUP_ROWS_CHECK)
-               + "assert CASES[-1][0] == PLAN_KERNEL_MAX_ROWS")
+    _interpret(_GROUP_ROWS_CHECK + "\n    assert CASES[-1][0] == PLAN_KERNEL_MAX_ROWS", CASES=((1024, 256, 64),))
 
 
-@pytest.mark.parametrize("shape,half", [((5, 64), 8), ((3, 4, 32), 4), ((2, 3, 128), 32), ((1, 16), 8),
-                                        ((5, 2, 20), 6)])
+# the main tier: heads with nope channels and a half not a power of two; the slow tier the other shapes
+@pytest.mark.parametrize("shape,half", [pytest.param((5, 64), 8, marks=pytest.mark.slow),
+                                        pytest.param((3, 4, 32), 4, marks=pytest.mark.slow),
+                                        pytest.param((2, 3, 128), 32, marks=pytest.mark.slow),
+                                        pytest.param((1, 16), 8, marks=pytest.mark.slow), ((5, 2, 20), 6)])
 def test_rope_kernel_matches_torch(shape: tuple, half: int) -> None:
     _interpret(f"""
         import torch
@@ -288,13 +313,24 @@ def test_rope_in_place_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert got is not y and torch.equal(y, x) and torch.equal(got, want)
 
 
-def test_rms_norm_rope_kernel_equals_the_two_kernels() -> None:
+# (shape, half, pad, dtype)
+_NORM_ROPE_CASES = [(shape, half, pad, dtype)
+                    for shape, half, pad in (((2, 8, 512), 32, 0), ((2, 3, 64), 8, 0), ((5, 100), 16, 12),
+                                             ((3, 128), 32, 40), ((4, 48), 24, 0))
+                    for dtype in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("cases", _tiers(_NORM_ROPE_CASES, [((2, 3, 64), 8, 0, torch.bfloat16),
+                                                            ((5, 100), 16, 12, torch.bfloat16)]))
+def test_rms_norm_rope_kernel_equals_the_two_kernels(cases: list) -> None:
     """`rms_norm_rope_triton` (an attention layer's norm then rope in one launch) gives the bits of the RMSNorm kernel
     followed by the rope kernel: the unweighted per-head query norm, HF-V4's weighted and V4.1's norm (bf16 and fp32
     weights), bf16 and fp32; V4's head_dim 512 with rope dim 64 (8 heads), head_dim 64 with rope 16, V4.1's index
     keys (128, rope 64), D not a power of two, rope over the whole row; rows strided (a merged projection's column
     slice), cos / sin the strided halves of a table row. On grid inputs (sums exact in any order) also the torch
-    composition's bits. The window-write form: only the rows' slots change, to the composition's rows."""
+    composition's bits. The window-write form: only the rows' slots change, to the composition's rows. The main
+    tier runs bf16 on heads of 64 and on strided rows of 100 (with the window write), the slow tier the other
+    cases."""
     _interpret("""
         import torch
         from dsv4.ops.norm_rope import (rms_norm_rope_torch, rms_norm_rope_triton, write_rms_norm_rope_torch,
@@ -305,36 +341,34 @@ def test_rms_norm_rope_kernel_equals_the_two_kernels() -> None:
         g = torch.Generator().manual_seed(21)
         two_kernels = {MODE_WEIGHTED: rms_norm_triton, MODE_V41: rms_norm_v41_triton,
                        MODE_UNWEIGHTED: lambda x, w, eps: unweighted_rms_norm_triton(x, eps)}
-        for shape, half, pad in (((2, 8, 512), 32, 0), ((2, 3, 64), 8, 0), ((5, 100), 16, 12), ((3, 128), 32, 40),
-                                 ((4, 48), 24, 0)):
+        for shape, half, pad, dtype in CASES:
             T, D = shape[0], shape[-1]
             ang = torch.rand(T, 1, generator=g) * 100 * torch.rand(half, generator=g)
             table = torch.cat([ang.cos(), ang.sin()], dim=-1)
             cos, sin = table[:, :half], table[:, half:]
             w32 = torch.rand(D, generator=g) + 0.5
-            for dtype in (torch.float32, torch.bfloat16):
-                for grid in (False, True):
-                    raw = torch.randn(*shape[:-1], pad + D, generator=g) * 3
-                    x = ((raw * 8).round() / 8 if grid else raw).to(dtype)[..., pad:]  # grid: multiples of 1/8
-                    cases = [(MODE_UNWEIGHTED, None), (MODE_WEIGHTED, w32), (MODE_V41, w32.to(dtype))]
-                    cases += [(MODE_V41, w32)] if dtype == torch.bfloat16 else []  # fp32 output, rope in fp32
-                    for mode, w in cases:
-                        got = rms_norm_rope_triton(x, w, 1e-6, mode, cos, sin)
-                        two = apply_rope_triton(two_kernels[mode](x, w, 1e-6), cos, sin)
-                        assert got.dtype == two.dtype and torch.equal(got, two), (shape, dtype, mode, grid)
-                        if grid:
-                            ref = rms_norm_rope_torch(x, w, 1e-6, mode, cos, sin)
-                            assert torch.equal(got, ref), (shape, dtype, mode, (got.float() - ref.float()).abs().max())
-                    if len(shape) == 2 and grid:  # the window write (and into a cache of another dtype: cast after)
-                        slots = torch.randperm(9, generator=g)[:T]
-                        for cache_dtype in (dtype, torch.bfloat16):
-                            for mode, w in cases[:3]:
-                                caches = [torch.full((9, D), 3.0, dtype=cache_dtype) for _ in range(2)]
-                                write_rms_norm_rope_torch(x, w, 1e-6, mode, cos, sin, caches[0], slots)
-                                write_rms_norm_rope_triton(x, w, 1e-6, mode, cos, sin, caches[1], slots)
-                                assert torch.equal(caches[0], caches[1]), (shape, dtype, cache_dtype, mode)
+            for grid in (False, True):
+                raw = torch.randn(*shape[:-1], pad + D, generator=g) * 3
+                x = ((raw * 8).round() / 8 if grid else raw).to(dtype)[..., pad:]  # grid: multiples of 1/8
+                cases = [(MODE_UNWEIGHTED, None), (MODE_WEIGHTED, w32), (MODE_V41, w32.to(dtype))]
+                cases += [(MODE_V41, w32)] if dtype == torch.bfloat16 else []  # fp32 output, rope in fp32
+                for mode, w in cases:
+                    got = rms_norm_rope_triton(x, w, 1e-6, mode, cos, sin)
+                    two = apply_rope_triton(two_kernels[mode](x, w, 1e-6), cos, sin)
+                    assert got.dtype == two.dtype and torch.equal(got, two), (shape, dtype, mode, grid)
+                    if grid:
+                        ref = rms_norm_rope_torch(x, w, 1e-6, mode, cos, sin)
+                        assert torch.equal(got, ref), (shape, dtype, mode, (got.float() - ref.float()).abs().max())
+                if len(shape) == 2 and grid:  # the window write (and into a cache of another dtype: cast after)
+                    slots = torch.randperm(9, generator=g)[:T]
+                    for cache_dtype in (dtype, torch.bfloat16):
+                        for mode, w in cases[:3]:
+                            caches = [torch.full((9, D), 3.0, dtype=cache_dtype) for _ in range(2)]
+                            write_rms_norm_rope_torch(x, w, 1e-6, mode, cos, sin, caches[0], slots)
+                            write_rms_norm_rope_triton(x, w, 1e-6, mode, cos, sin, caches[1], slots)
+                            assert torch.equal(caches[0], caches[1]), (shape, dtype, cache_dtype, mode)
         print("ok")
-    """)
+    """, CASES=cases)
 
 
 def test_expert_gemv_kernel_matches_torch() -> None:
@@ -805,44 +839,50 @@ def test_window_kv_kernel_matches_torch() -> None:
     """)
 
 
-def test_entry_writes_kernel_matches_torch() -> None:
+# (dtype, D, d, half, ratio)
+_ENTRY_WRITES_CASES = [(dtype, D, d, half, ratio) for dtype in (torch.bfloat16, torch.float32)
+                       for D, d, half in ((64, 32, 8), (512, 128, 32)) for ratio in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("cases", _tiers(_ENTRY_WRITES_CASES, [(torch.bfloat16, 64, 32, 8, 2),
+                                                               (torch.bfloat16, 512, 128, 32, 4)]))
+def test_entry_writes_kernel_matches_torch(cases: list) -> None:
     """V4.1's decode entry writes (dsv4.ops.cache_writes): the compressed entry (rope at the entry's first position
     from a prepared table, FP4 with e4m3 scales per 16, scatter) bit for bit against the torch ops, and the indexer
     keys (V4.1 norm, the same rope, FP4 with power-of-two scales per 32) within one FP4 step where a normed value
     lands an ulp off; ratios 1, 2 and 4, positions that complete an entry and that do not (their slot the trash
-    slot, as `entry_write` gives), bf16 and fp32, the latent rows strided."""
+    slot, as `entry_write` gives), bf16 and fp32, the latent rows strided. The main tier runs bf16: D 64 at ratio
+    2 and D 512 at ratio 4; the slow tier the other cases."""
     _interpret("""
         import torch
         from dsv4.ops.cache_writes import (write_entry_kv_torch, write_entry_kv_triton, write_index_keys_torch,
                                            write_index_keys_triton)
         g = torch.Generator().manual_seed(21)
         P = 64
-        for dtype in (torch.bfloat16, torch.float32):
-            for D, d, half in ((64, 32, 8), (512, 128, 32)):
-                ang = torch.arange(P)[:, None] * torch.rand(half, generator=g)
-                table = torch.cat([ang.cos(), ang.sin()], dim=-1)
-                for ratio in (1, 2, 4):
-                    R = 6
-                    pos = torch.tensor([0, 1, 2, 7, 30, 41])
-                    closes = (pos + 1) % ratio == 0
-                    slots = torch.where(closes, torch.tensor([3, 5, 1, 8, 6, 2]), 0)  # slot 0: the trash slot
-                    latent = (torch.randn(R, D + 8, generator=g) * 3).to(dtype)[:, 8:]
-                    caches = [torch.full((10, D), 7.0).to(dtype) for _ in range(2)]
-                    write_entry_kv_torch(latent, table, pos, ratio, caches[0], slots)
-                    write_entry_kv_triton(latent, table, pos, ratio, caches[1], slots)
-                    kept = slots[closes]
-                    assert torch.equal(caches[0][kept], caches[1][kept]), (dtype, D, ratio)
-                    assert (caches[1][[i for i in range(1, 10) if i not in kept.tolist()]] == 7.0).all()
-                    k = (torch.randn(R, d, generator=g) * 2).to(dtype)
-                    w = (torch.rand(d, generator=g) + 0.5).to(dtype)
-                    keys = [torch.full((10, d), 7.0).to(dtype) for _ in range(2)]
-                    write_index_keys_torch(k, w, 1e-6, table, pos, ratio, keys[0], slots)
-                    write_index_keys_triton(k, w, 1e-6, table, pos, ratio, keys[1], slots)
-                    r, o = keys[0][kept].float(), keys[1][kept].float()
-                    assert ((r - o).abs() <= r.abs() * 0.5 + 1e-6).all(), (dtype, d, ratio, (r - o).abs().max())
-                    assert (r != o).float().mean() < 0.02, (dtype, d, ratio, (r != o).float().mean())
+        for dtype, D, d, half, ratio in CASES:
+            ang = torch.arange(P)[:, None] * torch.rand(half, generator=g)
+            table = torch.cat([ang.cos(), ang.sin()], dim=-1)
+            R = 6
+            pos = torch.tensor([0, 1, 2, 7, 30, 41])
+            closes = (pos + 1) % ratio == 0
+            slots = torch.where(closes, torch.tensor([3, 5, 1, 8, 6, 2]), 0)  # slot 0: the trash slot
+            latent = (torch.randn(R, D + 8, generator=g) * 3).to(dtype)[:, 8:]
+            caches = [torch.full((10, D), 7.0).to(dtype) for _ in range(2)]
+            write_entry_kv_torch(latent, table, pos, ratio, caches[0], slots)
+            write_entry_kv_triton(latent, table, pos, ratio, caches[1], slots)
+            kept = slots[closes]
+            assert torch.equal(caches[0][kept], caches[1][kept]), (dtype, D, ratio)
+            assert (caches[1][[i for i in range(1, 10) if i not in kept.tolist()]] == 7.0).all()
+            k = (torch.randn(R, d, generator=g) * 2).to(dtype)
+            w = (torch.rand(d, generator=g) + 0.5).to(dtype)
+            keys = [torch.full((10, d), 7.0).to(dtype) for _ in range(2)]
+            write_index_keys_torch(k, w, 1e-6, table, pos, ratio, keys[0], slots)
+            write_index_keys_triton(k, w, 1e-6, table, pos, ratio, keys[1], slots)
+            r, o = keys[0][kept].float(), keys[1][kept].float()
+            assert ((r - o).abs() <= r.abs() * 0.5 + 1e-6).all(), (dtype, d, ratio, (r - o).abs().max())
+            assert (r != o).float().mean() < 0.02, (dtype, d, ratio, (r != o).float().mean())
         print("ok")
-    """)
+    """, CASES=cases)
 
 
 def test_fake_quant_kernel_is_bit_exact() -> None:
@@ -1040,90 +1080,105 @@ def test_v41_decode_pool_kernel_matches_torch() -> None:
     """)
 
 
-def test_compressor_decode_pool_kernel_matches_torch() -> None:
+# (dtype, m, overlap, dim, slack); slack: ring rows past the window (speculation on V4, kv.spec.ring_slack)
+_POOL_CASES = [(dtype, m, overlap, dim, slack) for dtype in (torch.bfloat16, torch.float32)
+               for m, overlap, dim, slack in ((2, True, 48, 0), (4, False, 64, 3), (32, False, 24, 0),
+                                              (4, True, 16, 5))]
+
+
+@pytest.mark.parametrize("cases", _tiers(_POOL_CASES, [(torch.bfloat16, 4, False, 64, 3),
+                                                       (torch.bfloat16, 4, True, 16, 5)]))
+def test_compressor_decode_pool_kernel_matches_torch(cases: list) -> None:
     """Overlapping (CSA) and plain (HCA) compressors, short and long rings (and rings longer than their window, as
     under speculation), rows early in their sequence (masked ring rows), bf16 and fp32 streams: within one ulp of
     the stream dtype of the torch reference, nearly all equal; with the push of new rows; and a verify step's rows
-    (`query_len`)."""
+    (`query_len`). The main tier runs bf16 with a plain and an overlapping ring of 4, both with slack; the slow
+    tier the other cases."""
     _interpret("""
         import torch
         from dsv4.ops.compress_pool import pool_decode_torch, pool_decode_triton, pool_verify_torch
         g = torch.Generator().manual_seed(4)
-        for dtype in (torch.bfloat16, torch.float32):
-            # slack: ring rows past the window (speculation on V4, kv.spec.ring_slack)
-            for m, overlap, dim, slack in ((2, True, 48, 0), (4, False, 64, 3), (32, False, 24, 0), (4, True, 16, 5)):
-                cap, coff, blocks = (2 * m if overlap else m) + slack, (2 if overlap else 1), 5
-                ring_kv = torch.randn(blocks, cap, coff * dim, generator=g).to(dtype)
-                ring_gate = torch.randn(blocks, cap, coff * dim, generator=g) * 2
-                pb = torch.randn(m, coff * dim, generator=g)
-                pos = torch.tensor([0, 1, cap - 1, cap, 3 * cap + 1, 1000])
-                blk = torch.tensor([4, 0, 2, 1, 3, 2])
-                ref = pool_decode_torch(ring_kv, ring_gate, blk, pos, pb, m, overlap, dtype)
-                got = pool_decode_triton(ring_kv, ring_gate, blk, pos, pb, m, overlap, dtype)
-                assert ref.dtype == got.dtype == dtype and ref.shape == got.shape == (6, dim)
-                ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
-                r, o = ref.float(), got.float()
-                scale = ring_kv.float().abs().amax()
-                assert ((r - o).abs() <= r.abs() * ulp + scale * 2.0 ** -22).all(), (m, overlap, (r - o).abs().max())
-                if dtype == torch.bfloat16:
-                    assert (r != o).float().mean() < 0.05, (r != o).float().mean()
-                # with the push of the rows' new raw rows (one state block per row, as the engine has): the same
-                # pooled entries, and the same ring contents after
-                blk = torch.tensor([4, 0, 2, 1, 3])
-                pos = pos[:5]
-                new_kv = (torch.randn(5, coff * dim, generator=g) * 3).to(dtype)
-                new_gate = torch.randn(5, coff * dim, generator=g) * 2  # fp32: the bf16 kv ring's gate ring is fp32
-                rings = [(ring_kv.clone(), ring_gate.clone()) for _ in range(2)]
-                ref = pool_decode_torch(*rings[0], blk, pos, pb, m, overlap, dtype, new_kv, new_gate)
-                got = pool_decode_triton(*rings[1], blk, pos, pb, m, overlap, dtype, new_kv, new_gate)
-                assert torch.equal(rings[0][0], rings[1][0]) and torch.equal(rings[0][1], rings[1][1])
-                assert not torch.equal(rings[0][0], ring_kv)  # the push happened
-                r, o = ref.float(), got.float()
-                assert ((r - o).abs() <= r.abs() * ulp + 3 * scale * 2.0 ** -22).all(), (m, overlap, (r - o).abs().max())
-                # new rows as column views of one product (a merged projection's: rows strided by its width, read
-                # in place) push and pool exactly as their contiguous copies
-                W = coff * dim
-                prod = torch.cat([new_kv.float(), new_gate, torch.randn(5, 7, generator=g)], dim=1).to(dtype)
-                views = (prod[:, :W], prod[:, W:2 * W])
-                assert views[0].stride(0) == 2 * W + 7 and not views[0].is_contiguous()
-                rings = [(ring_kv.clone(), ring_gate.clone()) for _ in range(2)]
-                ref = pool_decode_triton(*rings[0], blk, pos, pb, m, overlap, dtype, *(v.contiguous() for v in views))
-                got = pool_decode_triton(*rings[1], blk, pos, pb, m, overlap, dtype, *views)
-                assert torch.equal(rings[0][0], rings[1][0]) and torch.equal(rings[0][1], rings[1][1])
-                assert torch.equal(ref, got)
-                # a verify step's q = 3 rows a request (query_len): each window from the step's rows where it reaches
-                # into the step and from the ring before, as pool_verify_torch; the rings only read; the same rows one
-                # position later (every window's step / ring split moves) far from it (catches an off-by-one)
-                q, starts = 3, [0, 2, cap - 1, 5 * cap + 3]
-                pos = torch.tensor([p + j for p in starts for j in range(q)])
-                blk = torch.tensor([b for b in (3, 1, 0, 2) for _ in range(q)])
-                rows = torch.cat([torch.randn(len(pos), 2 * W, generator=g), torch.randn(len(pos), 5, generator=g)],
-                                 dim=1).to(dtype)
-                step_kv, step_gate = rows[:, :W], rows[:, W:2 * W]  # strided views, read in place
-                before = (ring_kv.clone(), ring_gate.clone())
-                ref = pool_verify_torch(ring_kv, ring_gate, blk, pos, pb, m, overlap, dtype, step_kv, step_gate, q)
-                got = pool_decode_triton(ring_kv, ring_gate, blk, pos, pb, m, overlap, dtype, step_kv, step_gate, q)
-                assert torch.equal(ring_kv, before[0]) and torch.equal(ring_gate, before[1])
-                r, o = ref.float(), got.float()
-                tol = r.abs() * ulp + 3 * max(scale, step_kv.float().abs().amax()) * 2.0 ** -22
-                assert ((r - o).abs() <= tol).all(), (m, q, (r - o).abs().max())
-                off = pool_verify_torch(ring_kv, ring_gate, blk, pos + 1, pb, m, overlap, dtype, step_kv, step_gate, q)
-                assert ((off.float() - o).abs() > tol).float().mean() > 0.5
+        for dtype, m, overlap, dim, slack in CASES:
+            cap, coff, blocks = (2 * m if overlap else m) + slack, (2 if overlap else 1), 5
+            ring_kv = torch.randn(blocks, cap, coff * dim, generator=g).to(dtype)
+            ring_gate = torch.randn(blocks, cap, coff * dim, generator=g) * 2
+            pb = torch.randn(m, coff * dim, generator=g)
+            pos = torch.tensor([0, 1, cap - 1, cap, 3 * cap + 1, 1000])
+            blk = torch.tensor([4, 0, 2, 1, 3, 2])
+            ref = pool_decode_torch(ring_kv, ring_gate, blk, pos, pb, m, overlap, dtype)
+            got = pool_decode_triton(ring_kv, ring_gate, blk, pos, pb, m, overlap, dtype)
+            assert ref.dtype == got.dtype == dtype and ref.shape == got.shape == (6, dim)
+            ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20
+            r, o = ref.float(), got.float()
+            scale = ring_kv.float().abs().amax()
+            assert ((r - o).abs() <= r.abs() * ulp + scale * 2.0 ** -22).all(), (m, overlap, (r - o).abs().max())
+            if dtype == torch.bfloat16:
+                assert (r != o).float().mean() < 0.05, (r != o).float().mean()
+            # with the push of the rows' new raw rows (one state block per row, as the engine has): the same
+            # pooled entries, and the same ring contents after
+            blk = torch.tensor([4, 0, 2, 1, 3])
+            pos = pos[:5]
+            new_kv = (torch.randn(5, coff * dim, generator=g) * 3).to(dtype)
+            new_gate = torch.randn(5, coff * dim, generator=g) * 2  # fp32: the bf16 kv ring's gate ring is fp32
+            rings = [(ring_kv.clone(), ring_gate.clone()) for _ in range(2)]
+            ref = pool_decode_torch(*rings[0], blk, pos, pb, m, overlap, dtype, new_kv, new_gate)
+            got = pool_decode_triton(*rings[1], blk, pos, pb, m, overlap, dtype, new_kv, new_gate)
+            assert torch.equal(rings[0][0], rings[1][0]) and torch.equal(rings[0][1], rings[1][1])
+            assert not torch.equal(rings[0][0], ring_kv)  # the push happened
+            r, o = ref.float(), got.float()
+            assert ((r - o).abs() <= r.abs() * ulp + 3 * scale * 2.0 ** -22).all(), (m, overlap, (r - o).abs().max())
+            # new rows as column views of one product (a merged projection's: rows strided by its width, read
+            # in place) push and pool exactly as their contiguous copies
+            W = coff * dim
+            prod = torch.cat([new_kv.float(), new_gate, torch.randn(5, 7, generator=g)], dim=1).to(dtype)
+            views = (prod[:, :W], prod[:, W:2 * W])
+            assert views[0].stride(0) == 2 * W + 7 and not views[0].is_contiguous()
+            rings = [(ring_kv.clone(), ring_gate.clone()) for _ in range(2)]
+            ref = pool_decode_triton(*rings[0], blk, pos, pb, m, overlap, dtype, *(v.contiguous() for v in views))
+            got = pool_decode_triton(*rings[1], blk, pos, pb, m, overlap, dtype, *views)
+            assert torch.equal(rings[0][0], rings[1][0]) and torch.equal(rings[0][1], rings[1][1])
+            assert torch.equal(ref, got)
+            # a verify step's q = 3 rows a request (query_len): each window from the step's rows where it reaches
+            # into the step and from the ring before, as pool_verify_torch; the rings only read; the same rows one
+            # position later (every window's step / ring split moves) far from it (catches an off-by-one)
+            q, starts = 3, [0, 2, cap - 1, 5 * cap + 3]
+            pos = torch.tensor([p + j for p in starts for j in range(q)])
+            blk = torch.tensor([b for b in (3, 1, 0, 2) for _ in range(q)])
+            rows = torch.cat([torch.randn(len(pos), 2 * W, generator=g), torch.randn(len(pos), 5, generator=g)],
+                             dim=1).to(dtype)
+            step_kv, step_gate = rows[:, :W], rows[:, W:2 * W]  # strided views, read in place
+            before = (ring_kv.clone(), ring_gate.clone())
+            ref = pool_verify_torch(ring_kv, ring_gate, blk, pos, pb, m, overlap, dtype, step_kv, step_gate, q)
+            got = pool_decode_triton(ring_kv, ring_gate, blk, pos, pb, m, overlap, dtype, step_kv, step_gate, q)
+            assert torch.equal(ring_kv, before[0]) and torch.equal(ring_gate, before[1])
+            r, o = ref.float(), got.float()
+            tol = r.abs() * ulp + 3 * max(scale, step_kv.float().abs().amax()) * 2.0 ** -22
+            assert ((r - o).abs() <= tol).all(), (m, q, (r - o).abs().max())
+            off = pool_verify_torch(ring_kv, ring_gate, blk, pos + 1, pb, m, overlap, dtype, step_kv, step_gate, q)
+            assert ((off.float() - o).abs() > tol).float().mean() > 0.5
         print("ok")
-    """)
+    """, CASES=cases)
 
 
-def test_fp32_linear_kernel_matches_torch() -> None:
+# (R, N, K, dtype)
+_FP32_LINEAR_CASES = [(1, 16, 320, torch.bfloat16), (5, 37, 300, torch.bfloat16), (3, 24, 64, torch.float32),
+                      (40, 100, 96, torch.bfloat16), (1, 1030, 64, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("cases", _tiers(_FP32_LINEAR_CASES, [(5, 37, 300, torch.bfloat16),
+                                                              (3, 24, 64, torch.float32)]))
+def test_fp32_linear_kernel_matches_torch(cases: list) -> None:
     """fp32 math on a stored bf16 / fp32 weight (V4.1's router and ratio-2 compressor): within the reordering of
     fp32 sums of exact products of F.linear(x.float(), w.float()); one row, several, a strided x, N and K off the
-    tiles; bf16 values whose products and sums are exact on a coarse grid give bit-equal outputs."""
+    tiles; bf16 values whose products and sums are exact on a coarse grid give bit-equal outputs. The main tier runs
+    5 rows of a bf16 weight and 3 of an fp32 one, the slow tier the other shapes; both tiers check that the shapes
+    of the two together take every tile shape, and the strided x and the grid."""
     _interpret("""
         import torch
         from dsv4.ops.fp32_linear import decode_blocks, fp32_linear_torch, fp32_linear_triton
         g = torch.Generator().manual_seed(5)
         tiles = set()
-        for R, N, K, dtype in ((1, 16, 320, torch.bfloat16), (5, 37, 300, torch.bfloat16), (3, 24, 64, torch.float32),
-                               (40, 100, 96, torch.bfloat16), (1, 1030, 64, torch.bfloat16)):
+        for R, N, K, dtype in CASES:
             x = torch.randn(R, K, generator=g).to(dtype)
             w = torch.randn(N, K, generator=g).to(dtype)
             ref = fp32_linear_torch(x, w)
@@ -1133,6 +1188,8 @@ def test_fp32_linear_kernel_matches_torch() -> None:
                 got = fp32_linear_triton(x, w, blocks)
                 assert got.dtype == torch.float32 and got.shape == (R, N)
                 assert ((got - ref).abs() <= K * 2.0 ** -23 * s).all(), (blocks, (got - ref).abs().max())
+        # every tile shape over the cases of both tiers (those not run here run in the other tier)
+        tiles |= {decode_blocks(R, N, K, blocks) for R, N, K, _ in ALL_CASES for blocks in ("wide", "narrow")}
         assert {n for n, _ in tiles} == {1, 4, 8, 16}, tiles
         w = torch.randn(10, 96, generator=g).to(torch.bfloat16)
         for xs in (torch.randn(4, 2 * 96, generator=g).to(torch.bfloat16)[:, ::2],  # strided columns: copied
@@ -1142,4 +1199,4 @@ def test_fp32_linear_kernel_matches_torch() -> None:
         x, w = grid(torch.randn(2, 512, generator=g)), grid(torch.randn(12, 512, generator=g))
         assert torch.equal(fp32_linear_triton(x, w), fp32_linear_torch(x, w))
         print("ok")
-    """)
+    """, CASES=cases, ALL_CASES=_FP32_LINEAR_CASES)

@@ -5,11 +5,10 @@ when kernels are defined). Blocks of 16 rows / keys, so that short inputs still 
 from __future__ import annotations
 
 import pytest
-from test_kernels_interpret import _interpret
 import torch
+from test_kernels_interpret import _interpret, _tiers
 
 from dsv4.ops.varlen_attention import row_sequence_ids
-
 
 # (cu_seqlens, rows): the rows past cu_seqlens[-1] are padding (attend to nothing, come out 0)
 CASES = [
@@ -33,36 +32,46 @@ def test_row_sequence_ids() -> None:
     assert ids[52].item() == 4 and ids[53].item() == 6 and ids[70:].tolist() == [7] * 5  # 7 = S, the extra one
 
 
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 2e-2)])
-def test_varlen_kernel_matches_per_image(dtype: str, tol: float) -> None:
-    _interpret(f"""
+# (dtype, tol, cu, rows, strided, H, D): every boundary case in each dtype, every other one strided (q/k/v as views
+# of one fused [rows, 3, H, D] buffer, the ViT's wqkv), with three head shapes
+_PER_IMAGE_CASES = [(dtype, tol, cu, rows, i % 2 == 1, H, D)
+                    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2))
+                    for i, (cu, rows) in enumerate(CASES) for H, D in ((1, 16), (3, 32), (2, 16))]
+
+
+@pytest.mark.parametrize("cases", _tiers(_PER_IMAGE_CASES, [
+    (torch.float32, 1e-4, [0, 1, 2, 19, 20, 53, 53, 70], 70, True, 3, 32),
+    (torch.bfloat16, 2e-2, [0, 20, 33, 33], 45, False, 2, 16)]))
+def test_varlen_kernel_matches_per_image(cases: list) -> None:
+    """The main tier runs the many short sequences (strided, fp32: the masking check too) and the graph layout
+    with padding (bf16), the slow tier every other case and head shape."""
+    _interpret("""
         import torch
         from dsv4.models.vision import per_image_attention
         from dsv4.ops.varlen_attention import varlen_attention_triton
         g = torch.Generator().manual_seed(0)
         worst = 0.0
-        for i, (cu, rows) in enumerate({CASES!r}):
-            for H, D in ((1, 16), (3, 32), (2, 16)):
-                # q, k scaled up: sharper softmax, so a wrong mask or a wrong rescale shows
-                q, k = ((torch.randn(rows, H, D, generator=g) * 2).to(torch.{dtype}) for _ in range(2))
-                v = torch.randn(rows, H, D, generator=g).to(torch.{dtype})
-                if i % 2:  # strided inputs: q/k/v as views of one fused [rows, 3, H, D] buffer (the ViT's wqkv)
-                    qkv = torch.stack((q, k, v), 1)
-                    q, k, v = qkv.unbind(1)
-                ref = per_image_attention(q.double(), k.double(), v.double(), cu)  # zeros past cu[-1]
-                got = varlen_attention_triton(q, k, v, torch.tensor(cu, dtype=torch.int32), block_m=16, block_n=16)
-                assert got.dtype == q.dtype and got.shape == q.shape and got.is_contiguous()
-                err = (got.double() - ref).abs().max().item()
-                assert torch.allclose(got.double(), ref, rtol={tol}, atol={tol}), (cu, rows, H, D, err)
-                assert not got[cu[-1]:].any(), cu  # padding rows exactly 0
-                worst = max(worst, err)
-                # attending across the boundaries would differ: the masking is doing something
-                if len(set(cu)) > 2 and {dtype!r} == "float32":  # two non-empty sequences or more
-                    full = per_image_attention(q.double(), k.double(), v.double(), [0, cu[-1]])
-                    assert (full - ref).abs().max() > 1e-2
+        for dtype, tol, cu, rows, strided, H, D in CASES:
+            # q, k scaled up: sharper softmax, so a wrong mask or a wrong rescale shows
+            q, k = ((torch.randn(rows, H, D, generator=g) * 2).to(dtype) for _ in range(2))
+            v = torch.randn(rows, H, D, generator=g).to(dtype)
+            if strided:  # strided inputs: q/k/v as views of one fused [rows, 3, H, D] buffer (the ViT's wqkv)
+                qkv = torch.stack((q, k, v), 1)
+                q, k, v = qkv.unbind(1)
+            ref = per_image_attention(q.double(), k.double(), v.double(), cu)  # zeros past cu[-1]
+            got = varlen_attention_triton(q, k, v, torch.tensor(cu, dtype=torch.int32), block_m=16, block_n=16)
+            assert got.dtype == q.dtype and got.shape == q.shape and got.is_contiguous()
+            err = (got.double() - ref).abs().max().item()
+            assert torch.allclose(got.double(), ref, rtol=tol, atol=tol), (dtype, cu, rows, H, D, err)
+            assert not got[cu[-1]:].any(), cu  # padding rows exactly 0
+            worst = max(worst, err)
+            # attending across the boundaries would differ: the masking is doing something
+            if len(set(cu)) > 2 and dtype == torch.float32:  # two non-empty sequences or more
+                full = per_image_attention(q.double(), k.double(), v.double(), [0, cu[-1]])
+                assert (full - ref).abs().max() > 1e-2
         print("worst", worst)
         print("ok")
-    """)
+    """, CASES=cases)
 
 
 def test_varlen_kernel_other_blocks_and_scale() -> None:

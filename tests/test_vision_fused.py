@@ -24,7 +24,7 @@ import sys
 
 import pytest
 import torch
-from test_kernels_interpret import _interpret
+from test_kernels_interpret import _interpret, _tiers
 
 from dsv4.models.vision import VisionConfig, VisionTower
 from dsv4.ops import vision_fused as vf
@@ -100,41 +100,48 @@ print("ok")
 """)
 
 
-def test_add_rms_norm() -> None:
-    _interpret(_PRELUDE + f"""
+# (n, D, dtype): 1024 the released width; 9000 two chunks of the norm's 8192 columns (the interpreter is slow on
+# wide rows: on fewer rows)
+_ADD_NORM_CASES = [(n, D, dtype) for n in ROWS
+                   for D in (16, 64) + ((1024,) if n < 130 else ()) + ((9000,) if n < 33 else ())
+                   for dtype in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("cases", _tiers(_ADD_NORM_CASES, [(7, 64, torch.bfloat16), (1, 9000, torch.float32)]))
+def test_add_rms_norm(cases: list) -> None:
+    """The main tier runs 7 rows of 64 in bf16 (contiguous and strided) and one fp32 row of 9000 (two chunks), the
+    slow tier the other cases."""
+    _interpret(_PRELUDE + """
 from dsv4.models.layers.norm import rms_norm_torch
 from dsv4.ops.rmsnorm import rms_norm_triton
 g = torch.Generator().manual_seed(2)
-for n in {ROWS}:
-    # 1024: the released width; 9000: two chunks of the norm's 8192 columns (the interpreter is slow on wide rows)
-    for D in (16, 64) + ((1024,) if n < 130 else ()) + ((9000,) if n < 33 else ()):
-        for dtype in (torch.float32, torch.bfloat16):
-            w = 1 + 0.2 * torch.randn(D, generator=g)  # the ViT's fp32 norm weight
-            for kind in ("grid", "gauss"):
-                if kind == "grid":  # multiples of 1/8: the sum of squares is exact in any order
-                    x, y = grid((n, D), g).to(dtype), grid((n, D), g).to(dtype)
-                else:
-                    x, y = ((torch.randn(n, D, generator=g) * 3).to(dtype) for _ in range(2))
-                x[n // 2] = 0
-                y[-1] = -x[-1]  # a residual of zeros: its norm is 0
-                if n > 2:
-                    y[1] = 0  # x + 0
-                wide = torch.zeros(n, D + 3, dtype=dtype)
-                wide[:, 3:] = x
-                for xin in (x, wide[:, 3:])[: 2 if D == 64 else 1]:  # contiguous rows, and strided rows once
-                    h, out = vf.add_rms_norm_triton(xin, y, w, 1e-6)
-                    assert h.dtype == out.dtype == dtype and h.shape == out.shape == (n, D)
-                    ref_h, ref = vf.add_rms_norm_torch(xin, y, w, 1e-6)
-                    assert torch.equal(bits(ref_h), bits(h)), (n, D, dtype)
-                    # what the unfused tower runs on CUDA: the add, then the RMSNorm kernel: always bit-identical
-                    assert torch.equal(bits(rms_norm_triton(ref_h, w, 1e-6)), bits(out)), (n, D, dtype, kind)
-                    assert not out[-1].any()
-                    if kind == "grid":
-                        assert torch.equal(bits(ref), bits(out)), (n, D, dtype, int(ulps(ref, out).max()))
-                    else:
-                        check_close("weighted", dtype, ref, out, n)
+for n, D, dtype in CASES:
+    w = 1 + 0.2 * torch.randn(D, generator=g)  # the ViT's fp32 norm weight
+    for kind in ("grid", "gauss"):
+        if kind == "grid":  # multiples of 1/8: the sum of squares is exact in any order
+            x, y = grid((n, D), g).to(dtype), grid((n, D), g).to(dtype)
+        else:
+            x, y = ((torch.randn(n, D, generator=g) * 3).to(dtype) for _ in range(2))
+        x[n // 2] = 0
+        y[-1] = -x[-1]  # a residual of zeros: its norm is 0
+        if n > 2:
+            y[1] = 0  # x + 0
+        wide = torch.zeros(n, D + 3, dtype=dtype)
+        wide[:, 3:] = x
+        for xin in (x, wide[:, 3:])[: 2 if D == 64 else 1]:  # contiguous rows, and strided rows once
+            h, out = vf.add_rms_norm_triton(xin, y, w, 1e-6)
+            assert h.dtype == out.dtype == dtype and h.shape == out.shape == (n, D)
+            ref_h, ref = vf.add_rms_norm_torch(xin, y, w, 1e-6)
+            assert torch.equal(bits(ref_h), bits(h)), (n, D, dtype)
+            # what the unfused tower runs on CUDA: the add, then the RMSNorm kernel: always bit-identical
+            assert torch.equal(bits(rms_norm_triton(ref_h, w, 1e-6)), bits(out)), (n, D, dtype, kind)
+            assert not out[-1].any()
+            if kind == "grid":
+                assert torch.equal(bits(ref), bits(out)), (n, D, dtype, int(ulps(ref, out).max()))
+            else:
+                check_close("weighted", dtype, ref, out, n)
 print("ok")
-""")
+""", CASES=cases)
 
 
 def test_tower_fused_equals_unfused() -> None:
