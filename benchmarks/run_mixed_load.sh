@@ -57,9 +57,11 @@
 #             30 back-to-back async decode steps against one replay's own gaps (issue 24: host time outside the
 #             graphs <= 5% of a decode step)
 #   gemv      not a server: benchmarks/bf16_gemv_forms.py (the batch-1 step's cuBLAS products against the Triton GEMV of
-#             dsv4/ops/gemv.py, tiles swept; the expert gemv's tiles), then the batch-1 replay with DSV4_BF16_GEMV 0 / 1
-#   rowsplits not a server: the rows kernel's key splits against the whole walk at 16-128 rows
-#             (benchmarks/rows_attention_bench.py --row-splits 2,4)
+#             dsv4/ops/gemv.py, tiles swept; the expert gemv's tiles), then the batch-1 replay, step and logits phase
+#             with DSV4_BF16_GEMV 0 / 1 / head (head: the LM head alone)
+#   rowsplits not a server: the rows kernel's key splits against the whole walk at 8-128 rows
+#             (benchmarks/rows_attention_bench.py --row-splits 2,4,8; where the rows kernel takes over from the split
+#             kernel, ROWS_MIN_ROWS_PER_SM: then BATCH=32 AB="DSV4_ROWS_MIN_ROWS_PER_SM=0.375" part ab for the step)
 #   kernels   not a server: kernels of the mixed step far off their floor, by their opt-in variants:
 #             benchmarks/mhc_rows_splits.py (mHC's rows projection by column splits, DSV4_MHC_ROWS_SPLIT_K),
 #             benchmarks/rope_inplace_forms.py (the in-place rope's pairs strided or contiguous, DSV4_ROPE_VEC),
@@ -174,9 +176,10 @@ part_gemv() {
   timeout 300 python3 -u benchmarks/bf16_gemv_forms.py /tmp/$p --json "$out/gemv_forms.json" > "$out/gemv_forms.log" 2>&1
   echo "bf16_gemv_forms (rc $?):"; grep -E "one-row products|experts" "$out/gemv_forms.log"
   local v
-  for v in 0 1; do
+  for v in 0 1 head; do  # head: the LM head alone (eager, after the graph: the "logits" phase, not the replay)
     DSV4_BF16_GEMV=$v timeout 240 python3 -u benchmarks/profile_graph.py /tmp/$p 1 20 > "$out/decode_b1-gemv$v.log" 2>&1
-    echo "profile batch 1, DSV4_BF16_GEMV=$v (rc $?):"; grep -E "replay alone|engine step \(" "$out/decode_b1-gemv$v.log"
+    echo "profile batch 1, DSV4_BF16_GEMV=$v (rc $?):"
+    grep -E "replay alone|engine step \(|logits" "$out/decode_b1-gemv$v.log"
   done
 }
 
@@ -216,9 +219,9 @@ part_idle() {
 }
 
 part_rowsplits() {
-  timeout 200 python3 -u benchmarks/rows_attention_bench.py --rows 16,32,64,128 --row-splits 2,4 \
+  timeout 200 python3 -u benchmarks/rows_attention_bench.py --rows 8,16,24,32,48,64,128 --row-splits 2,4,8 \
     --json "$out/rows_splits.json" > "$out/rows_splits.log" 2>&1
-  echo "rows_attention_bench --row-splits 2,4 (rc $?):"; tail -12 "$out/rows_splits.log"
+  echo "rows_attention_bench --row-splits 2,4,8 (rc $?):"; tail -21 "$out/rows_splits.log"
 }
 
 part_kernels() {

@@ -85,13 +85,15 @@ ROWS_BLOCK_N = 16  # H100: 0.64-0.76x the time of 32 from 128 rows on (2 program
 ROWS_WARPS = 4
 ROWS_STAGES = 2  # key-tile loads in flight (cp.async); 3 fits 2 programs an SM too (not yet measured)
 ROWS_MIN_HALF_D = 32  # value columns are halved from D 64 on (a dot's K is at least 16; tests use small D)
-# The rows kernel runs from rows x head blocks >= 3/8 of the SMs (50 rows of 64 heads on 132 SMs). H100, graph
-# replays, H 64, D 512 (benchmarks/rows_attention_bench.py, results/2026-12-05-h100-rows-attention): at 64 rows it
-# takes 0.47-0.67x the split kernel's time (window; window + 512; window + 128 table entries), at 32 rows 0.83-1.28x
-# (both before the rows kernel had key splits). With them, a batch-32 V4.1-Flash-8l replay spends ~90 us a layer in
-# the split kernel (2026-12-07), where the rows kernel's 4 splits walk 64 keys a program: DSV4_ROWS_MIN_ROWS_PER_SM
-# moves the threshold for that comparison (e.g. 0.2: from 27 rows on 132 SMs).
-ROWS_MIN_ROWS_PER_SM = float(os.environ.get("DSV4_ROWS_MIN_ROWS_PER_SM", "0.375"))
+# The rows kernel runs from rows x head blocks >= 0.12 of the SMs (16 rows of 64 heads on 132 SMs). H100, graph
+# replays, H 64, D 512 (benchmarks/rows_attention_bench.py): without key splits it took 0.47-0.67x the split
+# kernel's time at 64 rows and 0.83-1.28x at 32 (results/2026-12-05-h100-rows-attention), so it started at 50 rows;
+# with the splits (`rows_splits`, 12-06) it is faster from 16 rows on (results/2026-12-06-h100-decode-optins,
+# rows_splits.log): window + 512 keys 66.0 -> 36.1 us at 32 rows and 46.4 -> 29.0 at 16; window alone 23.6 -> 17.8
+# and 16.0 -> 14.0 (within 0.4 us at 16 with 2 splits); window + 128 table entries 38.8 -> 22.7 and 21.5 -> 17.2.
+# A batch-32 V4.1-Flash-8l replay spent 85-101 us a layer in the split kernel (2026-12-07, 7 of its 8 layers).
+# DSV4_ROWS_MIN_ROWS_PER_SM sets the threshold (0.375: the old 50 rows), for A/B runs.
+ROWS_MIN_ROWS_PER_SM = float(os.environ.get("DSV4_ROWS_MIN_ROWS_PER_SM", "0.12"))
 ROWS_KERNEL = os.environ.get("DSV4_ROWS_ATTENTION", "1") == "1"  # 0: the split kernel at every size (comparisons)
 # Key splits of the rows kernel for decode batches (default; DSV4_ROWS_SPLITS=0: one walk). A program's time is
 # its walk over the row's keys, one tile after another: 86 us for window + 512 keys at 16, 32 and 64 rows alike on
