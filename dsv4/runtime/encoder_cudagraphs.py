@@ -1,21 +1,21 @@
-"""CUDA graphs of the DeepSeek-V4.1 vision encoder (runtime.md 4.2-4.3): one graph per token budget.
+"""CUDA graphs of the DeepSeek-V4.1 vision encoder (runtime.md 4.2-4.3): one graph per budget of aligner rows.
 
 What a budget counts: aligner rows, `lh*lw` per image (its rows after the r x r patch merge; a partial cell at the
 grid's edge takes a whole row, so an image has at most r^2 patches a row). A batch of images fits budget B when its
-aligner rows sum to at most B. Budgets are the powers of two in [64, min(max_num_batched_tokens, max_model_len)]
-and `BUDGET_STEPS` - 1 evenly spaced budgets inside every octave (vLLM's default is the powers of two alone), the
-maximum always included: limits on an image's span tokens, `lh*(lw+1)+2` (the prompt positions it takes: its
-aligner rows, a NEW_LINE per row, START and END), which exceed its aligner rows. (Until 2026-12-07 budgets counted
-span tokens, as vLLM's output tokens: a single 1024x768 image, 475 aligner rows and 496 span tokens, then took budget
-512 in either count, but two 640x640 images, 512 rows and 548 span tokens, took budget 640 and ran 5,760 patch rows
-for 4,232 real ones, 0.88x eager on an H100: benchmarks/results/2026-12-07-h100-decode-idle-b32-attention.)
+aligner rows sum to at most B. Budgets are the powers of two in [64, hi] and `BUDGET_STEPS` - 1 evenly spaced
+budgets inside every octave (vLLM's default is the powers of two alone), hi always included, where hi =
+min(max_num_batched_tokens, max_model_len) bounds the span tokens a step or a request takes. An image's span,
+`lh*(lw+1)+2` prompt positions (its aligner rows, a NEW_LINE per row, START and END), exceeds its aligner rows, so
+every image a step can hold fits a budget. (Until 2026-12-07 budgets counted span tokens, vLLM's output tokens: one
+1024x768 image, 475 aligner rows and 496 span tokens, takes budget 512 either way, but two 640x640 images, 512 rows
+and 548 span tokens, took budget 640 and ran 5,760 patch rows for 4,232 real ones, 0.88x eager on an H100:
+benchmarks/results/2026-12-07-h100-decode-idle-b32-attention.)
 
 Every graph runs the same function (`EncoderCudaGraphManager.forward_buffers`) over persistent input buffers sized
 for its budget: B aligner rows and r^2 * B ViT patches (what any batch of at most B aligner rows needs), and
-`max_batch_size + 1` cu_seqlens slots. A batch is written into the
-buffers zero-padded; cu_seqlens repeats the real rows' end in its unused slots, so its last entry is the number of
-real rows and the rows past it are padding, which the attention skips (they come out 0 and never mix with the
-images; dsv4/ops/varlen_attention.py). The graph's output is [aligner rows of the budget; START; NEW_LINE; END];
+`max_batch_size + 1` cu_seqlens slots. A batch is written into the buffers zero-padded; cu_seqlens repeats the real
+rows' end in its unused slots, so its last entry is the number of real rows and the rows past it are padding, which
+the attention skips (they come out 0 and never mix with the images; dsv4/ops/varlen_attention.py). The graph's output is [aligner rows of the budget; START; NEW_LINE; END];
 the spans of all images of a batch are assembled by ONE gather out of it, whose index is built on the host from the
 llm grids (no device value is read) and copied asynchronously. That gather allocates outside the graph's pool, so its
 result is a fresh tensor that later replays cannot clobber.
