@@ -15,9 +15,10 @@ Every graph runs the same function (`EncoderCudaGraphManager.forward_buffers`) o
 for its budget: B aligner rows and r^2 * B ViT patches (what any batch of at most B aligner rows needs), and
 `max_batch_size + 1` cu_seqlens slots. A batch is written into the buffers zero-padded; cu_seqlens repeats the real
 rows' end in its unused slots, so its last entry is the number of real rows and the rows past it are padding, which
-the attention skips (they come out 0 and never mix with the images; dsv4/ops/varlen_attention.py). The graph's output is [aligner rows of the budget; START; NEW_LINE; END];
-the spans of all images of a batch are assembled by ONE gather out of it, whose index is built on the host from the
-llm grids (no device value is read) and copied asynchronously. That gather allocates outside the graph's pool, so its
+the attention skips (they come out 0 and never mix with the images; dsv4/ops/varlen_attention.py). The graph's
+output is [aligner rows of the budget; START; NEW_LINE; END]; the spans of all images of a batch are assembled by ONE
+gather out of it, whose index is built on the host from the llm grids (no device value is read) and copied
+asynchronously. That gather allocates outside the graph's pool, so its
 result is a fresh tensor that later replays cannot clobber.
 
 Images are sorted by aligner rows and packed greedily into batches of at most `max_batch_size` images and the
