@@ -3,7 +3,10 @@ back-to-back engine steps (async scheduling as the engine defaults to, no sync b
 gaps inside the decode graph's own replay. Their difference is the host time outside the graphs that the step
 exposes (issue 24: at most 5% of a decode step).
 
-usage: PYTHONPATH=. python3 benchmarks/decode_device_idle.py MODEL_DIR [BATCH] [STEPS] [--context=TOKENS]
+usage: PYTHONPATH=. python3 benchmarks/decode_device_idle.py MODEL_DIR [BATCH] [STEPS] [--context=TOKENS] [--gc-freeze]
+
+--gc-freeze: freeze the heap after start-up and prefill, as `dsv4 serve` does (dsv4/runtime/host_gc.py), so that
+no full garbage collection walks the start-up objects during the measured steps.
 
 Prints, per step:
 - period: wall time of the steps / STEPS, without the profiler (the step as a user sees it) and under it;
@@ -85,6 +88,10 @@ def main() -> None:
 
     eng = decoding_engine(model, batch, steps, context)
     prefill_prompts(eng, batch, steps, context)
+    if "--gc-freeze" in sys.argv:
+        from dsv4.runtime.host_gc import freeze_startup_heap
+
+        print(f"gc freeze: {freeze_startup_heap()} objects")
     print(f"async scheduling: {eng.config.scheduler.async_scheduling}")
     for _ in range(8):  # steady state: the pipeline of launched steps is full
         eng.step()

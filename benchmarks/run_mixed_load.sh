@@ -55,7 +55,7 @@
 #             "DSV4_COMBINE_CHANNELS=0 DSV4_ATTN_ROPE_FUSED=0 DSV4_MHC_EXPAND_COLLAPSE=1"), one run each, on one machine
 #   idle      not a server: benchmarks/decode_device_idle.py at batch $BATCH (default 1): the device's idle time over
 #             30 back-to-back async decode steps against one replay's own gaps (issue 24: host time outside the
-#             graphs <= 5% of a decode step)
+#             graphs <= 5% of a decode step), then the same after a heap freeze (--gc-freeze, as dsv4 serve does)
 #   gemv      not a server: benchmarks/bf16_gemv_forms.py (the batch-1 step's cuBLAS products against the Triton GEMV of
 #             dsv4/ops/gemv.py, tiles swept; the expert gemv's tiles), then the batch-1 replay, step and logits phase
 #             with DSV4_BF16_GEMV 0 / 1 / head (head: the LM head alone)
@@ -214,8 +214,11 @@ part_ab() {
 part_idle() {
   make_preset $p
   local b=${BATCH:-1}
-  timeout 200 python3 -u benchmarks/decode_device_idle.py /tmp/$p "$b" 30 > "$out/idle-b$b.log" 2>&1
-  echo "decode_device_idle batch $b (rc $?):"; grep -E "period|idle" "$out/idle-b$b.log" | head -6
+  local f
+  for f in "" --gc-freeze; do
+    timeout 200 python3 -u benchmarks/decode_device_idle.py /tmp/$p "$b" 30 $f > "$out/idle-b$b$f.log" 2>&1
+    echo "decode_device_idle batch $b $f (rc $?):"; grep -E "period|idle|host-exposed" "$out/idle-b$b$f.log" | head -9
+  done
 }
 
 part_rowsplits() {

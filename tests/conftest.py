@@ -5,10 +5,12 @@ on the H200)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import pytest
 
@@ -68,3 +70,13 @@ def tiny_v4(tmp_path_factory: pytest.TempPathFactory) -> str:
 def tiny_v41(tmp_path_factory: pytest.TempPathFactory) -> str:
     """tiny-v41 (seed 0): DeepSeek-V4.1 with Engram and its DSpark drafter."""
     return make_model("tiny-v41", str(tmp_path_factory.mktemp("tiny-v41")), seed=0)
+
+
+@pytest.fixture(autouse=True)
+def _no_frozen_heap() -> Iterator[None]:
+    """A test that runs `dsv4 serve`'s start-up in this process freezes the heap (dsv4/runtime/host_gc.py: right for
+    a server, which keeps its one engine); the suite builds and drops engines, so every test gives the frozen objects
+    back to the collector."""
+    yield
+    if gc.get_freeze_count():
+        gc.unfreeze()

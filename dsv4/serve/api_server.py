@@ -40,6 +40,7 @@ from dsv4.engine.engine import LLMEngine, RequestError
 from dsv4.generation_config import load_sampling_defaults
 from dsv4.models.config import hub_hint
 from dsv4.outputs import RequestOutput
+from dsv4.runtime.host_gc import freeze_startup_heap
 from dsv4.sampling_params import SamplingParams, StructuredOutputsParams
 from dsv4.serve.parsers import ParserOptions
 from dsv4.serve.protocol import (APIError, ChatCompletionRequest, ChatFormat, ChatInput, ChoiceProgress,
@@ -628,9 +629,11 @@ def run_server(model: str | None, host: str = "127.0.0.1", port: int = 8000, api
         engine_args["follow_rank0"] = True
         if os.environ.get("RANK", "0") != "0":
             follower = LLMEngine.from_args(model, dtype=dtype, device=device, **engine_args)
+            freeze_startup_heap()  # one engine for the process's life: its start-up heap leaves the GC's walks
             follower.follow()
             return
     engine = AsyncLLMEngine.from_args(model, EngineMetrics(name), dtype=dtype, device=device, **engine_args)
+    freeze_startup_heap()
     logger.info("serving %s as %r on http://%s:%d (max_model_len %d)", model, name, host, port,
                 engine.max_model_len)
     try:
