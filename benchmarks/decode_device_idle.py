@@ -141,5 +141,6 @@ def main() -> None:
     for length, _, before, after in sorted(gaps, reverse=True)[:12]:
         print(f"  {length:8.1f}  {before[:60]} -> {after[:60]}")
 
+
 if __name__ == "__main__":
     main()
