@@ -23,13 +23,11 @@ Error bounds, with S = sum_k |x_k| |w_k| per output (w dequantized) and K the co
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from test_kernels_interpret import _interpret as _interpret_fresh
 from test_kernels_interpret import _tiers
 
 from dsv4.models.layers.attention import grouped_projection
@@ -86,13 +84,8 @@ def check(x, w, groups, got, what, w_rounded=False):
 
 
 def _interpret(code: str, **names: object) -> None:
-    """`code` after _HELPERS under the interpreter; `names` (e.g. CASES, the cases its loop runs) set first, as
-    their repr."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    head = "".join(f"{k} = {v!r}\n" for k, v in names.items())
-    res = subprocess.run([sys.executable, "-c", _HELPERS + head + textwrap.dedent(code)], env=env,
-                         capture_output=True, text=True, timeout=600, check=False)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
+    """`code` after _HELPERS, run as test_kernels_interpret's `_interpret` runs its code (`names` set first)."""
+    _interpret_fresh(_HELPERS + textwrap.dedent(code), **names)
 
 
 # ---- the reference -----------------------------------------------------------------------------------------------
