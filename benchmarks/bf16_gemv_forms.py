@@ -110,11 +110,14 @@ def _check(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, what: str) -> No
     assert ((got.double().reshape(-1) - ref).abs() <= bound + 1e-30).all(), what
 
 
-def dense_rows(shapes: Counter[tuple[Any, ...]], bw: float, sms: int, quick: bool) -> list[dict[str, Any]]:
+def dense_rows(shapes: Counter[tuple[Any, ...]], bw: float, sms: int, quick: bool,
+               sweep_tiles: bool = True) -> list[dict[str, Any]]:
     g = torch.Generator(device="cuda").manual_seed(0)
     sweep = list(itertools.product((8, 16, 32), (128, 256, 512), (4, 8), (2, 4, 8)))
     if quick:
         sweep = list(itertools.product((16,), (256, 512), (4, 8), (4,)))
+    if not sweep_tiles:  # the default plan against cuBLAS only
+        sweep = []
     rows = []
     for key, count in sorted(shapes.items(), key=lambda kv: -kv[0][2] * kv[0][3]):
         op, M, K, N, dt = key[:5]
@@ -140,7 +143,7 @@ def dense_rows(shapes: Counter[tuple[Any, ...]], bw: float, sms: int, quick: boo
 
             forms.append((_per_call_us(ours, len(ws)), plan))
         row["gemv_default_us"], row["default_plan"] = forms[0][0], forms[0][1]._asdict()
-        best = sorted(forms[1:], key=lambda f: f[0])[:3]
+        best = sorted(forms[1:], key=lambda f: f[0])[:3] or forms[:1]
         row["gemv_best"] = [{"us": t, **p._asdict()} for t, p in best]
         rows.append(row)
         print(f"{N:6d} x {K:5d} x{count:3d} {row['MB']:7.1f} MB floor {row['floor_us']:7.1f}  cuBLAS "
@@ -194,6 +197,8 @@ def main() -> None:
     ap.add_argument("model", nargs="?", default="/tmp/v41-flash-8l")
     ap.add_argument("--quick", action="store_true", help="a few tiles only")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--default-only", action="store_true",
+                    help="time gemv_plan's default tiles against cuBLAS, no tile sweep and no experts")
     args = ap.parse_args()
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -204,8 +209,8 @@ def main() -> None:
     print("products of a batch-1 forward_decode + LM head:")
     for key, count in sorted(shapes.items()):
         print(f"  {key} x{count}")
-    dense = dense_rows(shapes, bw, sms, args.quick)
-    experts = expert_rows(info, bw, args.quick)
+    dense = dense_rows(shapes, bw, sms, args.quick, not args.default_only)
+    experts = [] if args.default_only else expert_rows(info, bw, args.quick)
     cub = sum(r["calls_a_step"] * r["cublas_us"] for r in dense)
     dflt = sum(r["calls_a_step"] * min(r["cublas_us"], r["gemv_default_us"]) for r in dense)
     best = sum(r["calls_a_step"] * min(r["cublas_us"], r["gemv_best"][0]["us"]) for r in dense)

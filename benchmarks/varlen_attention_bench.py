@@ -5,8 +5,8 @@ tile configurations.
 
     PYTHONPATH=. python benchmarks/varlen_attention_bench.py --json OUT/varlen_attention.json
 
-Cases: the sequences of benchmarks/encoder_latency.py's table (images of 544x544 = 39x39 patches, 1024x768 = 55x74,
-1536x1536 = 93x93; 1, 4 images) in the buffer rows their budget has (9 x budget aligner rows, `--budget-steps` per
+Cases: the sequences of benchmarks/encoder_latency.py's table (images of 544x544 = 39x39 patches, 896x896 = 64x64,
+1024x768 = 55x74, 1536x1536 = 93x93; 1, 4 images) in the buffer rows their budget has (9 x budget aligner rows, `--budget-steps` per
 octave) with the manager's 33 cu_seqlens slots. Each kernel is timed as a CUDA graph of one call replayed `--iters`
 times (SDPA per image: eagerly, as the eager encoder runs it), CUDA events, median; TFLOP/s counts the real work
 (4 n^2 Dh per head and image). The Triton rows also say how far each is from SDPA's output (bf16, max abs).
@@ -30,7 +30,7 @@ from dsv4.runtime.encoder_cudagraphs import (BUDGET_STEPS, budget_range, padded_
                                              token_budgets)
 
 H, D, RATIO, SLOTS = 16, 64, 3, 33
-IMAGES = {"544x544": (39, 39), "1024x768": (55, 74), "1536x1536": (93, 93)}
+IMAGES = {"544x544": (39, 39), "896x896": (64, 64), "1024x768": (55, 74), "1536x1536": (93, 93)}
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): the landed default first
 TRITON_CONFIGS = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
                   (128, 32, 4, 2), (64, 128, 4, 2)]

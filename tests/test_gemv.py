@@ -54,6 +54,21 @@ def test_gemv_plan_fills_the_gpu_and_keeps_chunks_whole(N: int, K: int, sms: int
         assert blocks * p.splits >= 4 * sms or p.splits == max(1, steps // 4)
 
 
+@pytest.mark.parametrize("N,sms,wide", [(129280, 132, True), (129280, 78, True), (67584, 132, True),
+                                         (67552, 132, False), (32768, 132, False), (8192, 16, True)])
+def test_gemv_plan_takes_the_wide_tile_only_for_wide_outputs(N: int, sms: int, wide: bool) -> None:
+    """The default tiles: WIDE_TILE once cdiv(N, 32) programs make WIDE_WAVES waves (the LM head; 67584 = 4 x 4 x 132
+    x 32 is the edge on 132 SMs), 16 x 256 below; tiles given by the caller win over both."""
+    from dsv4.ops.gemv import WIDE_TILE
+
+    p = gemv_plan(N, 4096, sms)
+    assert (p.block_n, p.block_k) == (WIDE_TILE if wide else (16, 256)), p
+    if wide:
+        assert p.splits == 1
+    assert gemv_plan(N, 4096, sms, 8, 128)[:2] == (8, 128)
+    assert gemv_plan(N, 4096, sms, block_n=8)[:2] == (8, 256)
+
+
 def test_gemv_dispatch_off_the_gpu_is_f_linear() -> None:
     """On the CPU (and for several rows, or mixed dtypes) `gemv` is F.linear itself."""
     g = torch.Generator().manual_seed(1)

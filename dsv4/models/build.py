@@ -107,7 +107,7 @@ def build_model(cfg: ModelConfig, model_dir: str | None, dtype: torch.dtype, dev
             bind_engram(model, model_dir, torch.device(device), par, layout, engram_placement)
         if merge:
             merge_siblings(model)
-            if gemv_linear.GEMV_SCOPE is not None:  # the engine's one-row products as a Triton GEMV (opt-in)
+            if gemv_linear.GEMV_SCOPE is not None:  # one-row products as a Triton GEMV (the LM head by default)
                 logger.info("bf16 GEMV: %d linears", gemv_linear.use_gemv_linears(model, gemv_linear.GEMV_SCOPE))
     return model.eval()
 

@@ -10,10 +10,12 @@ reduction at the end, no cross-warp traffic inside the loop); narrow outputs (fe
 programs (`gemv_plan`) and a second launch adds the chunks' fp32 sums in order. The products and sums are fp32,
 as cuBLAS's; only the order of the sums differs.
 
-Status: opt-in (DSV4_BF16_GEMV=1, dsv4/models/layers/gemv_linear.py). With `gemv_plan`'s first tiles a batch-1
-replay was 0.25 ms slower than with cuBLAS on an H100 (2026-12-06-h100-decode-b1-lanes-expert-tiles); the per-shape
-sweep of `benchmarks/bf16_gemv_forms.py` (cold L2) is what should set the plan, and has not run yet. The same
-sweep found the routed experts' gemv (dsv4/ops/moe.py, the same loop) 13% faster at 8 outputs a program than at 16.
+Status: the LM head's product runs here by default (DSV4_BF16_GEMV=head, dsv4/models/layers/gemv_linear.py): with
+the wide tiles (WIDE_TILE) 335 us a call against cuBLAS's 363 on an H100. Every dense linear (DSV4_BF16_GEMV=1) stays
+opt-in: at the default 16 x 256 tiles the mid-sized products (1536 to 32768 outputs) take 1.1-1.4x cuBLAS's time, and
+the sweep's best tiles per shape won at most ~1.5 us a call over cuBLAS (benchmarks/bf16_gemv_forms.py,
+benchmarks/results/2026-12-07-h100-decode-b32-rows-lm-head). The same loop runs the routed experts' gemv
+(dsv4/ops/moe.py) at 8 outputs a program.
 """
 
 from __future__ import annotations
@@ -44,10 +46,25 @@ class GemvPlan(NamedTuple):
     num_warps: int
 
 
-def gemv_plan(N: int, K: int, sms: int, block_n: int = 16, block_k: int = 256, num_warps: int = 4,
-              programs_per_sm: int = PROGRAMS_PER_SM) -> GemvPlan:
-    """Tiles of one call, from shapes only (a decode step is captured): `block_n` x `block_k` tiles, and K split into
-    chunks (whole BLOCK_K steps, at least 4 steps each) until output blocks x splits reach `programs_per_sm` a SM."""
+# Tiles for wide outputs: the LM head (129280 x 4096, 1.06 GB) took 343.5 us a call with 32 x 512 tiles against
+# 390.9 with 16 x 256 and 380.5 for cuBLAS, the best of 54 tilings (H100, copy bandwidth 3.00 TB/s, cold L2;
+# benchmarks/results/2026-12-07-h100-decode-b32-rows-lm-head). A wide product has programs enough without a split;
+# bigger tiles then mean fewer, longer programs, each with more bytes in flight.
+WIDE_TILE = (32, 512)
+# "Wide": at least this many waves of WIDE_TILE programs (programs_per_sm a SM) before any split
+WIDE_WAVES = 4
+
+
+def gemv_plan(N: int, K: int, sms: int, block_n: int | None = None, block_k: int | None = None,
+              num_warps: int = 4, programs_per_sm: int = PROGRAMS_PER_SM) -> GemvPlan:
+    """Tiles of one call, from shapes only (a decode step is captured): `block_n` x `block_k` tiles (by default
+    WIDE_TILE for wide outputs, else 16 x 256), and K split into chunks (whole BLOCK_K steps, at least 4 steps each)
+    until output blocks x splits reach `programs_per_sm` a SM."""
+    if block_n is None and block_k is None:
+        wide = -(-N // WIDE_TILE[0]) >= WIDE_WAVES * programs_per_sm * sms
+        block_n, block_k = WIDE_TILE if wide else (16, 256)
+    block_n = 16 if block_n is None else block_n
+    block_k = 256 if block_k is None else block_k
     blocks = -(-N // block_n)
     steps = -(-K // block_k)
     want = -(-programs_per_sm * sms // blocks)

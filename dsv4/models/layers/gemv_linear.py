@@ -2,9 +2,9 @@
 
 `GemvLinear` is an nn.Linear (same parameters, same state dict) whose forward hands a single row on CUDA to
 `gemv_triton` and everything else (prefill, several rows, the CPU, torch.compile traces) to F.linear. The engine's
-model swaps its plain bias-free linears for it once loaded and merged (`use_gemv_linears`), when
-DSV4_BF16_GEMV=1 (its LM head alone: DSV4_BF16_GEMV=head); quantized layers keep their own kernels, and the vision
-tower's linears (biased, many rows) stay.
+model swaps its LM head for it once loaded and merged (`use_gemv_linears`; DSV4_BF16_GEMV=head, the default), or
+every plain bias-free linear (DSV4_BF16_GEMV=1, opt-in), or none (=0); quantized layers keep their own kernels, and
+the vision tower's linears (biased, many rows) stay.
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from torch import nn
 
 from dsv4.ops.gemv import gemv_triton, use_gemv
 
-# Off by default: timed on an H100 with `gemv_plan`'s first tiles (16 x 256, 4 warps, 4 programs an SM), the
-# batch-1 replay of V4.1-Flash-8l went from 3.163 to 3.411 ms (2026-12-06-h100-decode-b1-lanes-expert-tiles): slower
-# than cuBLAS overall. Which shapes lose (and whether other tiles win) is what benchmarks/bf16_gemv_forms.py sweeps;
-# its first run recorded no dense product (fixed since), so that is still to be measured.
-# DSV4_BF16_GEMV: "0" none, "1" every plain linear, "head" the LM head alone. The LM head runs eagerly after the
-# decode graph; its cuBLAS product took ~0.47 ms of a 1.64 ms V4-Flash-4l batch-1 step (synced "logits" phase
-# 0.50 ms, H100, 2026-12-07) for 1.06 GB of weight, ~2.2 TB/s: the step's largest single product.
+# DSV4_BF16_GEMV: "0" none, "1" every plain linear, "head" (default) the LM head alone.
+# The LM head is on by default: it runs eagerly after the decode graph and is a step's largest single product (1.06 GB
+# at V4's 129280 x 4096). With `gemv_plan`'s wide tiles it took 335 us a call against cuBLAS's 363, and the batch-1
+# step went 1.576 -> 1.545 ms on V4-Flash-4l and 3.279 -> 3.252 ms on V4.1-Flash-8l (H100, one `bench latency` run
+# each, benchmarks/results/2026-12-07-h100-decode-b32-rows-lm-head). Every linear ("1") stays opt-in: at the 16 x 256
+# tiles the mid-sized products lose to cuBLAS (e.g. 4096 x 4096: 18.5 against 16.1 us; the same results), and the
+# batch-1 replay of V4.1-Flash-8l was 0.25 ms slower with them (2026-12-06-h100-decode-b1-lanes-expert-tiles).
 GEMV_SCOPES = {"0": None, "1": "all", "head": "head"}
-_scope = os.environ.get("DSV4_BF16_GEMV", "0")
+_scope = os.environ.get("DSV4_BF16_GEMV", "head")
 if _scope not in GEMV_SCOPES:
     raise ValueError(f"DSV4_BF16_GEMV={_scope!r}: expected one of {sorted(GEMV_SCOPES)}")
 GEMV_SCOPE: str | None = GEMV_SCOPES[_scope]
