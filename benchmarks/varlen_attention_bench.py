@@ -1,6 +1,6 @@
 """The vision encoder's attention alone, at the released ViT shapes (16 heads, head_dim 64): what eager encoding runs
 (one SDPA call per image, host bounds) against the kernels a CUDA graph can run over a budget's buffer (device
-cu_seqlens, padding rows, unused slots): FlashAttention's varlen forward, cuDNN's ragged forward (a probe: whether it
+cu_seqlens, padding rows, unused slots): FlashAttention's varlen forward, cuDNN's ragged forward (opt-in: whether it
 captures at all is part of the question) and the Triton varlen kernel at several tile configurations.
 
     PYTHONPATH=. python benchmarks/varlen_attention_bench.py --json OUT/varlen_attention.json
@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from dsv4.models.vision import per_image_attention
-from dsv4.ops.varlen_attention import varlen_attention_flash, varlen_attention_triton
+from dsv4.ops.varlen_attention import varlen_attention_cudnn, varlen_attention_flash, varlen_attention_triton
 from dsv4.runtime.encoder_cudagraphs import (BUDGET_STEPS, budget_range, padded_cu_seqlens, plan_batches,
                                              token_budgets)
 
@@ -35,18 +35,6 @@ IMAGES = {"544x544": (39, 39), "896x896": (64, 64), "1024x768": (55, 74), "1536x
 # (BLOCK_M, BLOCK_N, num_warps, num_stages): the landed default first
 TRITON_CONFIGS = [(128, 64, 8, 2), (128, 128, 8, 2), (128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
                   (128, 32, 4, 2), (64, 128, 4, 2)]
-
-
-def cudnn_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    """A probe, not an engine path: cuDNN's ragged attention (`aten._cudnn_attention_forward` with device
-    boundaries, what torch runs for nested-tensor SDPA) over the packed buffer, max lengths = the buffer's rows, the
-    padding rows set to 0. Eager encoding's per-image SDPA runs cuDNN at ~455 TF/s at 4,096 patches on an H100
-    against ~370 for the Triton kernel (2026-12-07-h100-decode-b32-rows-lm-head): whether this form captures in a
-    graph, and at what speed, decides whether the graphs can have cuDNN's rate."""
-    rows = q.shape[0]
-    out = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, rows, rows, False, 0.0, False, False)[0]
-    padding = torch.arange(rows, device=q.device) >= cu[-1]
-    return out.masked_fill(padding[:, None, None], 0)
 
 
 def time_ms(fn: Callable[[], object], iters: int, graph: bool) -> float:
@@ -107,8 +95,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
                 candidates: list[tuple[str, Callable[[], torch.Tensor], bool]] = [
                     ("sdpa_per_image", lambda: per_image_attention(q, k, v, bounds), False),
                     ("flash_varlen", lambda: varlen_attention_flash(q, k, v, cu_dev), True),
-                    ("cudnn_varlen_i32", lambda: cudnn_varlen(q, k, v, cu_dev), True),
-                    ("cudnn_varlen_i64", lambda: cudnn_varlen(q, k, v, cu_dev.long()), True)]
+                    ("cudnn_varlen", lambda: varlen_attention_cudnn(q, k, v, cu_dev), True)]
                 for bm, bn, w, s in TRITON_CONFIGS:
                     candidates.append((f"triton_{bm}x{bn}_w{w}_s{s}", lambda bm=bm, bn=bn, w=w, s=s:
                                        varlen_attention_triton(q, k, v, cu_dev, block_m=bm, block_n=bn, num_warps=w,

@@ -127,3 +127,38 @@ def test_flash_wrapper_boundaries_and_padding(monkeypatch: pytest.MonkeyPatch) -
         assert not got[cu[-1]:].any()
     assert calls == [0.2] * len(CASES)
     assert ops.varlen_attention_flash(*(torch.zeros(0, 2, 16) for _ in range(3)), torch.zeros(1)).shape == (0, 2, 16)
+
+
+def test_cudnn_wrapper_boundaries_and_padding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`varlen_attention_cudnn` around a CPU stand-in of cuDNN's ragged forward (CUDA-only; the real one runs in
+    tests/gpu/test_varlen_attention_gpu.py): no bias, int32 boundaries for both q and k, max lengths = rows (no host
+    read), no log-sum-exp, dropout or causal mask; the rows past cu_seqlens[-1] come out 0 whatever the op left
+    there; the dispatcher takes it only when switched on and only for 16-bit CUDA inputs (cudnn_supported)."""
+    from dsv4.models.vision import per_image_attention
+    from dsv4.ops import varlen_attention as ops
+    calls = []
+
+    def stand_in(q, k, v, bias, cu_q, cu_k, max_q, max_k, lse, dropout, causal, debug, *, scale=None):
+        assert bias is None and cu_q.dtype == torch.int32 and cu_q is cu_k and max_q == max_k == q.shape[0]
+        assert not lse and dropout == 0.0 and not causal and not debug
+        calls.append(scale)
+        out = torch.full_like(q, float("nan"))  # unwritten rows: garbage
+        bounds = cu_q.tolist()
+        real = per_image_attention(q.double(), k.double(), v.double(), bounds).to(q.dtype)
+        out[: bounds[-1]] = real[: bounds[-1]]
+        return (out,) + (None,) * 8
+
+    monkeypatch.setattr(ops, "_cudnn_forward", lambda: stand_in)
+    g = torch.Generator().manual_seed(4)
+    for cu, rows in CASES:
+        q, k, v = (torch.randn(rows, 2, 16, generator=g) for _ in range(3))
+        got = ops.varlen_attention_cudnn(q, k, v, torch.tensor(cu, dtype=torch.int64), scale=0.3)
+        ref = per_image_attention(q.double(), k.double(), v.double(), cu)
+        assert not got.isnan().any(), cu
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+        assert not got[cu[-1]:].any()
+    assert calls == [0.3] * len(CASES)
+    assert ops.varlen_attention_cudnn(*(torch.zeros(0, 2, 16) for _ in range(3)), torch.zeros(1)).shape == (0, 2, 16)
+    # CPU and fp32 inputs are never handed to cuDNN
+    assert not ops.cudnn_supported(torch.zeros(4, 2, 16, dtype=torch.bfloat16))
+    assert "cudnn" in ops.GRAPH_ATTENTIONS

@@ -192,8 +192,10 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 # Which kernel the encoder graphs use for device cu_seqlens: "triton" (the kernel above: grid sized by rows, padding
 # free) or "flash" (torch's bundled FlashAttention-2 varlen forward, the kernel eager SDPA runs per image; its grid
 # is cdiv(max_q, 128) x sequence slots x heads, so the slots and rows a graph's buffers hold cost empty blocks).
-# Read once at import, like every DSV4_* switch; benchmarks/encoder_latency.py sets GRAPH_ATTENTION directly.
-GRAPH_ATTENTIONS = ("triton", "flash")
+# "cudnn" (opt-in, `varlen_attention_cudnn` below) is cuDNN's ragged forward, the kernel the eager tower's per-image
+# SDPA picks on an H100. Read once at import, like every DSV4_* switch; benchmarks/encoder_latency.py sets
+# GRAPH_ATTENTION directly.
+GRAPH_ATTENTIONS = ("triton", "flash", "cudnn")
 GRAPH_ATTENTION = os.environ.get("DSV4_ENCODER_GRAPH_ATTENTION", "triton")
 if GRAPH_ATTENTION not in GRAPH_ATTENTIONS:
     raise ValueError(f"DSV4_ENCODER_GRAPH_ATTENTION must be one of {GRAPH_ATTENTIONS}, got {GRAPH_ATTENTION!r}")
@@ -223,5 +225,41 @@ def varlen_attention_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     cu = cu_seqlens.to(torch.int32).contiguous()  # FlashAttention takes int32 boundaries only
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = _flash_forward()(q, k.to(q.dtype), v.to(q.dtype), cu, cu, rows, rows, 0.0, False, False, scale=scale)[0]
+    padding = torch.arange(rows, dtype=torch.int32, device=q.device) >= cu[-1]
+    return out.masked_fill(padding[:, None, None], 0)
+
+
+# ---- cuDNN's ragged forward (opt-in: DSV4_ENCODER_GRAPH_ATTENTION=cudnn) ---------------------------------------
+# Why: at one 896x896 image (4,096 patches) the eager tower's per-image SDPA ran cuDNN's Hopper flash kernel at
+# 151 us a layer against 183 for the Triton kernel inside the graph (H100, ~455 against ~370 TF/s): most of what the
+# graphs lose to eager encoding on large images (benchmarks/results/2026-12-07-h100-decode-b32-rows-lm-head). torch
+# reaches the same kernel for nested-tensor SDPA through `aten._cudnn_attention_forward` with device boundaries.
+# Status: built without a GPU at hand. Whether it captures with boundaries that change between replays (and at what
+# speed) is what tests/gpu/test_varlen_attention_gpu.py and benchmarks/varlen_attention_bench.py check first.
+def cudnn_supported(q: torch.Tensor) -> bool:
+    """Whether torch's cuDNN attention forward takes q: CUDA, fp16/bf16, head_dim a multiple of 8 up to 128."""
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 128 and hasattr(torch.ops.aten, "_cudnn_attention_forward"))
+
+
+def _cudnn_forward():  # looked up per call, so a test can stand in for the CUDA-only op
+    return torch.ops.aten._cudnn_attention_forward
+
+
+def varlen_attention_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                           scale: float | None = None) -> torch.Tensor:
+    """The same attention as `varlen_attention_triton` through cuDNN's ragged forward: q/k/v [rows, H, Dh] packed,
+    int32 boundaries on the device, max lengths = q's row count (a bound every sequence of the buffer satisfies, so
+    nothing is read on the host). The rows past cu_seqlens[-1] are set to 0, the padding rule of the Triton kernel
+    (cuDNN need not write them)."""
+    rows = q.shape[0]
+    if rows == 0:
+        return torch.empty_like(q)
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    # (query, key, value, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, compute_log_sumexp, dropout_p, is_causal,
+    # return_debug_mask): the positional form of torch 2.5+
+    out = _cudnn_forward()(q, k.to(q.dtype), v.to(q.dtype), None, cu, cu, rows, rows, False, 0.0, False, False,
+                           scale=scale)[0]
     padding = torch.arange(rows, dtype=torch.int32, device=q.device) >= cu[-1]
     return out.masked_fill(padding[:, None, None], 0)

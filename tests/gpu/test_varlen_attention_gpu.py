@@ -12,7 +12,13 @@ import torch
 
 from dsv4.models.vision import per_image_attention, varlen_attention
 from dsv4.ops import varlen_attention as varlen_ops
-from dsv4.ops.varlen_attention import flash_supported, varlen_attention_flash, varlen_attention_triton
+from dsv4.ops.varlen_attention import (
+    cudnn_supported,
+    flash_supported,
+    varlen_attention_cudnn,
+    varlen_attention_flash,
+    varlen_attention_triton,
+)
 
 H, D = 16, 64
 
@@ -72,7 +78,27 @@ def test_flash_varlen_matches_per_image(case: int, dtype: torch.dtype, monkeypat
     assert torch.equal(varlen_attention(q32, k32, v32, cu_dev), varlen_attention_triton(q32, k32, v32, cu_dev))
 
 
-@pytest.mark.parametrize("kernel", [varlen_attention_triton, varlen_attention_flash], ids=["triton", "flash"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_cudnn_varlen_matches_per_image(case: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN's ragged forward (DSV4_ENCODER_GRAPH_ATTENTION=cudnn): the same attention, padding rows 0, and the
+    dispatcher takes it when switched on (fp32 stays on the Triton kernel)."""
+    cu, rows = CASES[case]
+    q, k, v = _inputs(rows, dtype, 20 + case)
+    assert cudnn_supported(q)
+    cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
+    got = varlen_attention_cudnn(q, k, v, cu_dev)
+    assert got.dtype == dtype and got.shape == (rows, H, D)
+    torch.testing.assert_close(got.float(), _reference(q, k, v, cu, rows), rtol=2e-2, atol=2e-2)
+    assert not got[cu[-1]:].any()
+    monkeypatch.setattr(varlen_ops, "GRAPH_ATTENTION", "cudnn")
+    assert torch.equal(varlen_attention(q, k, v, cu_dev), got)
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    assert torch.equal(varlen_attention(q32, k32, v32, cu_dev), varlen_attention_triton(q32, k32, v32, cu_dev))
+
+
+@pytest.mark.parametrize("kernel", [varlen_attention_triton, varlen_attention_flash, varlen_attention_cudnn],
+                         ids=["triton", "flash", "cudnn"])
 def test_varlen_attention_in_cuda_graph(kernel: Callable[..., torch.Tensor]) -> None:
     rows = 18432
     first, second = [0, 4070, 4071, 6071, 6071], [0, 2048, 9000, 9001, rows]  # same slots, new boundaries
