@@ -43,8 +43,8 @@ from dsv4.models.image_processor import plan_image
 from dsv4.models.vision import VisionConfig, VisionEncoder, vision_param_dtype
 from dsv4.ops import varlen_attention as varlen_ops
 from dsv4.runtime.encoder_cudagraphs import (BUDGET_STEPS, GRAPH_MAX_SPAN_TOKENS, EncoderCudaGraphManager,
-                                             default_max_batch_size, engine_budgets, llm_grid_of, plan_call,
-                                             span_tokens)
+                                             default_max_batch_size, engine_budgets, llm_grid_of, patch_rows,
+                                             plan_call, span_tokens)
 
 VISIONS: dict[str, tuple[VisionConfig, int, list[str]]] = {
     # (tower config, text hidden size, default pixel sizes)
@@ -144,8 +144,8 @@ def plan_table(args: argparse.Namespace) -> dict[str, Any]:
         for count in args.counts:
             batches = plan_call([lh * lw] * count, [span_tokens(lh, lw)] * count, budgets, mbs, eager_above)
             real = count * grid[0] * grid[1]
-            graph_rows = sum(cfg.downsample_ratio ** 2 * b.budget if b.budget else grid[0] * grid[1] * len(b.indices)
-                             for b in batches)
+            graph_rows = sum(patch_rows(b.budget, grid[0] * grid[1] * len(b.indices), cfg.downsample_ratio)
+                             if b.budget else grid[0] * grid[1] * len(b.indices) for b in batches)
             attention = 4 * n_layers * count * (grid[0] * grid[1]) ** 2 * d
             row = {"size": size, "images": count, "batches": [(b.budget, len(b.indices)) for b in batches],
                    "real_rows": real, "graph_rows": graph_rows, "linear_tflop": linear_per_row * real / 1e12,
@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         mgr.capture()
         capture_s = time.perf_counter() - t0
-        print(f"captured budgets {mgr.budgets} in {capture_s:.1f} s", flush=True)
+        print(f"captured {len(mgr.graphs)} graphs (aligner rows, patch rows) {mgr.keys} in {capture_s:.1f} s",
+              flush=True)
         graph_bytes = torch.cuda.memory_reserved(device) - before
 
     results = []
@@ -227,7 +228,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 mgr.eager_above)
             results.append({
                 "size": size, "vit_grid": list(grid), "span_tokens": tokens, "images": count,
-                "batches": [{"budget": b.budget, "images": len(b.indices), "aligner_rows": b.rows} for b in batches],
+                "batches": [{"budget": b.budget, "images": len(b.indices), "aligner_rows": b.rows,
+                             "patch_rows": mgr.graph_key(b.budget, [grid] * len(b.indices))[1] if b.budget else None}
+                            for b in batches],
                 "hits_per_call": sum(len(b.indices) for b in batches if b.budget is not None),
                 "misses_per_call": sum(len(b.indices) for b in batches if b.budget is None),
                 "eager_ms": eager, "graphs_ms": graphs, "speedup": eager["median"] / graphs["median"],
@@ -252,10 +255,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     print(f"vision={args.vision} dtype={args.dtype} device={report['device']} budgets={mgr.budgets} "
           f"max_batch_size={mgr.max_batch_size} capture={capture_s:.2f}s graph memory={graph_bytes / 2**20:.0f} MiB")
-    print("| size | vit grid | span | images | batches (budget x images) | eager ms | graphs ms | speedup | max diff |")
+    print("| size | vit grid | span | images | batches (budget/patch rows x images) | eager ms | graphs ms | speedup "
+          "| max diff |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
-        plan = ", ".join(f"{b['budget'] or 'eager'}x{b['images']}" for b in r["batches"])
+        plan = ", ".join(f"{b['budget']}/{b['patch_rows']}x{b['images']}" if b["budget"] else f"eagerx{b['images']}"
+                         for b in r["batches"])
         print(f"| {r['size']} | {r['vit_grid'][0]}x{r['vit_grid'][1]} | {r['span_tokens']} | {r['images']} | {plan} "
               f"| {r['eager_ms']['median']:.3f} | {r['graphs_ms']['median']:.3f} | {r['speedup']:.2f}x "
               f"| {r['max_abs_diff']:.3g} |")

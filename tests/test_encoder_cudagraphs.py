@@ -23,8 +23,9 @@ from dsv4.make_model import make_model
 from dsv4.models.vision import VisionAttention, VisionConfig, VisionEncoder, block_diagonal_attention
 from dsv4.runtime.encoder_cudagraphs import (GRAPH_MAX_SPAN_TOKENS, EncoderBatch, EncoderCudaGraphManager,
                                              EncoderGraphError, budget_range, capture_grids, check_capturable,
-                                             default_max_batch_size, llm_grid_of, padded_cu_seqlens, plan_batches,
-                                             plan_call, span_gather_index, span_tokens, token_budgets)
+                                             default_max_batch_size, graph_keys, llm_grid_of, padded_cu_seqlens,
+                                             patch_levels, patch_rows, plan_batches, plan_call, span_gather_index,
+                                             span_tokens, token_budgets)
 from dsv4.serve.metrics import EngineMetrics
 
 TINY = VisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, patch_size=14,
@@ -125,15 +126,44 @@ def test_packing_properties() -> None:
 # ---- capture inputs and replay buffers --------------------------------------------------------------------------
 @pytest.mark.parametrize("budget,mbs", [(64, 16), (64, 64), (100, 7), (2048, 32), (5, 1)])
 def test_capture_grids_fill_the_budget(enc: VisionEncoder, budget: int, mbs: int) -> None:
-    grids = capture_grids(budget, mbs, R)
-    llm = [llm_grid_of(g, R) for g in grids]
-    assert len(grids) == mbs and all(lh == 1 and lw >= 1 for lh, lw in llm)
-    assert sum(lh * lw for lh, lw in llm) == budget  # aligner rows: exactly the budget
+    """Every key of a budget gets dummy grids of exactly its aligner rows; the top level's fill its r^2 * B patch
+    rows, the lower level's stay within (r^2 - 1) * B."""
     m = EncoderCudaGraphManager(enc, [budget], mbs)
-    assert m.buffer_rows(budget) == (budget, R * R * budget) == (sum(lh * lw for lh, lw in llm),
-                                                                 sum(h * w for h, w in grids))
+    assert m.keys == [(budget, (R * R - 1) * budget), (budget, R * R * budget)]
+    for key in m.keys:
+        grids = capture_grids(budget, mbs, R, key[1])
+        llm = [llm_grid_of(g, R) for g in grids]
+        assert len(grids) == mbs and all(lh == 1 and lw >= 1 for lh, lw in llm)
+        assert sum(lh * lw for lh, lw in llm) == budget  # aligner rows: exactly the budget
+        n = sum(h * w for h, w in grids)
+        assert n == key[1] if key[1] == R * R * budget else n <= key[1]
+    assert capture_grids(budget, mbs, R) == capture_grids(budget, mbs, R, R * R * budget)
     with pytest.raises(EncoderGraphError, match="at least one aligner row"):
         capture_grids(budget, budget + 1, R)
+    with pytest.raises(EncoderGraphError, match="no dummy grids"):
+        capture_grids(budget, mbs, R, (R * R - R) * budget - 1)
+
+
+def test_patch_levels_and_the_patch_rows_a_batch_takes() -> None:
+    """Levels r^2 and r^2 - 1 patches an aligner row (r = 1: just 1); a batch takes the fewest patch rows holding
+    its patches. The released sizes (r = 3): one 896x896 image (64 x 64 patches, 484 aligner rows, budget 512) fits
+    8 x 512 = 4,096 rows exactly; two 768x768 images (55 x 55 each, 722 rows, budget 768) 6,144 of 6,912; an image
+    with no partial edge cell needs the top level."""
+    assert patch_levels(3) == [9, 8] and patch_levels(1) == [1] and patch_levels(2, (0, 1, 2, 5)) == [4, 3, 2]
+    with pytest.raises(EncoderGraphError, match="must include 0"):
+        patch_levels(3, (1,))
+    assert graph_keys([64, 80], 3) == [(64, 512), (64, 576), (80, 640), (80, 720)]
+    assert llm_grid_of((64, 64), 3) == (22, 22) and patch_rows(512, 64 * 64, 3) == 4096
+    assert 2 * math.prod(llm_grid_of((55, 55), 3)) == 722 and patch_rows(768, 2 * 55 * 55, 3) == 6144
+    assert patch_rows(512, 8 * 512 + 1, 3) == 9 * 512 and patch_rows(64, 63 * 9, 3) == 576
+    with pytest.raises(ValueError, match="exceed"):
+        patch_rows(64, 9 * 64 + 1, 3)
+    # every grid of at most B aligner rows fits budget B's top level, and the level chosen holds it
+    for nh in range(1, 30):
+        for nw in range(1, 30):
+            rows = math.prod(llm_grid_of((nh, nw), R))
+            p = patch_rows(rows, nh * nw, R)
+            assert nh * nw <= p <= R * R * rows and (p == R * R * rows) == (nh * nw > (R * R - 1) * rows)
 
 
 def test_buffers_hold_every_batch_a_budget_admits() -> None:
@@ -158,14 +188,15 @@ def test_cu_seqlens_padding_rule(enc: VisionEncoder) -> None:
     with pytest.raises(ValueError):
         padded_cu_seqlens(grids, slots=6, rows=22)  # more patches than rows
     m = EncoderCudaGraphManager.from_limits(enc, 256, 4096)
-    for budget in m.budgets:
-        rows, patches = m.buffer_rows(budget)
-        m.fill(budget, grids, _patches(grids, 0))
+    for key in m.keys:
+        rows, patches = key
+        m.fill(key, grids, _patches(grids, 0))
         assert m.cu_seqlens[-1].item() == 23 and m.cu_seqlens[:4].tolist() == [0, 10, 11, 23]
         assert m.patches[23:patches].abs().sum() == 0 and m.positions[23:patches].abs().sum() == 0
         assert not m.merge_mask[5:rows].any() and m.merge_mask[:5].any(dim=1).all()  # 2 + 1 + 2 aligner rows
-        m.fill(budget, capture_grids(budget, m.max_batch_size, R), None)  # the capture batch: no padding rows
-        assert m.cu_seqlens[-1].item() == patches and m.merge_mask[:rows].any(1).all()
+        m.fill(key, capture_grids(rows, m.max_batch_size, R, patches), None)  # the capture batch
+        assert m.merge_mask[:rows].any(1).all()
+        assert m.cu_seqlens[-1].item() == (patches if patches == R * R * rows else (R * R - R) * rows)
 
 
 def test_span_gather_index_equals_span_embeddings(enc: VisionEncoder) -> None:
@@ -210,13 +241,16 @@ def test_replay_equivalent_equals_per_image_eager(enc: VisionEncoder, attention:
 
 def test_budgets_count_aligner_rows_not_span_tokens(enc: VisionEncoder) -> None:
     """An image of 64 aligner rows (an 8x8 aligner grid, a span of 74 tokens) runs in budget 64, the smallest, with
-    no padding row; one aligner row more takes budget 80. The spans are those of the eager encoder."""
+    no padding row; one aligner row more takes budget 80, at its lower level (585 patches <= 8 x 80), eight more
+    patch rows at the top (648 > 640). A 22x22 grid (also 8x8 aligner rows; 484 patches, partial edge cells) takes
+    budget 64's lower level, 8 x 64 = 512 patch rows. The spans are those of the eager encoder."""
     m = EncoderCudaGraphManager.from_limits(enc, 256, 4096)
-    for grids, budget in (([(24, 24)], 64), ([(24, 24), (3, 3)], 80)):
+    for grids, key in (([(24, 24)], (64, 576)), ([(24, 24), (3, 3)], (80, 640)), ([(24, 24), (24, 3)], (80, 720)),
+                       ([(22, 22)], (64, 512))):
         m.outputs.clear()
         patches = _patches(grids, 4)
         out = m.encode(patches, grids)
-        assert list(m.outputs) == [budget] and span_tokens(8, 8) == 74
+        assert list(m.outputs) == [key] and span_tokens(8, 8) == 74
         with torch.no_grad():
             for p, g, span in zip(patches, grids, out):
                 torch.testing.assert_close(span, enc(p, [g])[0], rtol=1e-4, atol=1e-4)
@@ -254,7 +288,7 @@ def test_outputs_are_not_aliased_across_calls(enc: VisionEncoder) -> None:
     first = m.encode(_patches(grids, 1), grids)
     kept = [s.clone() for s in first]
     second = m.encode(_patches(grids, 2), grids)  # the same budget: the same static output buffer
-    static = m.outputs[64]
+    static = m.outputs[(64, 8 * 64)]  # 20 + 9 patches: the lower level
     for a, b, k in zip(first, second, kept):
         assert torch.equal(a, k) and not torch.equal(a, b)
         assert a.untyped_storage().data_ptr() != static.untyped_storage().data_ptr()

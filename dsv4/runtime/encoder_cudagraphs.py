@@ -1,4 +1,5 @@
-"""CUDA graphs of the DeepSeek-V4.1 vision encoder (runtime.md 4.2-4.3): one graph per budget of aligner rows.
+"""CUDA graphs of the DeepSeek-V4.1 vision encoder (runtime.md 4.2-4.3): graphs per budget of aligner rows, one for
+each patch-row level of the budget (`PATCH_SHORTFALLS`).
 
 What a budget counts: aligner rows, `lh*lw` per image (its rows after the r x r patch merge; a partial cell at the
 grid's edge takes a whole row, so an image has at most r^2 patches a row). A batch of images fits budget B when its
@@ -12,8 +13,9 @@ and 548 span tokens, took budget 640 and ran 5,760 patch rows for 4,232 real one
 benchmarks/results/2026-12-07-h100-decode-idle-b32-attention.)
 
 Every graph runs the same function (`EncoderCudaGraphManager.forward_buffers`) over persistent input buffers sized
-for its budget: B aligner rows and r^2 * B ViT patches (what any batch of at most B aligner rows needs), and
-`max_batch_size + 1` cu_seqlens slots. A batch is written into the buffers zero-padded; cu_seqlens repeats the real
+for its key (B, P): B aligner rows, P ViT patches, and `max_batch_size + 1` cu_seqlens slots. P is r^2 * B (what
+any batch of at most B aligner rows needs) or (r^2 - 1) * B (a batch whose images' partial edge cells leave it
+fewer patches, as most real image sizes do: `PATCH_SHORTFALLS`). A batch is written into the buffers zero-padded; cu_seqlens repeats the real
 rows' end in its unused slots, so its last entry is the number of real rows and the rows past it are padding, which
 the attention skips (they come out 0 and never mix with the images; dsv4/ops/varlen_attention.py). The graph's
 output is [aligner rows of the budget; START; NEW_LINE; END]; the spans of all images of a batch are assembled by ONE
@@ -22,16 +24,16 @@ asynchronously. That gather allocates outside the graph's pool, so its
 result is a fresh tensor that later replays cannot clobber.
 
 Images are sorted by aligner rows and packed greedily into batches of at most `max_batch_size` images and the
-largest budget; the smallest budget holding a batch is replayed. An image larger than every budget runs through the
+largest budget; the smallest budget holding a batch, at the fewest patch rows holding its patches, is replayed. An image larger than every budget runs through the
 eager encoder (`VisionEncoder.forward`); such images count as misses, replayed images as hits. The engine's manager
 (`from_limits`) runs a call of more than GRAPH_MAX_SPAN_TOKENS span tokens eagerly as a whole (misses too): at
 those sizes the tower is compute-bound and the graphs, measured, were not faster.
 
 Cost: the graph-safe attention is the Triton varlen flash-attention kernel (dsv4/ops/varlen_attention.py): work
 O(sum of len^2) over the images, plus a little for query blocks straddling an image boundary, nothing for the
-padding rows; memory O(rows). The rest of the tower (projections, MLPs) runs over all r^2 * B rows of the budget,
-padding included: at most (1 + 1 / BUDGET_STEPS) x the aligner rows' r^2 patches, which exceed the real patches
-where the grid's edge cells are partial. (Until 2026-11-30 the padding rows formed one attention sequence,
+padding rows; memory O(rows). The rest of the tower (projections, MLPs) runs over all P patch rows of the graph,
+padding included: at most (1 + 1 / BUDGET_STEPS) x the aligner rows' r^2 patches, and at most r^2 / (r^2 - 1) x
+the real patches where the grid's edge cells are partial. (Until 2026-11-30 the padding rows formed one attention sequence,
 O(padding^2), and the graphs were slower than eager encoding for several images.) With
 `DSV4_ENCODER_GRAPH_ATTENTION=flash` the graphs run FlashAttention's varlen forward instead (vLLM's choice; the
 kernel eager SDPA runs per image), with max_seqlen = the budget's rows; with `=cudnn` cuDNN's ragged forward (opt-in,
@@ -75,6 +77,16 @@ BUDGET_STEPS = 4
 # the tower is compute-bound and the budget's padding rows cost more than the launches saved. Eager there is >= the
 # graphs by construction.
 GRAPH_MAX_SPAN_TOKENS = 768
+# Patch-row levels of every budget B, as the shortfall s below r^2 patches an aligner row: a graph of (r^2 - s) * B
+# patch rows per s. s = 0 holds any batch of B aligner rows. A grid whose sides are not multiples of r has partial
+# edge cells, so its patches fall short of r^2 a row: one 896x896 image has 484 aligner rows and 4,096 patches, two
+# 768x768 images 722 rows and 6,050 patches. At r^2 * B alone their graphs ran every linear layer of the tower over
+# 4,608 and 6,912 patch rows, 12-14% padding, and took 0.92x and 0.91x of eager encoding (H100,
+# benchmarks/results/2026-12-07-h100-decode-b32-rows-lm-head); at s = 1 they take 4,096 and 6,144. Each level is one
+# more graph per budget (capture time; the pool is shared).
+PATCH_SHORTFALLS = (0, 1)
+
+GraphKey = tuple[int, int]  # (aligner rows B, patch rows P) of one graph's buffers
 
 
 class EncoderGraphError(ValueError):
@@ -122,6 +134,28 @@ def engine_budgets(max_num_batched_tokens: int, max_model_len: int, eager_above:
         hi = min(hi, eager_above)
         lo = min(lo, hi)
     return token_budgets(lo, hi, steps)
+
+
+def patch_levels(ratio: int, shortfalls: Sequence[int] = PATCH_SHORTFALLS) -> list[int]:
+    """Patch rows an aligner row of the levels, descending: r^2 - s for each shortfall s in [0, r] (the capture fills
+    a level s > 0 with images r - 1 patches tall, r^2 - r patches a row); r = 1 has the one level 1."""
+    if 0 not in shortfalls:
+        raise EncoderGraphError(f"patch shortfalls {list(shortfalls)} must include 0: the level every batch fits")
+    return sorted({ratio * ratio - s for s in shortfalls if s == 0 or (ratio >= 2 and 0 < s <= ratio)}, reverse=True)
+
+
+def graph_keys(budgets: Sequence[int], ratio: int, shortfalls: Sequence[int] = PATCH_SHORTFALLS) -> list[GraphKey]:
+    """Every (B, per_row * B) of the budgets and `patch_levels`, ascending."""
+    return sorted((b, per_row * b) for b in budgets for per_row in patch_levels(ratio, shortfalls))
+
+
+def patch_rows(budget: int, patches: int, ratio: int, shortfalls: Sequence[int] = PATCH_SHORTFALLS) -> int:
+    """The fewest patch rows of a level of `budget` that hold `patches` (a batch of at most `budget` aligner rows has
+    at most r^2 * budget patches, the top level)."""
+    fits = [per_row * budget for per_row in patch_levels(ratio, shortfalls) if per_row * budget >= patches]
+    if not fits:
+        raise ValueError(f"{patches} patches exceed budget {budget}'s {ratio * ratio * budget} patch rows")
+    return min(fits)
 
 
 def default_max_batch_size(budgets: Sequence[int]) -> int:
@@ -174,15 +208,20 @@ def plan_call(rows: Sequence[int], spans: Sequence[int], budgets: Sequence[int],
     return plan_batches(rows, budgets, max_batch_size)
 
 
-def capture_grids(budget: int, max_batch_size: int, ratio: int) -> list[Grid]:
-    """The dummy ViT grids a capture runs: `max_batch_size` images, each one aligner row tall (r x r*k patches),
-    whose aligner rows sum to exactly `budget` and patches to r^2 * budget: the buffers' sizes, which bound every
-    batch the budget admits."""
+def capture_grids(budget: int, max_batch_size: int, ratio: int, patches: int | None = None) -> list[Grid]:
+    """The dummy ViT grids a capture runs: `max_batch_size` images, each one aligner row tall, whose aligner rows sum
+    to exactly `budget`. At the top level (`patches` None or r^2 * budget) they are r x r*k patches, r^2 * budget in
+    all: the buffers' sizes, which bound every batch the budget admits; at a lower level r - 1 patches tall,
+    (r^2 - r) * budget in all, within every level of `patch_levels`. (A graph's kernels are fixed by its buffers'
+    shapes, not by the rows a capture fills.)"""
     if not 1 <= max_batch_size <= budget:
         raise EncoderGraphError(f"max_batch_size {max_batch_size} must be in [1, budget {budget}]: every dummy image "
                                 "needs at least one aligner row")
+    height = ratio if patches is None or patches >= ratio * ratio * budget else ratio - 1
+    if height < 1 or (patches is not None and height * ratio * budget > patches):
+        raise EncoderGraphError(f"no dummy grids of {budget} aligner rows fit {patches} patch rows (ratio {ratio})")
     base, extra = divmod(budget, max_batch_size)
-    return [(ratio, ratio * (base + (i < extra))) for i in range(max_batch_size)]
+    return [(height, ratio * (base + (i < extra))) for i in range(max_batch_size)]
 
 
 def padded_cu_seqlens(grids: Sequence[Grid], slots: int, rows: int) -> torch.Tensor:
@@ -254,7 +293,8 @@ class EncoderCudaGraphManager:
         self.device = device if device is not None else encoder.aligner.w1.weight.device
         cfg = encoder.cfg
         self.ratio = cfg.downsample_ratio
-        rows, patches = self.buffer_rows(self.budgets[-1])
+        self.keys = graph_keys(self.budgets, self.ratio)
+        rows, patches = max(self.keys)  # the largest budget's top level: every other key reads a prefix
         dev = self.device
         # patches stay float32 (as preprocessed): the tower casts them inside the graph, exactly as it does eagerly
         self.patches = torch.zeros(patches, cfg.patch_dim, dtype=torch.float32, device=dev)
@@ -262,8 +302,8 @@ class EncoderCudaGraphManager:
         self.cu_seqlens = torch.zeros(self.max_batch_size + 1, dtype=torch.int32, device=dev)
         self.merge_idx = torch.zeros(rows, self.ratio ** 2, dtype=torch.int64, device=dev)
         self.merge_mask = torch.zeros(rows, self.ratio ** 2, dtype=torch.bool, device=dev)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # static outputs of the uncaptured stand-in
+        self.graphs: dict[GraphKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.outputs: dict[GraphKey, torch.Tensor] = {}  # static outputs of the uncaptured stand-in
         self.pool = None
         self.released = False
         self.hits = 0  # images encoded by a budget's graph
@@ -277,15 +317,15 @@ class EncoderCudaGraphManager:
         return cls(encoder, engine_budgets(max_num_batched_tokens, max_model_len, eager_above), max_batch_size,
                    device, eager_above)
 
-    def buffer_rows(self, budget: int) -> tuple[int, int]:
-        """(aligner rows, ViT patches) of a budget's buffers: B and r^2 * B."""
-        return budget, self.ratio ** 2 * budget
+    def graph_key(self, budget: int, grids: Sequence[Grid]) -> GraphKey:
+        """The graph a batch of `budget` replays: the budget at the fewest patch rows holding the grids' patches."""
+        return budget, patch_rows(budget, sum(h * w for h, w in grids), self.ratio)
 
     # ---- buffers and the captured function ------------------------------------------------------------------
-    def fill(self, budget: int, grids: Sequence[Grid], patches: Sequence[torch.Tensor] | None) -> None:
-        """Write a batch into the buffers of `budget`, zero-padded (`patches` None: all zero, for a capture). Host
+    def fill(self, key: GraphKey, grids: Sequence[Grid], patches: Sequence[torch.Tensor] | None) -> None:
+        """Write a batch into the buffers of graph `key`, zero-padded (`patches` None: all zero, for a capture). Host
         metadata goes over in asynchronous copies; nothing here waits for the device."""
-        rows, num_patches = self.buffer_rows(budget)
+        rows, num_patches = key
         n = sum(h * w for h, w in grids)
         # Pinned staging: a large copy from pageable memory would stall the host until the stream reaches it.
         pin = self.device.type == "cuda"
@@ -308,55 +348,56 @@ class EncoderCudaGraphManager:
         self.merge_mask[:rows].copy_(merge_mask, non_blocking=True)
         self.cu_seqlens.copy_(cu.pin_memory() if pin else cu, non_blocking=True)
 
-    def forward_buffers(self, budget: int) -> torch.Tensor:
-        """The function a graph captures: the encoder over the buffers of `budget` -> [B aligner rows; START;
-        NEW_LINE; END] in the weights' dtype. Reads device tensors only."""
+    def forward_buffers(self, key: GraphKey) -> torch.Tensor:
+        """The function a graph captures: the encoder over the buffers of `key` -> [B aligner rows; START; NEW_LINE;
+        END] in the weights' dtype. Reads device tensors only."""
         enc, cfg = self.encoder, self.encoder.cfg
-        rows, num_patches = self.buffer_rows(budget)
+        rows, num_patches = key
         cos, sin = vision_rope(self.positions[:num_patches], cfg.head_dim, cfg.rope_theta)
         features = enc.vision.forward_packed(self.patches[:num_patches], cos, sin, self.cu_seqlens)
         aligned = enc.aligner.forward_packed(features, self.merge_idx[:rows], self.merge_mask[:rows])
         delimiters = torch.stack([enc.image_start, enc.image_newline, enc.image_end]).to(aligned.dtype)
         return torch.cat([aligned, delimiters])
 
-    def run(self, budget: int) -> torch.Tensor:
-        """Replay the graph of `budget` (or its eager stand-in); returns the static output buffer, valid until the
-        next run."""
-        if budget in self.graphs:
-            graph, out = self.graphs[budget]
+    def run(self, key: GraphKey) -> torch.Tensor:
+        """Replay the graph of `key` (or its eager stand-in); returns the static output buffer, valid until the next
+        run."""
+        if key in self.graphs:
+            graph, out = self.graphs[key]
             graph.replay()
             return out
-        out = self.forward_buffers(budget)
-        static = self.outputs.get(budget)
+        out = self.forward_buffers(key)
+        static = self.outputs.get(key)
         if static is None:
-            static = self.outputs[budget] = torch.empty_like(out)
+            static = self.outputs[key] = torch.empty_like(out)
         return static.copy_(out)
 
     # ---- capture and encode ---------------------------------------------------------------------------------
     def capture(self, warmups: int = 2) -> None:
-        """Capture every budget, largest first (smaller graphs reuse the shared pool's blocks), each from dummy
-        grids that fill it (`capture_grids`) after `warmups` eager runs."""
+        """Capture every key, largest first (smaller graphs reuse the shared pool's blocks), each from dummy grids
+        of its budget (`capture_grids`) after `warmups` eager runs."""
         check_capturable(self.encoder, self.device)
         self.pool = torch.cuda.graph_pool_handle()
         with torch.inference_mode():
-            for budget in reversed(self.budgets):
-                self.fill(budget, capture_grids(budget, self.max_batch_size, self.ratio), None)
+            for key in reversed(self.keys):
+                budget = key[0]
+                self.fill(key, capture_grids(budget, self.max_batch_size, self.ratio, key[1]), None)
                 for _ in range(warmups):  # kernels chosen and lazy allocations made outside the graph
-                    self.forward_buffers(budget)
+                    self.forward_buffers(key)
                 torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 try:
                     with torch.cuda.graph(graph, pool=self.pool):
-                        out = self.forward_buffers(budget)
+                        out = self.forward_buffers(key)
                 except RuntimeError as e:
                     raise EncoderGraphError(
-                        f"capturing the vision encoder at budget {budget} failed ({e}); the ViT most likely read a "
+                        f"capturing the vision encoder at budget {budget} ({key[1]} patch rows) failed ({e}); the ViT most likely read a "
                         "device value on the host (an attention backend that reads cu_seqlens or max_seqlen). "
                         "Set enforce_eager=True.") from e
-                self.graphs[budget] = (graph, out)
+                self.graphs[key] = (graph, out)
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d vision-encoder CUDA graphs (budgets %s aligner rows, up to %d images each)",
-                    len(self.graphs), self.budgets, self.max_batch_size)
+        logger.info("captured %d vision-encoder CUDA graphs (budgets %s aligner rows at %s patch rows a row, up to %d "
+                    "images each)", len(self.graphs), self.budgets, patch_levels(self.ratio), self.max_batch_size)
 
     @torch.inference_mode()
     def encode(self, patches: Sequence[torch.Tensor], vit_grids: Sequence[Grid]) -> list[torch.Tensor]:
@@ -382,9 +423,10 @@ class EncoderCudaGraphManager:
                 spans = self.encoder(torch.cat([patches[i] for i in sel]), [grids[i] for i in sel])
                 self.misses += len(sel)
             else:
-                self.fill(batch.budget, [grids[i] for i in sel], [patches[i] for i in sel])
-                static = self.run(batch.budget)
-                index = span_gather_index([llm_grids[i] for i in sel], self.buffer_rows(batch.budget)[0])
+                key = self.graph_key(batch.budget, [grids[i] for i in sel])
+                self.fill(key, [grids[i] for i in sel], [patches[i] for i in sel])
+                static = self.run(key)
+                index = span_gather_index([llm_grids[i] for i in sel], key[0])
                 if self.device.type == "cuda":
                     index = index.pin_memory()
                 # one gather, allocated outside the graph pool: fresh memory no later replay writes

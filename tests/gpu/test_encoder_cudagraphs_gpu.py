@@ -98,10 +98,11 @@ def test_replay_equals_the_captured_function(captured: tuple[VisionEncoder, Enco
     _, m = captured
     grids = [(4, 5), (3, 3), (1, 1)]
     with torch.inference_mode():
-        m.fill(64, grids, _patches(grids, 5))
-        eager = m.forward_buffers(64).clone()
-        replayed = m.run(64)
-    torch.testing.assert_close(replayed, eager, rtol=1e-3, atol=1e-3)
+        for key in ((64, 9 * 64), (64, 8 * 64)):  # both patch-row levels of the budget
+            m.fill(key, grids, _patches(grids, 5))
+            eager = m.forward_buffers(key).clone()
+            replayed = m.run(key)
+            torch.testing.assert_close(replayed, eager, rtol=1e-3, atol=1e-3)
 
 
 def test_results_survive_later_replays(captured: tuple[VisionEncoder, EncoderCudaGraphManager]) -> None:
@@ -111,7 +112,7 @@ def test_results_survive_later_replays(captured: tuple[VisionEncoder, EncoderCud
     kept = [s.clone() for s in first]
     second = m.encode(_patches(grids, 2), grids)  # the same budget's graph, other pixels
     torch.cuda.synchronize()
-    _, static = m.graphs[64]
+    _, static = m.graphs[(64, 8 * 64)]  # 20 + 9 patches: budget 64's lower level
     for a, b, k in zip(first, second, kept):
         assert torch.equal(a, k) and not torch.equal(a, b)
         assert a.untyped_storage().data_ptr() != static.untyped_storage().data_ptr()
