@@ -2,12 +2,15 @@
 # Vision-encoder CUDA graphs against eager encoding on one H200: which attention kernel and which budget ladder make
 # the graphs pay at every size and count. From the repo root, PYTHONPATH=.:
 #   benchmarks/run_encoder_graphs.sh OUTDIR PART [PART ...]
-#   tests    tests/gpu/test_varlen_attention_gpu.py and test_encoder_cudagraphs_gpu.py (both graph backends)
-#   attn     benchmarks/varlen_attention_bench.py: the attention alone, SDPA per image vs FlashAttention varlen vs the
-#            Triton kernel at several tile configurations, at the released ViT shapes
-#   latency  benchmarks/encoder_latency.py --vision released, 1 / 4 / 16 images: budgets powers of two + Triton (the
-#            11-30 configuration), 4 steps per octave + Triton, 4 steps + FlashAttention (CONFIGS picks some,
-#            PROFILE=1 adds the kernel tables, ITERS / LIMIT per run)
+#   tests    tests/gpu/test_varlen_attention_gpu.py (the graph attentions: triton, flash, cudnn) and
+#            test_encoder_cudagraphs_gpu.py
+#   attn     benchmarks/varlen_attention_bench.py: the attention alone, SDPA per image vs FlashAttention varlen vs
+#            cuDNN's ragged forward vs the Triton kernel at several tile configurations, at the released ViT shapes
+#   latency  benchmarks/encoder_latency.py --vision released, its default table (SIZES / COUNTS override: e.g.
+#            SIZES="544x544 640x640 768x768 1024x768 896x896" COUNTS="1 2"): budgets powers of two + Triton (the
+#            11-30 configuration), 4 steps per octave + Triton, 4 steps + FlashAttention (CONFIGS picks some, e.g.
+#            CONFIGS="steps4-triton 4 triton;steps4-cudnn 4 cudnn"; PROFILE=1 adds the kernel tables, ITERS / LIMIT
+#            per run)
 . "$(dirname "$0")/device_lib.sh"
 
 part_tests() {
@@ -18,7 +21,7 @@ part_attn() {
   timeout 240 python3 benchmarks/varlen_attention_bench.py --json "$out/varlen_attention.json" \
     > "$out/varlen_attention.log" 2>&1
   echo "varlen_attention_bench (rc $?):"
-  grep -E "^(544|1024|1536)" "$out/varlen_attention.log" | sed 's/: .*; best/: best/'
+  grep -E "^(544|896|1024|1536)" "$out/varlen_attention.log"
 }
 
 part_latency() {
@@ -30,6 +33,8 @@ part_latency() {
     set -- $cfg
     tag=$1 steps=$2 attn=$3 extra=""
     [ "${PROFILE:-0}" = 1 ] && extra="--profile"
+    [ -n "${SIZES:-}" ] && extra="$extra --sizes $SIZES"
+    [ -n "${COUNTS:-}" ] && extra="$extra --counts $COUNTS"
     timeout "${LIMIT:-300}" python3 benchmarks/encoder_latency.py --vision released --iters "${ITERS:-10}" --warmup 2 \
       --budget-steps "$steps" --graph-attention "$attn" $extra --output-json "$out/encoder-latency-$tag.json" \
       > "$out/encoder-latency-$tag.log" 2>&1
