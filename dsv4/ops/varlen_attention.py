@@ -68,17 +68,26 @@ if triton is not None:
 
     @triton.jit
     def _attend_tile(q, k_ptr, v_ptr, n0, k_end, lo, hi, h, sk_r, sk_h, sv_r, sv_h, qk_scale, m_i, l_i, acc, d, dm,
-                     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, LOWP: tl.constexpr, UPCAST: tl.constexpr):
+                     MASKED: tl.constexpr, BLOCK_N: tl.constexpr, LOWP: tl.constexpr, UPCAST: tl.constexpr,
+                     EVEN_D: tl.constexpr):
         """One key tile [n0, n0 + BLOCK_N) of the online softmax; MASKED: each (row, key) pair is checked against
         the row's [lo, hi) (a tile some row of the block must not see all of, or past k_end), else every row sees
-        every key of the tile and nothing is checked (the interior tiles: most of the work)."""
+        every key of the tile and nothing is checked (the interior tiles: most of the work). EVEN_D: the head dim
+        is BLOCK_D, so an interior tile's loads need no predicate at all."""
         kn = n0 + tl.arange(0, BLOCK_N)
         kn64 = kn.to(tl.int64)
-        kmask = dm[None, :]
+        k_at = k_ptr + kn64[:, None] * sk_r + h * sk_h + d[None, :]
+        v_at = v_ptr + kn64[:, None] * sv_r + h * sv_h + d[None, :]
         if MASKED:
             kmask = (kn < k_end)[:, None] & dm[None, :]
-        k = tl.load(k_ptr + kn64[:, None] * sk_r + h * sk_h + d[None, :], mask=kmask, other=0.0)
-        v = tl.load(v_ptr + kn64[:, None] * sv_r + h * sv_h + d[None, :], mask=kmask, other=0.0)
+            k = tl.load(k_at, mask=kmask, other=0.0)
+            v = tl.load(v_at, mask=kmask, other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_at)
+            v = tl.load(v_at)
+        else:
+            k = tl.load(k_at, mask=dm[None, :], other=0.0)
+            v = tl.load(v_at, mask=dm[None, :], other=0.0)
         # raw logits; scale * log2(e) is applied inside the exponent's one FMA (exp2 is the native instruction). q is
         # not pre-scaled, since rounding q * scale back to bf16 would add an error the reference does not have
         s = _dot(q, tl.trans(k), LOWP, UPCAST)
@@ -96,7 +105,7 @@ if triton is not None:
     def _varlen_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, cu_ptr, n_rows, n_seqs, qk_scale,
                            sq_r, sq_h, sk_r, sk_h, sv_r, sv_h, so_r, so_h,
                            D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           LOWP: tl.constexpr, UPCAST: tl.constexpr):
+                           LOWP: tl.constexpr, UPCAST: tl.constexpr, EVEN_D: tl.constexpr):
         h = tl.program_id(1)
         # torch.compile hands float arguments to user kernels as fp64: keep the math (and loop-carried values) fp32
         qk_scale = tl.cast(qk_scale, tl.float32)
@@ -137,10 +146,10 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for n0 in range(k_start, mid, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, n0, k_end, lo, hi, h, sk_r, sk_h, sv_r, sv_h, qk_scale,
-                                         m_i, l_i, acc, d, dm, False, BLOCK_N, LOWP, UPCAST)
+                                         m_i, l_i, acc, d, dm, False, BLOCK_N, LOWP, UPCAST, EVEN_D)
         for n0 in range(mid, k_end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, k_ptr, v_ptr, n0, k_end, lo, hi, h, sk_r, sk_h, sv_r, sv_h, qk_scale,
-                                         m_i, l_i, acc, d, dm, True, BLOCK_N, LOWP, UPCAST)
+                                         m_i, l_i, acc, d, dm, True, BLOCK_N, LOWP, UPCAST, EVEN_D)
         # A row of a sequence always sees itself, so l_i > 0 there. Padding rows store 0: they are kept out of the
         # masked tiles, but the unmasked ones add to every row of the block.
         l_i = tl.where(l_i > 0, l_i, 1.0)
@@ -180,11 +189,12 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     lowp = q.dtype in (torch.bfloat16, torch.float16)
     # k/v follow q's dtype: tl.dot needs both operands of one type, and the ViT produces all three together
     k, v = k.to(q.dtype), v.to(q.dtype)
+    block_d = max(16, triton.next_power_of_2(dh))
     _varlen_fwd_kernel[(triton.cdiv(rows, block_m), heads)](
         q, k, v, out, seq, cu, rows, cu.numel() - 1, scale * 1.4426950408889634,  # log2(e)
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        D=dh, BLOCK_D=max(16, triton.next_power_of_2(dh)), BLOCK_M=block_m, BLOCK_N=block_n, LOWP=lowp,
-        UPCAST=_INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        D=dh, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, LOWP=lowp, UPCAST=_INTERPRET, EVEN_D=dh == block_d,
+        num_warps=num_warps, num_stages=num_stages)
     return out
 
 
