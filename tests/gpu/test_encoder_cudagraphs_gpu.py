@@ -71,10 +71,10 @@ def captured(request: pytest.FixtureRequest) -> Iterator[tuple[VisionEncoder, En
         varlen_ops.GRAPH_ATTENTION = before
 
 
-def test_one_graph_per_budget(captured: tuple[VisionEncoder, EncoderCudaGraphManager]) -> None:
+def test_one_graph_per_budget_and_patch_level(captured: tuple[VisionEncoder, EncoderCudaGraphManager]) -> None:
     _, m = captured
-    assert m.budgets == [64, 80, 96, 112, 128, 160, 192, 224, 256] and sorted(m.graphs) == m.budgets \
-        and m.max_batch_size == 4
+    assert m.budgets == [64, 80, 96, 112, 128, 160, 192, 224, 256] and m.max_batch_size == 4
+    assert sorted(m.graphs) == m.keys == sorted((b, p * b) for b in m.budgets for p in (R * R, R * R - 1))
 
 
 @pytest.mark.parametrize("name,grids", CASES, ids=[c[0] for c in CASES])
@@ -149,7 +149,7 @@ def test_engine_uses_encoder_graphs(tmp_path_factory: pytest.TempPathFactory) ->
         assert (graphs is None) == eager
         outs[eager] = llm.generate([prompt], sp)[0].outputs[0]
         if not eager:
-            assert sorted(graphs.graphs) == graphs.budgets and (graphs.hits, graphs.misses) == (2, 0)
+            assert sorted(graphs.graphs) == graphs.keys and (graphs.hits, graphs.misses) == (2, 0)
     assert outs[True].token_ids == outs[False].token_ids
     for a, b in zip(outs[True].logprobs, outs[False].logprobs):
         for t in a:
