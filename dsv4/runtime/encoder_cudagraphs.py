@@ -13,34 +13,34 @@ and 548 span tokens, took budget 640 and ran 5,760 patch rows for 4,232 real one
 benchmarks/results/2026-12-07-h100-decode-idle-b32-attention.)
 
 Every graph runs the same function (`EncoderCudaGraphManager.forward_buffers`) over persistent input buffers sized
-for its key (B, P): B aligner rows, P ViT patches, and `max_batch_size + 1` cu_seqlens slots. P is r^2 * B (what
-any batch of at most B aligner rows needs) or (r^2 - 1) * B (a batch whose images' partial edge cells leave it
-fewer patches, as most real image sizes do: `PATCH_SHORTFALLS`). A batch is written into the buffers zero-padded; cu_seqlens repeats the real
-rows' end in its unused slots, so its last entry is the number of real rows and the rows past it are padding, which
-the attention skips (they come out 0 and never mix with the images; dsv4/ops/varlen_attention.py). The graph's
-output is [aligner rows of the budget; START; NEW_LINE; END]; the spans of all images of a batch are assembled by ONE
-gather out of it, whose index is built on the host from the llm grids (no device value is read) and copied
-asynchronously. That gather allocates outside the graph's pool, so its
-result is a fresh tensor that later replays cannot clobber.
+for its key (B, P): B aligner rows, P ViT patches, and `max_batch_size + 1` cu_seqlens slots. P is r^2 * B (what any
+batch of at most B aligner rows needs) or (r^2 - 1) * B (a batch whose images' partial edge cells leave it fewer
+patches, as most real image sizes do: `PATCH_SHORTFALLS`). A batch is written into the buffers zero-padded;
+cu_seqlens repeats the real rows' end in its unused slots, so its last entry is the number of real rows and the rows
+past it are padding, which the attention skips (they come out 0 and never mix with the images;
+dsv4/ops/varlen_attention.py). The graph's output is [aligner rows of the budget; START; NEW_LINE; END]; the spans of
+all images of a batch are assembled by ONE gather out of it, whose index is built on the host from the llm grids (no
+device value is read) and copied asynchronously. That gather allocates outside the graph's pool, so its result is a
+fresh tensor that later replays cannot clobber.
 
-Images are sorted by aligner rows and packed greedily into batches of at most `max_batch_size` images and the
-largest budget; the smallest budget holding a batch, at the fewest patch rows holding its patches, is replayed. An image larger than every budget runs through the
-eager encoder (`VisionEncoder.forward`); such images count as misses, replayed images as hits. The engine's manager
-(`from_limits`) runs a call of more than GRAPH_MAX_SPAN_TOKENS span tokens eagerly as a whole (misses too): at
-those sizes the tower is compute-bound and the graphs, measured, were not faster.
+Images are sorted by aligner rows and packed greedily into batches of at most `max_batch_size` images and the largest
+budget; the smallest budget holding a batch, at the fewest patch rows holding its patches, is replayed. An image
+larger than every budget runs through the eager encoder (`VisionEncoder.forward`); such images count as misses,
+replayed images as hits. The engine's manager (`from_limits`) runs a call of more than GRAPH_MAX_SPAN_TOKENS span
+tokens eagerly as a whole (misses too): at those sizes the tower is compute-bound and the graphs, measured, were not
+faster.
 
-Cost: the graph-safe attention is the Triton varlen flash-attention kernel (dsv4/ops/varlen_attention.py): work
-O(sum of len^2) over the images, plus a little for query blocks straddling an image boundary, nothing for the
-padding rows; memory O(rows). The rest of the tower (projections, MLPs) runs over all P patch rows of the graph,
-padding included: at most (1 + 1 / BUDGET_STEPS) x the aligner rows' r^2 patches, and at most r^2 / (r^2 - 1) x
-the real patches where the grid's edge cells are partial. (Until 2026-11-30 the padding rows formed one attention sequence,
-O(padding^2), and the graphs were slower than eager encoding for several images.) With
-`DSV4_ENCODER_GRAPH_ATTENTION=flash` the graphs run FlashAttention's varlen forward instead (vLLM's choice; the
-kernel eager SDPA runs per image), with max_seqlen = the budget's rows; with `=cudnn` cuDNN's ragged forward (opt-in,
-not yet run on a GPU; the kernel the eager tower's SDPA picks on an H100, ~1.2x the Triton kernel's rate there). Off CUDA (or without triton) the device path
-falls back to the block-diagonal masked SDPA reference, O(rows^2). benchmarks/encoder_latency.py measures graphs
-against eager.
-Graph memory (buffers, the pool) is not part of the KV-cache sizing profile.
+Cost: the graph-safe attention is the Triton varlen flash-attention kernel (dsv4/ops/varlen_attention.py): work O(sum
+of len^2) over the images, plus a little for query blocks straddling an image boundary, nothing for the padding rows;
+memory O(rows). The rest of the tower (projections, MLPs) runs over all P patch rows of the graph, padding included:
+at most (1 + 1 / BUDGET_STEPS) x the aligner rows' r^2 patches, and at most r^2 / (r^2 - 1) x the real patches where
+the grid's edge cells are partial. (Until 2026-11-30 the padding rows formed one attention sequence, O(padding^2),
+and the graphs were slower than eager encoding for several images.) With `DSV4_ENCODER_GRAPH_ATTENTION=flash` the
+graphs run FlashAttention's varlen forward instead (vLLM's choice; the kernel eager SDPA runs per image), with
+max_seqlen = the budget's rows; with `=cudnn` cuDNN's ragged forward (opt-in, not yet run on a GPU; the kernel the
+eager tower's SDPA picks on an H100, ~1.2x the Triton kernel's rate there). Off CUDA (or without triton) the device
+path falls back to the block-diagonal masked SDPA reference, O(rows^2). benchmarks/encoder_latency.py measures graphs
+against eager. Graph memory (buffers, the pool) is not part of the KV-cache sizing profile.
 
 Refused configurations (`EncoderGraphError`): a device other than CUDA, a ViT attention module other than dsv4's
 `VisionAttention` (graphs need the attention to take cu_seqlens on the device and read nothing on the host; dsv4's
@@ -391,9 +391,9 @@ class EncoderCudaGraphManager:
                         out = self.forward_buffers(key)
                 except RuntimeError as e:
                     raise EncoderGraphError(
-                        f"capturing the vision encoder at budget {budget} ({key[1]} patch rows) failed ({e}); the ViT most likely read a "
-                        "device value on the host (an attention backend that reads cu_seqlens or max_seqlen). "
-                        "Set enforce_eager=True.") from e
+                        f"capturing the vision encoder at budget {budget} ({key[1]} patch rows) failed ({e}); the "
+                        "ViT most likely read a device value on the host (an attention backend that reads cu_seqlens "
+                        "or max_seqlen). Set enforce_eager=True.") from e
                 self.graphs[key] = (graph, out)
         torch.cuda.synchronize(self.device)
         logger.info("captured %d vision-encoder CUDA graphs (budgets %s aligner rows at %s patch rows a row, up to %d "
