@@ -96,69 +96,53 @@ def test_varlen_kernel_other_blocks_and_scale() -> None:
     """)
 
 
-
-def test_flash_wrapper_boundaries_and_padding(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`varlen_attention_flash` around a CPU stand-in of FlashAttention's varlen forward (the op is CUDA-only; the
-    real one runs in tests/gpu/test_varlen_attention_gpu.py): it must get int32 boundaries and max_seqlen = rows
-    (a bound that needs no host read), and the rows past cu_seqlens[-1], which FlashAttention leaves unwritten,
-    must come out 0 whatever the op left there."""
-    from dsv4.models.vision import per_image_attention
-    from dsv4.ops import varlen_attention as ops
-    calls = []
-
+def _flash_stand_in(real, calls):
     def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale=None):
-        assert cu_q.dtype == torch.int32 and cu_q is cu_k and max_q == max_k == q.shape[0]
         assert dropout == 0.0 and not causal and not debug
-        calls.append(scale)
-        out = torch.full_like(q, float("nan"))  # unwritten rows: garbage
-        bounds = cu_q.tolist()
-        real = per_image_attention(q.double(), k.double(), v.double(), bounds).to(q.dtype)
-        out[: bounds[-1]] = real[: bounds[-1]]
-        return out, None, None, None, None
-
-    monkeypatch.setattr(ops, "_flash_forward", lambda: stand_in)
-    g = torch.Generator().manual_seed(3)
-    for cu, rows in CASES:
-        q, k, v = (torch.randn(rows, 2, 16, generator=g) for _ in range(3))
-        got = ops.varlen_attention_flash(q, k, v, torch.tensor(cu, dtype=torch.int64), scale=0.2)
-        ref = per_image_attention(q.double(), k.double(), v.double(), cu)
-        assert not got.isnan().any(), cu
-        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
-        assert not got[cu[-1]:].any()
-    assert calls == [0.2] * len(CASES)
-    assert ops.varlen_attention_flash(*(torch.zeros(0, 2, 16) for _ in range(3)), torch.zeros(1)).shape == (0, 2, 16)
+        return real(q, k, v, cu_q, cu_k, max_q, max_k, scale, calls), None, None, None, None
+    return stand_in
 
 
-def test_cudnn_wrapper_boundaries_and_padding(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`varlen_attention_cudnn` around a CPU stand-in of cuDNN's ragged forward (CUDA-only; the real one runs in
-    tests/gpu/test_varlen_attention_gpu.py): no bias, int32 boundaries for both q and k, max lengths = rows (no host
-    read), no log-sum-exp, dropout or causal mask; the rows past cu_seqlens[-1] come out 0 whatever the op left
-    there; the dispatcher takes it only when switched on and only for 16-bit CUDA inputs (cudnn_supported)."""
+def _cudnn_stand_in(real, calls):
+    def stand_in(q, k, v, bias, cu_q, cu_k, max_q, max_k, lse, dropout, causal, debug, *, scale=None):
+        assert bias is None and not lse and dropout == 0.0 and not causal and not debug
+        return (real(q, k, v, cu_q, cu_k, max_q, max_k, scale, calls),) + (None,) * 8
+    return stand_in
+
+
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+def test_torch_op_wrappers_boundaries_and_padding(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`varlen_attention_flash` / `varlen_attention_cudnn` around CPU stand-ins of FlashAttention's varlen forward
+    and cuDNN's ragged forward (both CUDA-only; the real ones run in tests/gpu/test_varlen_attention_gpu.py): each
+    must get int32 boundaries for both q and k and max lengths = rows (a bound that needs no host read), and the
+    rows past cu_seqlens[-1], which the ops leave unwritten, must come out 0 whatever the op left there. cuDNN also
+    gets no bias and no log-sum-exp; CPU inputs are never handed to it (cudnn_supported)."""
     from dsv4.models.vision import per_image_attention
     from dsv4.ops import varlen_attention as ops
     calls = []
 
-    def stand_in(q, k, v, bias, cu_q, cu_k, max_q, max_k, lse, dropout, causal, debug, *, scale=None):
-        assert bias is None and cu_q.dtype == torch.int32 and cu_q is cu_k and max_q == max_k == q.shape[0]
-        assert not lse and dropout == 0.0 and not causal and not debug
+    def real(q, k, v, cu_q, cu_k, max_q, max_k, scale, calls):
+        assert cu_q.dtype == torch.int32 and cu_q is cu_k and max_q == max_k == q.shape[0]
         calls.append(scale)
         out = torch.full_like(q, float("nan"))  # unwritten rows: garbage
         bounds = cu_q.tolist()
-        real = per_image_attention(q.double(), k.double(), v.double(), bounds).to(q.dtype)
-        out[: bounds[-1]] = real[: bounds[-1]]
-        return (out,) + (None,) * 8
+        out[: bounds[-1]] = per_image_attention(q.double(), k.double(), v.double(), bounds).to(q.dtype)[: bounds[-1]]
+        return out
 
-    monkeypatch.setattr(ops, "_cudnn_forward", lambda: stand_in)
-    g = torch.Generator().manual_seed(4)
+    if backend == "flash":
+        monkeypatch.setattr(ops, "_flash_forward", lambda: _flash_stand_in(real, calls))
+        wrapper, scale, seed = ops.varlen_attention_flash, 0.2, 3
+    else:
+        monkeypatch.setattr(ops, "_cudnn_forward", lambda: _cudnn_stand_in(real, calls))
+        wrapper, scale, seed = ops.varlen_attention_cudnn, 0.3, 4
+        assert not ops.cudnn_supported(torch.zeros(4, 2, 16, dtype=torch.bfloat16)) and "cudnn" in ops.GRAPH_ATTENTIONS
+    g = torch.Generator().manual_seed(seed)
     for cu, rows in CASES:
         q, k, v = (torch.randn(rows, 2, 16, generator=g) for _ in range(3))
-        got = ops.varlen_attention_cudnn(q, k, v, torch.tensor(cu, dtype=torch.int64), scale=0.3)
+        got = wrapper(q, k, v, torch.tensor(cu, dtype=torch.int64), scale=scale)
         ref = per_image_attention(q.double(), k.double(), v.double(), cu)
         assert not got.isnan().any(), cu
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
         assert not got[cu[-1]:].any()
-    assert calls == [0.3] * len(CASES)
-    assert ops.varlen_attention_cudnn(*(torch.zeros(0, 2, 16) for _ in range(3)), torch.zeros(1)).shape == (0, 2, 16)
-    # CPU and fp32 inputs are never handed to cuDNN
-    assert not ops.cudnn_supported(torch.zeros(4, 2, 16, dtype=torch.bfloat16))
-    assert "cudnn" in ops.GRAPH_ATTENTIONS
+    assert calls == [scale] * len(CASES)
+    assert wrapper(*(torch.zeros(0, 2, 16) for _ in range(3)), torch.zeros(1)).shape == (0, 2, 16)

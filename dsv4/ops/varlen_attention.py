@@ -29,6 +29,7 @@ batch in a large graph budget paid for its padding squared: the encoder graphs w
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -222,21 +223,32 @@ def _flash_forward():  # looked up per call, so a test can stand in for the CUDA
     return torch.ops.aten._flash_attention_forward
 
 
+def _packed_torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                          forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
+                                            torch.Tensor]) -> torch.Tensor:
+    """What the torch-op backends share: int32 boundaries (the only kind both ops take), q/k/v with a unit last
+    stride and q's dtype, `forward(q, k, v, cu, rows)` with max lengths = q's row count (a bound every sequence of the
+    buffer satisfies, so nothing is read on the host and the call can be captured with the boundaries changing
+    between replays), and the rows past cu_seqlens[-1], which the ops need not write, set to 0: the padding rule of
+    the Triton kernel."""
+    rows = q.shape[0]
+    if rows == 0:
+        return torch.empty_like(q)
+    cu = cu_seqlens.to(torch.int32).contiguous()
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = forward(q, k.to(q.dtype), v.to(q.dtype), cu, rows)
+    padding = torch.arange(rows, dtype=torch.int32, device=q.device) >= cu[-1]
+    return out.masked_fill(padding[:, None, None], 0)
+
+
 def varlen_attention_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                            scale: float | None = None) -> torch.Tensor:
     """The same attention as `varlen_attention_triton` through FlashAttention-2's varlen forward
-    (`aten._flash_attention_forward`, the positional form torch has kept since 2.1). Nothing is read on the host:
-    max_seqlen is q's row count, a bound every sequence of the buffer satisfies, so it can be captured with the
-    boundaries changing between replays. FlashAttention leaves the rows past cu_seqlens[-1] unwritten (the output
-    is allocated empty: garbage, NaN possibly); they are set to 0 here, the padding rule of the Triton kernel."""
-    rows, heads, dh = q.shape
-    if rows == 0:
-        return torch.empty_like(q)
-    cu = cu_seqlens.to(torch.int32).contiguous()  # FlashAttention takes int32 boundaries only
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = _flash_forward()(q, k.to(q.dtype), v.to(q.dtype), cu, cu, rows, rows, 0.0, False, False, scale=scale)[0]
-    padding = torch.arange(rows, dtype=torch.int32, device=q.device) >= cu[-1]
-    return out.masked_fill(padding[:, None, None], 0)
+    (`aten._flash_attention_forward`, the positional form torch has kept since 2.1; `_packed_torch_forward`).
+    FlashAttention leaves the rows past cu_seqlens[-1] unwritten (the output is allocated empty: garbage, NaN
+    possibly)."""
+    return _packed_torch_forward(q, k, v, cu_seqlens, lambda q, k, v, cu, rows: _flash_forward()(
+        q, k, v, cu, cu, rows, rows, 0.0, False, False, scale=scale)[0])
 
 
 # ---- cuDNN's ragged forward (opt-in: DSV4_ENCODER_GRAPH_ATTENTION=cudnn) ---------------------------------------
@@ -258,18 +270,9 @@ def _cudnn_forward():  # looked up per call, so a test can stand in for the CUDA
 
 def varlen_attention_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                            scale: float | None = None) -> torch.Tensor:
-    """The same attention as `varlen_attention_triton` through cuDNN's ragged forward: q/k/v [rows, H, Dh] packed,
-    int32 boundaries on the device, max lengths = q's row count (a bound every sequence of the buffer satisfies, so
-    nothing is read on the host). The rows past cu_seqlens[-1] are set to 0, the padding rule of the Triton kernel
-    (cuDNN need not write them)."""
-    rows = q.shape[0]
-    if rows == 0:
-        return torch.empty_like(q)
-    cu = cu_seqlens.to(torch.int32).contiguous()
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    """The same attention as `varlen_attention_triton` through cuDNN's ragged forward (`_packed_torch_forward`):
+    q/k/v [rows, H, Dh] packed, the boundaries as both the query and the key offsets."""
     # (query, key, value, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, compute_log_sumexp, dropout_p, is_causal,
     # return_debug_mask): the positional form of torch 2.5+
-    out = _cudnn_forward()(q, k.to(q.dtype), v.to(q.dtype), None, cu, cu, rows, rows, False, 0.0, False, False,
-                           scale=scale)[0]
-    padding = torch.arange(rows, dtype=torch.int32, device=q.device) >= cu[-1]
-    return out.masked_fill(padding[:, None, None], 0)
+    return _packed_torch_forward(q, k, v, cu_seqlens, lambda q, k, v, cu, rows: _cudnn_forward()(
+        q, k, v, None, cu, cu, rows, rows, False, 0.0, False, False, scale=scale)[0])
