@@ -4,12 +4,10 @@ token history by batch row and chunk start; -1 before the sequence start and for
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import torch
+from test_kernels_interpret import _interpret
 
 from dsv4.kv.spec import make_kv_groups
 from dsv4.models.config import load_model_config
@@ -65,9 +63,9 @@ def test_torch_gather_matches_direct_indexing() -> None:
 
 
 def test_triton_kernel_matches_torch_in_interpreter() -> None:
-    """The Triton kernel under TRITON_INTERPRET=1 (CPU) equals the torch op (a subprocess: the interpreter
+    """The Triton kernel under TRITON_INTERPRET=1 (CPU) equals the torch op (in a fresh process: the interpreter
     flag is read when kernels are defined)."""
-    code = textwrap.dedent("""
+    _interpret("""
         import torch
         from dsv4.ops.lookback import gather_lookback_torch, gather_lookback_triton
         g = torch.Generator().manual_seed(1)
@@ -84,6 +82,3 @@ def test_triton_kernel_matches_torch_in_interpreter() -> None:
                     assert torch.equal(a, b), (depth, R, q, a, b)
         print("ok")
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]

@@ -1,6 +1,6 @@
 """Routed-expert matmuls from quantized expert weights (dsv4/ops/moe_quant.py): the torch references equal the bf16
 path of dsv4/ops/moe.py on the dequantized weights bit for bit, and the Triton kernels (gemv and grouped, MXFP4 and
-FP8 with UE8M0 or float scales) match the references under TRITON_INTERPRET=1 (each check in a subprocess: the flag
+FP8 with UE8M0 or float scales) match the references under TRITON_INTERPRET=1 (each check in a fresh process: the flag
 is read when kernels are defined): bit for bit on a coarse grid where every fp32 sum is exact in any order, within
 their arithmetic's bound on random data with every nibble, extreme scales, FP8 subnormals and +-448.
 
@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
+from test_kernels_interpret import _interpret as _interpret_check
 
 from dsv4.ops.moe import expert_gemv_torch, expert_grouped_torch
 from dsv4.ops.moe_quant import expert_gemv_q, expert_gemv_q_torch, expert_grouped_q, expert_grouped_q_torch
@@ -131,11 +130,9 @@ def test_references_equal_the_bf16_path_on_dequantized_weights(kind: str, N: int
 
 # ---- the kernels, in the interpreter ----------------------------------------------------------------------------
 def _interpret(code: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    """test_kernels_interpret's `_interpret`, with this folder first on the check's sys.path (its helpers)."""
     prelude = f"import sys\nsys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
-    res = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(code)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
+    _interpret_check(prelude + textwrap.dedent(code))
 
 
 @pytest.mark.slow  # 9 s under the interpreter: the slow tier (CI runs it too) keeps the main tier under 10 minutes
