@@ -1,73 +1,20 @@
 """Triton kernels against their torch references on small random inputs, under TRITON_INTERPRET=1 (the CPU
 interpreter; each check runs in a fresh process, since the flag is read when kernels are defined: a child the
-interpreter worker forks, `_InterpreterWorker` below)."""
+interpreter worker forks, tests/interpret_worker.py)."""
 
 from __future__ import annotations
 
 import atexit
-import json
 import os
-import select
-import signal
 import subprocess
 import sys
-import tempfile
 import textwrap
 
 import pytest
 import torch
+from interpret_worker import InterpreterWorker
 
-
-class _InterpreterWorker:
-    """The session's interpreter Python (tests/interpret_worker.py): started at the first check, it has imported
-    torch and triton once and forks a fresh child per check, so a check no longer pays ~3 s of imports. A child runs
-    with the caller's current environment and working directory, as `python -c` would; a worker that dies or a check
-    past its time limit is killed with its child and the next check starts a new worker."""
-
-    def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
-        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - the worker's stderr for the session
-
-    def _start(self) -> None:
-        here = os.path.dirname(os.path.abspath(__file__))
-        boot = (f"import sys\npath = list(sys.path)\nsys.path.insert(0, {here!r})\n"
-                "from interpret_worker import serve\nserve(path)\n")
-        self.proc = subprocess.Popen([sys.executable, "-c", boot], env={**os.environ, "TRITON_INTERPRET": "1"},
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     start_new_session=True)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the worker and a check's child, if one is running
-            self.proc.wait()
-        self.proc = None
-
-    def run(self, script: str, timeout: float) -> tuple[int, str, str]:
-        """(exit status, stdout, stderr) of `script` run under TRITON_INTERPRET=1."""
-        if self.proc is None or self.proc.poll() is not None:
-            self._start()
-        assert self.proc is not None and self.proc.stdin is not None and self.proc.stdout is not None
-        with tempfile.TemporaryDirectory() as d:
-            out, err = os.path.join(d, "stdout"), os.path.join(d, "stderr")
-            req = {"code": script, "env": {**os.environ, "TRITON_INTERPRET": "1"}, "cwd": os.getcwd(),
-                   "stdout": out, "stderr": err}
-            self.proc.stdin.write(json.dumps(req) + "\n")
-            self.proc.stdin.flush()
-            ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-            line = self.proc.stdout.readline() if ready else ""
-            if not line:
-                self.stop()
-                self.log.seek(0)
-                why = f"no answer in {timeout} s" if not ready else "the worker died"
-                raise AssertionError(f"interpreter worker: {why}\n{self.log.read()[-4000:]}")
-            texts = []
-            for path in (out, err):
-                with open(path) if os.path.exists(path) else open(os.devnull) as f:
-                    texts.append(f.read())
-            return json.loads(line)["status"], texts[0], texts[1]
-
-
-_WORKER = _InterpreterWorker()
+_WORKER = InterpreterWorker()
 atexit.register(_WORKER.stop)
 
 
