@@ -2,14 +2,14 @@
 # Vision-encoder CUDA graphs against eager encoding on one H200: which attention kernel and which budget ladder make
 # the graphs pay at every size and count. From the repo root, PYTHONPATH=.:
 #   benchmarks/run_encoder_graphs.sh OUTDIR PART [PART ...]
-#   tests    tests/gpu/test_varlen_attention_gpu.py (the graph attentions: triton, flash, cudnn) and
+#   tests    tests/gpu/test_varlen_attention_gpu.py (the graph attentions: triton, flash) and
 #            test_encoder_cudagraphs_gpu.py
 #   attn     benchmarks/varlen_attention_bench.py: the attention alone, SDPA per image vs FlashAttention varlen vs
-#            cuDNN's ragged forward vs the Triton kernel at several tile configurations, at the released ViT shapes
+#            the Triton kernel at several tile configurations, at the released ViT shapes
 #   latency  benchmarks/encoder_latency.py --vision released, its default table (SIZES / COUNTS override: e.g.
 #            SIZES="544x544 640x640 768x768 1024x768 896x896" COUNTS="1 2"): budgets powers of two + Triton (the
 #            11-30 configuration), 4 steps per octave + Triton, 4 steps + FlashAttention (CONFIGS picks some, e.g.
-#            CONFIGS="steps4-triton 4 triton;steps4-cudnn 4 cudnn"; PROFILE=1 adds the kernel tables, ITERS / LIMIT
+#            CONFIGS="steps4-triton 4 triton;steps4-flash 4 flash"; PROFILE=1 adds the kernel tables, ITERS / LIMIT
 #            per run)
 . "$(dirname "$0")/device_lib.sh"
 

@@ -26,9 +26,8 @@ from collections.abc import Callable
 import torch
 
 from dsv4.models.vision import per_image_attention
-from dsv4.ops.varlen_attention import varlen_attention_cudnn, varlen_attention_flash, varlen_attention_triton
-from dsv4.runtime.encoder_cudagraphs import (BUDGET_STEPS, budget_range, padded_cu_seqlens, plan_batches,
-                                             token_budgets)
+from dsv4.ops.varlen_attention import varlen_attention_flash, varlen_attention_triton
+from dsv4.runtime.encoder_cudagraphs import BUDGET_STEPS, budget_range, padded_cu_seqlens, plan_batches, token_budgets
 
 H, D, RATIO, SLOTS = 16, 64, 3, 33
 IMAGES = {"544x544": (39, 39), "896x896": (64, 64), "1024x768": (55, 74), "1536x1536": (93, 93)}
@@ -94,8 +93,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, object]]:
                        "real_rows": bounds[-1], "gflop": flops / 1e9, "kernels": {}}
                 candidates: list[tuple[str, Callable[[], torch.Tensor], bool]] = [
                     ("sdpa_per_image", lambda: per_image_attention(q, k, v, bounds), False),
-                    ("flash_varlen", lambda: varlen_attention_flash(q, k, v, cu_dev), True),
-                    ("cudnn_varlen", lambda: varlen_attention_cudnn(q, k, v, cu_dev), True)]
+                    ("flash_varlen", lambda: varlen_attention_flash(q, k, v, cu_dev), True)]
                 for bm, bn, w, s in TRITON_CONFIGS:
                     candidates.append((f"triton_{bm}x{bn}_w{w}_s{s}", lambda bm=bm, bn=bn, w=w, s=s:
                                        varlen_attention_triton(q, k, v, cu_dev, block_m=bm, block_n=bn, num_warps=w,

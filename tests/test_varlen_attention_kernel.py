@@ -103,20 +103,11 @@ def _flash_stand_in(real, calls):
     return stand_in
 
 
-def _cudnn_stand_in(real, calls):
-    def stand_in(q, k, v, bias, cu_q, cu_k, max_q, max_k, lse, dropout, causal, debug, *, scale=None):
-        assert bias is None and not lse and dropout == 0.0 and not causal and not debug
-        return (real(q, k, v, cu_q, cu_k, max_q, max_k, scale, calls),) + (None,) * 8
-    return stand_in
-
-
-@pytest.mark.parametrize("backend", ["flash", "cudnn"])
-def test_torch_op_wrappers_boundaries_and_padding(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`varlen_attention_flash` / `varlen_attention_cudnn` around CPU stand-ins of FlashAttention's varlen forward
-    and cuDNN's ragged forward (both CUDA-only; the real ones run in tests/gpu/test_varlen_attention_gpu.py): each
-    must get int32 boundaries for both q and k and max lengths = rows (a bound that needs no host read), and the
-    rows past cu_seqlens[-1], which the ops leave unwritten, must come out 0 whatever the op left there. cuDNN also
-    gets no bias and no log-sum-exp; CPU inputs are never handed to it (cudnn_supported)."""
+def test_flash_wrapper_boundaries_and_padding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`varlen_attention_flash` around a CPU stand-in of FlashAttention's varlen forward (CUDA-only; the real one runs
+    in tests/gpu/test_varlen_attention_gpu.py): it must get int32 boundaries for both q and k and max lengths = rows
+    (a bound that needs no host read), and the rows past cu_seqlens[-1], which the op leaves unwritten, must come out
+    0 whatever the op left there; CPU inputs are never handed to it (flash_supported)."""
     from dsv4.models.vision import per_image_attention
     from dsv4.ops import varlen_attention as ops
     calls = []
@@ -129,13 +120,9 @@ def test_torch_op_wrappers_boundaries_and_padding(backend: str, monkeypatch: pyt
         out[: bounds[-1]] = per_image_attention(q.double(), k.double(), v.double(), bounds).to(q.dtype)[: bounds[-1]]
         return out
 
-    if backend == "flash":
-        monkeypatch.setattr(ops, "_flash_forward", lambda: _flash_stand_in(real, calls))
-        wrapper, scale, seed = ops.varlen_attention_flash, 0.2, 3
-    else:
-        monkeypatch.setattr(ops, "_cudnn_forward", lambda: _cudnn_stand_in(real, calls))
-        wrapper, scale, seed = ops.varlen_attention_cudnn, 0.3, 4
-        assert not ops.cudnn_supported(torch.zeros(4, 2, 16, dtype=torch.bfloat16)) and "cudnn" in ops.GRAPH_ATTENTIONS
+    monkeypatch.setattr(ops, "_flash_forward", lambda: _flash_stand_in(real, calls))
+    wrapper, scale, seed = ops.varlen_attention_flash, 0.2, 3
+    assert not ops.flash_supported(torch.zeros(4, 2, 16, dtype=torch.bfloat16))
     g = torch.Generator().manual_seed(seed)
     for cu, rows in CASES:
         q, k, v = (torch.randn(rows, 2, 16, generator=g) for _ in range(3))

@@ -34,9 +34,7 @@ from dsv4.ops import varlen_attention as varlen_ops
 from dsv4.ops import vision_fused as vf
 from dsv4.ops.varlen_attention import (
     HAS_TRITON,
-    cudnn_supported,
     flash_supported,
-    varlen_attention_cudnn,
     varlen_attention_flash,
     varlen_attention_triton,
 )
@@ -244,15 +242,13 @@ def block_diagonal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Attention within each packed image, none across images: per image when `cu_seqlens` is a host (CPU)
     tensor; with it on the device (graph capture: no host read allowed), on CUDA the kernel
-    `DSV4_ENCODER_GRAPH_ATTENTION` names (FlashAttention's varlen forward or cuDNN's ragged one where it takes q,
-    else the Triton varlen kernel), else the block-diagonal masked SDPA (the reference; O(rows^2), so only for small
+    `DSV4_ENCODER_GRAPH_ATTENTION` names (FlashAttention's varlen forward where it takes q, else the Triton
+    varlen kernel), else the block-diagonal masked SDPA (the reference; O(rows^2), so only for small
     inputs off CUDA)."""
     if cu_seqlens.device.type == "cpu":
         return per_image_attention(q, k, v, cu_seqlens.tolist())
     if cu_seqlens.is_cuda and varlen_ops.GRAPH_ATTENTION == "flash" and flash_supported(q):
         return varlen_attention_flash(q, k, v, cu_seqlens)
-    if cu_seqlens.is_cuda and varlen_ops.GRAPH_ATTENTION == "cudnn" and cudnn_supported(q):
-        return varlen_attention_cudnn(q, k, v, cu_seqlens)
     if cu_seqlens.is_cuda and q.is_cuda and HAS_TRITON:
         return varlen_attention_triton(q, k, v, cu_seqlens)
     return block_diagonal_attention(q, k, v, cu_seqlens)

@@ -203,10 +203,12 @@ def varlen_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 # Which kernel the encoder graphs use for device cu_seqlens: "triton" (the kernel above: grid sized by rows, padding
 # free) or "flash" (torch's bundled FlashAttention-2 varlen forward, the kernel eager SDPA runs per image; its grid
 # is cdiv(max_q, 128) x sequence slots x heads, so the slots and rows a graph's buffers hold cost empty blocks).
-# "cudnn" (opt-in, `varlen_attention_cudnn` below) is cuDNN's ragged forward, the kernel the eager tower's per-image
-# SDPA picks on an H100. Read once at import, like every DSV4_* switch; benchmarks/encoder_latency.py sets
-# GRAPH_ATTENTION directly.
-GRAPH_ATTENTIONS = ("triton", "flash", "cudnn")
+# Read once at import, like every DSV4_* switch; benchmarks/encoder_latency.py sets GRAPH_ATTENTION directly.
+# cuDNN's ragged forward (`aten._cudnn_attention_forward` with device boundaries, the kernel eager per-image SDPA picks
+# on an H100, ~1.2x the Triton kernel's rate there) was tried as a third choice and dropped: on torch 2.11 it runs
+# eagerly but invalidates a CUDA graph capture (cudaErrorStreamCaptureInvalidated; H100, 2026-12-07,
+# benchmarks/results/2026-12-07-h100-encoder-patch-levels).
+GRAPH_ATTENTIONS = ("triton", "flash")
 GRAPH_ATTENTION = os.environ.get("DSV4_ENCODER_GRAPH_ATTENTION", "triton")
 if GRAPH_ATTENTION not in GRAPH_ATTENTIONS:
     raise ValueError(f"DSV4_ENCODER_GRAPH_ATTENTION must be one of {GRAPH_ATTENTIONS}, got {GRAPH_ATTENTION!r}")
@@ -226,8 +228,8 @@ def _flash_forward():  # looked up per call, so a test can stand in for the CUDA
 def _packed_torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                           forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
                                             torch.Tensor]) -> torch.Tensor:
-    """What the torch-op backends share: int32 boundaries (the only kind both ops take), q/k/v with a unit last
-    stride and q's dtype, `forward(q, k, v, cu, rows)` with max lengths = q's row count (a bound every sequence of the
+    """The wrapper of a torch attention op over packed sequences: int32 boundaries (the only kind the op takes), q/k/v
+    with a unit last stride and q's dtype, `forward(q, k, v, cu, rows)` with max lengths = q's row count (a bound every sequence of the
     buffer satisfies, so nothing is read on the host and the call can be captured with the boundaries changing
     between replays), and the rows past cu_seqlens[-1], which the ops need not write, set to 0: the padding rule of
     the Triton kernel."""
@@ -249,30 +251,3 @@ def varlen_attention_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu
     possibly)."""
     return _packed_torch_forward(q, k, v, cu_seqlens, lambda q, k, v, cu, rows: _flash_forward()(
         q, k, v, cu, cu, rows, rows, 0.0, False, False, scale=scale)[0])
-
-
-# ---- cuDNN's ragged forward (opt-in: DSV4_ENCODER_GRAPH_ATTENTION=cudnn) ---------------------------------------
-# Why: at one 896x896 image (4,096 patches) the eager tower's per-image SDPA ran cuDNN's Hopper flash kernel at
-# 151 us a layer against 183 for the Triton kernel inside the graph (H100, ~455 against ~370 TF/s): most of what the
-# graphs lose to eager encoding on large images (benchmarks/results/2026-12-07-h100-decode-b32-rows-lm-head). torch
-# reaches the same kernel for nested-tensor SDPA through `aten._cudnn_attention_forward` with device boundaries.
-# Status: built without a GPU at hand. Whether it captures with boundaries that change between replays (and at what
-# speed) is what tests/gpu/test_varlen_attention_gpu.py and benchmarks/varlen_attention_bench.py check first.
-def cudnn_supported(q: torch.Tensor) -> bool:
-    """Whether torch's cuDNN attention forward takes q: CUDA, fp16/bf16, head_dim a multiple of 8 up to 128."""
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
-            and q.shape[-1] <= 128 and hasattr(torch.ops.aten, "_cudnn_attention_forward"))
-
-
-def _cudnn_forward():  # looked up per call, so a test can stand in for the CUDA-only op
-    return torch.ops.aten._cudnn_attention_forward
-
-
-def varlen_attention_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                           scale: float | None = None) -> torch.Tensor:
-    """The same attention as `varlen_attention_triton` through cuDNN's ragged forward (`_packed_torch_forward`):
-    q/k/v [rows, H, Dh] packed, the boundaries as both the query and the key offsets."""
-    # (query, key, value, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, compute_log_sumexp, dropout_p, is_causal,
-    # return_debug_mask): the positional form of torch 2.5+
-    return _packed_torch_forward(q, k, v, cu_seqlens, lambda q, k, v, cu, rows: _cudnn_forward()(
-        q, k, v, None, cu, cu, rows, rows, False, 0.0, False, False, scale=scale)[0])

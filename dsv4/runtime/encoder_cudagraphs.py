@@ -37,8 +37,8 @@ at most (1 + 1 / BUDGET_STEPS) x the aligner rows' r^2 patches, and at most r^2 
 the grid's edge cells are partial. (Until 2026-11-30 the padding rows formed one attention sequence, O(padding^2),
 and the graphs were slower than eager encoding for several images.) With `DSV4_ENCODER_GRAPH_ATTENTION=flash` the
 graphs run FlashAttention's varlen forward instead (vLLM's choice; the kernel eager SDPA runs per image), with
-max_seqlen = the budget's rows; with `=cudnn` cuDNN's ragged forward (opt-in, not yet run on a GPU; the kernel the
-eager tower's SDPA picks on an H100, ~1.2x the Triton kernel's rate there). Off CUDA (or without triton) the device
+max_seqlen = the budget's rows (cuDNN's ragged forward, eager SDPA's kernel on an H100, does not capture:
+dsv4/ops/varlen_attention.py). Off CUDA (or without triton) the device
 path falls back to the block-diagonal masked SDPA reference, O(rows^2). benchmarks/encoder_latency.py measures graphs
 against eager. Graph memory (buffers, the pool) is not part of the KV-cache sizing profile.
 

@@ -13,9 +13,7 @@ import torch
 from dsv4.models.vision import per_image_attention, varlen_attention
 from dsv4.ops import varlen_attention as varlen_ops
 from dsv4.ops.varlen_attention import (
-    cudnn_supported,
     flash_supported,
-    varlen_attention_cudnn,
     varlen_attention_flash,
     varlen_attention_triton,
 )
@@ -58,36 +56,27 @@ def test_varlen_attention_matches_per_image(case: int, dtype: torch.dtype, tol: 
     assert torch.equal(varlen_attention(q, k, v, cu_dev), got)
 
 
-# the torch-op backends of the graphs by switch value: (wrapper, whether it takes q, input seed offset)
-TORCH_OP_BACKENDS = {"flash": (varlen_attention_flash, flash_supported, 10),
-                     "cudnn": (varlen_attention_cudnn, cudnn_supported, 20)}
-
-
-@pytest.mark.parametrize("backend", sorted(TORCH_OP_BACKENDS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", range(len(CASES)))
-def test_torch_op_varlen_matches_per_image(backend: str, case: int, dtype: torch.dtype,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """FlashAttention's varlen forward and cuDNN's ragged forward (DSV4_ENCODER_GRAPH_ATTENTION=flash / cudnn): the
-    same attention, padding rows 0 (the ops leave them unwritten), and the dispatcher takes the op when switched on;
-    fp32 has no kernel in either, so the dispatcher keeps the Triton kernel there."""
-    wrapper, supported, seed = TORCH_OP_BACKENDS[backend]
+def test_flash_varlen_matches_per_image(case: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """FlashAttention's varlen forward (DSV4_ENCODER_GRAPH_ATTENTION=flash): the same attention, padding rows 0 (the
+    op leaves them unwritten), and the dispatcher takes the op when switched on; fp32 has no FlashAttention kernel,
+    so the dispatcher keeps the Triton kernel there."""
     cu, rows = CASES[case]
-    q, k, v = _inputs(rows, dtype, seed + case)
-    assert supported(q)
+    q, k, v = _inputs(rows, dtype, 10 + case)
+    assert flash_supported(q)
     cu_dev = torch.tensor(cu, dtype=torch.int32, device="cuda")
-    got = wrapper(q, k, v, cu_dev)
+    got = varlen_attention_flash(q, k, v, cu_dev)
     assert got.dtype == dtype and got.shape == (rows, H, D)
     torch.testing.assert_close(got.float(), _reference(q, k, v, cu, rows), rtol=2e-2, atol=2e-2)
     assert not got[cu[-1]:].any()
-    monkeypatch.setattr(varlen_ops, "GRAPH_ATTENTION", backend)
+    monkeypatch.setattr(varlen_ops, "GRAPH_ATTENTION", "flash")
     assert torch.equal(varlen_attention(q, k, v, cu_dev), got)
     q32, k32, v32 = (t.float() for t in (q, k, v))
     assert torch.equal(varlen_attention(q32, k32, v32, cu_dev), varlen_attention_triton(q32, k32, v32, cu_dev))
 
 
-@pytest.mark.parametrize("kernel", [varlen_attention_triton, varlen_attention_flash, varlen_attention_cudnn],
-                         ids=["triton", "flash", "cudnn"])
+@pytest.mark.parametrize("kernel", [varlen_attention_triton, varlen_attention_flash], ids=["triton", "flash"])
 def test_varlen_attention_in_cuda_graph(kernel: Callable[..., torch.Tensor]) -> None:
     rows = 18432
     first, second = [0, 4070, 4071, 6071, 6071], [0, 2048, 9000, 9001, rows]  # same slots, new boundaries
