@@ -13,8 +13,16 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from dsv4.make_model import make_model
+
+# Under `pytest -n N` (pytest-xdist: both tiers in .ci/run) each worker, and every Python it starts, runs one
+# intra-op thread: N workers of torch's default thread count each would oversubscribe CI's two cores (the main tier
+# ran slower than serial that way).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 _VARIANTS = os.path.join(os.path.dirname(__file__), "kernel_variants")
 _VARIANTS_KEY = pytest.StashKey[str]()
