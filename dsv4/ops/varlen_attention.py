@@ -228,11 +228,11 @@ def _flash_forward():  # looked up per call, so a test can stand in for the CUDA
 def _packed_torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
                           forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
                                             torch.Tensor]) -> torch.Tensor:
-    """The wrapper of a torch attention op over packed sequences: int32 boundaries (the only kind the op takes), q/k/v
-    with a unit last stride and q's dtype, `forward(q, k, v, cu, rows)` with max lengths = q's row count (a bound every sequence of the
-    buffer satisfies, so nothing is read on the host and the call can be captured with the boundaries changing
-    between replays), and the rows past cu_seqlens[-1], which the ops need not write, set to 0: the padding rule of
-    the Triton kernel."""
+    """The wrapper of a torch attention op over packed sequences: int32 boundaries (the only kind the op takes),
+    q/k/v with a unit last stride and q's dtype, `forward(q, k, v, cu, rows)` with max lengths = q's row count (a
+    bound every sequence of the buffer satisfies, so nothing is read on the host and the call can be captured with the
+    boundaries changing between replays), and the rows past cu_seqlens[-1], which the op need not write, set to 0:
+    the padding rule of the Triton kernel."""
     rows = q.shape[0]
     if rows == 0:
         return torch.empty_like(q)

@@ -38,9 +38,9 @@ the grid's edge cells are partial. (Until 2026-11-30 the padding rows formed one
 and the graphs were slower than eager encoding for several images.) With `DSV4_ENCODER_GRAPH_ATTENTION=flash` the
 graphs run FlashAttention's varlen forward instead (vLLM's choice; the kernel eager SDPA runs per image), with
 max_seqlen = the budget's rows (cuDNN's ragged forward, eager SDPA's kernel on an H100, does not capture:
-dsv4/ops/varlen_attention.py). Off CUDA (or without triton) the device
-path falls back to the block-diagonal masked SDPA reference, O(rows^2). benchmarks/encoder_latency.py measures graphs
-against eager. Graph memory (buffers, the pool) is not part of the KV-cache sizing profile.
+dsv4/ops/varlen_attention.py). Off CUDA (or without triton) the device path falls back to the block-diagonal masked
+SDPA reference, O(rows^2). benchmarks/encoder_latency.py measures graphs against eager. Graph memory (buffers, the
+pool) is not part of the KV-cache sizing profile.
 
 Refused configurations (`EncoderGraphError`): a device other than CUDA, a ViT attention module other than dsv4's
 `VisionAttention` (graphs need the attention to take cu_seqlens on the device and read nothing on the host; dsv4's
