@@ -29,7 +29,6 @@ batch in a large graph budget paid for its padding squared: the encoder graphs w
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 
@@ -225,29 +224,19 @@ def _flash_forward():  # looked up per call, so a test can stand in for the CUDA
     return torch.ops.aten._flash_attention_forward
 
 
-def _packed_torch_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                          forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
-                                            torch.Tensor]) -> torch.Tensor:
-    """The wrapper of a torch attention op over packed sequences: int32 boundaries (the only kind the op takes),
-    q/k/v with a unit last stride and q's dtype, `forward(q, k, v, cu, rows)` with max lengths = q's row count (a
-    bound every sequence of the buffer satisfies, so nothing is read on the host and the call can be captured with the
-    boundaries changing between replays), and the rows past cu_seqlens[-1], which the op need not write, set to 0:
-    the padding rule of the Triton kernel."""
+def varlen_attention_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                           scale: float | None = None) -> torch.Tensor:
+    """The same attention as `varlen_attention_triton` through FlashAttention-2's varlen forward
+    (`aten._flash_attention_forward`, the positional form torch has kept since 2.1): int32 boundaries (the only kind
+    it takes) for both q and k, q/k/v with a unit last stride and q's dtype, and max lengths = q's row count (a bound
+    every sequence of the buffer satisfies, so nothing is read on the host and the call can be captured with the
+    boundaries changing between replays). FlashAttention leaves the rows past cu_seqlens[-1] unwritten (the output
+    is allocated empty: garbage, NaN possibly); they are set to 0, the padding rule of the Triton kernel."""
     rows = q.shape[0]
     if rows == 0:
         return torch.empty_like(q)
     cu = cu_seqlens.to(torch.int32).contiguous()
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    out = forward(q, k.to(q.dtype), v.to(q.dtype), cu, rows)
+    out = _flash_forward()(q, k.to(q.dtype), v.to(q.dtype), cu, cu, rows, rows, 0.0, False, False, scale=scale)[0]
     padding = torch.arange(rows, dtype=torch.int32, device=q.device) >= cu[-1]
     return out.masked_fill(padding[:, None, None], 0)
-
-
-def varlen_attention_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
-                           scale: float | None = None) -> torch.Tensor:
-    """The same attention as `varlen_attention_triton` through FlashAttention-2's varlen forward
-    (`aten._flash_attention_forward`, the positional form torch has kept since 2.1; `_packed_torch_forward`).
-    FlashAttention leaves the rows past cu_seqlens[-1] unwritten (the output is allocated empty: garbage, NaN
-    possibly)."""
-    return _packed_torch_forward(q, k, v, cu_seqlens, lambda q, k, v, cu, rows: _flash_forward()(
-        q, k, v, cu, cu, rows, rows, 0.0, False, False, scale=scale)[0])
