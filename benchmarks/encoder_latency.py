@@ -23,8 +23,12 @@ Budgets follow the engine's limits (`--max-num-batched-tokens`, `--max-model-len
 kernel (O(sum of len^2) per image, nothing for the budget's unused rows) or FlashAttention's varlen forward (the
 kernel eager SDPA runs per image); the rest of the tower runs over every row of the budget, so graphs pay for up to
 (1 + 1 / steps) x the linear work of the eager path: the results show where that outweighs the saved launches.
-`--profile` prints the top kernels of one eager and one graphs call of each case. `--device cpu` smoke-tests the
-script (no graphs: the uncaptured stand-in); `--plan-only` prints each case's rows and TFLOP from the shapes.
+Each case also reports its work (dsv4/bench/vision_flops.py: the linear layers over the rows a path runs, attention
+over the images' own patches) against the dense bf16 peak (`--peak-tflops`, else the H200 datasheet's 989.5, which is
+also the H100 SXM's): the fraction of the peak each path reached, and the fraction a graphs call would need to run in
+half the eager time (2x): where that is near or above what the GEMMs and attention reach, no saving of launches gets
+there. `--profile` prints the top kernels of one eager and one graphs call of each case. `--device cpu` smoke-tests
+the script (no graphs: the uncaptured stand-in); `--plan-only` prints each case's rows and TFLOP from the shapes.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from typing import Any
 
 import torch
 
+from dsv4.bench.flops import device_peak
+from dsv4.bench.vision_flops import encoder_flops
 from dsv4.models.image_processor import plan_image
 from dsv4.models.vision import VisionConfig, VisionEncoder, vision_param_dtype
 from dsv4.ops import varlen_attention as varlen_ops
@@ -128,11 +134,9 @@ def plan_table(args: argparse.Namespace) -> dict[str, Any]:
     """The work of every case under the budget ladder, from shapes alone: real ViT rows against the rows the graphs
     run (the budget's), and the tower's TFLOP (linear layers over the rows a path runs; attention over the images'
     own rows, which both paths do)."""
-    cfg = VISIONS[args.vision][0]
+    cfg, hidden = VISIONS[args.vision][:2]
     budgets, eager_above = bench_budgets(args)
     mbs = default_max_batch_size(budgets)  # the manager's default
-    d, f, n_layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    linear_per_row = 2 * n_layers * (d * 3 * d + d * d + d * 2 * f + f * d)  # wqkv, wo, w1 (gate | up), w2
     rows_out = []
     print(f"budgets ({args.budget_steps} a octave): {budgets}; max batch {mbs}")
     print("| size | images | batches (budget x images) | real rows | graph rows | x | linear TFLOP eager / graphs "
@@ -146,15 +150,31 @@ def plan_table(args: argparse.Namespace) -> dict[str, Any]:
             real = count * grid[0] * grid[1]
             graph_rows = sum(patch_rows(b.budget, grid[0] * grid[1] * len(b.indices), cfg.downsample_ratio)
                              if b.budget else grid[0] * grid[1] * len(b.indices) for b in batches)
-            attention = 4 * n_layers * count * (grid[0] * grid[1]) ** 2 * d
+            eager = encoder_flops(cfg, hidden, [grid] * count)
+            graphs = encoder_flops(cfg, hidden, [grid] * count, patch_rows=graph_rows)
             row = {"size": size, "images": count, "batches": [(b.budget, len(b.indices)) for b in batches],
-                   "real_rows": real, "graph_rows": graph_rows, "linear_tflop": linear_per_row * real / 1e12,
-                   "graph_linear_tflop": linear_per_row * graph_rows / 1e12, "attention_tflop": attention / 1e12}
+                   "real_rows": real, "graph_rows": graph_rows, "linear_tflop": eager.tower_linear / 1e12,
+                   "graph_linear_tflop": graphs.tower_linear / 1e12, "attention_tflop": eager.attention / 1e12}
             rows_out.append(row)
             plan = ", ".join(f"{b or 'eager'}x{n}" for b, n in row["batches"])
             print(f"| {size} | {count} | {plan} | {real} | {graph_rows} | {graph_rows / real:.2f} "
                   f"| {row['linear_tflop']:.2f} / {row['graph_linear_tflop']:.2f} | {row['attention_tflop']:.2f} |")
     return {"budgets": budgets, "plan": rows_out}
+
+
+def work_fields(cfg: VisionConfig, hidden: int, grid: tuple[int, int], batches: list[dict[str, Any]],
+                eager_ms: float, graphs_ms: float, peak: float) -> dict[str, float]:
+    """The FLOPs of a case's eager and graphs calls (a graph batch runs its buffers' patch and aligner rows, an
+    eager batch its images' own) and the fraction of `peak` (FLOP/s) each reached; `graphs_fraction_for_2x`: what a
+    graphs call would need to reach to take half of `eager_ms`."""
+    eager = sum(encoder_flops(cfg, hidden, [grid] * b["images"]).total for b in batches)
+    graphs = sum(encoder_flops(cfg, hidden, [grid] * b["images"], patch_rows=b["patch_rows"],
+                               aligner_rows=b["budget"]).total if b["budget"] else
+                 encoder_flops(cfg, hidden, [grid] * b["images"]).total for b in batches)
+    return {"eager_flops": eager, "graphs_flops": graphs, "floor_ms": eager / peak * 1e3,
+            "eager_fraction_of_peak": eager / (eager_ms / 1e3) / peak,
+            "graphs_fraction_of_peak": graphs / (graphs_ms / 1e3) / peak,
+            "graphs_fraction_for_2x": graphs / (eager_ms / 2e3) / peak}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -179,6 +199,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="also print the top CUDA kernels of one eager call and one graphs call per case")
     ap.add_argument("--plan-only", action="store_true",
                     help="print each case's batches, real and budget ViT rows and TFLOP; build and time nothing")
+    ap.add_argument("--peak-tflops", type=float, default=None,
+                    help="the device's dense peak for --dtype (default: the H200's bf16 / fp32 datasheet figure)")
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args(argv)
     varlen_ops.GRAPH_ATTENTION = args.graph_attention
@@ -190,6 +212,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     cuda = device.type == "cuda"
+    peak, peak_source = device_peak(args.dtype, args.peak_tflops)
     sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
     enc = build_encoder(cfg, hidden, DTYPES[args.dtype], device)
     budgets, eager_above = bench_budgets(args)
@@ -226,15 +249,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # every call plans the same batches: hits and misses per call follow from the plan
             batches = plan_call([lh * lw] * count, [tokens] * count, mgr.budgets, mgr.max_batch_size,
                                 mgr.eager_above)
+            planned = [{"budget": b.budget, "images": len(b.indices), "aligner_rows": b.rows,
+                        "patch_rows": mgr.graph_key(b.budget, [grid] * len(b.indices))[1] if b.budget else None}
+                       for b in batches]
             results.append({
-                "size": size, "vit_grid": list(grid), "span_tokens": tokens, "images": count,
-                "batches": [{"budget": b.budget, "images": len(b.indices), "aligner_rows": b.rows,
-                             "patch_rows": mgr.graph_key(b.budget, [grid] * len(b.indices))[1] if b.budget else None}
-                            for b in batches],
+                "size": size, "vit_grid": list(grid), "span_tokens": tokens, "images": count, "batches": planned,
                 "hits_per_call": sum(len(b.indices) for b in batches if b.budget is not None),
                 "misses_per_call": sum(len(b.indices) for b in batches if b.budget is None),
                 "eager_ms": eager, "graphs_ms": graphs, "speedup": eager["median"] / graphs["median"],
                 "max_abs_diff": diff,
+                **work_fields(cfg, hidden, grid, planned, eager["median"], graphs["median"], peak),
             })
             print(f"{size} x{count}: eager {eager['median']:.3f} ms, graphs {graphs['median']:.3f} ms", flush=True)
             if args.profile and cuda:
@@ -251,19 +275,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "graph_attention": args.graph_attention, "budget_steps": args.budget_steps, "eager_above": eager_above,
         "budgets": mgr.budgets, "max_batch_size": mgr.max_batch_size, "graphs_captured": sorted(mgr.graphs),
         "capture_s": capture_s, "graph_memory_reserved_bytes": graph_bytes, "warmup": args.warmup,
-        "iters": args.iters, "results": results,
+        "iters": args.iters, "peak_tflops_per_s": peak / 1e12, "peak_source": peak_source, "results": results,
     }
     print(f"vision={args.vision} dtype={args.dtype} device={report['device']} budgets={mgr.budgets} "
           f"max_batch_size={mgr.max_batch_size} capture={capture_s:.2f}s graph memory={graph_bytes / 2**20:.0f} MiB")
+    print(f"peak {peak / 1e12:.1f} TFLOP/s ({peak_source})")
     print("| size | vit grid | span | images | batches (budget/patch rows x images) | eager ms | graphs ms | speedup "
-          "| max diff |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| max diff | floor ms | eager / graphs % of peak | 2x needs % of peak |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         plan = ", ".join(f"{b['budget']}/{b['patch_rows']}x{b['images']}" if b["budget"] else f"eagerx{b['images']}"
                          for b in r["batches"])
         print(f"| {r['size']} | {r['vit_grid'][0]}x{r['vit_grid'][1]} | {r['span_tokens']} | {r['images']} | {plan} "
               f"| {r['eager_ms']['median']:.3f} | {r['graphs_ms']['median']:.3f} | {r['speedup']:.2f}x "
-              f"| {r['max_abs_diff']:.3g} |")
+              f"| {r['max_abs_diff']:.3g} | {r['floor_ms']:.2f} | {100 * r['eager_fraction_of_peak']:.0f} / "
+              f"{100 * r['graphs_fraction_of_peak']:.0f} | {100 * r['graphs_fraction_for_2x']:.0f} |")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(report, f, indent=1)
