@@ -373,13 +373,6 @@ def text_config(config: dict[str, Any]) -> dict[str, Any]:
     return inner if isinstance(inner, dict) else config
 
 
-@functools.lru_cache(maxsize=1)
-def builtin_compressed_vocab_size() -> int:
-    """Distinct keys of the engram compressed token map of the built-in tokenizer (what a V4.1 config's
-    `engram_compressed_vocab_size` must say for the engine to run it)."""
-    return compressed_vocab_size(TOKENIZER_VOCAB_SIZE)
-
-
 @functools.lru_cache(maxsize=4)
 def compressed_vocab_size(vocab_size: int, image_token: bool = False) -> int:
     """Distinct keys of the engram compressed token map of the tokenizer make_model writes for `vocab_size` ids

@@ -224,13 +224,6 @@ if triton is not None:
             return c0, c1, c2, c3
 
     @triton.jit
-    def _load_x_rows(xrows, mm, kg, K, W: tl.constexpr, VPW: tl.constexpr):
-        """`_load_x` for several rows at once: rows `xrows` [ROWS] (masked by mm) -> fp32 [ROWS, G, W, VPW]."""
-        xk = kg[:, None, None] + tl.arange(0, W)[None, :, None] * VPW + tl.arange(0, VPW)[None, None, :]
-        return tl.load(xrows[:, None, None, None] + xk[None, :, :, :], mask=mm[:, None, None, None] & (xk < K)[None],
-                       other=0.0).to(tl.float32)
-
-    @triton.jit
     def _load_x_tile(x_ptr, xrows, mm, k0, K, lim, BLOCK_K: tl.constexpr):
         """The rows' x columns k0 + [0, BLOCK_K) [BLOCK_M, BLOCK_K] in x's dtype (columns from `lim` on masked)."""
         k = k0 + tl.arange(0, BLOCK_K)
