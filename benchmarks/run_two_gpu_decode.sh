@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 9's runs on a machine with two GPUs (nvidia-h200-x2). From the repo root, PYTHONPATH=.:
-#   benchmarks/run_issue9.sh OUTDIR PART [PART ...]
+# Decode on two GPUs (expert + tensor parallel) against one (nvidia-h200-x2). From the repo root, PYTHONPATH=.:
+#   benchmarks/run_two_gpu_decode.sh OUTDIR PART [PART ...]
 #   tests      tests/gpu/test_distributed_gpu.py (NCCL ranks against one GPU: tokens)
 #   resttests  the rest of tests/gpu (on GPU 0)
 #   bench      V4.1-Flash-8l decode at batch $BATCHES (default "1 32"): one GPU, then two GPUs under torchrun

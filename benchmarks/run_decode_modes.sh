@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Issue 5's GPU measurements in device calls of at most ~9 minutes each (every command has its own limit, so a slow
-# part cannot eat the rest). Run from the repo root with PYTHONPATH=.:
-#   benchmarks/run_issue5.sh OUTDIR PART [PART ...]
+# Decode of both Flash presets under each engine mode (graphs, async, eager, the HF baseline), in device calls of at
+# most ~9 minutes each (every command has its own limit, so a slow part cannot eat the rest). Run from the repo root
+# with PYTHONPATH=.:
+#   benchmarks/run_decode_modes.sh OUTDIR PART [PART ...]
 #   tests        tests/gpu, then both presets at batch 1 and 32: graphs, graphs+async
 #   kernels      tests/gpu/test_kernels_gpu.py alone
 #   sizes        both presets at batch 8 and 64: graphs, graphs+async

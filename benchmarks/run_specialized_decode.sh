@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Issue 7's GPU runs (specialized decode: CUDA graphs of the decode-metadata builds). From the repo root, PYTHONPATH=.:
-#   benchmarks/run_issue7.sh OUTDIR PART [PART ...]
+# Specialized decode (CUDA graphs of the decode-metadata builds) against the default engine. From the repo root,
+# PYTHONPATH=.:
+#   benchmarks/run_specialized_decode.sh OUTDIR PART [PART ...]
 #   tests   tests/gpu/test_metadata_graphs_gpu.py, then the rest of tests/gpu
 #   variants  V4.1-Flash-8l at b1, one process per engine (the first engine of a process was measured faster):
 #           the forward graph's device time and step time of default, default:sidestream, latency_specialized and

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 6's GPU runs (prefix caching with SWA bounded replay). From the repo root with PYTHONPATH=.:
-#   benchmarks/run_issue6.sh OUTDIR PART [PART ...]
+# Multi-turn chat with prefix caching (SWA bounded replay against exact and off). From the repo root with PYTHONPATH=.:
+#   benchmarks/run_prefix_cache_chat.sh OUTDIR PART [PART ...]
 #   tests   tests/gpu
 #   chat    `dsv4 bench chat` on the V4.1-Flash-8l preset, 30 turns, for each turn length in $TURN_LENS (default
 #           "512") and each mode in $MODES (default "off bounded exact"); writes OUTDIR/chat-<len>-<mode>.json
