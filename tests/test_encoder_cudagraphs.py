@@ -21,6 +21,7 @@ from dsv4.engine.async_engine import AsyncLLMEngine
 from dsv4.engine.multimodal import IMAGE_PLACEHOLDER
 from dsv4.make_model import make_model
 from dsv4.models.vision import VisionAttention, VisionConfig, VisionEncoder, block_diagonal_attention
+from dsv4.runtime import encoder_cudagraphs as encoder_graphs
 from dsv4.runtime.encoder_cudagraphs import (GRAPH_MAX_SPAN_TOKENS, EncoderBatch, EncoderCudaGraphManager,
                                              EncoderGraphError, budget_range, capture_grids, check_capturable,
                                              default_max_batch_size, graph_keys, llm_grid_of, padded_cu_seqlens,
@@ -293,6 +294,44 @@ def test_outputs_are_not_aliased_across_calls(enc: VisionEncoder) -> None:
         assert torch.equal(a, k) and not torch.equal(a, b)
         assert a.untyped_storage().data_ptr() != static.untyped_storage().data_ptr()
         assert a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+
+
+def test_batch_metadata_is_cached_and_equals_a_fresh_build(enc: VisionEncoder, monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """A batch's host metadata is built once and reused while it is among the METADATA_CACHE_SIZE latest; a cached
+    entry equals a fresh build, and calls alternating between batches of one graph key (A, B, A) give each its own
+    eager outputs (no stale boundaries, positions or merge plan)."""
+    monkeypatch.setattr(encoder_graphs, "METADATA_CACHE_SIZE", 3)
+    m = EncoderCudaGraphManager.from_limits(enc, 256, 4096)
+    built: list[tuple[tuple[int, int], tuple[tuple[int, int], ...]]] = []
+    real = encoder_graphs.batch_metadata
+
+    def counting(key, grids, ratio, slots, pin):  # type: ignore[no-untyped-def]
+        built.append((key, tuple(grids)))
+        return real(key, grids, ratio, slots, pin)
+
+    monkeypatch.setattr(encoder_graphs, "batch_metadata", counting)
+    a, b = [(4, 5), (6, 6)], [(6, 6), (4, 5)]  # 4 aligner rows each (ties keep the order): one key, other boundaries
+    key = m.graph_key(64, a)
+    assert key == m.graph_key(64, b)
+    with torch.no_grad():
+        for grids in (a, b, a, b):
+            patches = _patches(grids, len(built))
+            for p, g, span in zip(patches, grids, m.encode(patches, grids)):
+                torch.testing.assert_close(span, enc(p, [g])[0], rtol=1e-4, atol=1e-4)
+    assert built == [(key, tuple(a)), (key, tuple(b))]  # one build each; the gather index came from the cache too
+    fresh = real(key, a, R, m.cu_seqlens.numel(), False)
+    cached = m.metadata(key, a)
+    for name in ("positions", "merge_idx", "merge_mask", "cu_seqlens", "gather"):
+        assert torch.equal(getattr(cached, name), getattr(fresh, name)), name
+    assert torch.equal(cached.gather, span_gather_index([llm_grid_of(g, R) for g in a], 64))
+    # least recently used out: a (just used), then c and d push b out, then e pushes a out
+    c, d, e = [(1, 1)], [(2, 2)], [(5, 5)]
+    for grids in (c, d, e):
+        m.metadata(m.graph_key(64, grids), grids)
+    assert [g for _, g in m._metadata] == [tuple(c), tuple(d), tuple(e)]
+    m.metadata(key, b)
+    assert built[-1] == (key, tuple(b)) and len(m._metadata) == 3
 
 
 def test_empty_and_bad_inputs(enc: VisionEncoder) -> None:

@@ -53,7 +53,9 @@ is reported with the same advice.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -87,6 +89,12 @@ GRAPH_MAX_SPAN_TOKENS = 768
 PATCH_SHORTFALLS = (0, 1)
 
 GraphKey = tuple[int, int]  # (aligner rows B, patch rows P) of one graph's buffers
+# Batches whose host metadata (positions, merge plan, boundaries, span gather index) a manager keeps, least recently
+# used out first. Building it is pure host work before a replay can start, ~0.3-0.7 ms a batch on a busy 2-core host
+# (2026-12-07, benchmarks/results/2026-12-07-cpu-encoder-host-metadata), against a replay of 4.7-7.4 ms for one
+# 544x544-640x640 image; images of one size recur (a camera, a screenshot, a resized upload). An entry holds
+# pinned tensors of ~20 bytes a patch row (~0.1 MB at 6,912 rows).
+METADATA_CACHE_SIZE = 32
 
 
 class EncoderGraphError(ValueError):
@@ -248,6 +256,35 @@ def span_gather_index(llm_grids: Sequence[Grid], num_rows: int) -> torch.Tensor:
     return torch.where(is_image, is_image.cumsum(0) - 1, delimiter)
 
 
+@dataclass(frozen=True)
+class BatchMetadata:
+    """What one batch of grids writes into a graph's buffers besides its patches, and its span gather index: host
+    tensors (pinned for CUDA) that nothing writes once built, so a cached one may be the source of a copy again while
+    an earlier copy from it is still in flight."""
+
+    positions: torch.Tensor  # int64 [P, 2]: (row, col) of every patch, zero on the padding rows
+    merge_idx: torch.Tensor  # int64 [B, r*r]: `merge_index`, zero-padded to the budget's aligner rows
+    merge_mask: torch.Tensor  # bool [B, r*r]
+    cu_seqlens: torch.Tensor  # int32 [slots]: `padded_cu_seqlens`
+    gather: torch.Tensor  # int64: `span_gather_index` into the graph's output
+
+
+def batch_metadata(key: GraphKey, grids: Sequence[Grid], ratio: int, slots: int, pin: bool) -> BatchMetadata:
+    """The `BatchMetadata` of `grids` (ViT grids, in batch order) in the buffers of graph `key` = (B, P) with
+    `slots` boundary slots; `pin`: in page-locked memory (CUDA), so the copies to the device are asynchronous."""
+    rows, num_patches = key
+    n = sum(h * w for h, w in grids)
+    positions = torch.zeros(num_patches, 2, dtype=torch.int64)
+    positions[:n] = vision_positions(grids)
+    idx, inside = merge_index(grids, ratio)
+    merge_idx = torch.zeros(rows, ratio ** 2, dtype=torch.int64)
+    merge_mask = torch.zeros(rows, ratio ** 2, dtype=torch.bool)
+    merge_idx[: idx.shape[0]], merge_mask[: idx.shape[0]] = idx, inside
+    meta = BatchMetadata(positions, merge_idx, merge_mask, padded_cu_seqlens(grids, slots, num_patches),
+                         span_gather_index([llm_grid_of(g, ratio) for g in grids], rows))
+    return BatchMetadata(*(t.pin_memory() for t in dataclasses.astuple(meta))) if pin else meta
+
+
 def check_capturable(encoder: VisionEncoder, device: torch.device) -> None:
     """Raise EncoderGraphError naming why this encoder cannot be captured on `device` (see the module docstring)."""
     if device.type != "cuda":
@@ -306,6 +343,7 @@ class EncoderCudaGraphManager:
         self.outputs: dict[GraphKey, torch.Tensor] = {}  # static outputs of the uncaptured stand-in
         self.pool = None
         self.released = False
+        self._metadata: OrderedDict[tuple[GraphKey, tuple[Grid, ...]], BatchMetadata] = OrderedDict()
         self.hits = 0  # images encoded by a budget's graph
         self.misses = 0  # images encoded eagerly (larger than every budget, or in a call above eager_above)
 
@@ -336,17 +374,22 @@ class EncoderCudaGraphManager:
             self.patches[n:num_patches].zero_()
         else:
             self.patches[:num_patches].zero_()
-        positions = torch.zeros(num_patches, 2, dtype=torch.int64, pin_memory=pin)
-        positions[:n] = vision_positions(grids)
-        idx, inside = merge_index(grids, self.ratio)
-        merge_idx = torch.zeros(rows, self.ratio ** 2, dtype=torch.int64, pin_memory=pin)
-        merge_mask = torch.zeros(rows, self.ratio ** 2, dtype=torch.bool, pin_memory=pin)
-        merge_idx[: idx.shape[0]], merge_mask[: idx.shape[0]] = idx, inside
-        cu = padded_cu_seqlens(grids, self.cu_seqlens.numel(), num_patches)
-        self.positions[:num_patches].copy_(positions, non_blocking=True)
-        self.merge_idx[:rows].copy_(merge_idx, non_blocking=True)
-        self.merge_mask[:rows].copy_(merge_mask, non_blocking=True)
-        self.cu_seqlens.copy_(cu.pin_memory() if pin else cu, non_blocking=True)
+        meta = self.metadata(key, grids)
+        self.positions[:num_patches].copy_(meta.positions, non_blocking=True)
+        self.merge_idx[:rows].copy_(meta.merge_idx, non_blocking=True)
+        self.merge_mask[:rows].copy_(meta.merge_mask, non_blocking=True)
+        self.cu_seqlens.copy_(meta.cu_seqlens, non_blocking=True)
+
+    def metadata(self, key: GraphKey, grids: Sequence[Grid]) -> BatchMetadata:
+        """`batch_metadata` of the batch, from the cache of the `METADATA_CACHE_SIZE` latest batches."""
+        cache_key = (key, tuple(grids))
+        meta = self._metadata.pop(cache_key, None)
+        if meta is None:
+            meta = batch_metadata(key, grids, self.ratio, self.cu_seqlens.numel(), self.device.type == "cuda")
+            if len(self._metadata) >= METADATA_CACHE_SIZE:
+                self._metadata.pop(next(iter(self._metadata)))  # the least recently used
+        self._metadata[cache_key] = meta  # (re)inserted last: the most recently used
+        return meta
 
     def forward_buffers(self, key: GraphKey) -> torch.Tensor:
         """The function a graph captures: the encoder over the buffers of `key` -> [B aligner rows; START; NEW_LINE;
@@ -424,11 +467,10 @@ class EncoderCudaGraphManager:
                 self.misses += len(sel)
             else:
                 key = self.graph_key(batch.budget, [grids[i] for i in sel])
-                self.fill(key, [grids[i] for i in sel], [patches[i] for i in sel])
+                batch_grids = [grids[i] for i in sel]
+                self.fill(key, batch_grids, [patches[i] for i in sel])
                 static = self.run(key)
-                index = span_gather_index([llm_grids[i] for i in sel], key[0])
-                if self.device.type == "cuda":
-                    index = index.pin_memory()
+                index = self.metadata(key, batch_grids).gather
                 # one gather, allocated outside the graph pool: fresh memory no later replay writes
                 joined = static.index_select(0, index.to(self.device, non_blocking=True))
                 spans = list(joined.split([span_lens[i] for i in sel]))
@@ -441,6 +483,7 @@ class EncoderCudaGraphManager:
         """Drop the graphs, their pool and the buffers; later `encode` calls run the eager encoder."""
         self.graphs.clear()
         self.outputs.clear()
+        self._metadata.clear()
         self.pool = None
         self.patches = self.positions = self.cu_seqlens = self.merge_idx = self.merge_mask = None  # type: ignore
         self.released = True

@@ -1,5 +1,6 @@
-"""benchmarks/encoder_latency.py on the CPU (the tiny tower, no graphs: the uncaptured stand-in): every case's JSON
-carries its work and its fractions of the peak, computed from the FLOP model and the times it reports."""
+"""The encoder benchmarks on the CPU: benchmarks/encoder_latency.py (the tiny tower, no graphs: the uncaptured
+stand-in), whose every case carries its work and its fractions of the peak, computed from the FLOP model and the times
+it reports; benchmarks/encoder_host_metadata.py, whose cases are the graphs the engine's manager would replay."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import pytest
 
 from dsv4.bench.vision_flops import encoder_flops
 
-SCRIPT = Path(__file__).parent.parent / "benchmarks" / "encoder_latency.py"
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
 
 
-def _script() -> Any:
-    spec = importlib.util.spec_from_file_location("encoder_latency", SCRIPT)
+def _script(name: str = "encoder_latency") -> Any:
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -57,3 +58,14 @@ def test_work_fields_of_graph_and_eager_batches() -> None:
     assert got["graphs_flops"] == graph + own
     assert got["eager_flops"] == encoder_flops(cfg, hidden, [grid] * 2).total + own
     assert got["graphs_fraction_for_2x"] == pytest.approx(got["graphs_fraction_of_peak"])  # graphs took half of eager
+
+
+def test_encoder_host_metadata_cases(tmp_path: Path) -> None:
+    """One graph batch per case (544x544 x1 and x2 fit budgets), none for a call above the span limit (1536x1536)."""
+    out = tmp_path / "host.json"
+    report = _script("encoder_host_metadata").main(["--sizes", "544x544", "1536x1536", "--counts", "1", "2",
+                                                    "--iters", "3", "--output-json", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
+    assert [(r["size"], r["images"], r["key"]) for r in report["rows"]] == [("544x544", 1, [192, 1536]),
+                                                                           ("544x544", 2, [384, 3072])]
+    assert all(r[f] > 0 for r in report["rows"] for f in ("build_us", "cached_us", "stage_us"))
