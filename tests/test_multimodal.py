@@ -16,7 +16,7 @@ from test_server import KEY, Server, serve_process
 
 from dsv4 import LLM, SamplingParams
 from dsv4.engine.engine import RequestError
-from dsv4.engine.multimodal import IMAGE_PLACEHOLDER, expand_image_spans, split_chat_images
+from dsv4.engine.multimodal import IMAGE_PLACEHOLDER, expand_image_spans, images_to_encode, split_chat_images
 from dsv4.make_model import make_model
 from dsv4.models.image_processor import span_types
 from dsv4.serve.parsers import ParserOptions, parse_chat_output
@@ -57,6 +57,13 @@ def test_expand_spans() -> None:
     with pytest.raises(ValueError, match="2 image placeholders"):
         expand_image_spans([9, 9], [(_P(2), "a")], image_token_id=9)
     assert span_types(2, 3).tolist() == [0, 1, 1, 1, 2, 1, 1, 1, 2, 3]
+
+
+def test_images_to_encode_are_those_reaching_a_computed_position() -> None:
+    """Spans [1, 4) and [5, 9): one is skipped only once its last position (3, 8) is below num_computed_tokens."""
+    _, images = expand_image_spans([5, 9, 6, 9, 7], [(_P(3), "a"), (_P(4), "b")], image_token_id=9)
+    for computed, kept in ((0, "ab"), (1, "ab"), (3, "ab"), (4, "b"), (5, "b"), (8, "b"), (9, ""), (20, "")):
+        assert "".join(im.content_hash for im in images_to_encode(images, computed)) == kept, computed
 
 
 def test_split_chat_images() -> None:
@@ -168,3 +175,27 @@ def test_server_image_url(vl_server: Server, model_dir: str) -> None:
     ok = client.chat.completions.create(model=model_dir, messages=[{"role": "user", "content": "still here?"}],
                                         max_tokens=4)
     assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_images_inside_a_prefix_cache_hit_are_not_encoded(model_dir: str) -> None:
+    """A second turn resends the first turn's image: its span lies inside the prefix-cache hit (less the replayed
+    window), so it is not encoded, and the output equals a fresh engine's, which encodes it. A new image after the
+    hit is encoded; with prefix caching off every image is."""
+    llm = _llm(model_dir, 256)
+    runner = llm.engine.runner
+    first = f"Describe {IMAGE_PLACEHOLDER} " + "and tell me more about what it shows, " * 4
+    second = first + "then compare it with " + IMAGE_PLACEHOLDER + " please"
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    llm.generate([{"prompt": first, "multi_modal_data": {"image": _image(1)}}], sp)
+    assert (runner.num_images_encoded, runner.num_images_skipped) == (1, 0)
+    turn2 = {"prompt": second, "multi_modal_data": {"image": [_image(1), _image(2)]}}
+    cached = llm.generate([turn2], sp)[0]
+    assert cached.num_cached_tokens > 0
+    assert (runner.num_images_encoded, runner.num_images_skipped) == (2, 1)  # the new image only
+    fresh_llm = LLM(model=model_dir, device="cpu", dtype="float32", max_model_len=256, max_num_batched_tokens=256,
+                    enable_prefix_caching=False)
+    fresh = fresh_llm.generate([turn2], sp)[0]
+    assert (fresh_llm.engine.runner.num_images_encoded, fresh_llm.engine.runner.num_images_skipped) == (2, 0)
+    assert cached.outputs[0].token_ids == fresh.outputs[0].token_ids
+    tok = fresh.outputs[0].token_ids[0]
+    assert abs(cached.outputs[0].logprobs[0][tok].logprob - fresh.outputs[0].logprobs[0][tok].logprob) < 1e-4

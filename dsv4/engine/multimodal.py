@@ -10,6 +10,7 @@ runner encodes them once per admission.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -82,6 +83,13 @@ def split_chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, An
                 raise ValueError(f"unsupported message content part type {kind!r}")
         out.append({**m, "content": "".join(text)})
     return out, images
+
+
+def images_to_encode(images: Sequence[ImageInput], num_computed_tokens: int) -> list[ImageInput]:
+    """The images of a request (newly admitted, computing from `num_computed_tokens`) whose spans reach a position
+    it computes. A span wholly below it lies in a prefix-cache hit (less any replayed window) and is never read: a
+    chat resends its earlier turns' images with every turn, and their KV is already cached."""
+    return [im for im in images if im.offset + im.num_tokens > num_computed_tokens]
 
 
 class PreparedImage(NamedTuple):

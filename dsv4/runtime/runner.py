@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from dsv4.config import EngineConfig
+from dsv4.engine.multimodal import images_to_encode
 from dsv4.kv.spec import KVGroupSpec
 from dsv4.models.layers.rope import prepare_rope_tables
 from dsv4.runtime.attn_metadata import DecodeMetadata
@@ -150,6 +151,8 @@ class ModelRunner:
             self.model_state = DefaultModelState(*state_args)
         # encoder outputs per request, computed once at admission: [(prompt offset, span embeddings)]
         self.image_spans: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        self.num_images_encoded = 0
+        self.num_images_skipped = 0  # wholly inside a prefix-cache hit: never encoded (see _apply_deltas)
         # launched steps whose tokens the host has not read yet, oldest first (async scheduling)
         self._unresolved: list[PendingOutput] = []
         # host time of the last execute_async, and of the last decode step's metadata build (eager or a recorded
@@ -265,8 +268,12 @@ class ModelRunner:
                 self.grammars.remove(row)
             self.image_spans.pop(req_id, None)
         for new in so.scheduled_new_reqs:
-            if new.images:
-                self.image_spans[new.req_id] = self.model.encode_images(new.images)
+            self.image_spans.pop(new.req_id, None)  # a resumed request: its spans are those of this admission
+            images = images_to_encode(new.images or [], new.num_computed_tokens)  # `_image_rows` reads no other
+            if images:
+                self.image_spans[new.req_id] = self.model.encode_images(images)
+            self.num_images_encoded += len(images)
+            self.num_images_skipped += len(new.images or ()) - len(images)
             old_row = self.req_state.req_id_to_row.get(new.req_id)
             if old_row is not None:  # re-adding an id replaces its old row: its matcher goes with it
                 self.grammars.remove(old_row)
