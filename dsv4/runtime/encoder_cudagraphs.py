@@ -93,7 +93,7 @@ GraphKey = tuple[int, int]  # (aligner rows B, patch rows P) of one graph's buff
 # used out first. Building it is pure host work before a replay can start, ~0.3-0.7 ms a batch on a busy 2-core host
 # (2026-12-07, benchmarks/results/2026-12-07-cpu-encoder-host-metadata), against a replay of 4.7-7.4 ms for one
 # 544x544-640x640 image; images of one size recur (a camera, a screenshot, a resized upload). An entry holds
-# pinned tensors of ~20 bytes a patch row (~0.1 MB at 6,912 rows).
+# pinned tensors of ~25 bytes a patch row (~0.2 MB at 6,912 rows; the cache at most ~6 MB).
 METADATA_CACHE_SIZE = 32
 
 
@@ -466,8 +466,8 @@ class EncoderCudaGraphManager:
                 spans = self.encoder(torch.cat([patches[i] for i in sel]), [grids[i] for i in sel])
                 self.misses += len(sel)
             else:
-                key = self.graph_key(batch.budget, [grids[i] for i in sel])
                 batch_grids = [grids[i] for i in sel]
+                key = self.graph_key(batch.budget, batch_grids)
                 self.fill(key, batch_grids, [patches[i] for i in sel])
                 static = self.run(key)
                 index = self.metadata(key, batch_grids).gather
