@@ -334,6 +334,25 @@ def test_batch_metadata_is_cached_and_equals_a_fresh_build(enc: VisionEncoder, m
     assert built[-1] == (key, tuple(b)) and len(m._metadata) == 3
 
 
+def test_pinned_batch_metadata_holds_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA every metadata tensor is pinned (copied into page-locked memory): field for field the same values. The
+    CPU build cannot pin, so a stand-in copy records the calls."""
+    pinned: list[torch.Tensor] = []
+
+    def fake_pin(self: torch.Tensor) -> torch.Tensor:
+        pinned.append(self.clone())
+        return pinned[-1]
+
+    grids = [(4, 5), (6, 6)]
+    plain = encoder_graphs.batch_metadata((64, 512), grids, R, 5, pin=False)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", fake_pin)
+    pin = encoder_graphs.batch_metadata((64, 512), grids, R, 5, pin=True)
+    names = ("positions", "merge_idx", "merge_mask", "cu_seqlens", "gather")
+    assert len(pinned) == len(names)
+    for name, copy in zip(names, pinned):
+        assert getattr(pin, name) is copy and torch.equal(copy, getattr(plain, name)), name
+
+
 def test_empty_and_bad_inputs(enc: VisionEncoder) -> None:
     m = EncoderCudaGraphManager.from_limits(enc, 256, 4096)
     assert m.encode([], []) == []

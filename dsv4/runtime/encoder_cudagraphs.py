@@ -282,7 +282,8 @@ def batch_metadata(key: GraphKey, grids: Sequence[Grid], ratio: int, slots: int,
     merge_idx[: idx.shape[0]], merge_mask[: idx.shape[0]] = idx, inside
     meta = BatchMetadata(positions, merge_idx, merge_mask, padded_cu_seqlens(grids, slots, num_patches),
                          span_gather_index([llm_grid_of(g, ratio) for g in grids], rows))
-    return BatchMetadata(*(t.pin_memory() for t in dataclasses.astuple(meta))) if pin else meta
+    # (fields() rather than astuple(), which would deep-copy every tensor first)
+    return BatchMetadata(*(getattr(meta, f.name).pin_memory() for f in dataclasses.fields(meta))) if pin else meta
 
 
 def check_capturable(encoder: VisionEncoder, device: torch.device) -> None:
