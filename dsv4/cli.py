@@ -177,7 +177,7 @@ def _make_model(args: argparse.Namespace) -> None:
 
 
 _GPU_ARGS = ("enforce_eager", "gpu_memory_utilization", "encoder_cudagraphs", "piecewise_cudagraphs",
-             "compile_decode", "async_scheduling",
+             "compile_decode", "async_scheduling", "image_cache_mb",
              "enable_prefix_caching", "swa_bounded_replay", "decode_backend", "tensor_parallel_size",
              "expert_parallel", "quantization", "load_format", "skip_tokenizer_init", "scheduling_policy",
              "engram_placement", "speculative_config")
@@ -203,6 +203,10 @@ def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
                         help="after a prefix hit, rebuild the sliding-window KV from the hit's last window only "
                              "(default on: fast, approximate); --no-swa-bounded-replay replays n_layers*(W-1) "
                              "tokens and matches a cold prefill")
+    parser.add_argument("--image-cache-mb", type=int,
+                        help="span embeddings of recently encoded images kept by pixel digest, so a repeated image "
+                             "is not encoded again (default 128 MiB of the model's device, held back from the KV "
+                             "cache; 0: none)")
     parser.add_argument("--quantization", "-q", choices=list(QUANTIZATION_CHOICES),
                         help="auto (default): keep the checkpoint's FP8 / MXFP4 weights as stored; none: dequantize "
                              "them at load (the reference path; 2-4x the memory); fp8: a float checkpoint runs its "

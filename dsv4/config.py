@@ -130,8 +130,13 @@ class CacheConfig:
     # layers >= 1 is approximate; without it n_layers * (W - 1) tokens, which rebuilds it exactly.
     enable_prefix_caching: bool = True
     swa_bounded_replay: bool = True
+    # Span embeddings of recently encoded images kept by pixel digest (dsv4/runtime/image_cache.py), in MiB of the
+    # device the model runs on; a checkpoint with a vision tower takes it out of the KV cache's share. 0: none kept.
+    image_cache_mb: int = 128
 
     def validate(self) -> None:
+        if self.image_cache_mb < 0:
+            raise ConfigError(f"image_cache_mb must be >= 0, got {self.image_cache_mb}")
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 2:

@@ -15,6 +15,7 @@ from PIL import Image
 from test_server import KEY, Server, serve_process
 
 from dsv4 import LLM, SamplingParams
+from dsv4.cli import main
 from dsv4.engine.engine import RequestError
 from dsv4.engine.multimodal import IMAGE_PLACEHOLDER, expand_image_spans, images_to_encode, split_chat_images
 from dsv4.make_model import make_model
@@ -199,3 +200,38 @@ def test_images_inside_a_prefix_cache_hit_are_not_encoded(model_dir: str) -> Non
     assert cached.outputs[0].token_ids == fresh.outputs[0].token_ids
     tok = fresh.outputs[0].token_ids[0]
     assert abs(cached.outputs[0].logprobs[0][tok].logprob - fresh.outputs[0].logprobs[0][tok].logprob) < 1e-4
+
+
+def test_a_repeated_image_is_encoded_once(model_dir: str) -> None:
+    """With no prefix to share (other text before it, prefix caching off), an image seen before takes its kept span:
+    the outputs equal an engine's that keeps none (image_cache_mb=0) and encodes every image; the same image twice
+    in one request is encoded once."""
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+    prompts = [{"prompt": f"Describe {IMAGE_PLACEHOLDER} please", "multi_modal_data": {"image": _image(1)}},
+               {"prompt": f"What is in {IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER}?",
+                "multi_modal_data": {"image": [_image(2), _image(1)]}},
+               {"prompt": f"Twice: {IMAGE_PLACEHOLDER} {IMAGE_PLACEHOLDER}",
+                "multi_modal_data": {"image": [_image(3), _image(3)]}}]
+    outs = {}
+    for mb in (128, 0):
+        llm = LLM(model=model_dir, device="cpu", dtype="float32", max_model_len=256, max_num_batched_tokens=256,
+                  enable_prefix_caching=False, image_cache_mb=mb)
+        outs[mb] = [llm.generate([p], sp)[0].outputs[0] for p in prompts]  # one at a time: each sees the last's
+        runner = llm.engine.runner
+        cache = runner.image_cache
+        if mb:
+            assert runner.num_images_encoded == 3 and (cache.hits, cache.misses) == (1, 4) and len(cache) == 3
+        else:
+            assert runner.num_images_encoded == 4 and len(cache) == 0  # image 3 twice in one call: still once
+    for kept, plain in zip(outs[128], outs[0]):
+        assert kept.token_ids == plain.token_ids
+        tok = plain.token_ids[0]
+        assert abs(kept.logprobs[0][tok].logprob - plain.logprobs[0][tok].logprob) < 1e-5
+
+
+def test_image_cache_budget_is_validated(model_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError, match="image_cache_mb must be >= 0"):
+        LLM(model=model_dir, device="cpu", dtype="float32", max_model_len=256, image_cache_mb=-1)
+    # the flag reaches the engine from the command line
+    assert main(["generate", "--model", model_dir, "--prompt", "x", "--max-tokens", "1", "--image-cache-mb", "-1"]) == 2
+    assert "image_cache_mb must be >= 0, got -1" in capsys.readouterr().err

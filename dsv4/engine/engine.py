@@ -199,16 +199,18 @@ class LLMEngine:
         gc.collect()  # the probe runner's speculator (and drafter) reference it back: a cycle
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory
-        budget = int(total * cfg.gpu_memory_utilization) - peak
+        # the image cache fills with spans as images arrive: its budget is held back from the KV cache
+        images = cfg.cache.image_cache_mb * 2**20 if hasattr(model, "vision_encoder") else 0
+        budget = int(total * cfg.gpu_memory_utilization) - peak - images
         blocks = kv_blocks_for_budget(cfg.model, bs, sc.max_num_seqs, dtype, budget, slack)
         if blocks < per_request + 1:
             need = kv_cache_bytes(cfg.model, probe, dtype)
             raise ConfigError(
                 f"the KV cache does not fit: one request of max_model_len={sc.max_model_len} needs "
                 f"{need / 2**30:.2f} GiB, but gpu_memory_utilization={cfg.gpu_memory_utilization} of "
-                f"{total / 2**30:.1f} GiB leaves {max(budget, 0) / 2**30:.2f} GiB after the weights and a worst-case "
-                f"step ({peak / 2**30:.2f} GiB); lower max_model_len or max_num_batched_tokens, or raise "
-                "gpu_memory_utilization")
+                f"{total / 2**30:.1f} GiB leaves {max(budget, 0) / 2**30:.2f} GiB after the weights, a worst-case "
+                f"step ({peak / 2**30:.2f} GiB) and the image cache ({images / 2**30:.2f} GiB); lower max_model_len or "
+                "max_num_batched_tokens or image_cache_mb, or raise gpu_memory_utilization")
         blocks = min(blocks, default_num_blocks(cfg))
         blocks = self.parallel.min_(blocks, cfg.device)  # every rank schedules into the same pool: the smallest
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB); worst-case step peak %.2f GiB", blocks, bs,
@@ -225,7 +227,7 @@ class LLMEngine:
                   gpu_memory_utilization: float = 0.9, encoder_cudagraphs: bool = False,
                   piecewise_cudagraphs: bool = False, compile_decode: bool = False,
                   async_scheduling: bool | None = None,
-                  enable_prefix_caching: bool = True, swa_bounded_replay: bool = True,
+                  enable_prefix_caching: bool = True, swa_bounded_replay: bool = True, image_cache_mb: int = 128,
                   decode_backend: str = "default", tensor_parallel_size: int = 1,
                   expert_parallel: bool = False, parallel_init_timeout_s: float = 300.0,
                   follow_rank0: bool = False, quantization: str | None = None,
@@ -260,7 +262,8 @@ class LLMEngine:
                                       drafts_past_max_tokens=spec is not None and spec.verify_decode,
                                       spec_pipeline_tokens=spec.num_speculative_tokens + 1 if pipelined else 0),
             cache=CacheConfig(block_size=block_size, num_blocks=num_kv_blocks,
-                              enable_prefix_caching=enable_prefix_caching, swa_bounded_replay=swa_bounded_replay),
+                              enable_prefix_caching=enable_prefix_caching, swa_bounded_replay=swa_bounded_replay,
+                              image_cache_mb=image_cache_mb),
             dtype=dtype, device=device, seed=seed, enforce_eager=enforce_eager,
             cudagraph_capture_sizes=cudagraph_capture_sizes, gpu_memory_utilization=gpu_memory_utilization,
             encoder_cudagraphs=encoder_cudagraphs, piecewise_cudagraphs=piecewise_cudagraphs,

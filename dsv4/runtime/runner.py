@@ -28,6 +28,7 @@ from dsv4.runtime.attn_metadata import DecodeMetadata
 from dsv4.runtime.block_tables import BlockTables
 from dsv4.runtime.cudagraphs import CudaGraphManager, default_capture_sizes, round_capture_sizes
 from dsv4.runtime.encoder_cudagraphs import EncoderCudaGraphManager
+from dsv4.runtime.image_cache import ImageSpanCache
 from dsv4.runtime.input_batch import InputBatch, InputBuffers
 from dsv4.runtime.kv_cache import allocate_kv_caches
 from dsv4.runtime.model_state import (DeepseekV41ModelState, DeepseekV41SpecializedDecodeModelState,
@@ -151,7 +152,8 @@ class ModelRunner:
             self.model_state = DefaultModelState(*state_args)
         # encoder outputs per request, computed once at admission: [(prompt offset, span embeddings)]
         self.image_spans: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        self.num_images_encoded = 0
+        self.image_cache = ImageSpanCache(config.cache.image_cache_mb * 2**20)
+        self.num_images_encoded = 0  # images the encoder ran on (not those the image cache or a prefix hit covered)
         self.num_images_skipped = 0  # wholly inside a prefix-cache hit: never encoded (see _apply_deltas)
         # launched steps whose tokens the host has not read yet, oldest first (async scheduling)
         self._unresolved: list[PendingOutput] = []
@@ -271,8 +273,7 @@ class ModelRunner:
             self.image_spans.pop(new.req_id, None)  # a resumed request: its spans are those of this admission
             images = images_to_encode(new.images or [], new.num_computed_tokens)  # `_image_rows` reads no other
             if images:
-                self.image_spans[new.req_id] = self.model.encode_images(images)
-            self.num_images_encoded += len(images)
+                self.image_spans[new.req_id] = self._encode_images(images)
             self.num_images_skipped += len(new.images or ()) - len(images)
             old_row = self.req_state.req_id_to_row.get(new.req_id)
             if old_row is not None:  # re-adding an id replaces its old row: its matcher goes with it
@@ -290,6 +291,24 @@ class ModelRunner:
             if new_ids is not None:
                 self.block_tables.append(row, new_ids)
             self.req_state.num_computed[row] = computed
+
+    def _encode_images(self, images: list) -> list[tuple[int, torch.Tensor]]:
+        """(prompt offset, span embeddings) of each ImageInput: spans the image cache keeps, the others encoded in
+        one call (each distinct image once) and kept."""
+        keys = [(im.content_hash, tuple(im.vit_grid)) for im in images]
+        spans: list[torch.Tensor | None] = [self.image_cache.get(key) for key in keys]
+        first = {}  # a missing key -> its first image
+        for i, span in enumerate(spans):
+            if span is None:
+                first.setdefault(keys[i], i)
+        if first:
+            outputs = self.model.encode_images([images[i] for i in first.values()])
+            encoded = {key: span for key, (_, span) in zip(first, outputs)}
+            for key, span in encoded.items():
+                self.image_cache.put(key, span)
+            spans = [encoded[key] if span is None else span for key, span in zip(keys, spans)]
+            self.num_images_encoded += len(first)
+        return [(im.offset, span) for im, span in zip(images, spans)]  # type: ignore[misc]  # all filled above
 
     # ---- one step ------------------------------------------------------------------------------------
     def execute(self, so: SchedulerOutput) -> RunnerOutput:
