@@ -45,3 +45,18 @@ def test_zero_keeps_nothing_and_a_negative_budget_is_refused() -> None:
     assert len(cache) == 0 and cache.get(("a", (1, 1))) is None
     with pytest.raises(ValueError, match=">= 0 bytes"):
         ImageSpanCache(-1)
+
+
+def test_a_view_into_a_larger_output_is_kept_as_a_copy() -> None:
+    """Spans of one packed encode call are views of one output: the cache keeps copies, so evicting an entry frees
+    what the budget counted."""
+    packed = torch.randn(30, 8)
+    first, second, third = packed.split(10)
+    cache = ImageSpanCache(10_000)
+    cache.put(("a", (1, 1)), first)
+    kept = cache.get(("a", (1, 1)))
+    assert kept is not None and torch.equal(kept, first)
+    assert kept.untyped_storage().nbytes() == 320 and kept.data_ptr() != packed.data_ptr()
+    whole = torch.randn(10, 8)
+    cache.put(("b", (1, 1)), whole)
+    assert cache.get(("b", (1, 1))) is whole  # its own storage: kept as it is

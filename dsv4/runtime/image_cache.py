@@ -52,6 +52,8 @@ class ImageSpanCache:
         size = span.numel() * span.element_size()
         if size > self.max_bytes:
             return
+        if span.untyped_storage().nbytes() != size:  # a view into a packed call's output: keep its own copy, or the
+            span = span.clone()  # whole output would stay alive behind an entry the budget counts as one span
         old = self._spans.pop(key, None)
         if old is not None:
             self.nbytes -= old.numel() * old.element_size()
