@@ -118,6 +118,16 @@ def test_report_of_a_started_engine(tmp_path) -> None:
     assert eng.weight_plan["experts"] == rep.weights["experts"]  # the plan's estimate, exact for the experts
     text = "\n".join(rep.lines())
     assert "KV pool" in text and "engram tables" in text and rep.to_json()["kv_pool"] == rep.kv_pool
+    assert rep.image_cache == 0 and "image cache" not in text  # no vision tower: no image cache held back
+
+
+def test_report_counts_the_image_cache_of_a_vision_model(tmp_path) -> None:
+    from dsv4.make_model import make_model
+
+    path = make_model("tiny-v41-vl", str(tmp_path / "m"), seed=0)
+    for mb in (128, 0):
+        rep = LLMEngine.from_args(path, max_model_len=64, max_num_seqs=2, image_cache_mb=mb).memory
+        assert rep.image_cache == mb * 2**20 and ("image cache up to 0.12 GiB" in "\n".join(rep.lines())) == (mb > 0)
 
 
 @pytest.mark.parametrize("preset, method", [("tiny-v41", "dspark"), ("tiny-v4", "mtp")])

@@ -26,7 +26,7 @@ from dsv4.engine.scheduler import Scheduler
 from dsv4.engine.stop import check_stop_strings, stop_hold_back
 from dsv4.kv.manager import KVCacheManager
 from dsv4.kv.spec import make_kv_groups, replay_tokens, ring_slack
-from dsv4.engine.memory_plan import check_weights_fit, memory_report
+from dsv4.engine.memory_plan import check_weights_fit, image_cache_bytes, memory_report
 from dsv4.models.build import build_model
 from dsv4.models.config import ConfigError, ModelConfig, load_model_config
 from dsv4.models.layers import merged
@@ -199,8 +199,7 @@ class LLMEngine:
         gc.collect()  # the probe runner's speculator (and drafter) reference it back: a cycle
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory
-        # the image cache fills with spans as images arrive: its budget is held back from the KV cache
-        images = cfg.cache.image_cache_mb * 2**20 if hasattr(model, "vision_encoder") else 0
+        images = image_cache_bytes(cfg, model)  # filled as images arrive: held back from the KV cache
         budget = int(total * cfg.gpu_memory_utilization) - peak - images
         blocks = kv_blocks_for_budget(cfg.model, bs, sc.max_num_seqs, dtype, budget, slack)
         if blocks < per_request + 1:

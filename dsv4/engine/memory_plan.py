@@ -161,6 +161,7 @@ class MemoryReport:
     kv_pool: int
     step_peak: int | None  # activations of a worst-case step (the KV sizing's profile; None when not profiled)
     graphs: int | None  # device memory the CUDA graph captures added (None on a CPU engine)
+    image_cache: int  # the image span cache's budget (filled as images arrive; 0 without a vision tower)
     host_resident: int | None  # the process's resident host memory (VmRSS)
     host_pinned: int | None  # of which page-locked (VmPin, VmLck: pinned buffers, registered engram tables)
     engram_placement: str  # the start-up log's line (where the tables went and why)
@@ -175,6 +176,7 @@ class MemoryReport:
         weights = ", ".join(f"{k} {gib(v)}" for k, v in self.weights.items() if v)
         out = [f"memory on {self.device}: weights {gib(sum(self.weights.values()))} ({weights}); KV pool "
                f"{gib(self.kv_pool)}; CUDA graphs {gib(self.graphs)}; worst-case step {gib(self.step_peak)}"
+               + (f"; image cache up to {gib(self.image_cache)}" if self.image_cache else "")
                + (f"; of {gib(self.device_total)} at gpu_memory_utilization {self.gpu_memory_utilization}"
                   if self.device_total else "")]
         out.append(f"host memory: engram tables {gib(self.engram_host)} (page cache, one copy per host), process "
@@ -182,6 +184,12 @@ class MemoryReport:
         if self.engram_placement:
             out.append(self.engram_placement)
         return out
+
+
+def image_cache_bytes(config: EngineConfig, model: nn.Module) -> int:
+    """The image span cache's budget on the model's device (dsv4/runtime/image_cache.py): held back from the KV
+    cache's share when the model has a vision tower, else 0."""
+    return config.cache.image_cache_mb * 2**20 if hasattr(model, "vision_encoder") else 0
 
 
 def memory_report(config: EngineConfig, model: nn.Module, kv_pool: int, peak_allocated: int | None,
@@ -198,5 +206,6 @@ def memory_report(config: EngineConfig, model: nn.Module, kv_pool: int, peak_all
         device=config.device,
         device_total=torch.cuda.get_device_properties(torch.device(config.device)).total_memory if cuda else None,
         gpu_memory_utilization=config.gpu_memory_utilization, weights=weights, engram_host=host, kv_pool=kv_pool,
-        step_peak=step_peak, graphs=graphs, host_resident=_proc_status_bytes("VmRSS"),
+        step_peak=step_peak, graphs=graphs, image_cache=image_cache_bytes(config, model),
+        host_resident=_proc_status_bytes("VmRSS"),
         host_pinned=max(pinned) if pinned else None, engram_placement=getattr(model, "engram_placement", ""))
