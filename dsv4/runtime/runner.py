@@ -21,14 +21,14 @@ import torch
 from torch import nn
 
 from dsv4.config import EngineConfig
-from dsv4.engine.multimodal import images_to_encode
+from dsv4.engine.multimodal import ImageInput, images_to_encode
 from dsv4.kv.spec import KVGroupSpec
 from dsv4.models.layers.rope import prepare_rope_tables
 from dsv4.runtime.attn_metadata import DecodeMetadata
 from dsv4.runtime.block_tables import BlockTables
 from dsv4.runtime.cudagraphs import CudaGraphManager, default_capture_sizes, round_capture_sizes
 from dsv4.runtime.encoder_cudagraphs import EncoderCudaGraphManager
-from dsv4.runtime.image_cache import ImageSpanCache
+from dsv4.runtime.image_cache import ImageKey, ImageSpanCache
 from dsv4.runtime.input_batch import InputBatch, InputBuffers
 from dsv4.runtime.kv_cache import allocate_kv_caches
 from dsv4.runtime.model_state import (DeepseekV41ModelState, DeepseekV41SpecializedDecodeModelState,
@@ -292,12 +292,12 @@ class ModelRunner:
                 self.block_tables.append(row, new_ids)
             self.req_state.num_computed[row] = computed
 
-    def _encode_images(self, images: list) -> list[tuple[int, torch.Tensor]]:
+    def _encode_images(self, images: list[ImageInput]) -> list[tuple[int, torch.Tensor]]:
         """(prompt offset, span embeddings) of each ImageInput: spans the image cache keeps, the others encoded in
         one call (each distinct image once) and kept."""
-        keys = [(im.content_hash, tuple(im.vit_grid)) for im in images]
+        keys: list[ImageKey] = [(im.content_hash, (int(im.vit_grid[0]), int(im.vit_grid[1]))) for im in images]
         spans: list[torch.Tensor | None] = [self.image_cache.get(key) for key in keys]
-        first = {}  # a missing key -> its first image
+        first: dict[ImageKey, int] = {}  # a missing key -> its first image
         for i, span in enumerate(spans):
             if span is None:
                 first.setdefault(keys[i], i)
