@@ -408,7 +408,9 @@ def _image(seed: int, w: int, h: int) -> Image.Image:
 
 
 def test_engine_hook_and_metrics(model_dir: str) -> None:
-    llm = LLM(model=model_dir, device="cpu", dtype="float32", max_model_len=256, max_num_batched_tokens=256)
+    # no image cache: the second call must encode its images again, through the hook
+    llm = LLM(model=model_dir, device="cpu", dtype="float32", max_model_len=256, max_num_batched_tokens=256,
+              image_cache_mb=0)
     model = llm.engine.runner.model
     assert model.encoder_graphs is None  # CPU: the eager encoder is the default
     prompt = {"prompt": f"a {IMAGE_PLACEHOLDER} b {IMAGE_PLACEHOLDER}",
