@@ -168,9 +168,9 @@ def work_fields(cfg: VisionConfig, hidden: int, grid: tuple[int, int], batches: 
     eager batch its images' own) and the fraction of `peak` (FLOP/s) each reached; `graphs_fraction_for_2x`: what a
     graphs call would need to reach to take half of `eager_ms`."""
     eager = sum(encoder_flops(cfg, hidden, [grid] * b["images"]).total for b in batches)
+    # an eager batch's patch_rows and budget are None: encoder_flops then counts the images' own rows
     graphs = sum(encoder_flops(cfg, hidden, [grid] * b["images"], patch_rows=b["patch_rows"],
-                               aligner_rows=b["budget"]).total if b["budget"] else
-                 encoder_flops(cfg, hidden, [grid] * b["images"]).total for b in batches)
+                               aligner_rows=b["budget"]).total for b in batches)
     return {"eager_flops": eager, "graphs_flops": graphs, "floor_ms": eager / peak * 1e3,
             "eager_fraction_of_peak": eager / (eager_ms / 1e3) / peak,
             "graphs_fraction_of_peak": graphs / (graphs_ms / 1e3) / peak,

@@ -361,9 +361,10 @@ class EncoderCudaGraphManager:
         return budget, patch_rows(budget, sum(h * w for h, w in grids), self.ratio)
 
     # ---- buffers and the captured function ------------------------------------------------------------------
-    def fill(self, key: GraphKey, grids: Sequence[Grid], patches: Sequence[torch.Tensor] | None) -> None:
-        """Write a batch into the buffers of graph `key`, zero-padded (`patches` None: all zero, for a capture). Host
-        metadata goes over in asynchronous copies; nothing here waits for the device."""
+    def fill(self, key: GraphKey, grids: Sequence[Grid], patches: Sequence[torch.Tensor] | None) -> BatchMetadata:
+        """Write a batch into the buffers of graph `key`, zero-padded (`patches` None: all zero, for a capture), and
+        return its metadata (the span gather index with it). Host metadata goes over in asynchronous copies; nothing
+        here waits for the device."""
         rows, num_patches = key
         n = sum(h * w for h, w in grids)
         # Pinned staging: a large copy from pageable memory would stall the host until the stream reaches it.
@@ -380,6 +381,7 @@ class EncoderCudaGraphManager:
         self.merge_idx[:rows].copy_(meta.merge_idx, non_blocking=True)
         self.merge_mask[:rows].copy_(meta.merge_mask, non_blocking=True)
         self.cu_seqlens.copy_(meta.cu_seqlens, non_blocking=True)
+        return meta
 
     def metadata(self, key: GraphKey, grids: Sequence[Grid]) -> BatchMetadata:
         """`batch_metadata` of the batch, from the cache of the `METADATA_CACHE_SIZE` latest batches."""
@@ -469,9 +471,8 @@ class EncoderCudaGraphManager:
             else:
                 batch_grids = [grids[i] for i in sel]
                 key = self.graph_key(batch.budget, batch_grids)
-                self.fill(key, batch_grids, [patches[i] for i in sel])
+                index = self.fill(key, batch_grids, [patches[i] for i in sel]).gather
                 static = self.run(key)
-                index = self.metadata(key, batch_grids).gather
                 # one gather, allocated outside the graph pool: fresh memory no later replay writes
                 joined = static.index_select(0, index.to(self.device, non_blocking=True))
                 spans = list(joined.split([span_lens[i] for i in sel]))

@@ -49,16 +49,16 @@ class ImageSpanCache:
     def put(self, key: ImageKey, span: torch.Tensor) -> None:
         """Keep `span` (read-only from now on: requests share it), evicting the least recently used entries until
         it fits; a span larger than the whole budget is not kept."""
-        size = span.numel() * span.element_size()
+        size = span.nbytes
         if size > self.max_bytes:
             return
         if span.untyped_storage().nbytes() != size:  # a view into a packed call's output: keep its own copy, or the
             span = span.clone()  # whole output would stay alive behind an entry the budget counts as one span
         old = self._spans.pop(key, None)
         if old is not None:
-            self.nbytes -= old.numel() * old.element_size()
+            self.nbytes -= old.nbytes
         while self.nbytes + size > self.max_bytes:
             _, evicted = self._spans.popitem(last=False)
-            self.nbytes -= evicted.numel() * evicted.element_size()
+            self.nbytes -= evicted.nbytes
         self._spans[key] = span
         self.nbytes += size

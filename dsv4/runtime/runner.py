@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from dsv4.config import EngineConfig
+from dsv4.engine.memory_plan import image_cache_bytes
 from dsv4.engine.multimodal import ImageInput, images_to_encode
 from dsv4.kv.spec import KVGroupSpec
 from dsv4.models.layers.rope import prepare_rope_tables
@@ -152,7 +153,7 @@ class ModelRunner:
             self.model_state = DefaultModelState(*state_args)
         # encoder outputs per request, computed once at admission: [(prompt offset, span embeddings)]
         self.image_spans: dict[str, list[tuple[int, torch.Tensor]]] = {}
-        self.image_cache = ImageSpanCache(config.cache.image_cache_mb * 2**20)
+        self.image_cache = ImageSpanCache(image_cache_bytes(config, model))  # 0 without a vision tower
         self.num_images_encoded = 0  # images the encoder ran on (not those the image cache or a prefix hit covered)
         self.num_images_skipped = 0  # wholly inside a prefix-cache hit: never encoded (see _apply_deltas)
         # launched steps whose tokens the host has not read yet, oldest first (async scheduling)
