@@ -226,8 +226,7 @@ def _engine(args: argparse.Namespace, device: str, dtype: str, spec: dict[str, A
             kw["async_scheduling"] = args.async_scheduling
     else:
         kw["speculative_config"] = spec
-        if args.pipelined:
-            kw["async_scheduling"] = True
+        kw["async_scheduling"] = args.pipelined  # explicit: the engine pipelines verify steps by default on CUDA
     t0 = time.perf_counter()
     engine = LLMEngine.from_args(args.model, **kw)
     info = {**kw, "async_scheduling": engine.config.scheduler.async_scheduling,
@@ -449,13 +448,11 @@ def run(args: argparse.Namespace, argv: list[str] | None = None) -> dict[str, An
     device = torch.device(device_str)
     top = max(args.batch_sizes)
     # speculation at every measured batch size: an explicit limit above the largest (whatever the default is)
-    spec_cfg = {"method": drafter.method, "num_speculative_tokens": k, "disable_by_batch_size": top + 1}
-    if args.verify_decode:
-        spec_cfg["verify_decode"] = True
+    # and each switch as its flag says (not the engine's defaults), so a recorded command measures the same paths
+    spec_cfg = {"method": drafter.method, "num_speculative_tokens": k, "disable_by_batch_size": top + 1,
+                "verify_decode": args.verify_decode, "drafter_cuda_graphs": args.drafter_cuda_graphs}
     if args.pipelined and not args.verify_decode:
         raise ValueError("--pipelined needs --verify-decode (async scheduling pipelines the multi-row verify steps)")
-    if args.drafter_cuda_graphs:
-        spec_cfg["drafter_cuda_graphs"] = True
     if args.adaptive:
         spec_cfg["adaptive"] = True
 

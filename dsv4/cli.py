@@ -234,8 +234,8 @@ def _add_gpu_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule and launch each step before the previous step's tokens reach the host "
                              "(hides host work behind GPU work; outputs arrive one step later; default: on for "
-                             "CUDA, off on the CPU and under --speculative-config, where it needs "
-                             "\"verify_decode\": true and pipelines the steady verify steps)")
+                             "CUDA, off on the CPU; under --speculative-config it pipelines the steady verify steps, "
+                             "and is off with \"verify_decode\": false)")
     parser.add_argument("--speculative-config", metavar="JSON", help=SPECULATIVE_CONFIG_HELP)
 
 

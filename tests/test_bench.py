@@ -407,8 +407,8 @@ def test_bench_latency_with_speculative_decoding(tiny_v41: str, tmp_path: Path,
     res = json.loads(out.read_text())
     assert set(res) == LATENCY_FIELDS and res["engine_kwargs"]["async_scheduling"] is False
     sd = res["spec_decode"]
-    assert sd["speculative_config"] == {"method": "dspark", "num_speculative_tokens": k, "disable_by_batch_size": None,
-                                        "verify_decode": False, "drafter_cuda_graphs": False,
+    assert sd["speculative_config"] == {"method": "dspark", "num_speculative_tokens": k, "disable_by_batch_size": 32,
+                                        "verify_decode": True, "drafter_cuda_graphs": True,
                                         "adaptive": False}
     # the timed batches only (the warm-up batch drafted too): every request emits o - 1 tokens after its prefill,
     # each verify step its accepted drafts and one more

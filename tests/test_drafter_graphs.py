@@ -136,8 +136,8 @@ def test_config_switch() -> None:
     ds = DSparkConfig(num_stages=3, block_size=4, noise_token_id=511, target_layer_ids=(2, 4, 5), markov_rank=16,
                       n_routed_experts=8, num_experts_per_tok=2)
     dspark = DrafterSpec(model_type="deepseek_v41", method="dspark", num_layers=3, dspark=ds)
-    assert parse_speculative_config({"method": "dspark"}, dspark).drafter_cuda_graphs is False
-    assert parse_speculative_config(_spec(True), dspark).drafter_cuda_graphs is True
+    assert parse_speculative_config({"method": "dspark"}, dspark).drafter_cuda_graphs is True  # the default
+    assert parse_speculative_config(_spec(False), dspark).drafter_cuda_graphs is False
     with pytest.raises(ConfigError, match="drafter_cuda_graphs.*true or false"):
         parse_speculative_config({"method": "dspark", "drafter_cuda_graphs": 1}, dspark)
     mtp = DrafterSpec(model_type="deepseek_v4", method="mtp", num_layers=1)

@@ -33,8 +33,9 @@ from dsv4.spec_decode.rejection import verify
 from dsv4.tokenizer import Tokenizer
 from engine_runs import oracle_sequences, run_to_completion, top_k_probs
 
-SPEC = {"method": "dspark", "num_speculative_tokens": 3}
+SPEC = {"method": "dspark", "num_speculative_tokens": 3}  # the defaults: uniform verify steps as decode rows
 MTP_SPEC = {"method": "mtp", "num_speculative_tokens": 3}
+EAGER = {"verify_decode": False}  # every verify step through the token-row forward (the reference path)
 PROMPTS = [[0, 5, 9, 33, 77], [0, 8, 100, 200, 300, 400, 17, 18, 19, 20, 21, 22, 23], [0, 44]]
 
 
@@ -50,10 +51,13 @@ def tiny_v4_dir(tiny_v4: str) -> str:
     return tiny_v4
 
 
-@pytest.fixture(scope="module", params=["dspark", "mtp"])
+@pytest.fixture(scope="module", params=["dspark", "dspark-eager", "mtp", "mtp-eager"])
 def family(request: pytest.FixtureRequest, model_dir: str, tiny_v4_dir: str) -> tuple[str, dict]:
-    """(checkpoint, speculative config) of each drafter: tiny-v41's DSpark, tiny-v4's MTP layer."""
-    return (model_dir, SPEC) if request.param == "dspark" else (tiny_v4_dir, MTP_SPEC)
+    """(checkpoint, speculative config) of each drafter: tiny-v41's DSpark, tiny-v4's MTP layer; with the default
+    verify steps (decode rows) and with eager ones."""
+    method, _, eager = request.param.partition("-")
+    ckpt, spec = (model_dir, SPEC) if method == "dspark" else (tiny_v4_dir, MTP_SPEC)
+    return ckpt, {**spec, **EAGER} if eager else spec
 
 
 def _run(model_dir: str, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -249,8 +253,8 @@ def test_speculative_config_needs_a_drafter(tmp_path: Any, model_dir: str) -> No
         LLMEngine.from_args(plain, speculative_config=SPEC)
     with pytest.raises(ConfigError, match="num_speculative_tokens"):  # tiny-v41's block is 4
         LLMEngine.from_args(model_dir, speculative_config={"method": "dspark", "num_speculative_tokens": 5})
-    with pytest.raises(ConfigError, match="async_scheduling"):
-        LLMEngine.from_args(model_dir, speculative_config=SPEC, async_scheduling=True)
+    with pytest.raises(ConfigError, match="async_scheduling"):  # eager verify steps cannot be pipelined
+        LLMEngine.from_args(model_dir, speculative_config={**SPEC, **EAGER}, async_scheduling=True)
     # big presets: the released drafter behind a flag; the released (quantized) layout has none yet
     big = make_model("v41-flash-8l", str(tmp_path / "big"), config_only=True, drafter=True)
     assert load_model_config(big).num_nextn_predict_layers == 3
@@ -475,8 +479,9 @@ def test_speculative_sampling_follows_the_target_softmax(model_dir: str, baselin
     # max_tokens 3: the prefill samples the first token, a verify step (one draft: the room max_tokens leaves)
     # the second
     params = [SamplingParams(max_tokens=3, temperature=1.0, top_k=K, seed=s, ignore_eos=True) for s in range(n)]
-    outs, e = _run(model_dir, [prompt] * n, params, SPEC, oracle={str(i): prompt + baseline["0"] for i in range(n)},
-                   max_num_seqs=64)
+    # every request drafts: no batch-size limit (the default, 32, would leave 64 running requests without drafts)
+    outs, e = _run(model_dir, [prompt] * n, params, {**SPEC, "disable_by_batch_size": None},
+                   oracle={str(i): prompt + baseline["0"] for i in range(n)}, max_num_seqs=64)
     pairs = Counter(tuple(o.token_ids[:2]) for o in outs.values())
     # the target's top-K distributions: after the prompt, and after the prompt and each first token
     firsts = sorted({t1 for t1, _ in pairs})
@@ -494,7 +499,9 @@ def test_speculative_sampling_follows_the_target_softmax(model_dir: str, baselin
 def test_llm_takes_a_speculative_config(model_dir: str, baseline: dict[str, list[int]]) -> None:
     llm = LLM(model_dir, device="cpu", dtype="float32", max_num_seqs=4,
               speculative_config='{"method": "dspark", "num_speculative_tokens": 2}')
-    assert llm.engine.config.speculative == SpeculativeConfig("dspark", 2, None)
+    # the defaults: the measured break-even batch, verify rows and drafter graphs (async scheduling: off on the CPU)
+    assert llm.engine.config.speculative == SpeculativeConfig("dspark", 2, 32, verify_decode=True,
+                                                              drafter_cuda_graphs=True, adaptive=False)
     assert not llm.engine.config.scheduler.async_scheduling
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     assert [list(o.outputs[0].token_ids) for o in outs] == [baseline[str(i)] for i in range(len(PROMPTS))]

@@ -11,8 +11,8 @@ import os
 import pytest
 
 from dsv4.models.config import ConfigError
-from dsv4.spec_decode.config import (DSPARK, MTP, DrafterSpec, SpeculativeConfig, drafter_spec, parse_dspark,
-                                     parse_speculative_config)
+from dsv4.spec_decode.config import (DEFAULT_DISABLE_BY_BATCH_SIZE, DSPARK, MTP, DrafterSpec, SpeculativeConfig,
+                                     drafter_spec, parse_dspark, parse_speculative_config)
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "data", "deepseek-v41-tiny", "config.json")
 
@@ -56,12 +56,29 @@ def test_v41_checkpoint_has_dspark_with_its_fields(v41: dict) -> None:
 
 def test_dspark_defaults_to_the_block_size_and_accepts_fewer(v41: dict) -> None:
     spec = drafter_spec(v41)
-    assert parse_speculative_config({"method": "dspark"}, spec) == SpeculativeConfig(DSPARK, 5, None)
+    assert parse_speculative_config({"method": "dspark"}, spec) == SpeculativeConfig(
+        DSPARK, 5, DEFAULT_DISABLE_BY_BATCH_SIZE[DSPARK], verify_decode=True, drafter_cuda_graphs=True)
     got = parse_speculative_config('{"method": "dspark", "num_speculative_tokens": 3, "disable_by_batch_size": 8}',
                                    spec)
     assert got == SpeculativeConfig(DSPARK, 3, 8)
     with pytest.raises(dataclasses.FrozenInstanceError):
         got.num_speculative_tokens = 4  # type: ignore[misc]
+
+
+def test_defaults_are_the_measured_ones_and_each_can_be_turned_off(v41: dict, v4: dict) -> None:
+    """Absent keys: the measured break-even batch (DSpark 32, MTP none measured), verify rows and drafter graphs on,
+    the adaptive switch off. An explicit null batch means no limit (vLLM's default); false turns a switch off."""
+    assert DEFAULT_DISABLE_BY_BATCH_SIZE == {DSPARK: 32, MTP: None}
+    dspark, mtp = drafter_spec(v41), drafter_spec(v4)
+    d = parse_speculative_config({"method": "dspark"}, dspark)
+    assert d is not None and (d.disable_by_batch_size, d.verify_decode, d.drafter_cuda_graphs, d.adaptive) == (
+        32, True, True, False)
+    m = parse_speculative_config({"method": "mtp"}, mtp)
+    assert m is not None and (m.disable_by_batch_size, m.verify_decode, m.drafter_cuda_graphs) == (None, True, True)
+    off = parse_speculative_config('{"method": "dspark", "disable_by_batch_size": null, "verify_decode": false, '
+                                   '"drafter_cuda_graphs": false}', dspark)
+    assert off is not None and (off.disable_by_batch_size, off.verify_decode, off.drafter_cuda_graphs) == (
+        None, False, False)
 
 
 @pytest.mark.parametrize("k", [0, 6, 7, -1])

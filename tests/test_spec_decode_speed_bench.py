@@ -60,6 +60,9 @@ def test_spec_decode_speed_bench_on_cpu(tmp_path: Path, capsys: pytest.CaptureFi
     k = data["num_speculative_tokens"]
     assert data["method"] == "dspark" and k == data["drafter_block_size"] == 4  # tiny-v41's block
     assert data["speculative_config"]["disable_by_batch_size"] > max(data["batch_sizes"])  # speculation always on
+    # each path as its flag says, not the engine's defaults (a recorded command keeps measuring the same paths)
+    assert data["speculative_config"]["verify_decode"] is False and data["speculative_config"]["drafter_cuda_graphs"] \
+        is False
     assert set(data["engines"]) == {"plain", "speculative"}
     assert not data["engines"]["speculative"]["async_scheduling"]
     assert [r["batch_size"] for r in data["results"]] == [1, 2]

@@ -37,7 +37,9 @@ GREEDY = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
 
 
 def _spec(k: int, method: str = "dspark", **extra: Any) -> dict[str, Any]:
-    return {"method": method, "num_speculative_tokens": k, "verify_decode": True, **extra}
+    # no batch-size limit: the tests' batches (up to 64) all draft
+    return {"method": method, "num_speculative_tokens": k, "verify_decode": True, "disable_by_batch_size": None,
+            **extra}
 
 
 def _engine(model_dir: str, k: int | None, oracle: dict[str, list[int]] | None = None, pipelined: bool = True,
@@ -523,11 +525,14 @@ def test_graph_path_and_the_trained_drafter() -> None:
 
 
 def test_config(tiny_v41: str, tmp_path: Any) -> None:
-    """Async scheduling with speculation needs verify_decode (DSpark); the scheduler then pipelines k + 1 tokens.
-    Without async scheduling nothing is pipelined."""
+    """Async scheduling with speculation needs verify_decode (on by default); the scheduler then pipelines k + 1
+    tokens. Without async scheduling (the CPU's default) nothing is pipelined."""
     with pytest.raises(ConfigError, match="verify_decode"):
-        LLMEngine.from_args(tiny_v41, speculative_config={"method": "dspark", "num_speculative_tokens": 2},
-                            async_scheduling=True)
+        LLMEngine.from_args(tiny_v41, speculative_config={"method": "dspark", "num_speculative_tokens": 2,
+                                                          "verify_decode": False}, async_scheduling=True)
+    on = LLMEngine.from_args(tiny_v41, speculative_config={"method": "dspark", "num_speculative_tokens": 2},
+                             async_scheduling=True)  # the default verify_decode: pipelined
+    assert on.config.scheduler.spec_pipeline_tokens == 3
     e = _engine(tiny_v41, 3)
     assert e.config.scheduler.async_scheduling and e.config.scheduler.spec_pipeline_tokens == 4
     assert e.runner.speculator.pipeline is not None

@@ -280,9 +280,10 @@ def test_verify_capture_sizes() -> None:
 def test_config_switch() -> None:
     dspark = DrafterSpec("deepseek_v41", "dspark", 3, DSparkConfig(3, 4, 1, (2, 4, 5), 8, 8, 2))
     mtp = DrafterSpec("deepseek_v4", "mtp", 1)
-    assert parse_speculative_config({"method": "dspark"}, dspark) == SpeculativeConfig("dspark", 4, None, False)
-    assert parse_speculative_config({"method": "dspark", "verify_decode": True}, dspark).verify_decode
-    assert parse_speculative_config({"method": "mtp"}, mtp) == SpeculativeConfig("mtp", 1, None, False)
-    assert parse_speculative_config({"method": "mtp", "verify_decode": True}, mtp).verify_decode  # MTP too
+    # on by default (with the measured break-even batch for DSpark, none for MTP); false turns it off
+    assert parse_speculative_config({"method": "dspark"}, dspark) == SpeculativeConfig("dspark", 4, 32, True)
+    assert not parse_speculative_config({"method": "dspark", "verify_decode": False}, dspark).verify_decode
+    assert parse_speculative_config({"method": "mtp"}, mtp) == SpeculativeConfig("mtp", 1, None, True)
+    assert not parse_speculative_config({"method": "mtp", "verify_decode": False}, mtp).verify_decode  # MTP too
     with pytest.raises(ConfigError, match="true or false"):
         parse_speculative_config({"method": "mtp", "verify_decode": 1}, mtp)

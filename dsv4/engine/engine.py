@@ -236,15 +236,16 @@ class LLMEngine:
                   max_num_partial_prefills: int = 1, max_long_partial_prefills: int = 1) -> "LLMEngine":
         """Build an engine from a checkpoint directory and the usual knobs (async_scheduling None: on for CUDA;
         quantization None / "auto": the checkpoint's format, "none": dequantize FP8 / FP4 weights at load;
-        speculative_config: vLLM's `{"method": "dspark", "num_speculative_tokens": k}`, a dict or its JSON, which
-        turns async scheduling off unless it was asked for: with `"verify_decode": true` async scheduling pipelines
-        the steady verify steps, dsv4/spec_decode/pipelined.py; without it, an error). quantization "fp8" of a
+        speculative_config: vLLM's `{"method": "dspark", "num_speculative_tokens": k}`, a dict or its JSON; with its
+        default verify steps as decode rows, async scheduling (on CUDA) pipelines the steady verify steps,
+        dsv4/spec_decode/pipelined.py; with `"verify_decode": false` async scheduling is off, and asking for it an
+        error). quantization "fp8" of a
         float checkpoint loads its released-format copy (made once, cached: dsv4/quant/online.py)."""
         model, quantization = online_quantized_dir(model, quantization)
         mc = load_model_config(model)
         spec = parse_speculative_config(speculative_config, drafter_spec(_raw_config(model)))
-        if spec is not None and async_scheduling is None:
-            async_scheduling = False  # pipelined speculation (async) is opt-in until measured on a GPU
+        if spec is not None and not spec.verify_decode and async_scheduling is None:
+            async_scheduling = False  # eager verify steps cannot be pipelined (async with them is an error)
         pipelined = spec is not None and bool(async_scheduling)
         quant = load_quant_config(model, quantization)
         max_model_len = max_model_len or min(mc.max_position_embeddings, 4096)

@@ -28,11 +28,20 @@ MAX_MTP_STEPS = 8
 SPECULATIVE_CONFIG_HELP = (
     'speculative decoding with the checkpoint\'s drafter, as vLLM: \'{"method": "dspark" | "mtp", '
     '"num_speculative_tokens": k, "disable_by_batch_size": B}\' (k defaults to the DSpark block size / the MTP layer '
-    "count; with B or more running requests a step decodes plainly, without drafts); turns async scheduling off; "
-    "steps with drafts run eagerly (no CUDA graphs); \"verify_decode\": true (experimental) runs steps where "
-    "every request verifies k drafts as k + 1 decode rows each; \"drafter_cuda_graphs\": true (experimental) "
-    "replays the drafter's proposals as CUDA graphs; \"adaptive\": true (experimental) speculates only while the "
-    "measured step times and acceptance say it pays")
+    "count; with B or more running requests a step decodes plainly, without drafts; B defaults to the measured "
+    "break-even, 32 for DSpark, and null means never); by default steps where every request verifies k drafts run "
+    "as k + 1 decode rows each with CUDA graphs, the drafter's proposals replay CUDA graphs and, on CUDA, async "
+    "scheduling pipelines the steady verify steps (\"verify_decode\": false, \"drafter_cuda_graphs\": false turn "
+    "them off); \"adaptive\": true (experimental) speculates only while the measured step times and acceptance "
+    "say it pays")
+
+# `disable_by_batch_size` when the user gives none: the running-request count from which speculation stops paying.
+# DSpark (benchmarks/results/2026-12-05-h200-spec-break-even, V4.1-Flash-8l bf16, k = 5, verify rows and the drafter
+# as CUDA graphs, pipelined): a full speculative step costs 2.32x / 2.14x / 2.91x a plain step at batch 1 / 8 / 32,
+# so at the 2.8-3.5 tokens a step reported for V4.1's DSpark on typical text (docs/dspark.md) speculation gains 1.2-1.6x below
+# 32 requests and 0.96-1.2x at 32: from 32 on a step decodes plainly. MTP has a measured step at batch 1 only (the
+# k = 3 proposal alone costs 1.5 plain steps: 2026-12-05-h200-spec-pipelined), no break-even, so no default limit.
+DEFAULT_DISABLE_BY_BATCH_SIZE: dict[str, int | None] = {DSPARK: 32, MTP: None}
 
 _KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", "verify_decode", "drafter_cuda_graphs",
          "adaptive")
@@ -72,7 +81,7 @@ class DrafterSpec:
 class SpeculativeConfig:
     """A validated `--speculative-config`.
 
-    `verify_decode` (dsv4's own key, default off; DSpark and MTP): a verify step in which every request
+    `verify_decode` (dsv4's own key, default on; DSpark and MTP): a verify step in which every request
     verifies drafts in k + 1 tokens (its anchor and k drafts; a request rewound after a rejection is drafted k - 1
     after its recomputed token) runs as k + 1 decode rows per request through the model's fixed-shape decode
     forward (dsv4/spec_decode/verify_decode.py) instead of the eager token-row forward; any other step with drafts
@@ -80,19 +89,20 @@ class SpeculativeConfig:
     drafts, those past max_tokens dropped, and a constrained request k placeholders never accepted. The greedy
     output is the same either way.
 
-    `drafter_cuda_graphs` (dsv4's own key, default off until measured on a GPU; DSpark and MTP): on CUDA without
+    `drafter_cuda_graphs` (dsv4's own key, default on since measured on the H200; DSpark and MTP): on CUDA without
     enforce_eager the drafter's proposals replay one CUDA graph per request count (dsv4/spec_decode/drafter_graphs.py)
     instead of its eager, launch-bound forward. The drafts are the same either way.
 
-    `adaptive` (dsv4's own key, default off until measured on a GPU): speculation runs only while it emits more
+    `adaptive` (dsv4's own key, default off: on the H200 it keeps ~0.9x plain decoding with a useless drafter, but
+    its exactness in fp32 on a GPU is unproven, benchmarks/results/2026-12-05-h100-spec-adaptive-fp32): speculation runs only while it emits more
     tokens per second than plain decoding at the batch's size, both measured as the engine runs (step times and
     accepted drafts: dsv4/spec_decode/gate.py); `disable_by_batch_size` still applies on top."""
 
     method: str
     num_speculative_tokens: int
     disable_by_batch_size: int | None = None
-    verify_decode: bool = False
-    drafter_cuda_graphs: bool = False
+    verify_decode: bool = True
+    drafter_cuda_graphs: bool = True
     adaptive: bool = False
 
 
@@ -248,13 +258,14 @@ def parse_speculative_config(value: str | Mapping[str, Any] | None, spec: Drafte
             k, "num_speculative_tokens", 1, MAX_MTP_STEPS,
             "the MTP layer is re-applied per step; peers use at most 3 steps")
 
-    batch = value.get("disable_by_batch_size")
+    # absent: the measured break-even; an explicit null: speculate at every batch size (vLLM's default)
+    batch = value.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE[method])
     if batch is not None:
         batch = _check_int(batch, "disable_by_batch_size", 1)
-    verify_decode = value.get("verify_decode", False)
+    verify_decode = value.get("verify_decode", True)
     if not isinstance(verify_decode, bool):
         raise _spec_error("verify_decode", f"must be true or false, got {verify_decode!r}")
-    graphs = value.get("drafter_cuda_graphs", False)
+    graphs = value.get("drafter_cuda_graphs", True)
     if not isinstance(graphs, bool):
         raise _spec_error("drafter_cuda_graphs", f"must be true or false, got {graphs!r}")
     adaptive = value.get("adaptive", False)

@@ -162,3 +162,20 @@ def test_pipelined_plain_and_resume_steps_do_not_sync(setup: tuple, monkeypatch:
     assert outs == {str(i): plain[str(i)][:n] for i, n in enumerate(lengths)}
     assert sp.num_plain_steps > 2 and sp.num_plain_proposals > 0 and sp.pipeline.num_steps > 0
     assert len(checked) > 2
+
+
+@pytest.mark.parametrize("family", ["dspark", "mtp"])
+def test_the_defaults_are_the_fast_path(setup: tuple, setup_v4: tuple, family: str) -> None:
+    """`{"method": m}` alone on CUDA, with no async_scheduling argument: async scheduling on, steady verify steps
+    pipelined as decode rows replaying their graphs, the drafter's proposals replaying graphs, and DSpark's
+    measured break-even batch (32). Greedy outputs equal plain decoding's."""
+    path, prompts, plain = setup if family == "dspark" else setup_v4
+    e = LLMEngine.from_args(path, device="cuda", dtype="float32", max_num_seqs=4,
+                            speculative_config={"method": family})
+    sp, sc = e.runner.speculator, e.config.speculative
+    assert e.config.scheduler.async_scheduling and sc.verify_decode and sc.drafter_cuda_graphs
+    assert sc.disable_by_batch_size == (32 if family == "dspark" else None)
+    assert run_to_completion(e, {str(i): p for i, p in enumerate(prompts)}, GREEDY) == plain
+    vd = sp.verify_decode
+    assert sp.pipeline.num_steps > 0 and vd.num_graph_replays == vd.num_decode_steps > 0
+    assert sp.proposer.num_graph_replays > 0
