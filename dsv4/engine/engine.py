@@ -239,8 +239,8 @@ class LLMEngine:
         speculative_config: vLLM's `{"method": "dspark", "num_speculative_tokens": k}`, a dict or its JSON; with its
         default verify steps as decode rows, async scheduling (on CUDA) pipelines the steady verify steps,
         dsv4/spec_decode/pipelined.py; with `"verify_decode": false` async scheduling is off, and asking for it an
-        error). quantization "fp8" of a
-        float checkpoint loads its released-format copy (made once, cached: dsv4/quant/online.py)."""
+        error). quantization "fp8" of a float checkpoint loads its released-format copy (made once, cached:
+        dsv4/quant/online.py)."""
         model, quantization = online_quantized_dir(model, quantization)
         mc = load_model_config(model)
         spec = parse_speculative_config(speculative_config, drafter_spec(_raw_config(model)))

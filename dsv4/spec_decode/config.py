@@ -38,9 +38,10 @@ SPECULATIVE_CONFIG_HELP = (
 # `disable_by_batch_size` when the user gives none: the running-request count from which speculation stops paying.
 # DSpark (benchmarks/results/2026-12-05-h200-spec-break-even, V4.1-Flash-8l bf16, k = 5, verify rows and the drafter
 # as CUDA graphs, pipelined): a full speculative step costs 2.32x / 2.14x / 2.91x a plain step at batch 1 / 8 / 32,
-# so at the 2.8-3.5 tokens a step reported for V4.1's DSpark on typical text (docs/dspark.md) speculation gains 1.2-1.6x below
-# 32 requests and 0.96-1.2x at 32: from 32 on a step decodes plainly. MTP has a measured step at batch 1 only (the
-# k = 3 proposal alone costs 1.5 plain steps: 2026-12-05-h200-spec-pipelined), no break-even, so no default limit.
+# so at the 2.8-3.5 tokens a step reported for V4.1's DSpark on typical text (docs/dspark.md) speculation gains
+# 1.2-1.6x below 32 requests and 0.96-1.2x at 32: from 32 on a step decodes plainly. MTP has a measured step at
+# batch 1 only (the k = 3 proposal alone costs 1.5 plain steps: 2026-12-05-h200-spec-pipelined), no break-even, so
+# no default limit.
 DEFAULT_DISABLE_BY_BATCH_SIZE: dict[str, int | None] = {DSPARK: 32, MTP: None}
 
 _KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", "verify_decode", "drafter_cuda_graphs",
@@ -94,9 +95,10 @@ class SpeculativeConfig:
     instead of its eager, launch-bound forward. The drafts are the same either way.
 
     `adaptive` (dsv4's own key, default off: on the H200 it keeps ~0.9x plain decoding with a useless drafter, but
-    its exactness in fp32 on a GPU is unproven, benchmarks/results/2026-12-05-h100-spec-adaptive-fp32): speculation runs only while it emits more
-    tokens per second than plain decoding at the batch's size, both measured as the engine runs (step times and
-    accepted drafts: dsv4/spec_decode/gate.py); `disable_by_batch_size` still applies on top."""
+    its exactness in fp32 on a GPU is unproven, benchmarks/results/2026-12-05-h100-spec-adaptive-fp32): speculation
+    runs only while it emits more tokens per second than plain decoding at the batch's size, both measured as the
+    engine runs (step times and accepted drafts: dsv4/spec_decode/gate.py); `disable_by_batch_size` still applies on
+    top."""
 
     method: str
     num_speculative_tokens: int
