@@ -206,8 +206,8 @@ class EngineConfig:
                                   f"--device cpu, or install a CUDA build of torch")
         if self.speculative is not None and self.scheduler.async_scheduling and not self.speculative.verify_decode:
             raise ConfigError("async scheduling with speculative decoding pipelines the multi-row verify steps: it "
-                              "needs the speculative config's \"verify_decode\": true (DSpark); otherwise "
-                              "async_scheduling must be off")
+                              "needs the speculative config's \"verify_decode\" (true by default); with "
+                              "\"verify_decode\": false async_scheduling must be off")
         if (self.scheduler.spec_pipeline_tokens
                 and (self.speculative is None or not self.scheduler.async_scheduling
                      or self.scheduler.spec_pipeline_tokens != self.speculative.num_speculative_tokens + 1)):

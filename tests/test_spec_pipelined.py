@@ -17,11 +17,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from dsv4.config import SchedulerConfig
-from dsv4.engine.engine import LLMEngine
+from dsv4.engine.engine import LLMEngine, speculative_async_request
 from dsv4.make_model import default_model_dir
 from dsv4.models.config import ConfigError
 from dsv4.runtime.sampler import SamplingTensors
 from dsv4.sampling_params import SamplingParams
+from dsv4.spec_decode.config import SpeculativeConfig
 from dsv4.spec_decode.drafter_graphs import GraphedDSparkProposer, GraphedMTPProposer
 from dsv4.spec_decode.pipelined import PipelinedVerify, accept_greedy, verify_on_device
 from dsv4.spec_decode.proposer import OracleProposer
@@ -539,6 +540,12 @@ def test_config(tiny_v41: str, tmp_path: Any) -> None:
     off = _engine(tiny_v41, 3, pipelined=False)
     assert off.config.scheduler.spec_pipeline_tokens == 0 and off.runner.speculator.pipeline is None
     assert not LLMEngine.from_args(tiny_v41, speculative_config=_spec(3)).config.scheduler.async_scheduling
+    # unset async_scheduling: the device's default (CUDA: pipelined) on one process; off with eager verify steps
+    # and over several ranks (pipelined steps there never ran)
+    rows, eager = SpeculativeConfig("dspark", 3, 32, True), SpeculativeConfig("dspark", 3, 32, False)
+    assert speculative_async_request(rows, None, 1) is None
+    assert speculative_async_request(eager, None, 1) is False and speculative_async_request(rows, None, 2) is False
+    assert speculative_async_request(rows, True, 2) is True and speculative_async_request(None, None, 2) is None
     bad = e.config.__class__(**{**e.config.__dict__, "scheduler": SchedulerConfig(spec_pipeline_tokens=3)})
     with pytest.raises(ConfigError, match="spec_pipeline_tokens"):
         bad.validate()

@@ -37,7 +37,7 @@ from dsv4.runtime import compile_log
 from dsv4.runtime.kv_cache import kv_cache_bytes
 from dsv4.runtime.runner import ModelRunner, PendingOutput
 from dsv4.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError, is_valid_unicode
-from dsv4.spec_decode.config import drafter_spec, parse_speculative_config
+from dsv4.spec_decode.config import SpeculativeConfig, drafter_spec, parse_speculative_config
 from dsv4.spec_decode.speculator import SpecDecodeStats
 from dsv4.step import RunnerOutput, SchedulerOutput, TokenLogprobs
 from dsv4.structured import GrammarCompiler
@@ -112,6 +112,16 @@ def kv_blocks_for_budget(cfg: ModelConfig, block_size: int, max_num_seqs: int, d
 def default_async_scheduling(device: str, requested: bool | None) -> bool:
     """Async scheduling unless told otherwise on CUDA, where host work can hide behind the GPU's; off on the CPU."""
     return requested if requested is not None else str(device).startswith("cuda")
+
+
+def speculative_async_request(spec: SpeculativeConfig | None, requested: bool | None,
+                              tensor_parallel_size: int) -> bool | None:
+    """What a speculative config makes of an unset async_scheduling (None: the device's default, which pipelines
+    the verify steps). Off with eager verify steps (they cannot be pipelined; asking for async with them is an
+    error) and over several ranks, where pipelined steps have never run (no test, no GPU measurement)."""
+    if spec is None or requested is not None:
+        return requested
+    return False if not spec.verify_decode or tensor_parallel_size > 1 else None
 
 
 class LLMEngine:
@@ -244,8 +254,7 @@ class LLMEngine:
         model, quantization = online_quantized_dir(model, quantization)
         mc = load_model_config(model)
         spec = parse_speculative_config(speculative_config, drafter_spec(_raw_config(model)))
-        if spec is not None and not spec.verify_decode and async_scheduling is None:
-            async_scheduling = False  # eager verify steps cannot be pipelined (async with them is an error)
+        async_scheduling = speculative_async_request(spec, async_scheduling, tensor_parallel_size)
         pipelined = spec is not None and bool(async_scheduling)
         quant = load_quant_config(model, quantization)
         max_model_len = max_model_len or min(mc.max_position_embeddings, 4096)
