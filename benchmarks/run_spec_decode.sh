@@ -22,6 +22,9 @@
 #   DTYPE=float32 (bench): the engine's dtype (default bf16); fp32 keeps the oracle's recorded tokens exact when
 #           plain and verify steps compute a token (the adaptive switch mixes them; bf16 near ties then differ)
 #   BENCH_LIMIT: seconds for spec_decode_speed.py in the bench part (default 280; up to ~480 when it runs alone)
+#   agree   benchmarks/spec_logit_agreement.py on the same checkpoint: plain decoding's logprobs against the verify
+#           rows' (oracle drafts, fixed speculation; ADAPTIVE=1: the adaptive switch), position by position, one
+#           request, $INPUT_LEN (512) in, $OUTPUT_LEN (256) out, $DTYPE (float32): where do the two first differ?
 #   demo    the built-in trained model with its trained drafter on held-out code (--prompts held-out-code): the
 #           realistic acceptance beside the oracle (~1-2 minutes: a tiny model, eager verify steps)
 #
@@ -79,9 +82,13 @@ EOF
   return $rc
 }
 
+# drafter_dir: where make_drafter_preset writes this run's checkpoint ($p, its drafter, $DRAFTER_EXPERTS, MTP)
+drafter_dir() {
+  if [ -n "${MTP:-}" ]; then echo "/tmp/$p-mtp"; else echo "/tmp/$p-dspark${DRAFTER_EXPERTS:+-e$DRAFTER_EXPERTS}"; fi
+}
+
 part_bench() {
-  local dir=/tmp/$p-dspark${DRAFTER_EXPERTS:+-e$DRAFTER_EXPERTS}
-  [ -n "${MTP:-}" ] && dir=/tmp/$p-mtp
+  local dir; dir=$(drafter_dir)
   make_drafter_preset "$dir" || { tail -5 "$out/make_model.log" 2>/dev/null; return 1; }
   local t0=$SECONDS log=$out/spec_decode_speed.log
   timeout "${BENCH_LIMIT:-280}" python3 benchmarks/spec_decode_speed.py --model "$dir" --batch-sizes "${BATCHES:-1,2,4,8,16,32}" \
@@ -109,6 +116,18 @@ part_demo() {
   echo "spec_decode_speed demo (rc $?): $((SECONDS - t0)) s"
   sed -n '/^spec_decode_speed: /,$p' "$log"
   grep -E "Error|Traceback|FAILED" "$log" | head -5
+}
+
+# the verify rows' logits against plain decoding's, position by position (benchmarks/spec_logit_agreement.py), one
+# request, fixed speculation with the oracle (or the adaptive switch with ADAPTIVE=1), $DTYPE (default float32)
+part_agree() {
+  local dir; dir=$(drafter_dir)
+  make_drafter_preset "$dir" || { tail -5 "$out/make_model.log" 2>/dev/null; return 1; }
+  local tag=spec_logit_agreement${ADAPTIVE:+_adaptive}
+  timeout "${BENCH_LIMIT:-280}" python3 benchmarks/spec_logit_agreement.py --model "$dir" --input-len "${INPUT_LEN:-512}" \
+    --output-len "${OUTPUT_LEN:-256}" --dtype "${DTYPE:-float32}" ${ADAPTIVE:+--adaptive} \
+    --output-json "$out/$tag.json" > "$out/$tag.log" 2>&1
+  echo "$tag (rc $?): $(tail -3 "$out/$tag.log" | tr '\n' ' ')"
 }
 
 run_parts "$@"
