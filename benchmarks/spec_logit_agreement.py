@@ -110,9 +110,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit(f"{args.model}: the checkpoint ships no drafter")
     prompt = random_prompts(cfg, 1, args.input_len, args.seed)[0]
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True, logprobs=args.logprobs)
-    kw: dict[str, Any] = dict(device=device, dtype=dtype, max_num_seqs=1, load_tokenizer=False,
-                              enable_prefix_caching=False, seed=args.seed,
-                              max_model_len=args.input_len + args.output_len + 16)
+    kw: dict[str, Any] = {"device": device, "dtype": dtype, "max_num_seqs": 1, "load_tokenizer": False,
+                          "enable_prefix_caching": False, "seed": args.seed,
+                          "max_model_len": args.input_len + args.output_len + 16}
     plain_tokens, plain_lps = _decode(LLMEngine.from_args(args.model, **kw), prompt, params)
     spec: dict[str, Any] = {"method": drafter.method, "adaptive": args.adaptive}
     if args.num_speculative_tokens is not None:
