@@ -1,7 +1,8 @@
 """One rank of a multi-process engine run, started the way torchrun starts ranks (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT in the environment): `python tests/dist_worker.py SPEC_JSON`. SPEC: {"model", "engine": from_args
 kwargs, "prompts": [[ids]], "max_tokens", "out": path}; writes {"tokens": [...], "preemptions": n} to out.RANK
-(with SPEC "margins": true also each token's top-2 logprob margin).
+(with SPEC "margins": true also each token's top-2 logprob margin; under speculation also "drafts" and
+"pipelined_steps").
 Used by tests/test_distributed.py and tests/gpu/test_distributed_gpu.py; also the reference single-process run (no
 RANK set, tensor_parallel_size 1). The launch helpers below start ranks the same way."""
 
@@ -97,6 +98,10 @@ def run(spec: dict) -> dict:
                 done[out.request_id] = out.outputs[0]
     outs = [done[str(i)] for i in range(len(spec["prompts"]))]
     result = {"tokens": [list(o.token_ids) for o in outs], "preemptions": eng.scheduler.num_preemptions}
+    sp = eng.runner.speculator
+    if sp is not None:  # speculation: drafts proposed and steps pipelined (async scheduling)
+        result["drafts"] = eng.spec_decode_stats.num_drafts
+        result["pipelined_steps"] = sp.pipeline.num_steps if sp.pipeline is not None else 0
     if margins:
         result["margins"] = [[_top2_margin(lp) for lp in o.logprobs] for o in outs]
     return result

@@ -57,6 +57,26 @@ def test_expert_parallel_ranks_give_the_single_process_tokens(which: str, world:
             assert got["preemptions"] == want["preemptions"]
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_speculation_under_expert_parallel_ranks_gives_the_single_process_tokens(tiny_v41: str, tmp_path: Path,
+                                                                                 pipelined: bool) -> None:
+    """DSpark speculation (the default verify rows; synchronous, or pipelined under async scheduling) with 2 ranks
+    splitting the target's experts: every rank emits the single-process plain engine's greedy tokens (up to near
+    ties), under chunked prefill and preemption, and drafts were proposed (and steps pipelined)."""
+    from dist_worker import assert_greedy_equal_up_to_near_ties, run
+
+    want = run({**equality_spec(tiny_v41, tmp_path / "ref", 1), "margins": True})
+    spec = equality_spec(tiny_v41, tmp_path / "ep", 2, async_scheduling=pipelined,
+                         speculative_config={"method": "dspark", "num_speculative_tokens": 3})
+    runs = launch(spec, 2)
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-3000:]
+    for rank in range(2):
+        got = json.loads((tmp_path / f"ep.{rank}").read_text())
+        assert_greedy_equal_up_to_near_ties(got["tokens"], want["tokens"], want["margins"])
+        assert got["drafts"] > 0 and (got["pipelined_steps"] > 0) == pipelined
+
+
 def test_near_tie_allowance_still_fails_a_real_divergence() -> None:
     """The comparison above lets a request leave the reference only at a near tie (then diverge): a first mismatch
     where the reference's margin is clear fails, and so does a different length."""

@@ -118,7 +118,8 @@ def speculative_async_request(spec: SpeculativeConfig | None, requested: bool | 
                               tensor_parallel_size: int) -> bool | None:
     """What a speculative config makes of an unset async_scheduling (None: the device's default, which pipelines
     the verify steps). Off with eager verify steps (they cannot be pipelined; asking for async with them is an
-    error) and over several ranks, where pipelined steps have never run (no test, no GPU measurement)."""
+    error) and over several ranks, where pipelined steps have run on the CPU only (gloo: tests/test_distributed.py),
+    never over NCCL on GPUs."""
     if spec is None or requested is not None:
         return requested
     return False if not spec.verify_decode or tensor_parallel_size > 1 else None
